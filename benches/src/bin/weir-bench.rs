@@ -1,0 +1,51 @@
+//! `weir-bench SUITE [--json] [--quick]`: runs a benchmark suite and prints its figures.
+
+use clap::{Parser, ValueEnum};
+use weir_benches::report::{print_json, print_table};
+use weir_benches::Opts;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Suite {
+    /// Rings, chained operators, keyed jobs, latency.
+    Runtime,
+    /// The LSM store: updates, gets, bloom filters, segment writes, snapshots.
+    State,
+    /// Every suite.
+    All,
+}
+
+#[derive(Parser)]
+#[command(
+    name = "weir-bench",
+    about = "weir's benchmarks: figures per wall and CPU second beside a same-run baseline"
+)]
+struct Cli {
+    #[arg(value_enum)]
+    suite: Suite,
+    /// One JSON object per line instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Small inputs: a smoke run, not a measurement.
+    #[arg(long)]
+    quick: bool,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let opts = Opts {
+        json: cli.json,
+        quick: cli.quick,
+    };
+    let mut rows = Vec::new();
+    if matches!(cli.suite, Suite::Runtime | Suite::All) {
+        rows.extend(weir_benches::runtime::run(&opts));
+    }
+    if matches!(cli.suite, Suite::State | Suite::All) {
+        rows.extend(weir_benches::state::run(&opts));
+    }
+    if opts.json {
+        print_json(&rows);
+    } else {
+        print_table(&rows);
+    }
+}

@@ -1,0 +1,332 @@
+//! Runtime benchmarks: whole jobs on shards, each beside a plain-Rust baseline doing the same
+//! work on one thread in the same run.
+//!
+//! * `chain_gen_map_filter_sink_1shard`: generator -> map -> filter -> sink chained on one shard;
+//!   baseline: the same generator, map, filter and count in a plain loop.
+//! * `keyed_count_2shards`: generator -> key_by -> keyed count -> sink on two shards (one ring hop
+//!   per record for half of them, state in the shard's store); baseline: the same records counted
+//!   in one hashbrown map on one thread. `per_cpu_sec` is records per CPU second of the whole
+//!   process (all shards), i.e. per core.
+//! * `latency_keyed_half_peak`: the keyed job throttled to half the peak rate just measured;
+//!   per-record source-to-sink latency (each record carries its creation time).
+//!
+//! Every figure is the median of several runs; all runs are listed in `extra`.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use hdrhistogram::Histogram;
+use weir_runtime::sink::{Sink, SinkWriter};
+use weir_runtime::source::{splitmix64, GeneratorSource};
+use weir_runtime::{Job, JobConfig, StartError};
+
+use crate::{BenchResult, Opts};
+
+/// CPU time of the whole process (every shard thread), in nanoseconds.
+pub fn process_cpu_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; the clock id is a constant the kernel knows.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    assert_eq!(
+        rc, 0,
+        "CLOCK_PROCESS_CPUTIME_ID is always available on Linux"
+    );
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Peak resident set size of the process, in bytes.
+pub fn peak_rss_bytes() -> u64 {
+    // SAFETY: an all-zero rusage is a valid value for getrusage to overwrite.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is a valid, writable rusage; RUSAGE_SELF is a valid target.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    if rc != 0 {
+        return 0;
+    }
+    ru.ru_maxrss as u64 * 1024
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Measured {
+    records: u64,
+    wall_ns: u64,
+    cpu_ns: u64,
+}
+
+impl Measured {
+    fn per_wall(&self) -> f64 {
+        self.records as f64 * 1e9 / self.wall_ns.max(1) as f64
+    }
+    fn per_cpu(&self) -> f64 {
+        self.records as f64 * 1e9 / self.cpu_ns.max(1) as f64
+    }
+}
+
+fn measure(f: impl FnOnce() -> u64) -> Measured {
+    let (w0, c0) = (Instant::now(), process_cpu_ns());
+    let records = f();
+    Measured {
+        records,
+        wall_ns: w0.elapsed().as_nanos() as u64,
+        cpu_ns: process_cpu_ns() - c0,
+    }
+}
+
+fn median(mut runs: Vec<Measured>) -> (Measured, Vec<Measured>) {
+    let all = runs.clone();
+    runs.sort_by(|a, b| a.per_cpu().total_cmp(&b.per_cpu()));
+    (runs[runs.len() / 2], all)
+}
+
+fn row(bench: &str, ours: Vec<Measured>, baseline: &str, base: Vec<Measured>) -> BenchResult {
+    let (m, all) = median(ours);
+    let (b, ball) = median(base);
+    let mut extra = Vec::new();
+    for (i, r) in all.iter().enumerate() {
+        extra.push((format!("run{i}_per_cpu_sec"), r.per_cpu()));
+        extra.push((format!("run{i}_per_wall_sec"), r.per_wall()));
+    }
+    for (i, r) in ball.iter().enumerate() {
+        extra.push((format!("baseline_run{i}_per_cpu_sec"), r.per_cpu()));
+    }
+    BenchResult {
+        bench: bench.into(),
+        per_wall_sec: m.per_wall(),
+        per_cpu_sec: m.per_cpu(),
+        baseline: baseline.into(),
+        baseline_per_cpu_sec: b.per_cpu(),
+        ratio: m.per_cpu() / b.per_cpu().max(1e-9),
+        extra,
+        ..Default::default()
+    }
+}
+
+fn config(shards: usize) -> JobConfig {
+    JobConfig::new()
+        .with_shards(shards)
+        .with_batch_records(4096)
+        .with_latency_marker_interval_ms(0)
+}
+
+#[inline]
+fn gen_value(i: u64, r: u64) -> (u64, u64) {
+    (r, i)
+}
+
+/// generator -> map -> filter -> sink on one shard.
+fn chain_job(n: u64) -> u64 {
+    let count = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let c2 = count.clone();
+    let job = Job::new(config(1));
+    job.source(GeneratorSource::new(Some(n), 1, gen_value))
+        .map(|(r, i)| (r.wrapping_mul(3), i))
+        .filter(|(r, _)| r & 3 != 0)
+        .sink(CountSink(c2));
+    job.run().expect("chain job");
+    count.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+fn chain_baseline(n: u64) -> u64 {
+    let mut kept = 0u64;
+    for i in 0..n {
+        let (r, i) = gen_value(i, splitmix64(1, i));
+        let (r, _) = std::hint::black_box((r.wrapping_mul(3), i));
+        if r & 3 != 0 {
+            kept += 1;
+        }
+    }
+    kept
+}
+
+/// generator -> key_by -> keyed count -> sink on `shards` shards; returns records counted.
+fn keyed_job(
+    n: u64,
+    keys: u64,
+    shards: usize,
+    rate_per_shard: Option<u64>,
+    latency: Option<Arc<Mutex<Histogram<u64>>>>,
+) -> u64 {
+    let count = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let epoch = Instant::now();
+    let mut gen = GeneratorSource::new(Some(n), 3, move |_i: u64, r: u64| {
+        (r % keys, epoch.elapsed().as_nanos() as u64)
+    });
+    if let Some(rate) = rate_per_shard {
+        gen = gen.with_rate_per_shard(rate);
+    }
+    let job = Job::new(config(shards));
+    let counted = job
+        .source(gen)
+        .key_by(|(k, _)| *k)
+        .process(weir_runtime::FnProcess::new(
+            move |rec: (u64, u64), ctx: &mut weir_runtime::KeyedContext<'_, u64, (u64, u64)>| {
+                let n = ctx.value::<u64>("count").unwrap_or(0) + 1;
+                ctx.set_value("count", &n);
+                ctx.emit((n, rec.1));
+            },
+        ));
+    match latency {
+        Some(h) => counted.stream().sink(LatencySink {
+            epoch,
+            out: h,
+            count: count.clone(),
+        }),
+        None => counted.stream().sink(CountSink(count.clone())),
+    }
+    job.run().expect("keyed job");
+    count.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+fn keyed_baseline(n: u64, keys: u64) -> u64 {
+    let mut m: hashbrown::HashMap<u64, u64> = hashbrown::HashMap::new();
+    let mut emitted = 0u64;
+    for i in 0..n {
+        let k = splitmix64(3, i) % keys;
+        let c = m.entry(k).or_insert(0);
+        *c += 1;
+        std::hint::black_box(*c);
+        emitted += 1;
+    }
+    emitted
+}
+
+struct CountSink(Arc<std::sync::atomic::AtomicU64>);
+struct CountWriter(Arc<std::sync::atomic::AtomicU64>, u64);
+
+impl<T: 'static> SinkWriter<T> for CountWriter {
+    #[inline]
+    fn write(&mut self, _rec: T, _ts: i64) -> std::io::Result<()> {
+        self.1 += 1;
+        Ok(())
+    }
+    fn finish(&mut self) -> std::io::Result<()> {
+        self.0
+            .fetch_add(self.1, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl<T: 'static> Sink<T> for CountSink {
+    fn create_writer(&self, _: usize, _: usize) -> Result<Box<dyn SinkWriter<T>>, StartError> {
+        Ok(Box::new(CountWriter(self.0.clone(), 0)))
+    }
+}
+
+struct LatencySink {
+    epoch: Instant,
+    out: Arc<Mutex<Histogram<u64>>>,
+    count: Arc<std::sync::atomic::AtomicU64>,
+}
+
+struct LatencyWriter {
+    epoch: Instant,
+    h: Histogram<u64>,
+    out: Arc<Mutex<Histogram<u64>>>,
+    count: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl SinkWriter<(u64, u64)> for LatencyWriter {
+    fn write(&mut self, rec: (u64, u64), _ts: i64) -> std::io::Result<()> {
+        let now = self.epoch.elapsed().as_nanos() as u64;
+        let _ = self.h.record(now.saturating_sub(rec.1).max(1));
+        Ok(())
+    }
+    fn finish(&mut self) -> std::io::Result<()> {
+        self.count
+            .fetch_add(self.h.len(), std::sync::atomic::Ordering::Relaxed);
+        let _ = self
+            .out
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .add(&self.h);
+        Ok(())
+    }
+}
+
+impl Sink<(u64, u64)> for LatencySink {
+    fn create_writer(
+        &self,
+        _: usize,
+        _: usize,
+    ) -> Result<Box<dyn SinkWriter<(u64, u64)>>, StartError> {
+        Ok(Box::new(LatencyWriter {
+            epoch: self.epoch,
+            h: new_hist(),
+            out: self.out.clone(),
+            count: self.count.clone(),
+        }))
+    }
+}
+
+fn new_hist() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("constant bounds are valid")
+}
+
+pub fn run(opts: &Opts) -> Vec<BenchResult> {
+    let reps = if opts.quick { 1 } else { 3 };
+    let mut rows = crate::ring::run(opts);
+
+    let n = if opts.quick { 2_000_000 } else { 50_000_000 };
+    chain_job(n / 10); // warm up page faults and code
+    let ours: Vec<Measured> = (0..reps).map(|_| measure(|| chain_job(n))).collect();
+    let base: Vec<Measured> = (0..reps).map(|_| measure(|| chain_baseline(n))).collect();
+    rows.push(row(
+        "chain_gen_map_filter_sink_1shard",
+        ours,
+        "plain_loop_gen_map_filter_count",
+        base,
+    ));
+
+    let n = if opts.quick { 1_000_000 } else { 20_000_000 };
+    let keys = 1_000_000;
+    let rss_before = peak_rss_bytes();
+    let ours: Vec<Measured> = (0..reps)
+        .map(|_| measure(|| keyed_job(n, keys, 2, None, None)))
+        .collect();
+    let rss = peak_rss_bytes();
+    let base: Vec<Measured> = (0..reps)
+        .map(|_| measure(|| keyed_baseline(n, keys)))
+        .collect();
+    let mut r = row(
+        "keyed_count_2shards_1Mkeys",
+        ours,
+        "hashbrown_count_1thread",
+        base,
+    );
+    // A (u64, u64) record in a ring: 16-byte frame header + 16-byte archived payload.
+    r.extra
+        .push(("ring_bytes_per_inflight_record".into(), 32.0));
+    r.extra.push(("peak_rss_bytes".into(), rss as f64));
+    r.extra
+        .push(("peak_rss_bytes_before".into(), rss_before as f64));
+    let peak = r.per_wall_sec;
+    rows.push(r);
+
+    // Latency at half the peak rate just measured, split over two shards' generators.
+    let rate = (peak / 2.0 / 2.0).max(1000.0) as u64;
+    let n = if opts.quick {
+        (rate * 2).min(2_000_000)
+    } else {
+        rate * 6
+    };
+    let h = Arc::new(Mutex::new(new_hist()));
+    let m = measure(|| keyed_job(n, keys, 2, Some(rate), Some(h.clone())));
+    let h = h.lock().unwrap_or_else(|p| p.into_inner());
+    rows.push(BenchResult {
+        bench: "latency_keyed_2shards_half_peak".into(),
+        per_wall_sec: m.per_wall(),
+        per_cpu_sec: m.per_cpu(),
+        baseline: "offered_rate".into(),
+        baseline_per_cpu_sec: (rate * 2) as f64,
+        ratio: m.per_wall() / (rate * 2) as f64,
+        p50_ns: Some(h.value_at_quantile(0.5)),
+        p99_ns: Some(h.value_at_quantile(0.99)),
+        p999_ns: Some(h.value_at_quantile(0.999)),
+        max_ns: Some(h.max()),
+        extra: vec![("samples".into(), h.len() as f64)],
+    });
+    rows
+}

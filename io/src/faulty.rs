@@ -1,0 +1,398 @@
+//! [`FaultyFs`]: a seeded fault-injecting wrapper over [`StdFs`] for crash and corruption tests.
+//!
+//! It remembers, per file, the content at the last `sync` and which directory entries were made
+//! durable by `sync_dir`. [`FaultyFs::crash`] then rewinds the files to what a power cut would
+//! leave: unsynced data is lost, renames and creations not followed by a directory fsync are
+//! undone. Configured faults (a torn write that leaves only a prefix, a failing fsync or rename,
+//! a flipped bit in written data) fire at a chosen step; each operation is one step. Every
+//! injected failure prints its seed so a failing test can be replayed.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::error::IoError;
+use crate::fs::{FsFile, Mapped, StdFs};
+use crate::Fs;
+
+/// Which faults to inject. Steps count `write_at`, `sync`, `rename` and `sync_dir` calls from 0.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FaultConfig {
+    /// Seed of the pseudo-random choices (prefix length of a torn write, flipped bit).
+    pub seed: u64,
+    /// At this step, a write stores only a prefix and fails.
+    pub tear_write_at_step: Option<u64>,
+    /// At this step, an fsync fails (and the unsynced data is considered lost).
+    pub fail_sync_at_step: Option<u64>,
+    /// At this step, a rename fails without renaming.
+    pub fail_rename_at_step: Option<u64>,
+    /// At this step, a write silently stores one flipped bit.
+    pub flip_bit_at_step: Option<u64>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    step: u64,
+    rng: u64,
+    /// Content as of the last fsync of each file that was written since.
+    durable: HashMap<PathBuf, Vec<u8>>,
+    /// Files written since their last fsync.
+    dirty: HashSet<PathBuf>,
+    /// Files whose directory entry is not yet durable.
+    created_unsynced: HashSet<PathBuf>,
+    /// Renames not yet made durable by a directory fsync, in order.
+    renames_unsynced: Vec<(PathBuf, PathBuf)>,
+}
+
+impl State {
+    fn next_rand(&mut self) -> u64 {
+        // splitmix64: deterministic from the seed.
+        self.rng = self.rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
+
+#[derive(Debug)]
+struct Shared {
+    config: FaultConfig,
+    state: Mutex<State>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panicking test thread must not hide the state from the next assertion.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn injected(&self, step: u64, what: &'static str, path: &Path) -> IoError {
+        eprintln!(
+            "FaultyFs: injecting '{what}' on {} at step {step} (seed {})",
+            path.display(),
+            self.config.seed
+        );
+        IoError::Injected {
+            seed: self.config.seed,
+            step,
+            what,
+            path: path.to_owned(),
+        }
+    }
+}
+
+/// Fault-injecting [`Fs`] over the real file system (see the module docs).
+#[derive(Debug, Clone)]
+pub struct FaultyFs {
+    shared: Arc<Shared>,
+}
+
+impl FaultyFs {
+    pub fn new(config: FaultConfig) -> FaultyFs {
+        FaultyFs {
+            shared: Arc::new(Shared {
+                config,
+                state: Mutex::new(State {
+                    rng: config.seed,
+                    ..State::default()
+                }),
+            }),
+        }
+    }
+
+    /// The seed, for messages.
+    pub fn seed(&self) -> u64 {
+        self.shared.config.seed
+    }
+
+    /// Steps taken so far.
+    pub fn steps(&self) -> u64 {
+        self.shared.lock().step
+    }
+
+    /// Simulate a power cut: undo directory changes not followed by `sync_dir` and drop data
+    /// written since the last `sync`. Open handles must not be used afterwards.
+    pub fn crash(&self) -> Result<(), IoError> {
+        let mut st = self.shared.lock();
+        let st = &mut *st;
+        for (from, to) in std::mem::take(&mut st.renames_unsynced).into_iter().rev() {
+            if to.exists() {
+                std::fs::rename(&to, &from)
+                    .map_err(|e| IoError::os("crash: undo rename", &to, e))?;
+            }
+            for set in [&mut st.dirty, &mut st.created_unsynced] {
+                if set.remove(&to) {
+                    set.insert(from.clone());
+                }
+            }
+            if let Some(d) = st.durable.remove(&to) {
+                st.durable.insert(from.clone(), d);
+            }
+        }
+        for path in std::mem::take(&mut st.created_unsynced) {
+            st.dirty.remove(&path);
+            st.durable.remove(&path);
+            if path.exists() {
+                std::fs::remove_file(&path).map_err(|e| IoError::os("crash: remove", &path, e))?;
+            }
+        }
+        for path in std::mem::take(&mut st.dirty) {
+            let content = st.durable.get(&path).cloned().unwrap_or_default();
+            if path.exists() {
+                std::fs::write(&path, content)
+                    .map_err(|e| IoError::os("crash: rewind", &path, e))?;
+            }
+        }
+        st.durable.clear();
+        Ok(())
+    }
+
+    /// Flip one bit of a file in place (corruption at rest).
+    pub fn flip_bit(path: &Path, byte_offset: u64, bit: u8) -> Result<(), IoError> {
+        let mut b = std::fs::read(path).map_err(|e| IoError::os("read", path, e))?;
+        let i = byte_offset as usize;
+        assert!(i < b.len(), "flip_bit past the end of {}", path.display());
+        b[i] ^= 1 << (bit % 8);
+        std::fs::write(path, b).map_err(|e| IoError::os("write", path, e))
+    }
+
+    fn take_step(&self) -> (u64, MutexGuard<'_, State>) {
+        let mut st = self.shared.lock();
+        let step = st.step;
+        st.step += 1;
+        (step, st)
+    }
+}
+
+#[derive(Debug)]
+struct FaultyFile {
+    inner: Box<dyn FsFile>,
+    fs: FaultyFs,
+}
+
+impl FsFile for FaultyFile {
+    fn path(&self) -> &Path {
+        self.inner.path()
+    }
+
+    fn write_at(&mut self, offset: u64, buf: &[u8]) -> Result<(), IoError> {
+        let cfg = self.fs.shared.config;
+        let (step, mut st) = self.fs.take_step();
+        let path = self.inner.path().to_owned();
+        if !st.dirty.contains(&path) && !st.durable.contains_key(&path) {
+            // Remember the pre-write content: that is what a crash rewinds to.
+            let before = std::fs::read(&path).unwrap_or_default();
+            st.durable.insert(path.clone(), before);
+        }
+        st.dirty.insert(path.clone());
+        if cfg.tear_write_at_step == Some(step) {
+            let keep = if buf.is_empty() {
+                0
+            } else {
+                (st.next_rand() % buf.len() as u64) as usize
+            };
+            drop(st);
+            self.inner.write_at(offset, &buf[..keep])?;
+            return Err(self.fs.shared.injected(step, "torn write", &path));
+        }
+        if cfg.flip_bit_at_step == Some(step) && !buf.is_empty() {
+            let r = st.next_rand();
+            drop(st);
+            let mut copy = buf.to_vec();
+            let i = (r % copy.len() as u64) as usize;
+            copy[i] ^= 1 << ((r >> 32) % 8);
+            eprintln!(
+                "FaultyFs: flipping a bit of {} at byte {} (seed {}, step {step})",
+                path.display(),
+                offset + i as u64,
+                cfg.seed
+            );
+            return self.inner.write_at(offset, &copy);
+        }
+        drop(st);
+        self.inner.write_at(offset, buf)
+    }
+
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), IoError> {
+        self.inner.read_at(offset, buf)
+    }
+
+    fn sync(&mut self) -> Result<(), IoError> {
+        let (step, mut st) = self.fs.take_step();
+        let path = self.inner.path().to_owned();
+        if self.fs.shared.config.fail_sync_at_step == Some(step) {
+            // Linux may drop the dirty pages of a failed fsync: model the worst case at crash.
+            return Err(self.fs.shared.injected(step, "fsync failure", &path));
+        }
+        drop(st);
+        self.inner.sync()?;
+        st = self.fs.shared.lock();
+        st.dirty.remove(&path);
+        st.durable.remove(&path);
+        Ok(())
+    }
+
+    fn len(&self) -> Result<u64, IoError> {
+        self.inner.len()
+    }
+}
+
+impl Fs for FaultyFs {
+    fn create(&self, path: &Path) -> Result<Box<dyn FsFile>, IoError> {
+        let inner = StdFs.create(path)?;
+        let mut st = self.shared.lock();
+        st.created_unsynced.insert(path.to_owned());
+        st.durable.insert(path.to_owned(), Vec::new());
+        st.dirty.insert(path.to_owned());
+        drop(st);
+        Ok(Box::new(FaultyFile {
+            inner,
+            fs: self.clone(),
+        }))
+    }
+
+    fn open(&self, path: &Path) -> Result<Box<dyn FsFile>, IoError> {
+        Ok(Box::new(FaultyFile {
+            inner: StdFs.open(path)?,
+            fs: self.clone(),
+        }))
+    }
+
+    fn rename(&self, from: &Path, to: &Path) -> Result<(), IoError> {
+        let (step, mut st) = self.take_step();
+        if self.shared.config.fail_rename_at_step == Some(step) {
+            drop(st);
+            return Err(self.shared.injected(step, "rename failure", from));
+        }
+        StdFs.rename(from, to)?;
+        let st = &mut *st;
+        for set in [&mut st.dirty, &mut st.created_unsynced] {
+            if set.remove(from) {
+                set.insert(to.to_owned());
+            }
+        }
+        if let Some(d) = st.durable.remove(from) {
+            st.durable.insert(to.to_owned(), d);
+        }
+        st.renames_unsynced.push((from.to_owned(), to.to_owned()));
+        Ok(())
+    }
+
+    fn sync_dir(&self, dir: &Path) -> Result<(), IoError> {
+        let (_step, mut st) = self.take_step();
+        StdFs.sync_dir(dir)?;
+        st.created_unsynced.retain(|p| p.parent() != Some(dir));
+        st.renames_unsynced
+            .retain(|(_, to)| to.parent() != Some(dir));
+        Ok(())
+    }
+
+    fn remove(&self, path: &Path) -> Result<(), IoError> {
+        StdFs.remove(path)?;
+        let mut st = self.shared.lock();
+        st.dirty.remove(path);
+        st.durable.remove(path);
+        st.created_unsynced.remove(path);
+        Ok(())
+    }
+
+    fn list_dir(&self, dir: &Path) -> Result<Vec<PathBuf>, IoError> {
+        StdFs.list_dir(dir)
+    }
+
+    fn create_dir_all(&self, dir: &Path) -> Result<(), IoError> {
+        StdFs.create_dir_all(dir)
+    }
+
+    fn map_readonly(&self, path: &Path) -> Result<Mapped, IoError> {
+        Mapped::map(path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::publish_file;
+
+    #[test]
+    fn crash_drops_unsynced_and_undoes_unsynced_rename() {
+        let dir = tempfile::tempdir().unwrap();
+        let fs = FaultyFs::new(FaultConfig {
+            seed: 1,
+            ..FaultConfig::default()
+        });
+        let a = dir.path().join("a");
+        let mut f = fs.create(&a).unwrap();
+        f.write_at(0, b"durable").unwrap();
+        f.sync().unwrap();
+        fs.sync_dir(dir.path()).unwrap();
+        f.write_at(7, b" lost").unwrap();
+        let b = dir.path().join("b");
+        let mut g = fs.create(&b).unwrap();
+        g.write_at(0, b"never synced").unwrap();
+        g.sync().unwrap();
+        let c = dir.path().join("c");
+        fs.rename(&b, &c).unwrap();
+        fs.crash().unwrap();
+        assert_eq!(std::fs::read(&a).unwrap(), b"durable");
+        assert!(
+            !b.exists() && !c.exists(),
+            "creation was never made durable"
+        );
+    }
+
+    #[test]
+    fn publish_survives_crash_after_completion() {
+        let dir = tempfile::tempdir().unwrap();
+        let fs = FaultyFs::new(FaultConfig::default());
+        let p = dir.path().join("meta");
+        publish_file(&fs, &p, b"v1").unwrap();
+        fs.crash().unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"v1");
+    }
+
+    #[test]
+    fn publish_is_all_or_nothing_at_every_failure_step() {
+        // Steps of publish_file: write(0) sync(1) rename(2) sync_dir(3).
+        for step in 0..4u64 {
+            for kind in 0..3 {
+                let dir = tempfile::tempdir().unwrap();
+                let p = dir.path().join("meta");
+                publish_file(&StdFs, &p, b"old").unwrap();
+                let cfg = FaultConfig {
+                    seed: step * 10 + kind,
+                    tear_write_at_step: (kind == 0).then_some(step),
+                    fail_sync_at_step: (kind == 1).then_some(step),
+                    fail_rename_at_step: (kind == 2).then_some(step),
+                    ..FaultConfig::default()
+                };
+                let fs = FaultyFs::new(cfg);
+                let r = publish_file(&fs, &p, b"new contents");
+                fs.crash().unwrap();
+                let got = std::fs::read(&p).unwrap();
+                assert!(
+                    got == b"old" || (r.is_ok() && got == b"new contents"),
+                    "seed {}: got {:?}",
+                    fs.seed(),
+                    String::from_utf8_lossy(&got)
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn torn_write_keeps_a_prefix_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let fs = FaultyFs::new(FaultConfig {
+            seed: 42,
+            tear_write_at_step: Some(0),
+            ..FaultConfig::default()
+        });
+        let p = dir.path().join("t");
+        let mut f = fs.create(&p).unwrap();
+        let err = f.write_at(0, &[7u8; 1000]).unwrap_err();
+        assert!(matches!(err, IoError::Injected { seed: 42, .. }));
+        assert!(std::fs::read(&p).unwrap().len() < 1000);
+    }
+}

@@ -1,0 +1,347 @@
+//! The file-system abstraction the store and checkpoints use, and its `std::fs` implementation.
+
+use std::fmt::Debug;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use crate::error::IoError;
+
+/// The operations durable state needs, nothing more. Object safe: callers hold `Arc<dyn Fs>`.
+pub trait Fs: Send + Sync + Debug {
+    /// Create a new file for reading and writing; fails if it exists.
+    fn create(&self, path: &Path) -> Result<Box<dyn FsFile>, IoError>;
+    /// Open an existing file for reading and writing.
+    fn open(&self, path: &Path) -> Result<Box<dyn FsFile>, IoError>;
+    /// Atomically rename `from` to `to` (replacing `to`).
+    fn rename(&self, from: &Path, to: &Path) -> Result<(), IoError>;
+    /// fsync a directory so that entries created, renamed or removed in it are durable.
+    fn sync_dir(&self, dir: &Path) -> Result<(), IoError>;
+    /// Remove a file.
+    fn remove(&self, path: &Path) -> Result<(), IoError>;
+    /// The paths of the entries of a directory, sorted.
+    fn list_dir(&self, dir: &Path) -> Result<Vec<PathBuf>, IoError>;
+    /// Create a directory and its parents.
+    fn create_dir_all(&self, dir: &Path) -> Result<(), IoError>;
+    /// Map a sealed file read-only, exactly its current length. The caller promises that nobody
+    /// truncates or writes the file while the map lives (see [`DirLock`]).
+    fn map_readonly(&self, path: &Path) -> Result<Mapped, IoError>;
+}
+
+/// An open file.
+pub trait FsFile: Send + Debug {
+    /// The path the file was opened with.
+    fn path(&self) -> &Path;
+    /// Write all of `buf` at `offset`; a short write is resubmitted or is an error.
+    fn write_at(&mut self, offset: u64, buf: &[u8]) -> Result<(), IoError>;
+    /// Fill all of `buf` from `offset`; reading past the end is an [`IoError::Short`].
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), IoError>;
+    /// fdatasync.
+    fn sync(&mut self) -> Result<(), IoError>;
+    /// The file's length in bytes.
+    fn len(&self) -> Result<u64, IoError>;
+    /// True when the file holds no bytes.
+    fn is_empty(&self) -> Result<bool, IoError> {
+        Ok(self.len()? == 0)
+    }
+}
+
+/// A read-only map of a whole sealed file. Derefs to the file's bytes.
+#[derive(Debug)]
+pub struct Mapped {
+    // `None` for an empty file: mapping zero bytes is an error in mmap(2).
+    map: Option<memmap2::Mmap>,
+    path: PathBuf,
+}
+
+impl Mapped {
+    /// Map `path`; shared by every [`Fs`] implementation.
+    pub fn map(path: &Path) -> Result<Mapped, IoError> {
+        let file = File::open(path).map_err(|e| IoError::os("open for map", path, e))?;
+        let len = file
+            .metadata()
+            .map_err(|e| IoError::os("stat", path, e))?
+            .len();
+        if len == 0 {
+            return Ok(Mapped {
+                map: None,
+                path: path.to_owned(),
+            });
+        }
+        let len_usize = usize::try_from(len).map_err(|_| {
+            IoError::os(
+                "map",
+                path,
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, "file too large"),
+            )
+        })?;
+        // SAFETY: memmap2's contract is that the file is not modified or truncated while mapped.
+        // Callers of `Fs::map_readonly` only map sealed files (written, fsynced, never written
+        // again) in a directory they hold a `DirLock` on, and map exactly the current length, so
+        // no page of the map lies past EOF (PLATFORM.md: SIGBUS).
+        let map = unsafe { memmap2::MmapOptions::new().len(len_usize).map(&file) }
+            .map_err(|e| IoError::os("mmap", path, e))?;
+        // Prefault hint: first touch of a page is expensive on this VM. Failure is harmless.
+        let _ = map.advise(memmap2::Advice::WillNeed);
+        Ok(Mapped {
+            map: Some(map),
+            path: path.to_owned(),
+        })
+    }
+
+    /// The mapped file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl std::ops::Deref for Mapped {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match &self.map {
+            Some(m) => m,
+            None => &[],
+        }
+    }
+}
+
+/// `std::fs` implementation: portable, needs no io_uring.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct StdFs;
+
+#[derive(Debug)]
+pub(crate) struct StdFile {
+    pub(crate) file: File,
+    pub(crate) path: PathBuf,
+}
+
+impl FsFile for StdFile {
+    fn path(&self) -> &Path {
+        &self.path
+    }
+    fn write_at(&mut self, offset: u64, buf: &[u8]) -> Result<(), IoError> {
+        self.file
+            .write_all_at(buf, offset)
+            .map_err(|e| IoError::os("write", &self.path, e))
+    }
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), IoError> {
+        self.file.read_exact_at(buf, offset).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                IoError::Short {
+                    op: "read",
+                    path: self.path.clone(),
+                    offset,
+                    wanted: buf.len() as u64,
+                    done: 0,
+                }
+            } else {
+                IoError::os("read", &self.path, e)
+            }
+        })
+    }
+    fn sync(&mut self) -> Result<(), IoError> {
+        self.file
+            .sync_data()
+            .map_err(|e| IoError::os("fdatasync", &self.path, e))
+    }
+    fn len(&self) -> Result<u64, IoError> {
+        Ok(self
+            .file
+            .metadata()
+            .map_err(|e| IoError::os("stat", &self.path, e))?
+            .len())
+    }
+}
+
+pub(crate) fn std_create(path: &Path) -> Result<StdFile, IoError> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(|e| IoError::os("create", path, e))?;
+    Ok(StdFile {
+        file,
+        path: path.to_owned(),
+    })
+}
+
+pub(crate) fn std_open(path: &Path) -> Result<StdFile, IoError> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|e| IoError::os("open", path, e))?;
+    Ok(StdFile {
+        file,
+        path: path.to_owned(),
+    })
+}
+
+pub(crate) fn std_rename(from: &Path, to: &Path) -> Result<(), IoError> {
+    std::fs::rename(from, to).map_err(|e| IoError::os("rename", from, e))
+}
+
+pub(crate) fn std_sync_dir(dir: &Path) -> Result<(), IoError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| IoError::os("fsync dir", dir, e))
+}
+
+pub(crate) fn std_remove(path: &Path) -> Result<(), IoError> {
+    std::fs::remove_file(path).map_err(|e| IoError::os("remove", path, e))
+}
+
+pub(crate) fn std_list_dir(dir: &Path) -> Result<Vec<PathBuf>, IoError> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(|e| IoError::os("read dir", dir, e))? {
+        out.push(entry.map_err(|e| IoError::os("read dir", dir, e))?.path());
+    }
+    out.sort();
+    Ok(out)
+}
+
+pub(crate) fn std_create_dir_all(dir: &Path) -> Result<(), IoError> {
+    std::fs::create_dir_all(dir).map_err(|e| IoError::os("create dir", dir, e))
+}
+
+impl Fs for StdFs {
+    fn create(&self, path: &Path) -> Result<Box<dyn FsFile>, IoError> {
+        Ok(Box::new(std_create(path)?))
+    }
+    fn open(&self, path: &Path) -> Result<Box<dyn FsFile>, IoError> {
+        Ok(Box::new(std_open(path)?))
+    }
+    fn rename(&self, from: &Path, to: &Path) -> Result<(), IoError> {
+        std_rename(from, to)
+    }
+    fn sync_dir(&self, dir: &Path) -> Result<(), IoError> {
+        std_sync_dir(dir)
+    }
+    fn remove(&self, path: &Path) -> Result<(), IoError> {
+        std_remove(path)
+    }
+    fn list_dir(&self, dir: &Path) -> Result<Vec<PathBuf>, IoError> {
+        std_list_dir(dir)
+    }
+    fn create_dir_all(&self, dir: &Path) -> Result<(), IoError> {
+        std_create_dir_all(dir)
+    }
+    fn map_readonly(&self, path: &Path) -> Result<Mapped, IoError> {
+        Mapped::map(path)
+    }
+}
+
+/// Durably publish `bytes` at `path`: write `<path>.tmp`, fsync it, rename over `path`, fsync
+/// the directory. A crash at any point leaves either the old file (or none) or the new one.
+pub fn publish_file(fs: &dyn Fs, path: &Path, bytes: &[u8]) -> Result<(), IoError> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    // A leftover temp file from an earlier crash is garbage: replace it.
+    if tmp.exists() {
+        fs.remove(&tmp)?;
+    }
+    let mut file = fs.create(&tmp)?;
+    file.write_at(0, bytes)?;
+    file.sync()?;
+    drop(file);
+    fs.rename(&tmp, path)?;
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    fs.sync_dir(dir)
+}
+
+/// An exclusive advisory lock (`flock`) on `<dir>/LOCK`, held until dropped. Mapped files must
+/// have no other writer: a second store on the same directory fails with [`IoError::Locked`].
+#[derive(Debug)]
+pub struct DirLock {
+    _file: File,
+    path: PathBuf,
+}
+
+impl DirLock {
+    /// Take the lock, creating the lock file if needed.
+    pub fn acquire(dir: &Path) -> Result<DirLock, IoError> {
+        let path = dir.join("LOCK");
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| IoError::os("open lock file", &path, e))?;
+        // SAFETY: flock on a valid, owned file descriptor; no memory is passed.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc != 0 {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                return Err(IoError::Locked {
+                    dir: dir.to_owned(),
+                    lock_file: path,
+                });
+            }
+            return Err(IoError::os("flock", &path, err));
+        }
+        Ok(DirLock { _file: file, path })
+    }
+
+    /// The lock file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn std_fs_round_trip_and_map() {
+        let dir = tempfile::tempdir().unwrap();
+        let fs = StdFs;
+        let p = dir.path().join("a");
+        let mut f = fs.create(&p).unwrap();
+        f.write_at(0, b"hello world").unwrap();
+        f.sync().unwrap();
+        assert_eq!(f.len().unwrap(), 11);
+        let mut buf = [0u8; 5];
+        f.read_at(6, &mut buf).unwrap();
+        assert_eq!(&buf, b"world");
+        assert!(matches!(f.read_at(8, &mut buf), Err(IoError::Short { .. })));
+        assert!(fs.create(&p).is_err(), "create must not replace");
+        let m = fs.map_readonly(&p).unwrap();
+        assert_eq!(&m[..], b"hello world");
+        let e = dir.path().join("empty");
+        fs.create(&e).unwrap();
+        assert_eq!(fs.map_readonly(&e).unwrap().len(), 0);
+        assert_eq!(fs.list_dir(dir.path()).unwrap(), vec![p.clone(), e.clone()]);
+        fs.remove(&e).unwrap();
+        assert_eq!(fs.list_dir(dir.path()).unwrap(), vec![p]);
+    }
+
+    #[test]
+    fn publish_replaces_atomically() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("meta");
+        publish_file(&StdFs, &p, b"one").unwrap();
+        publish_file(&StdFs, &p, b"two!").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"two!");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn dir_lock_is_exclusive() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = DirLock::acquire(dir.path()).unwrap();
+        assert!(matches!(
+            DirLock::acquire(dir.path()),
+            Err(IoError::Locked { .. })
+        ));
+        drop(a);
+        DirLock::acquire(dir.path()).unwrap();
+    }
+}

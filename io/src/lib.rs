@@ -1,0 +1,27 @@
+//! Durable bytes for weir.
+//!
+//! * [`Fs`] / [`FsFile`]: the few file operations the state store and checkpoints need, with
+//!   three implementations: [`UringFs`] (reads, writes and fsync through a thread-owned
+//!   io_uring ring), [`StdFs`] (plain `std::fs`) and [`FaultyFs`] (a seeded fault-injecting
+//!   wrapper for tests: torn writes, lost unsynced data, bit flips, failing fsync/rename).
+//! * [`Mapped`]: a read-only memory map of a sealed file, exactly its length.
+//! * Checksummed block framing ([`frame`](crate::encode_block)) with typed [`FormatError`]s that
+//!   name the file and offset.
+//! * [`publish_file`]: write temp, fsync, rename, fsync directory.
+//! * [`DirLock`]: an exclusive lock file on a directory (mapped files must have no other writer).
+//!
+//! **Architecture invariant:** only this crate opens, writes or maps files.
+
+mod error;
+mod faulty;
+mod frame;
+mod fs;
+mod uring;
+
+pub use error::{FormatError, IoError};
+pub use faulty::{FaultConfig, FaultyFs};
+pub use frame::{
+    crc32, decode_block, encode_block, BlockHeader, BLOCK_HEADER_LEN, CHECKSUM_CRC32_IEEE,
+};
+pub use fs::{publish_file, DirLock, Fs, FsFile, Mapped, StdFs};
+pub use uring::{UringFs, URING_CHUNK_BYTES, URING_DEPTH};

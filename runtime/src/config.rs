@@ -1,0 +1,144 @@
+//! Job configuration. Every bound has a name and a unit.
+
+use std::path::PathBuf;
+
+/// Whether shards are pinned to cores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Pinning {
+    /// Pin shard *i* to core *i* when there are at least as many cores as shards; otherwise
+    /// leave every shard unpinned (pinning two busy shards to one core would halve both).
+    #[default]
+    Auto,
+    /// Never pin.
+    Never,
+}
+
+/// How a job runs. Build with [`JobConfig::new`] and the `with_*` methods.
+#[derive(Clone, Debug)]
+pub struct JobConfig {
+    /// Number of shards: one glommio executor thread each. Every operator runs on each shard.
+    pub shards: usize,
+    /// Number of key groups: the unit of keyed state distribution (Flink's max parallelism).
+    pub max_parallelism: u16,
+    pub pinning: Pinning,
+    /// glommio's registered I/O memory per executor. Small, because RLIMIT_MEMLOCK is small here.
+    pub io_memory_bytes: usize,
+    /// Capacity of each (producer shard, consumer shard) ring.
+    pub ring_capacity_bytes: usize,
+    /// Records a source hands over per poll, and the most a shard processes before it looks at
+    /// its other inputs.
+    pub batch_records: usize,
+    /// Where shards keep their state stores. `None`: a fresh temporary directory per run.
+    pub state_dir: Option<PathBuf>,
+    /// Memtable budget of each shard's state store.
+    pub memtable_budget_bytes: usize,
+    /// How often sources emit watermarks and latency markers.
+    pub auto_watermark_interval_ms: u64,
+    /// How often sources emit a latency marker (0: never).
+    pub latency_marker_interval_ms: u64,
+}
+
+impl Default for JobConfig {
+    fn default() -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Self {
+            shards: cores,
+            max_parallelism: 128,
+            pinning: Pinning::Auto,
+            io_memory_bytes: 2 << 20,
+            ring_capacity_bytes: 1 << 20,
+            batch_records: 1024,
+            state_dir: None,
+            memtable_budget_bytes: 64 << 20,
+            auto_watermark_interval_ms: 200,
+            latency_marker_interval_ms: 100,
+        }
+    }
+}
+
+impl JobConfig {
+    /// The defaults: one shard per available core.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn with_shards(mut self, shards: usize) -> Self {
+        self.shards = shards;
+        self
+    }
+
+    pub fn with_max_parallelism(mut self, max_parallelism: u16) -> Self {
+        self.max_parallelism = max_parallelism;
+        self
+    }
+
+    pub fn with_pinning(mut self, pinning: Pinning) -> Self {
+        self.pinning = pinning;
+        self
+    }
+
+    pub fn with_state_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.state_dir = Some(dir.into());
+        self
+    }
+
+    pub fn with_batch_records(mut self, batch_records: usize) -> Self {
+        self.batch_records = batch_records;
+        self
+    }
+
+    pub fn with_ring_capacity_bytes(mut self, bytes: usize) -> Self {
+        self.ring_capacity_bytes = bytes;
+        self
+    }
+
+    pub fn with_memtable_budget_bytes(mut self, bytes: usize) -> Self {
+        self.memtable_budget_bytes = bytes;
+        self
+    }
+
+    pub fn with_io_memory_bytes(mut self, bytes: usize) -> Self {
+        self.io_memory_bytes = bytes;
+        self
+    }
+
+    pub fn with_latency_marker_interval_ms(mut self, ms: u64) -> Self {
+        self.latency_marker_interval_ms = ms;
+        self
+    }
+
+    /// Checks the values that would otherwise fail deep inside a shard.
+    pub fn validate(&self) -> Result<(), crate::StartError> {
+        let bad = |key: &str, why: String| {
+            Err(crate::StartError::Config {
+                key: key.to_string(),
+                reason: why,
+            })
+        };
+        if self.shards == 0 || self.shards > 1024 {
+            return bad("shards", format!("{} is not in 1..=1024", self.shards));
+        }
+        if self.max_parallelism == 0 || usize::from(self.max_parallelism) < self.shards {
+            return bad(
+                "max_parallelism",
+                format!(
+                    "{} must be at least the number of shards ({})",
+                    self.max_parallelism, self.shards
+                ),
+            );
+        }
+        if !self.ring_capacity_bytes.is_power_of_two() || self.ring_capacity_bytes < 64 << 10 {
+            return bad(
+                "ring_capacity_bytes",
+                format!(
+                    "{} must be a power of two >= 64 KiB",
+                    self.ring_capacity_bytes
+                ),
+            );
+        }
+        if self.batch_records == 0 {
+            return bad("batch_records", "must be at least 1".into());
+        }
+        Ok(())
+    }
+}

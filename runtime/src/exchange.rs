@@ -1,0 +1,488 @@
+//! Exchanges: how records move between shards.
+//!
+//! Every exchange has one ring per (producer shard, consumer shard) pair. The writer at the end
+//! of the upstream chain serializes each record once, with rkyv, straight into the target
+//! ring's memory; the reader at the head of the downstream chain reads it in place. When a
+//! ring is full the writer keeps the frame in a bounded spill buffer of its target and its
+//! chain's head stops pulling input until the spill drained: backpressure, never loss.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::marker::PhantomData;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use rkyv::util::AlignedVec;
+use weir_ring::{Consumer, FrameKind, Header, Producer, PushWithError};
+
+use crate::data::{read_trusted, serialize_into, Data};
+use crate::error::{JobError, StartError};
+use crate::graph::{name_of, BuildCtx, Factory, FailCell, Flush, Head, HeadStatus};
+use crate::metrics::{bump, HeadCounters, OperatorCounters};
+use crate::operator::{Collector, Event, InputMerger, Out};
+use crate::stream::Stream;
+
+/// Flag of a watermark frame that carries an idleness change instead of a watermark.
+const FLAG_IDLE: u8 = 1;
+
+/// Where a record goes.
+pub(crate) enum Route<T> {
+    /// To shard `i % shards` for the `i`-th record of each producer.
+    RoundRobin,
+    /// To every shard.
+    Broadcast,
+    /// To the shard owning the record's key group: `f(record, max_parallelism, scratch)`.
+    KeyGroup(KeyGroupFn<T>),
+}
+
+impl<T> Clone for Route<T> {
+    fn clone(&self) -> Self {
+        match self {
+            Route::RoundRobin => Route::RoundRobin,
+            Route::Broadcast => Route::Broadcast,
+            Route::KeyGroup(f) => Route::KeyGroup(f.clone()),
+        }
+    }
+}
+
+/// Computes a record's key group, given the max parallelism and a scratch buffer for the
+/// encoded key (reused, so that routing allocates nothing per record).
+pub(crate) type KeyGroupFn<T> = Arc<dyn Fn(&T, u16, &mut Vec<u8>) -> u16 + Send + Sync>;
+
+/// The ring ends of one shard, by exchange id.
+#[derive(Default)]
+pub(crate) struct ExchangeEndpoints {
+    /// For each exchange, a producer towards every consumer shard.
+    pub producers: HashMap<usize, Vec<Producer>>,
+    /// For each exchange, a consumer from every producer shard.
+    pub consumers: HashMap<usize, Vec<Consumer>>,
+}
+
+/// Creates the rings of `exchanges` exchanges among `shards` shards, and hands each shard its
+/// ends.
+pub(crate) fn wire(exchanges: usize, shards: usize, ring_bytes: usize) -> Vec<ExchangeEndpoints> {
+    let mut eps: Vec<ExchangeEndpoints> =
+        (0..shards).map(|_| ExchangeEndpoints::default()).collect();
+    for e in 0..exchanges {
+        let mut cons: Vec<Vec<Option<Consumer>>> = (0..shards)
+            .map(|_| (0..shards).map(|_| None).collect())
+            .collect();
+        for (p, ep) in eps.iter_mut().enumerate() {
+            let mut prods = Vec::with_capacity(shards);
+            for row in cons.iter_mut() {
+                let (tx, rx) = weir_ring::ring(ring_bytes);
+                prods.push(tx);
+                row[p] = Some(rx);
+            }
+            ep.producers.insert(e, prods);
+        }
+        for (c, row) in cons.into_iter().enumerate() {
+            eps[c].consumers.insert(
+                e,
+                row.into_iter()
+                    .map(|r| r.expect("every pair wired"))
+                    .collect(),
+            );
+        }
+    }
+    eps
+}
+
+/// Builds an exchange between `up` and whatever consumes the returned stream.
+pub(crate) fn exchange<T: Data>(up: Stream<T>, kind: &'static str, route: Route<T>) -> Stream<T> {
+    let id = up.graph.borrow_mut().new_exchange();
+    let name = up.new_name(kind);
+    let upf = up.factory.clone();
+    let slot = name.clone();
+    let factory: Factory<T> = Arc::new(move |ctx: &mut BuildCtx, down: Out<T>| {
+        let name = name_of(&slot);
+        let consumers =
+            ctx.exchanges
+                .consumers
+                .remove(&id)
+                .ok_or_else(|| StartError::Executor {
+                    shard: ctx.shard,
+                    reason: format!("exchange {id} ({name}) has no rings"),
+                })?;
+        let counters = ctx.metrics.operator(&name, ctx.shard);
+        let head = ExchangeHead::<T> {
+            merger: InputMerger::new(consumers.len()),
+            consumers,
+            ended: Vec::new(),
+            down,
+            gate: ctx.take_gate(),
+            batch: ctx.config.batch_records,
+            counters: counters.clone(),
+            head: ctx.metrics.head(&name, ctx.shard),
+            next_input: 0,
+            done: false,
+            _t: PhantomData,
+        };
+        ctx.heads.push(Box::new(head));
+        let producers =
+            ctx.exchanges
+                .producers
+                .remove(&id)
+                .ok_or_else(|| StartError::Executor {
+                    shard: ctx.shard,
+                    reason: format!("exchange {id} ({name}) has no rings"),
+                })?;
+        let writer = Rc::new(RefCell::new(WriterState::new(
+            producers,
+            name.clone(),
+            counters,
+            ctx.fail.clone(),
+        )));
+        ctx.gate.register(Rc::new(WriterFlush(writer.clone())));
+        let w = ExchangeWriter {
+            state: writer,
+            route: route.clone(),
+            shards: ctx.shards,
+            max_parallelism: ctx.config.max_parallelism,
+            next: ctx.shard,
+            scratch: Vec::with_capacity(64),
+        };
+        upf(ctx, Box::new(w))
+    });
+    up.derive(factory, name)
+}
+
+struct WriterState {
+    producers: Vec<Producer>,
+    /// Frames that did not fit their ring yet, per target, in order.
+    spill: Vec<AlignedVec<16>>,
+    spilled: usize,
+    name: String,
+    counters: Arc<OperatorCounters>,
+    fail: FailCell,
+    closed: bool,
+}
+
+impl WriterState {
+    fn new(
+        producers: Vec<Producer>,
+        name: String,
+        counters: Arc<OperatorCounters>,
+        fail: FailCell,
+    ) -> Self {
+        let n = producers.len();
+        Self {
+            producers,
+            spill: (0..n).map(|_| AlignedVec::new()).collect(),
+            spilled: 0,
+            name,
+            counters,
+            fail,
+            closed: false,
+        }
+    }
+
+    /// Writes one frame to `target`: into ring memory when there is room and nothing is
+    /// spilled before it, else into the target's spill buffer.
+    fn write(
+        &mut self,
+        target: usize,
+        header: Header,
+        fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
+    ) {
+        if self.spill[target].is_empty() {
+            let mut want = 256usize;
+            loop {
+                let p = &mut self.producers[target];
+                match p.writer(want.min(p.max_frame_bytes())) {
+                    Ok(Some(mut w)) => match w.push_with(header, |buf| fill(buf).ok_or(())) {
+                        Ok(()) => {
+                            w.commit();
+                            return;
+                        }
+                        Err(PushWithError::Payload(())) | Err(PushWithError::NoSpace) => {
+                            if want >= self.producers[target].max_frame_bytes() {
+                                break;
+                            }
+                            want *= 4;
+                        }
+                    },
+                    Ok(None) => break,
+                    Err(too_large) => {
+                        self.fail.fail(JobError::RecordTooLarge {
+                            operator: self.name.clone(),
+                            bytes: too_large.requested_bytes,
+                            capacity_bytes: self.producers[target].capacity(),
+                        });
+                        return;
+                    }
+                }
+            }
+        }
+        self.spill_frame(target, header, fill);
+    }
+
+    fn spill_frame(
+        &mut self,
+        target: usize,
+        header: Header,
+        fill: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
+    ) {
+        let max = self.producers[target].max_frame_bytes();
+        let buf = &mut self.spill[target];
+        let start = buf.len();
+        let mut room = 256usize;
+        loop {
+            buf.resize(start + weir_ring::HEADER_BYTES + room, 0);
+            if let Some(len) = fill(&mut buf[start + weir_ring::HEADER_BYTES..]) {
+                let total = weir_ring::frame_bytes(len);
+                buf.resize(start + total, 0);
+                buf[start..start + weir_ring::HEADER_BYTES]
+                    .copy_from_slice(&header.encode(len as u32));
+                buf[start + weir_ring::HEADER_BYTES + len..start + total].fill(0);
+                self.spilled += 1;
+                let held: usize = self.spill.iter().map(|b| b.len()).sum();
+                let max = &self.counters.max_buffered_bytes;
+                if held as u64 > max.load(std::sync::atomic::Ordering::Relaxed) {
+                    max.store(held as u64, std::sync::atomic::Ordering::Relaxed);
+                }
+                return;
+            }
+            if room >= max {
+                buf.resize(start, 0);
+                self.fail.fail(JobError::RecordTooLarge {
+                    operator: self.name.clone(),
+                    bytes: room,
+                    capacity_bytes: self.producers[target].capacity(),
+                });
+                return;
+            }
+            room *= 4;
+        }
+    }
+
+    /// Moves spilled frames into their rings, in order, as far as they fit.
+    fn drain_spill(&mut self) -> bool {
+        if self.spilled == 0 {
+            return true;
+        }
+        let mut all = true;
+        for (t, buf) in self.spill.iter_mut().enumerate() {
+            let mut off = 0;
+            while off < buf.len() {
+                let frame_len = weir_ring::frame_bytes(u32::from_le_bytes([
+                    buf[off],
+                    buf[off + 1],
+                    buf[off + 2],
+                    buf[off + 3],
+                ]) as usize);
+                match self.producers[t].reserve(frame_len) {
+                    Ok(Some(mut region)) => {
+                        region.as_mut_slice()[..frame_len]
+                            .copy_from_slice(&buf[off..off + frame_len]);
+                        region.commit(frame_len);
+                        off += frame_len;
+                        self.spilled -= 1;
+                    }
+                    _ => break,
+                }
+            }
+            if off > 0 {
+                let rest = buf[off..].to_vec();
+                buf.clear();
+                buf.extend_from_slice(&rest);
+            }
+            all &= buf.is_empty();
+        }
+        all
+    }
+
+    fn broadcast_control(&mut self, header: Header) {
+        for t in 0..self.producers.len() {
+            self.write(t, header, &mut |_| Some(0));
+        }
+    }
+}
+
+struct WriterFlush(Rc<RefCell<WriterState>>);
+
+impl Flush for WriterFlush {
+    fn flush(&self) -> bool {
+        let mut s = self.0.borrow_mut();
+        let drained = s.drain_spill();
+        if drained && s.closed {
+            for p in &mut s.producers {
+                p.close();
+            }
+        }
+        drained
+    }
+}
+
+/// The tail of the upstream chain of an exchange.
+struct ExchangeWriter<T> {
+    state: Rc<RefCell<WriterState>>,
+    route: Route<T>,
+    shards: usize,
+    max_parallelism: u16,
+    next: usize,
+    scratch: Vec<u8>,
+}
+
+impl<T: Data> Collector<T> for ExchangeWriter<T> {
+    #[inline]
+    fn collect(&mut self, rec: T, ts: i64) {
+        let mut s = self.state.borrow_mut();
+        let mut fill = |buf: &mut [u8]| serialize_into(&rec, buf);
+        match &self.route {
+            Route::KeyGroup(kg) => {
+                let kg = kg(&rec, self.max_parallelism, &mut self.scratch);
+                let target =
+                    crate::keyed::shard_for_key_group(kg, self.max_parallelism, self.shards);
+                s.write(target, Header::record(kg, ts), &mut fill);
+            }
+            Route::RoundRobin => {
+                let target = self.next % self.shards;
+                self.next = self.next.wrapping_add(1);
+                s.write(target, Header::record(0, ts), &mut fill);
+            }
+            Route::Broadcast => {
+                for t in 0..self.shards {
+                    s.write(t, Header::record(0, ts), &mut fill);
+                }
+            }
+        }
+    }
+
+    fn event(&mut self, ev: Event) {
+        let mut s = self.state.borrow_mut();
+        match ev {
+            Event::Watermark(w) => s.broadcast_control(Header::watermark(w)),
+            Event::Idle(idle) => {
+                s.broadcast_control(Header::watermark(i64::from(idle)).with_flags(FLAG_IDLE))
+            }
+            Event::LatencyMarker { created_ns } => {
+                // One marker per record path is enough: send it to a single, rotating shard.
+                let target = self.next % self.shards;
+                self.next = self.next.wrapping_add(1);
+                s.write(target, Header::user_control(created_ns as i64), &mut |_| {
+                    Some(0)
+                });
+            }
+            Event::EndOfInput => {
+                s.broadcast_control(Header::end_of_stream());
+                s.closed = true;
+                if s.drain_spill() {
+                    for p in &mut s.producers {
+                        p.close();
+                    }
+                }
+            }
+        }
+    }
+
+    fn processing_time(&mut self, _now_ms: i64) {}
+}
+
+/// The head of the downstream chain of an exchange: reads every input ring in place.
+struct ExchangeHead<T> {
+    consumers: Vec<Consumer>,
+    merger: InputMerger,
+    ended: Vec<bool>,
+    down: Out<T>,
+    gate: Rc<crate::graph::Gate>,
+    batch: usize,
+    counters: Arc<OperatorCounters>,
+    head: Arc<HeadCounters>,
+    next_input: usize,
+    done: bool,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T: Data> Head for ExchangeHead<T> {
+    fn step(&mut self, now_ms: i64) -> Result<HeadStatus, JobError> {
+        let t0 = std::time::Instant::now();
+        if !self.gate.flush() {
+            bump(&self.head.backpressured_ns, t0.elapsed().as_nanos() as u64);
+            return Ok(HeadStatus::Blocked);
+        }
+        if self.done {
+            return Ok(HeadStatus::Done);
+        }
+        if self.ended.is_empty() {
+            self.ended = vec![false; self.consumers.len()];
+        }
+        self.down.processing_time(now_ms);
+        let n_inputs = self.consumers.len();
+        let mut budget = self.batch;
+        let mut moved = 0usize;
+        for k in 0..n_inputs {
+            let i = (self.next_input + k) % n_inputs;
+            if self.ended[i] {
+                continue;
+            }
+            let Some(region) = self.consumers[i].read() else {
+                continue;
+            };
+            let mut frames = region.frames();
+            let mut end = false;
+            for f in frames.by_ref() {
+                moved += 1;
+                match f.kind {
+                    FrameKind::Record => {
+                        // SAFETY: every record frame of this ring was written by an
+                        // `ExchangeWriter<T>` of this job in this process, with
+                        // `serialize_into::<T>` into 16-aligned ring memory.
+                        let rec: T = unsafe { read_trusted::<T>(f.payload) };
+                        bump(&self.counters.records_in, 1);
+                        self.down.collect(rec, f.ts);
+                        budget = budget.saturating_sub(1);
+                    }
+                    FrameKind::Watermark => {
+                        let ev = if f.flags & FLAG_IDLE != 0 {
+                            Event::Idle(f.ts != 0)
+                        } else {
+                            Event::Watermark(f.ts)
+                        };
+                        let down = &mut self.down;
+                        self.merger.on_event(i, ev, &mut |e| down.event(e));
+                    }
+                    FrameKind::UserControl => {
+                        self.down.event(Event::LatencyMarker {
+                            created_ns: f.ts as u64,
+                        });
+                    }
+                    FrameKind::EndOfStream => {
+                        end = true;
+                        let down = &mut self.down;
+                        self.merger
+                            .on_event(i, Event::EndOfInput, &mut |e| down.event(e));
+                    }
+                    // Barriers arrive with checkpointing; until then no writer emits them.
+                    _ => {}
+                }
+                if budget == 0 || end {
+                    break;
+                }
+            }
+            let consumed = frames.consumed();
+            region.release(consumed);
+            if end {
+                self.ended[i] = true;
+            }
+            if budget == 0 {
+                self.next_input = (i + 1) % n_inputs;
+                break;
+            }
+        }
+        self.gate.flush();
+        let spent = t0.elapsed().as_nanos() as u64;
+        if self.merger.all_ended() {
+            self.done = true;
+            bump(&self.head.busy_ns, spent);
+            return Ok(HeadStatus::Progress);
+        }
+        if moved > 0 {
+            bump(&self.head.busy_ns, spent);
+            Ok(HeadStatus::Progress)
+        } else {
+            bump(&self.head.idle_ns, spent);
+            Ok(HeadStatus::Idle)
+        }
+    }
+}

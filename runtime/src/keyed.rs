@@ -1,0 +1,606 @@
+//! Keyed streams and keyed operators: reduce, aggregate, process functions with timers, and the
+//! two-input keyed connect.
+//!
+//! A key is encoded with [`weir_state::KeyCodec`] into stable bytes; its key group is a stable
+//! hash of those bytes modulo the max parallelism, and each shard owns a contiguous range of key
+//! groups. Keyed state lives in the shard's state store ([`ShardState`]), addressed by the
+//! operator's uid, the state's name, the key group, the key and a namespace (a window).
+
+use std::collections::BTreeMap;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use weir_state::KeyCodec;
+
+use crate::data::Data;
+use crate::exchange::{exchange, Route};
+use crate::graph::{name_of, BuildCtx, Factory, FailCell};
+use crate::metrics::{bump, OperatorCounters};
+use crate::operator::{Collector, Event, Out, NO_TS};
+use crate::stream::Stream;
+
+pub use crate::backend::{ShardState, StateId};
+
+/// The shard that owns `key_group` when `max_parallelism` key groups are split into `shards`
+/// contiguous ranges (as Flink's KeyGroupRangeAssignment does).
+#[inline]
+pub fn shard_for_key_group(key_group: u16, max_parallelism: u16, shards: usize) -> usize {
+    usize::from(key_group) * shards / usize::from(max_parallelism)
+}
+
+/// The key group of an encoded key.
+#[inline]
+pub fn key_group_of(key_bytes: &[u8], max_parallelism: u16) -> u16 {
+    weir_state::key_group_for(key_bytes, max_parallelism)
+}
+
+/// A key selector shared by the shards.
+pub(crate) type KeyFn<T, K> = Arc<dyn Fn(&T) -> K + Send + Sync>;
+
+/// Routes records by the key group of their key.
+pub(crate) fn key_route<T: 'static, K: KeyCodec + 'static>(key: KeyFn<T, K>) -> Route<T> {
+    Route::KeyGroup(Arc::new(
+        move |t: &T, max_parallelism: u16, scratch: &mut Vec<u8>| {
+            scratch.clear();
+            key(t).encode_key(scratch);
+            key_group_of(scratch, max_parallelism)
+        },
+    ))
+}
+
+/// A stream partitioned by key.
+pub struct KeyedStream<T, K> {
+    pub(crate) up: Stream<T>,
+    pub(crate) key: KeyFn<T, K>,
+}
+
+impl<T: Data, K: KeyCodec + Clone + Send + Sync + 'static> KeyedStream<T, K> {
+    pub(crate) fn new(up: Stream<T>, key: KeyFn<T, K>) -> Self {
+        Self { up, key }
+    }
+
+    /// A running reduce per key: for every record, emits the reduction of the key's records so
+    /// far (Flink's `KeyedStream.reduce`).
+    pub fn reduce(self, f: impl Fn(T, T) -> T + Send + Sync + 'static) -> Stream<T> {
+        let f = Arc::new(f);
+        self.process(FnProcess::new(
+            move |rec: T, ctx: &mut KeyedContext<'_, K, T>| {
+                let next = match ctx.value::<T>("reduce") {
+                    Some(acc) => f(acc, rec),
+                    None => rec,
+                };
+                ctx.set_value("reduce", &next);
+                ctx.emit(next);
+            },
+        ))
+        .with_kind("reduce")
+    }
+
+    /// A running aggregate per key: for every record, emits `agg.result` of the key's
+    /// accumulator after adding the record.
+    pub fn aggregate<A: Data, O: Data>(self, agg: impl AggregateFunction<T, A, O>) -> Stream<O> {
+        let agg = Arc::new(agg);
+        self.process(FnProcess::new(
+            move |rec: T, ctx: &mut KeyedContext<'_, K, O>| {
+                let acc = ctx.value::<A>("aggregate").unwrap_or_else(|| agg.create());
+                let acc = agg.add(acc, rec);
+                ctx.set_value("aggregate", &acc);
+                ctx.emit(agg.result(&acc));
+            },
+        ))
+        .with_kind("aggregate")
+    }
+
+    /// Applies a keyed process function: per-record logic with keyed state and timers.
+    pub fn process<O: Data, P: KeyedProcessFunction<K, T, O>>(self, f: P) -> ProcessStream<O> {
+        let graph = self.up.graph.clone();
+        let errors = self.up.errors.clone();
+        let name = self.up.new_name("process");
+        let slot = name.clone();
+        let f = Arc::new(f);
+        // The exchange is built lazily at shard build time from the config's max parallelism.
+        let up = self.up;
+        let key = self.key;
+        let exchanged = exchange(up, "key_by", key_route(key.clone()));
+        let upf = exchanged.factory.clone();
+        let factory: Factory<O> = Arc::new(move |ctx: &mut BuildCtx, down: Out<O>| {
+            let name = name_of(&slot);
+            let op = KeyedOp {
+                f: f.clone(),
+                key: key.clone(),
+                ops: OpState::new(&name, ctx)?,
+                timers: TimerQueues::default(),
+                counters: ctx.metrics.operator(&name, ctx.shard),
+                down,
+                _p: PhantomData,
+            };
+            upf(ctx, Box::new(op))
+        });
+        ProcessStream(Stream {
+            graph,
+            errors,
+            factory,
+            name,
+        })
+    }
+
+    /// Groups records into windows per key (event time).
+    pub fn window(
+        self,
+        assigner: crate::window::WindowAssigner,
+    ) -> crate::window::WindowedStream<T, K> {
+        crate::window::WindowedStream::new(self, assigner)
+    }
+
+    /// Connects with another keyed stream of the same key type, for joins: a two-input keyed
+    /// process function sees both inputs' records of one key, with shared keyed state.
+    pub fn connect<U: Data>(
+        self,
+        other: KeyedStream<U, K>,
+    ) -> crate::join::ConnectedStreams<T, U, K> {
+        crate::join::ConnectedStreams::new(self, other)
+    }
+}
+
+/// A stream produced by a keyed operator; derefs to [`Stream`].
+pub struct ProcessStream<O>(pub(crate) Stream<O>);
+
+impl<O: Data> ProcessStream<O> {
+    fn with_kind(self, kind: &str) -> Stream<O> {
+        // Default names say what the operator is; a user `uid` replaces them.
+        let mut n = self.0.name.lock().unwrap_or_else(|p| p.into_inner());
+        *n = n.replacen("process", kind, 1);
+        drop(n);
+        self.0
+    }
+
+    /// Gives the operator a stable uid (see [`Stream::uid`]).
+    pub fn uid(self, uid: &str) -> Stream<O> {
+        self.0.uid(uid)
+    }
+
+    /// The stream itself.
+    pub fn stream(self) -> Stream<O> {
+        self.0
+    }
+}
+
+impl<O> std::ops::Deref for ProcessStream<O> {
+    type Target = Stream<O>;
+    fn deref(&self) -> &Stream<O> {
+        &self.0
+    }
+}
+
+impl<O: Data> From<ProcessStream<O>> for Stream<O> {
+    fn from(p: ProcessStream<O>) -> Self {
+        p.0
+    }
+}
+
+/// Flink's AggregateFunction: an accumulator per key (or window).
+pub trait AggregateFunction<I, A, O>: Send + Sync + 'static {
+    fn create(&self) -> A;
+    fn add(&self, acc: A, value: I) -> A;
+    fn result(&self, acc: &A) -> O;
+    /// Combines two accumulators (session windows merge).
+    fn merge(&self, a: A, b: A) -> A;
+}
+
+/// Which clock a timer follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum TimeDomain {
+    EventTime,
+    ProcessingTime,
+}
+
+/// Per-record logic with keyed state and timers (Flink's KeyedProcessFunction).
+pub trait KeyedProcessFunction<K, I, O>: Send + Sync + 'static {
+    fn process_element(&self, rec: I, ctx: &mut KeyedContext<'_, K, O>);
+    fn on_timer(&self, _timestamp: i64, _domain: TimeDomain, _ctx: &mut KeyedContext<'_, K, O>) {}
+}
+
+/// A [`KeyedProcessFunction`] from a closure that only processes elements.
+pub struct FnProcess<F>(F);
+
+impl<F> FnProcess<F> {
+    pub fn new(f: F) -> Self {
+        Self(f)
+    }
+}
+
+impl<K, I, O, F> KeyedProcessFunction<K, I, O> for FnProcess<F>
+where
+    F: Fn(I, &mut KeyedContext<'_, K, O>) + Send + Sync + 'static,
+{
+    fn process_element(&self, rec: I, ctx: &mut KeyedContext<'_, K, O>) {
+        (self.0)(rec, ctx)
+    }
+}
+
+/// Where a pending timer belongs: its time, then key group, key and namespace.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct TimerKey {
+    pub ts: i64,
+    pub key_group: u16,
+    pub key: Vec<u8>,
+    pub namespace: Vec<u8>,
+}
+
+/// Timers of one keyed operator on one shard, by clock, ordered by time. Each timer keeps the
+/// key object it was registered for, so that `on_timer` hands the user a `&K` without decoding.
+pub(crate) struct TimerQueues<K> {
+    pub event: BTreeMap<TimerKey, K>,
+    pub processing: BTreeMap<TimerKey, K>,
+}
+
+impl<K> Default for TimerQueues<K> {
+    fn default() -> Self {
+        Self {
+            event: BTreeMap::new(),
+            processing: BTreeMap::new(),
+        }
+    }
+}
+
+impl<K> TimerQueues<K> {
+    pub fn queue(&mut self, d: TimeDomain) -> &mut BTreeMap<TimerKey, K> {
+        match d {
+            TimeDomain::EventTime => &mut self.event,
+            TimeDomain::ProcessingTime => &mut self.processing,
+        }
+    }
+
+    /// Removes and returns the earliest timer of `d` at or before `upto`.
+    pub fn pop_due(&mut self, d: TimeDomain, upto: i64) -> Option<(TimerKey, K)> {
+        let q = self.queue(d);
+        if q.first_key_value().is_some_and(|(t, _)| t.ts <= upto) {
+            q.pop_first()
+        } else {
+            None
+        }
+    }
+}
+
+/// The state every keyed operator instance keeps beside its user logic.
+pub(crate) struct OpState {
+    pub name: String,
+    pub shard: usize,
+    pub state: ShardState,
+    pub fail: FailCell,
+    pub watermark: i64,
+    pub now_ms: i64,
+    pub max_parallelism: u16,
+    /// Encoded current key and its key group.
+    pub key_bytes: Vec<u8>,
+    pub key_group: u16,
+    /// Resolved state ids by name: a handful per operator, scanned linearly.
+    ids: Vec<(&'static str, StateId)>,
+}
+
+impl OpState {
+    pub fn new(name: &str, ctx: &BuildCtx) -> Result<Self, crate::StartError> {
+        Ok(Self {
+            name: name.to_string(),
+            shard: ctx.shard,
+            state: ctx.state.clone(),
+            fail: ctx.fail.clone(),
+            watermark: i64::MIN,
+            now_ms: i64::MIN,
+            max_parallelism: ctx.config.max_parallelism,
+            key_bytes: Vec::with_capacity(64),
+            key_group: 0,
+            ids: Vec::new(),
+        })
+    }
+
+    #[inline]
+    pub fn set_key<K: KeyCodec>(&mut self, key: &K) {
+        self.key_bytes.clear();
+        key.encode_key(&mut self.key_bytes);
+        self.key_group = key_group_of(&self.key_bytes, self.max_parallelism);
+    }
+
+    #[inline]
+    pub fn id(&mut self, name: &'static str) -> StateId {
+        if let Some((_, id)) = self
+            .ids
+            .iter()
+            .find(|(n, _)| std::ptr::eq(*n, name) || *n == name)
+        {
+            return id.clone();
+        }
+        let id = self.state.state_id(&format!("{}/{}", self.name, name));
+        self.ids.push((name, id.clone()));
+        id
+    }
+}
+
+/// What a keyed process function sees: the current key, its state, timers, and the output.
+pub struct KeyedContext<'a, K, O> {
+    pub(crate) key: &'a K,
+    pub(crate) ts: i64,
+    pub(crate) op: &'a mut OpState,
+    pub(crate) timers: &'a mut TimerQueues<K>,
+    pub(crate) namespace: &'a [u8],
+    pub(crate) out: &'a mut Out<O>,
+    pub(crate) emitted: u64,
+}
+
+impl<K: Clone, O: 'static> KeyedContext<'_, K, O> {
+    /// The key of the record or timer being processed.
+    pub fn key(&self) -> &K {
+        self.key
+    }
+
+    /// The event timestamp of the record (or the timer's time), if any.
+    pub fn timestamp(&self) -> Option<i64> {
+        (self.ts != NO_TS).then_some(self.ts)
+    }
+
+    /// The operator's current event-time watermark.
+    pub fn current_watermark(&self) -> i64 {
+        self.op.watermark
+    }
+
+    /// The operator's current processing time (milliseconds since the epoch).
+    pub fn current_processing_time(&self) -> i64 {
+        self.op.now_ms
+    }
+
+    /// Emits a record with the current timestamp.
+    pub fn emit(&mut self, rec: O) {
+        self.emitted += 1;
+        self.out.collect(rec, self.ts);
+    }
+
+    /// Emits a record with an explicit event timestamp.
+    pub fn emit_at(&mut self, rec: O, ts: i64) {
+        self.emitted += 1;
+        self.out.collect(rec, ts);
+    }
+
+    /// The current key's value of state `name`.
+    pub fn value<V: Data>(&mut self, name: &'static str) -> Option<V> {
+        let id = self.op.id(name);
+        let op = &mut *self.op;
+        match op
+            .state
+            .value_get::<V>(&id, op.key_group, &op.key_bytes, self.namespace)
+        {
+            Ok(v) => v,
+            Err(e) => {
+                op.fail.fail(crate::JobError::Operator {
+                    operator: op.name.clone(),
+                    shard: op.shard,
+                    message: format!("reading state `{name}`: {e}"),
+                });
+                None
+            }
+        }
+    }
+
+    /// Sets the current key's value of state `name`.
+    pub fn set_value<V: Data>(&mut self, name: &'static str, v: &V) {
+        let id = self.op.id(name);
+        let op = &mut *self.op;
+        if let Err(e) = op
+            .state
+            .value_put(&id, op.key_group, &op.key_bytes, self.namespace, v)
+        {
+            op.fail.fail(crate::JobError::Operator {
+                operator: op.name.clone(),
+                shard: op.shard,
+                message: format!("writing state `{name}`: {e}"),
+            });
+        }
+    }
+
+    /// Clears the current key's value of state `name`.
+    pub fn clear_value(&mut self, name: &'static str) {
+        let id = self.op.id(name);
+        let op = &mut *self.op;
+        if let Err(e) = op
+            .state
+            .delete(&id, op.key_group, &op.key_bytes, self.namespace)
+        {
+            op.fail.fail(crate::JobError::Operator {
+                operator: op.name.clone(),
+                shard: op.shard,
+                message: format!("clearing state `{name}`: {e}"),
+            });
+        }
+    }
+
+    /// Clears the current key's list state `name`.
+    pub fn clear_list(&mut self, name: &'static str) {
+        let id = self.op.id(name);
+        let op = &mut *self.op;
+        if let Err(e) = op
+            .state
+            .list_clear(&id, op.key_group, &op.key_bytes, self.namespace)
+        {
+            op.fail.fail(crate::JobError::Operator {
+                operator: op.name.clone(),
+                shard: op.shard,
+                message: format!("clearing state `{name}`: {e}"),
+            });
+        }
+    }
+
+    /// Appends to the current key's list state `name` without reading it.
+    pub fn append<V: Data>(&mut self, name: &'static str, v: &V) {
+        let id = self.op.id(name);
+        let op = &mut *self.op;
+        if let Err(e) = op
+            .state
+            .list_append(&id, op.key_group, &op.key_bytes, self.namespace, v)
+        {
+            op.fail.fail(crate::JobError::Operator {
+                operator: op.name.clone(),
+                shard: op.shard,
+                message: format!("appending to state `{name}`: {e}"),
+            });
+        }
+    }
+
+    /// The current key's list state `name`.
+    pub fn list<V: Data>(&mut self, name: &'static str) -> Vec<V> {
+        let id = self.op.id(name);
+        let op = &mut *self.op;
+        match op
+            .state
+            .list_get::<V>(&id, op.key_group, &op.key_bytes, self.namespace)
+        {
+            Ok(v) => v,
+            Err(e) => {
+                op.fail.fail(crate::JobError::Operator {
+                    operator: op.name.clone(),
+                    shard: op.shard,
+                    message: format!("reading state `{name}`: {e}"),
+                });
+                Vec::new()
+            }
+        }
+    }
+
+    /// Registers a timer for the current key at `ts` on `domain`'s clock. Registering the same
+    /// time twice for a key keeps one timer.
+    pub fn register_timer(&mut self, domain: TimeDomain, ts: i64) {
+        let t = self.timer_key(ts);
+        self.timers.queue(domain).insert(t, self.key.clone());
+    }
+
+    fn timer_key(&self, ts: i64) -> TimerKey {
+        TimerKey {
+            ts,
+            key_group: self.op.key_group,
+            key: self.op.key_bytes.clone(),
+            namespace: self.namespace.to_vec(),
+        }
+    }
+
+    /// Registers an event-time timer for the current key.
+    pub fn register_event_timer(&mut self, ts: i64) {
+        self.register_timer(TimeDomain::EventTime, ts)
+    }
+
+    /// Registers a processing-time timer for the current key.
+    pub fn register_processing_timer(&mut self, ts: i64) {
+        self.register_timer(TimeDomain::ProcessingTime, ts)
+    }
+
+    /// Deletes a timer of the current key.
+    pub fn delete_timer(&mut self, domain: TimeDomain, ts: i64) {
+        let t = self.timer_key(ts);
+        self.timers.queue(domain).remove(&t);
+    }
+}
+
+/// A keyed process operator on one shard.
+struct KeyedOp<K, I, O, P> {
+    f: Arc<P>,
+    key: KeyFn<I, K>,
+    ops: OpState,
+    timers: TimerQueues<K>,
+    counters: Arc<OperatorCounters>,
+    down: Out<O>,
+    _p: PhantomData<fn(I) -> O>,
+}
+
+/// Fires the timers of `domain` due at `upto`, in time order; returns the records emitted.
+pub(crate) fn fire_timers<K: Clone, O: 'static>(
+    ops: &mut OpState,
+    timers: &mut TimerQueues<K>,
+    domain: TimeDomain,
+    upto: i64,
+    down: &mut Out<O>,
+    mut on_timer: impl FnMut(i64, TimeDomain, &mut KeyedContext<'_, K, O>),
+) -> u64 {
+    let mut emitted = 0;
+    while let Some((t, key)) = timers.pop_due(domain, upto) {
+        ops.key_bytes.clear();
+        ops.key_bytes.extend_from_slice(&t.key);
+        ops.key_group = t.key_group;
+        let ts = if domain == TimeDomain::EventTime {
+            t.ts
+        } else {
+            NO_TS
+        };
+        let mut ctx = KeyedContext {
+            key: &key,
+            ts,
+            op: ops,
+            timers,
+            namespace: &t.namespace,
+            out: down,
+            emitted: 0,
+        };
+        on_timer(t.ts, domain, &mut ctx);
+        emitted += ctx.emitted;
+    }
+    emitted
+}
+
+impl<K, I, O, P> Collector<I> for KeyedOp<K, I, O, P>
+where
+    K: KeyCodec + Clone + 'static,
+    I: Data,
+    O: Data,
+    P: KeyedProcessFunction<K, I, O>,
+{
+    #[inline]
+    fn collect(&mut self, rec: I, ts: i64) {
+        bump(&self.counters.records_in, 1);
+        let key = (self.key)(&rec);
+        self.ops.set_key(&key);
+        let mut ctx = KeyedContext {
+            key: &key,
+            ts,
+            op: &mut self.ops,
+            timers: &mut self.timers,
+            namespace: &[],
+            out: &mut self.down,
+            emitted: 0,
+        };
+        self.f.process_element(rec, &mut ctx);
+        let n = ctx.emitted;
+        bump(&self.counters.records_out, n);
+    }
+
+    fn event(&mut self, ev: Event) {
+        if let Event::Watermark(w) = ev {
+            self.ops.watermark = w;
+            let f = &self.f;
+            let n = fire_timers(
+                &mut self.ops,
+                &mut self.timers,
+                TimeDomain::EventTime,
+                w,
+                &mut self.down,
+                |ts, d, c| f.on_timer(ts, d, c),
+            );
+            bump(&self.counters.records_out, n);
+        }
+        self.down.event(ev);
+    }
+
+    fn processing_time(&mut self, now_ms: i64) {
+        if now_ms != self.ops.now_ms {
+            self.ops.now_ms = now_ms;
+            if !self.timers.processing.is_empty() {
+                let f = &self.f;
+                let n = fire_timers(
+                    &mut self.ops,
+                    &mut self.timers,
+                    TimeDomain::ProcessingTime,
+                    now_ms,
+                    &mut self.down,
+                    |ts, d, c| f.on_timer(ts, d, c),
+                );
+                bump(&self.counters.records_out, n);
+            }
+        }
+        self.down.processing_time(now_ms);
+    }
+}

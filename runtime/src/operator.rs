@@ -1,0 +1,242 @@
+//! The push interface between chained operators, and the stateless operators.
+//!
+//! Operators on one shard are chained as plain calls: each holds its downstream as a boxed
+//! [`Collector`] and calls it directly. A record carries an event timestamp (or [`NO_TS`]).
+//! Control events (watermarks, latency markers, end of input) flow through the same chain.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use crate::metrics::{bump, OperatorCounters};
+
+/// The timestamp of a record that has none.
+pub const NO_TS: i64 = i64::MIN;
+
+/// A control event that flows through a chain in order with the records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// No record with a timestamp at or below this will follow (except late ones).
+    Watermark(i64),
+    /// The input went idle (true) or active again (false): an idle input does not hold back
+    /// the watermark of an operator with several inputs.
+    Idle(bool),
+    /// Emitted by a source at `created_ns` (monotonic, process-wide); sinks record its age.
+    LatencyMarker { created_ns: u64 },
+    /// The input has ended; nothing follows.
+    EndOfInput,
+}
+
+/// The downstream end of an operator: where it pushes records and events.
+pub(crate) trait Collector<T>: 'static {
+    fn collect(&mut self, rec: T, ts: i64);
+    fn event(&mut self, ev: Event);
+    /// Processing time advanced to `now_ms`. Operators with processing-time timers fire them.
+    fn processing_time(&mut self, now_ms: i64);
+}
+
+pub(crate) type Out<T> = Box<dyn Collector<T>>;
+
+/// Counts records that pass an edge into an operator (its `records_in`) and out of it.
+pub(crate) struct Counted<T> {
+    pub counters: Arc<OperatorCounters>,
+    pub down: Out<T>,
+}
+
+impl<T: 'static> Collector<T> for Counted<T> {
+    #[inline]
+    fn collect(&mut self, rec: T, ts: i64) {
+        bump(&self.counters.records_out, 1);
+        self.down.collect(rec, ts);
+    }
+    fn event(&mut self, ev: Event) {
+        self.down.event(ev);
+    }
+    fn processing_time(&mut self, now_ms: i64) {
+        self.down.processing_time(now_ms);
+    }
+}
+
+#[inline]
+pub(crate) fn count_in(c: &AtomicU64) {
+    bump(c, 1);
+}
+
+/// A stateless one-to-many operator: map, filter, flat_map, filter_map and inspect are all
+/// this with a different function (the compiler specializes each).
+pub(crate) struct FlatMapOp<T, U, F> {
+    pub f: F,
+    pub counters: Arc<OperatorCounters>,
+    pub down: Out<U>,
+    pub _t: std::marker::PhantomData<fn(T)>,
+}
+
+/// Emits the outputs of one input record.
+pub(crate) struct Emit<'a, U> {
+    down: &'a mut Out<U>,
+    ts: i64,
+    n: u64,
+}
+
+impl<U: 'static> Emit<'_, U> {
+    #[inline]
+    pub fn emit(&mut self, v: U) {
+        self.n += 1;
+        self.down.collect(v, self.ts);
+    }
+}
+
+impl<T: 'static, U: 'static, F: FnMut(T, &mut Emit<'_, U>) + 'static> Collector<T>
+    for FlatMapOp<T, U, F>
+{
+    #[inline]
+    fn collect(&mut self, rec: T, ts: i64) {
+        count_in(&self.counters.records_in);
+        let mut e = Emit {
+            down: &mut self.down,
+            ts,
+            n: 0,
+        };
+        (self.f)(rec, &mut e);
+        let n = e.n;
+        bump(&self.counters.records_out, n);
+    }
+    fn event(&mut self, ev: Event) {
+        self.down.event(ev);
+    }
+    fn processing_time(&mut self, now_ms: i64) {
+        self.down.processing_time(now_ms);
+    }
+}
+
+/// Combines several inputs on one shard: forwards the minimum watermark of the active inputs,
+/// and end of input once every input ended.
+pub(crate) struct InputMerger {
+    watermarks: Vec<i64>,
+    idle: Vec<bool>,
+    ended: Vec<bool>,
+    emitted: i64,
+}
+
+impl InputMerger {
+    pub fn new(inputs: usize) -> Self {
+        Self {
+            watermarks: vec![i64::MIN; inputs],
+            idle: vec![false; inputs],
+            ended: vec![false; inputs],
+            emitted: i64::MIN,
+        }
+    }
+
+    /// Takes an event of input `i`; returns the events to forward, in order.
+    pub fn on_event(&mut self, i: usize, ev: Event, out: &mut dyn FnMut(Event)) {
+        match ev {
+            Event::Watermark(w) => {
+                if w > self.watermarks[i] {
+                    self.watermarks[i] = w;
+                }
+                self.idle[i] = false;
+                self.advance(out);
+            }
+            Event::Idle(idle) => {
+                self.idle[i] = idle;
+                self.advance(out);
+            }
+            Event::LatencyMarker { .. } => out(ev),
+            Event::EndOfInput => {
+                self.ended[i] = true;
+                self.watermarks[i] = i64::MAX;
+                self.idle[i] = false;
+                self.advance(out);
+                if self.ended.iter().all(|e| *e) {
+                    out(Event::EndOfInput);
+                }
+            }
+        }
+    }
+
+    fn advance(&mut self, out: &mut dyn FnMut(Event)) {
+        let active = self
+            .watermarks
+            .iter()
+            .zip(&self.idle)
+            .filter(|(_, idle)| !**idle)
+            .map(|(w, _)| *w)
+            .min();
+        // Every input idle: hold the watermark where it is (Flink does the same).
+        if let Some(w) = active {
+            if w > self.emitted {
+                self.emitted = w;
+                out(Event::Watermark(w));
+            }
+        }
+    }
+
+    pub fn all_ended(&self) -> bool {
+        self.ended.iter().all(|e| *e)
+    }
+}
+
+/// One input of a union on a shard.
+pub(crate) struct UnionInput<T> {
+    pub index: usize,
+    pub merger: Rc<RefCell<InputMerger>>,
+    pub down: Rc<RefCell<Out<T>>>,
+}
+
+impl<T: 'static> Collector<T> for UnionInput<T> {
+    #[inline]
+    fn collect(&mut self, rec: T, ts: i64) {
+        self.down.borrow_mut().collect(rec, ts);
+    }
+    fn event(&mut self, ev: Event) {
+        let mut fwd = Vec::with_capacity(2);
+        self.merger
+            .borrow_mut()
+            .on_event(self.index, ev, &mut |e| fwd.push(e));
+        let mut down = self.down.borrow_mut();
+        for e in fwd {
+            down.event(e);
+        }
+    }
+    fn processing_time(&mut self, now_ms: i64) {
+        // Every input of the union forwards time; operators ignore time that did not advance.
+        self.down.borrow_mut().processing_time(now_ms);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merger_forwards_min_watermark_and_end_after_all() {
+        let mut m = InputMerger::new(2);
+        let mut got = Vec::new();
+        m.on_event(0, Event::Watermark(10), &mut |e| got.push(e));
+        assert!(got.is_empty(), "input 1 has no watermark yet");
+        m.on_event(1, Event::Watermark(5), &mut |e| got.push(e));
+        assert_eq!(got, vec![Event::Watermark(5)]);
+        m.on_event(1, Event::Idle(true), &mut |e| got.push(e));
+        assert_eq!(
+            got.last(),
+            Some(&Event::Watermark(10)),
+            "idle input no longer holds back"
+        );
+        m.on_event(0, Event::EndOfInput, &mut |e| got.push(e));
+        assert!(!m.all_ended());
+        m.on_event(1, Event::EndOfInput, &mut |e| got.push(e));
+        assert_eq!(got.last(), Some(&Event::EndOfInput));
+        assert!(got.contains(&Event::Watermark(i64::MAX)));
+    }
+
+    #[test]
+    fn merger_never_moves_watermark_backwards() {
+        let mut m = InputMerger::new(1);
+        let mut got = Vec::new();
+        m.on_event(0, Event::Watermark(10), &mut |e| got.push(e));
+        m.on_event(0, Event::Watermark(3), &mut |e| got.push(e));
+        assert_eq!(got, vec![Event::Watermark(10)]);
+    }
+}

@@ -1,0 +1,132 @@
+//! Startup checks for the facts in PLATFORM.md that would otherwise fail late and obscurely:
+//! RLIMIT_MEMLOCK, io_uring availability, and glommio's DMA read probe.
+
+use std::path::{Path, PathBuf};
+
+use crate::StartError;
+
+/// glommio refuses to start an executor below this memlock limit.
+pub const MEMLOCK_MIN_BYTES: u64 = 512 << 10;
+
+/// Name of the sentinel file whose DMA open decides glommio's read-probe for the process.
+pub const SENTINEL_FILE: &str = ".weir-dma-probe";
+const SENTINEL_BYTES: usize = 4096;
+
+/// Checks RLIMIT_MEMLOCK.
+pub fn check_memlock() -> Result<(), StartError> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid, writable rlimit struct; RLIMIT_MEMLOCK is a valid resource.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) };
+    if rc != 0 {
+        // Unknown: let glommio decide; it reports its own error.
+        return Ok(());
+    }
+    let have = lim.rlim_cur;
+    if have != libc::RLIM_INFINITY && have < MEMLOCK_MIN_BYTES {
+        return Err(StartError::MemlockTooLow {
+            have_bytes: have,
+            need_bytes: MEMLOCK_MIN_BYTES,
+        });
+    }
+    Ok(())
+}
+
+/// Checks that io_uring can be set up (it is blocked by default container seccomp profiles and
+/// by `kernel.io_uring_disabled`; glommio has no fallback).
+pub fn check_io_uring() -> Result<(), StartError> {
+    // SAFETY: io_uring_params is a plain C struct for which all-zero is the documented default.
+    let mut params: [u8; 120] = [0; 120];
+    // SAFETY: io_uring_setup(entries, params) reads and writes the 120-byte params struct we
+    // pass; the returned fd, if any, is closed below.
+    let fd = unsafe { libc::syscall(libc::SYS_io_uring_setup, 4u32, params.as_mut_ptr()) };
+    if fd < 0 {
+        let err = std::io::Error::last_os_error();
+        let disabled = std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled")
+            .map(|s| s.trim().to_string())
+            .unwrap_or_else(|_| "unknown".into());
+        return Err(StartError::IoUringUnavailable {
+            reason: format!("io_uring_setup failed: {err} (kernel.io_uring_disabled = {disabled})"),
+        });
+    }
+    // SAFETY: `fd` is a file descriptor io_uring_setup just returned to us and nobody else owns.
+    unsafe { libc::close(fd as i32) };
+    Ok(())
+}
+
+/// Writes the 4 KiB sentinel file with std::fs (so it is never empty) and returns its path.
+/// Each shard opens it with `DmaFile::open` before any other DMA file, so that glommio's
+/// process-wide read probe sees a non-empty file opened for reading (PLATFORM.md, glommio).
+pub fn write_sentinel(dir: &Path) -> Result<PathBuf, StartError> {
+    let path = dir.join(SENTINEL_FILE);
+    let io = |source| StartError::StateDir {
+        path: path.clone(),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let ok = std::fs::metadata(&path)
+        .map(|m| m.len() == SENTINEL_BYTES as u64)
+        .unwrap_or(false);
+    if !ok {
+        std::fs::write(&path, [0x77u8; SENTINEL_BYTES]).map_err(io)?;
+    }
+    Ok(path)
+}
+
+/// Opens the sentinel with glommio's DMA file and reads it back: this must be the process's
+/// first DMA open. Must run inside a glommio executor.
+pub(crate) async fn dma_probe(sentinel: &Path, shard: usize) -> Result<(), StartError> {
+    let fail = |reason: String| StartError::Executor { shard, reason };
+    let file = glommio::io::DmaFile::open(sentinel)
+        .await
+        .map_err(|e| fail(format!("DMA open of {}: {e}", sentinel.display())))?;
+    let read = file
+        .read_at(0, SENTINEL_BYTES)
+        .await
+        .map_err(|e| fail(format!("DMA read of {}: {e}", sentinel.display())))?;
+    if read.len() != SENTINEL_BYTES {
+        return Err(fail(format!(
+            "DMA read of {} returned {} bytes, expected {SENTINEL_BYTES}",
+            sentinel.display(),
+            read.len()
+        )));
+    }
+    let _ = file.close().await;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memlock_and_io_uring_are_usable_here() {
+        // These are the machine's facts the engine depends on; the test documents them.
+        check_memlock().expect("memlock");
+        check_io_uring().expect("io_uring");
+    }
+
+    #[test]
+    fn sentinel_is_written_once_with_4k() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let p = write_sentinel(dir.path()).expect("sentinel");
+        assert_eq!(std::fs::metadata(&p).expect("meta").len(), 4096);
+        let p2 = write_sentinel(dir.path()).expect("again");
+        assert_eq!(p, p2);
+    }
+
+    #[test]
+    fn dma_probe_reads_the_sentinel_inside_an_executor() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let p = write_sentinel(dir.path()).expect("sentinel");
+        let r = glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+            .io_memory(2 << 20)
+            .spawn(move || async move { dma_probe(&p, 0).await })
+            .expect("executor")
+            .join()
+            .expect("join");
+        r.expect("probe");
+    }
+}

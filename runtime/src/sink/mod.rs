@@ -1,0 +1,284 @@
+//! Sinks: where records leave a job.
+//!
+//! A [`Sink`] is a description shared by every shard; each shard asks it for a [`SinkWriter`].
+//! The sink operator also records the age of latency markers into the job's latency histogram.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use hdrhistogram::Histogram;
+
+use crate::error::{JobError, StartError};
+use crate::graph::{BuildCtx, FailCell};
+use crate::metrics::{bump, new_latency_histogram, OperatorCounters, Registry};
+use crate::operator::{Collector, Event};
+
+mod file;
+
+pub use file::FileSinkWriter;
+
+/// One shard's writer of a sink.
+pub trait SinkWriter<T>: 'static {
+    /// Takes one record (and its event timestamp, or `i64::MIN`).
+    fn write(&mut self, rec: T, ts: i64) -> std::io::Result<()>;
+    /// The input ended: make everything written durable or visible.
+    fn finish(&mut self) -> std::io::Result<()>;
+}
+
+/// A sink description, shared by every shard.
+pub trait Sink<T>: Send + Sync + 'static {
+    fn create_writer(
+        &self,
+        shard: usize,
+        shards: usize,
+    ) -> Result<Box<dyn SinkWriter<T>>, StartError>;
+    fn name(&self) -> &str {
+        "sink"
+    }
+}
+
+/// The operator at the end of a chain.
+pub(crate) struct SinkOp<T> {
+    name: String,
+    shard: usize,
+    writer: Box<dyn SinkWriter<T>>,
+    fail: FailCell,
+    counters: Arc<OperatorCounters>,
+    latency: Histogram<u64>,
+    registry: Arc<Registry>,
+    epoch: std::time::Instant,
+    failed: bool,
+}
+
+impl<T: 'static> SinkOp<T> {
+    pub fn new(name: String, writer: Box<dyn SinkWriter<T>>, ctx: &BuildCtx) -> Self {
+        Self {
+            counters: ctx.metrics.operator(&name, ctx.shard),
+            name,
+            shard: ctx.shard,
+            writer,
+            fail: ctx.fail.clone(),
+            latency: new_latency_histogram(),
+            registry: ctx.metrics.clone(),
+            epoch: ctx.epoch,
+            failed: false,
+        }
+    }
+
+    fn io_failed(&mut self, source: std::io::Error) {
+        self.failed = true;
+        self.fail.fail(JobError::SinkIo {
+            operator: self.name.clone(),
+            shard: self.shard,
+            source,
+        });
+    }
+}
+
+impl<T: 'static> Collector<T> for SinkOp<T> {
+    #[inline]
+    fn collect(&mut self, rec: T, ts: i64) {
+        if self.failed {
+            return;
+        }
+        bump(&self.counters.records_in, 1);
+        if let Err(e) = self.writer.write(rec, ts) {
+            self.io_failed(e);
+        }
+    }
+
+    fn event(&mut self, ev: Event) {
+        match ev {
+            Event::LatencyMarker { created_ns } => {
+                let now = self.epoch.elapsed().as_nanos() as u64;
+                let _ = self.latency.record(now.saturating_sub(created_ns).max(1));
+                if self.latency.len() >= 64 {
+                    self.registry.record_latency(&self.latency);
+                    self.latency.reset();
+                }
+            }
+            Event::EndOfInput => {
+                self.registry.record_latency(&self.latency);
+                self.latency.reset();
+                if !self.failed {
+                    if let Err(e) = self.writer.finish() {
+                        self.io_failed(e);
+                    }
+                }
+            }
+            Event::Watermark(_) | Event::Idle(_) => {}
+        }
+    }
+
+    fn processing_time(&mut self, _now_ms: i64) {}
+}
+
+/// Collects records into memory. See [`Stream::collect`](crate::Stream::collect).
+pub struct CollectSink<T> {
+    out: Arc<Mutex<Vec<T>>>,
+}
+
+/// The records a [`CollectSink`] gathered. Shards hand over their records when their input
+/// ends, so a finished job's collection is complete.
+#[derive(Clone)]
+pub struct Collected<T> {
+    out: Arc<Mutex<Vec<T>>>,
+}
+
+impl<T> Collected<T> {
+    /// Takes the records gathered so far.
+    pub fn take(&self) -> Vec<T> {
+        std::mem::take(&mut *self.out.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// How many records are gathered.
+    pub fn len(&self) -> usize {
+        self.out.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl<T> CollectSink<T> {
+    pub fn new() -> (Self, Collected<T>) {
+        let out = Arc::new(Mutex::new(Vec::new()));
+        (Self { out: out.clone() }, Collected { out })
+    }
+}
+
+struct CollectWriter<T> {
+    local: Vec<T>,
+    out: Arc<Mutex<Vec<T>>>,
+}
+
+impl<T: Send + 'static> SinkWriter<T> for CollectWriter<T> {
+    fn write(&mut self, rec: T, _ts: i64) -> std::io::Result<()> {
+        self.local.push(rec);
+        // Hand over in chunks so that readers see progress of long jobs.
+        if self.local.len() >= 4096 {
+            self.out
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .append(&mut self.local);
+        }
+        Ok(())
+    }
+    fn finish(&mut self) -> std::io::Result<()> {
+        self.out
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .append(&mut self.local);
+        Ok(())
+    }
+}
+
+impl<T: Send + 'static> Sink<T> for CollectSink<T> {
+    fn create_writer(
+        &self,
+        _shard: usize,
+        _shards: usize,
+    ) -> Result<Box<dyn SinkWriter<T>>, StartError> {
+        Ok(Box::new(CollectWriter {
+            local: Vec::new(),
+            out: self.out.clone(),
+        }))
+    }
+    fn name(&self) -> &str {
+        "collect"
+    }
+}
+
+/// Calls a function for every record. See [`Stream::for_each`](crate::Stream::for_each).
+pub struct CallbackSink<F> {
+    f: Arc<F>,
+}
+
+impl<F> CallbackSink<F> {
+    pub fn new(f: F) -> Self {
+        Self { f: Arc::new(f) }
+    }
+}
+
+struct CallbackWriter<F> {
+    f: Arc<F>,
+}
+
+impl<T: 'static, F: Fn(T) + Send + Sync + 'static> SinkWriter<T> for CallbackWriter<F> {
+    #[inline]
+    fn write(&mut self, rec: T, _ts: i64) -> std::io::Result<()> {
+        (self.f)(rec);
+        Ok(())
+    }
+    fn finish(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<T: 'static, F: Fn(T) + Send + Sync + 'static> Sink<T> for CallbackSink<F> {
+    fn create_writer(
+        &self,
+        _shard: usize,
+        _shards: usize,
+    ) -> Result<Box<dyn SinkWriter<T>>, StartError> {
+        Ok(Box::new(CallbackWriter { f: self.f.clone() }))
+    }
+    fn name(&self) -> &str {
+        "callback"
+    }
+}
+
+/// Writes one text line per record into `dir/part-<shard>.csv` (not transactional).
+pub struct FileSink<F> {
+    dir: PathBuf,
+    format: Arc<F>,
+}
+
+impl<F> FileSink<F> {
+    pub fn new(dir: impl Into<PathBuf>, format: F) -> Self {
+        Self {
+            dir: dir.into(),
+            format: Arc::new(format),
+        }
+    }
+}
+
+struct FileWriter<F> {
+    w: FileSinkWriter,
+    format: Arc<F>,
+    line: String,
+}
+
+impl<T: 'static, F: Fn(&T, &mut String) + Send + Sync + 'static> SinkWriter<T> for FileWriter<F> {
+    fn write(&mut self, rec: T, _ts: i64) -> std::io::Result<()> {
+        self.line.clear();
+        (self.format)(&rec, &mut self.line);
+        self.w.write_line(&self.line)
+    }
+    fn finish(&mut self) -> std::io::Result<()> {
+        self.w.finish()
+    }
+}
+
+impl<T: 'static, F: Fn(&T, &mut String) + Send + Sync + 'static> Sink<T> for FileSink<F> {
+    fn create_writer(
+        &self,
+        shard: usize,
+        _shards: usize,
+    ) -> Result<Box<dyn SinkWriter<T>>, StartError> {
+        let w =
+            FileSinkWriter::create(&self.dir, shard).map_err(|source| StartError::StateDir {
+                path: self.dir.clone(),
+                source,
+            })?;
+        Ok(Box::new(FileWriter {
+            w,
+            format: self.format.clone(),
+            line: String::new(),
+        }))
+    }
+    fn name(&self) -> &str {
+        "file"
+    }
+}

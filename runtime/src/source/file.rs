@@ -1,0 +1,1723 @@
+//! The file source: CSV or JSON-lines files, one file or a directory of them.
+//!
+//! Lines are read through a large buffered reader into one reused line buffer; CSV fields are
+//! split by a small strict parser into a reused field buffer, and JSON lines are checked and
+//! picked apart by a scanner that only keeps the byte spans of the wanted fields. So a line costs
+//! no allocation beyond what the user's `parse` builds (an escaped JSON string is unescaped into
+//! a reused per-column buffer).
+//!
+//! Bad input never panics (design invariant 6): a malformed line follows the [`ErrorPolicy`];
+//! a file that cannot be read at all (missing, unknown column, broken CSV header) is an error.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, BufRead, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::{EmptyReader, Source, SourceError, SourcePoll, SourceReader};
+
+/// Read buffer size: large reads keep the number of system calls per line near zero.
+const READ_BUFFER_BYTES: usize = 256 * 1024;
+/// Longest record kept in memory. A longer line (or a CSV record that a stray quote stretched
+/// over many lines) is malformed rather than a reason to exhaust memory.
+const MAX_RECORD_BYTES: usize = 64 * 1024 * 1024;
+/// Deepest JSON nesting accepted, so a hostile line cannot overflow the stack.
+const MAX_JSON_DEPTH: usize = 128;
+/// Version byte of the position encoding.
+const POSITION_VERSION: u8 = 1;
+/// Fixed part of a position: version, file index, byte offset, line number, name length.
+const POSITION_FIXED_BYTES: usize = 1 + 8 + 8 + 8 + 4;
+/// The UTF-8 byte order mark that some tools put at the start of a text file.
+const BOM: &[u8] = b"\xEF\xBB\xBF";
+
+/// The format of the files a [`FileSource`] reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FileFormat {
+    /// Comma-separated values (RFC 4180 quoting) with a header row naming the columns.
+    Csv,
+    /// One JSON object per line; blank lines are ignored.
+    JsonLines,
+}
+
+/// What a [`FileSource`] does with a malformed line.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum ErrorPolicy {
+    /// Stop the job with [`SourceError::Malformed`], naming the file and line.
+    #[default]
+    Fail,
+    /// Count the line in [`FileSource::skipped`] and go on.
+    Skip,
+    /// Append the line to this file as a JSON object
+    /// `{"file":..,"line":..,"reason":..,"raw":..}` per line, count it, and go on.
+    DeadLetter(PathBuf),
+}
+
+/// Where a record came from: handed to the parse function and named in errors.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Location {
+    /// The file being read.
+    pub file: PathBuf,
+    /// The 1-based physical line on which the record starts (a CSV header is line 1).
+    pub line: u64,
+}
+
+type ParseFn<T> = dyn Fn(&[&str], &Location) -> Result<T, String> + Send + Sync;
+
+/// A source reading CSV or JSON-lines files.
+///
+/// The source does not split: shard 0 reads every file, in name order, and the other shards get
+/// an [`EmptyReader`]. One reader keeps the input order of every key (which splitting files or
+/// byte ranges across shards would not), and the keyed operators downstream redistribute the
+/// records over the shards anyway.
+pub struct FileSource<T> {
+    path: PathBuf,
+    format: FileFormat,
+    columns: Vec<String>,
+    parse: Arc<ParseFn<T>>,
+    policy: ErrorPolicy,
+    skipped: Arc<AtomicU64>,
+    max_record_bytes: usize,
+}
+
+impl<T> std::fmt::Debug for FileSource<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FileSource")
+            .field("path", &self.path)
+            .field("format", &self.format)
+            .field("columns", &self.columns)
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T: Send + 'static> FileSource<T> {
+    /// A source reading `path`: a file, or a directory whose regular files are read in name
+    /// order (names starting with '.' are skipped, as are subdirectories).
+    ///
+    /// `columns` names the fields the job needs (CSV header names or top-level JSON field
+    /// names); `parse` receives their values in that order as text (JSON strings unescaped,
+    /// numbers and booleans as written, nested arrays and objects as their JSON text) and
+    /// returns the record or the reason it is malformed.
+    pub fn new(
+        path: impl Into<PathBuf>,
+        format: FileFormat,
+        columns: &[&str],
+        parse: impl Fn(&[&str], &Location) -> Result<T, String> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            path: path.into(),
+            format,
+            columns: columns.iter().map(|c| (*c).to_owned()).collect(),
+            parse: Arc::new(parse),
+            policy: ErrorPolicy::Fail,
+            skipped: Arc::new(AtomicU64::new(0)),
+            max_record_bytes: MAX_RECORD_BYTES,
+        }
+    }
+
+    /// Sets what happens to malformed lines (default [`ErrorPolicy::Fail`]).
+    pub fn error_policy(mut self, policy: ErrorPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// The number of lines skipped or dead-lettered so far, shared with the readers.
+    pub fn skipped(&self) -> Arc<AtomicU64> {
+        Arc::clone(&self.skipped)
+    }
+}
+
+impl<T: Send + 'static> Source<T> for FileSource<T> {
+    fn create_reader(
+        &self,
+        shard: usize,
+        _shards: usize,
+    ) -> Result<Box<dyn SourceReader<T>>, SourceError> {
+        if shard != 0 {
+            return Ok(Box::new(EmptyReader));
+        }
+        let files = list_files(&self.path)?;
+        Ok(Box::new(FileReader {
+            format: self.format,
+            columns: self.columns.clone(),
+            parse: Arc::clone(&self.parse),
+            policy: self.policy.clone(),
+            skipped: Arc::clone(&self.skipped),
+            max_record_bytes: self.max_record_bytes,
+            files,
+            index: 0,
+            open: None,
+            finished: false,
+            loc: Location {
+                file: PathBuf::new(),
+                line: 0,
+            },
+            rec: Vec::new(),
+            csv_buf: Vec::new(),
+            csv_ends: Vec::new(),
+            json: JsonScratch::default(),
+            strs: Vec::new(),
+            dead: None,
+        }))
+    }
+
+    fn name(&self) -> &str {
+        "file"
+    }
+}
+
+fn io_error(path: &Path) -> impl FnOnce(io::Error) -> SourceError + '_ {
+    move |source| SourceError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// The files to read, in name order.
+fn list_files(path: &Path) -> Result<Vec<PathBuf>, SourceError> {
+    let meta = fs::metadata(path).map_err(io_error(path))?;
+    if !meta.is_dir() {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let mut files = Vec::new();
+    for entry in fs::read_dir(path).map_err(io_error(path))? {
+        let entry = entry.map_err(io_error(path))?;
+        if entry.file_name().as_encoded_bytes().first() == Some(&b'.') {
+            continue;
+        }
+        let file = entry.path();
+        // metadata() follows symlinks, so a link to a regular file is read like one.
+        if fs::metadata(&file).map_err(io_error(&file))?.is_file() {
+            files.push(file);
+        }
+    }
+    files.sort_by(|a, b| a.file_name().cmp(&b.file_name()));
+    Ok(files)
+}
+
+/// One open file of a reader.
+struct OpenFile {
+    reader: BufReader<File>,
+    /// Byte offset of the next unread line.
+    offset: u64,
+    /// Number of the next unread line.
+    line: u64,
+    /// CSV: for each wanted column, its field index in the header.
+    map: Vec<usize>,
+    /// CSV: the number of fields in the header, which every record must have.
+    width: usize,
+}
+
+/// What reading one line (or one CSV record) found.
+enum Step {
+    /// The current file is exhausted.
+    Eof,
+    /// A line was consumed (a record, a blank line, or a malformed line that the policy let by).
+    Line,
+}
+
+/// What reading one CSV record found.
+enum CsvRead {
+    Eof,
+    Blank,
+    Fields,
+    Bad(String),
+}
+
+/// The dead-letter file, opened on first use.
+struct DeadLetter {
+    path: PathBuf,
+    out: BufWriter<File>,
+}
+
+impl DeadLetter {
+    fn open(path: &Path) -> io::Result<Self> {
+        if let Some(parent) = path.parent() {
+            if !parent.as_os_str().is_empty() {
+                fs::create_dir_all(parent)?;
+            }
+        }
+        let file = OpenOptions::new().create(true).append(true).open(path)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            out: BufWriter::new(file),
+        })
+    }
+
+    fn write(&mut self, file: &Path, line: u64, reason: &str, raw: &[u8]) -> io::Result<()> {
+        let out = &mut self.out;
+        out.write_all(b"{\"file\":")?;
+        serde_json::to_writer(&mut *out, &file.to_string_lossy())?;
+        write!(out, ",\"line\":{line},\"reason\":")?;
+        serde_json::to_writer(&mut *out, reason)?;
+        out.write_all(b",\"raw\":")?;
+        // JSON strings are Unicode; an undecodable byte becomes U+FFFD.
+        serde_json::to_writer(&mut *out, &String::from_utf8_lossy(raw))?;
+        out.write_all(b"}\n")
+    }
+}
+
+/// Shard 0's reader of a [`FileSource`].
+struct FileReader<T> {
+    format: FileFormat,
+    columns: Vec<String>,
+    parse: Arc<ParseFn<T>>,
+    policy: ErrorPolicy,
+    skipped: Arc<AtomicU64>,
+    max_record_bytes: usize,
+    files: Vec<PathBuf>,
+    /// Index in `files` of the open file, or of the next one to open.
+    index: usize,
+    open: Option<OpenFile>,
+    finished: bool,
+    /// The location handed to `parse`; its path is replaced once per file, not per line.
+    loc: Location,
+    /// The raw bytes of the current line or CSV record, line terminators included.
+    rec: Vec<u8>,
+    /// CSV: the unquoted fields of the current record, back to back.
+    csv_buf: Vec<u8>,
+    /// CSV: the end of each field in `csv_buf`.
+    csv_ends: Vec<usize>,
+    json: JsonScratch,
+    /// An empty vector whose allocation is reused for the `&[&str]` handed to `parse`.
+    strs: Vec<&'static str>,
+    dead: Option<DeadLetter>,
+}
+
+/// Empties a vector of string slices and gives its allocation a new lifetime. The in-place
+/// `collect` keeps the allocation (same element layout) and maps no element, as there is none.
+fn recycle<'b>(mut v: Vec<&str>) -> Vec<&'b str> {
+    v.clear();
+    v.into_iter().map(|_| "").collect()
+}
+
+/// Drops a trailing "\n" or "\r\n".
+fn strip_eol(line: &[u8]) -> &[u8] {
+    let line = line.strip_suffix(b"\n").unwrap_or(line);
+    line.strip_suffix(b"\r").unwrap_or(line)
+}
+
+/// Appends one physical line (with its terminator) to `buf`, keeping `buf` within `max` bytes.
+/// Returns the bytes consumed from the file (0 at the end) and whether the line did not fit, in
+/// which case the rest of it was consumed without being kept.
+fn read_line(
+    reader: &mut BufReader<File>,
+    buf: &mut Vec<u8>,
+    max: usize,
+) -> io::Result<(u64, bool)> {
+    let room = max.saturating_sub(buf.len());
+    if room == 0 {
+        let rest = reader.skip_until(b'\n')?;
+        return Ok((rest as u64, rest > 0));
+    }
+    let n = reader.by_ref().take(room as u64).read_until(b'\n', buf)?;
+    if n < room || buf.last() == Some(&b'\n') {
+        return Ok((n as u64, false));
+    }
+    let rest = reader.skip_until(b'\n')?;
+    Ok(((n as u64).saturating_add(rest as u64), rest > 0))
+}
+
+/// The bytes of CSV field `i` in `buf` (see [`split_csv`]).
+fn csv_field<'a>(buf: &'a [u8], ends: &[usize], i: usize) -> Option<&'a [u8]> {
+    let start = if i == 0 { 0 } else { *ends.get(i - 1)? };
+    buf.get(start..*ends.get(i)?)
+}
+
+/// Why a CSV record could not be split.
+enum CsvSplitError {
+    /// A quoted field is still open: the record goes on on the next line.
+    Unterminated,
+    Bad(&'static str, usize),
+}
+
+/// Splits one CSV record (without its final line terminator) into unquoted fields stored back to
+/// back in `buf`, with the end of each in `ends`. Quoting follows RFC 4180 strictly: a quote
+/// may only open a field, a closing quote must end it, and `""` inside quotes is one quote.
+fn split_csv(rec: &[u8], buf: &mut Vec<u8>, ends: &mut Vec<usize>) -> Result<(), CsvSplitError> {
+    buf.clear();
+    ends.clear();
+    let mut i = 0;
+    loop {
+        if rec.get(i) == Some(&b'"') {
+            i += 1;
+            loop {
+                let Some(q) = rec
+                    .get(i..)
+                    .and_then(|rest| rest.iter().position(|&b| b == b'"'))
+                else {
+                    return Err(CsvSplitError::Unterminated);
+                };
+                buf.extend_from_slice(&rec[i..i + q]);
+                i += q + 1;
+                if rec.get(i) == Some(&b'"') {
+                    buf.push(b'"');
+                    i += 1;
+                } else {
+                    break;
+                }
+            }
+            ends.push(buf.len());
+            match rec.get(i) {
+                None => return Ok(()),
+                Some(b',') => i += 1,
+                Some(_) => {
+                    return Err(CsvSplitError::Bad(
+                        "unexpected character after a closing quote",
+                        i,
+                    ))
+                }
+            }
+        } else {
+            let rest = rec.get(i..).unwrap_or_default();
+            let len = rest.iter().position(|&b| b == b',').unwrap_or(rest.len());
+            let field = &rest[..len];
+            if let Some(q) = field.iter().position(|&b| b == b'"') {
+                return Err(CsvSplitError::Bad("quote inside an unquoted field", i + q));
+            }
+            buf.extend_from_slice(field);
+            ends.push(buf.len());
+            if len == rest.len() {
+                return Ok(());
+            }
+            i += len + 1;
+        }
+    }
+}
+
+impl<T: 'static> FileReader<T> {
+    /// Reads one CSV record, which may span several physical lines inside quotes.
+    fn read_csv_record(&mut self, strip_bom: bool) -> Result<CsvRead, SourceError> {
+        let Some(open) = self.open.as_mut() else {
+            return Ok(CsvRead::Eof);
+        };
+        self.rec.clear();
+        let mut lines = 0u32;
+        loop {
+            let (n, too_long) = read_line(&mut open.reader, &mut self.rec, self.max_record_bytes)
+                .map_err(io_error(&self.loc.file))?;
+            if n == 0 {
+                return Ok(if lines == 0 {
+                    CsvRead::Eof
+                } else {
+                    CsvRead::Bad("unterminated quoted field at the end of the file".to_owned())
+                });
+            }
+            lines += 1;
+            open.offset += n;
+            open.line += 1;
+            if too_long {
+                return Ok(CsvRead::Bad(format!(
+                    "record longer than {} bytes",
+                    self.max_record_bytes
+                )));
+            }
+            let mut content = strip_eol(&self.rec);
+            if strip_bom {
+                content = content.strip_prefix(BOM).unwrap_or(content);
+            }
+            if lines == 1 && content.is_empty() {
+                return Ok(CsvRead::Blank);
+            }
+            match split_csv(content, &mut self.csv_buf, &mut self.csv_ends) {
+                Ok(()) => return Ok(CsvRead::Fields),
+                Err(CsvSplitError::Unterminated) => {}
+                Err(CsvSplitError::Bad(what, at)) => {
+                    return Ok(CsvRead::Bad(format!("{what} (byte {at} of the record)")))
+                }
+            }
+        }
+    }
+
+    /// Opens `files[index]`, reads a CSV header, and moves to `at` (offset, line) if given.
+    fn open_current(&mut self, at: Option<(u64, u64)>) -> Result<(), SourceError> {
+        let Some(path) = self.files.get(self.index) else {
+            return Err(SourceError::Other(format!(
+                "file source: no file at index {}",
+                self.index
+            )));
+        };
+        self.loc.file.clone_from(path);
+        let path = &self.loc.file;
+        let file = File::open(path).map_err(io_error(path))?;
+        let len = file.metadata().map_err(io_error(path))?.len();
+        self.open = Some(OpenFile {
+            reader: BufReader::with_capacity(READ_BUFFER_BYTES, file),
+            offset: 0,
+            line: 1,
+            map: Vec::with_capacity(self.columns.len()),
+            width: 0,
+        });
+        if self.format == FileFormat::Csv {
+            self.read_header()?;
+        }
+        let Some((offset, line)) = at else {
+            return Ok(());
+        };
+        let Some(open) = self.open.as_mut() else {
+            return Ok(());
+        };
+        let path = &self.loc.file;
+        if (offset, line) == (0, 1) || (offset, line) == (open.offset, open.line) {
+            return Ok(());
+        }
+        let bad = |why: &str| SourceError::BadPosition(format!("{}: {why}", path.display()));
+        if offset <= open.offset || line <= open.line {
+            return Err(bad("offset lies before the first record"));
+        }
+        if offset > len {
+            return Err(bad("offset lies beyond the end of the file"));
+        }
+        // A record starts just after a line terminator; anything else is not a position of ours.
+        let mut before = [0u8; 1];
+        open.reader
+            .seek(SeekFrom::Start(offset - 1))
+            .map_err(io_error(path))?;
+        open.reader
+            .read_exact(&mut before)
+            .map_err(io_error(path))?;
+        if before[0] != b'\n' {
+            return Err(bad("offset is not at the start of a line"));
+        }
+        open.offset = offset;
+        open.line = line;
+        Ok(())
+    }
+
+    /// Reads the header of the open CSV file and maps the wanted columns to field indexes.
+    fn read_header(&mut self) -> Result<(), SourceError> {
+        loop {
+            let line = self.open.as_ref().map_or(1, |o| o.line);
+            let at_start = self.open.as_ref().is_some_and(|o| o.offset == 0);
+            match self.read_csv_record(at_start)? {
+                // A file without a header has no records: nothing to map.
+                CsvRead::Eof => return Ok(()),
+                CsvRead::Blank => {}
+                CsvRead::Bad(reason) => {
+                    return Err(SourceError::Malformed {
+                        file: self.loc.file.clone(),
+                        line,
+                        reason: format!("CSV header: {reason}"),
+                    })
+                }
+                CsvRead::Fields => break,
+            }
+        }
+        let Some(open) = self.open.as_mut() else {
+            return Ok(());
+        };
+        open.width = self.csv_ends.len();
+        open.map.clear();
+        for column in &self.columns {
+            let found = (0..open.width)
+                .find(|&i| csv_field(&self.csv_buf, &self.csv_ends, i) == Some(column.as_bytes()));
+            match found {
+                Some(i) => open.map.push(i),
+                None => {
+                    let available = (0..open.width)
+                        .map(|i| {
+                            String::from_utf8_lossy(
+                                csv_field(&self.csv_buf, &self.csv_ends, i).unwrap_or_default(),
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    return Err(SourceError::UnknownColumn {
+                        file: self.loc.file.clone(),
+                        column: column.clone(),
+                        available,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies the error policy to the malformed line `line` (raw bytes in `self.rec`).
+    fn malformed(&mut self, line: u64, reason: String) -> Result<(), SourceError> {
+        let path = match &self.policy {
+            ErrorPolicy::Fail => {
+                return Err(SourceError::Malformed {
+                    file: self.loc.file.clone(),
+                    line,
+                    reason,
+                });
+            }
+            ErrorPolicy::Skip => None,
+            ErrorPolicy::DeadLetter(path) => Some(path),
+        };
+        if let Some(path) = path {
+            if self.dead.is_none() {
+                self.dead = Some(DeadLetter::open(path).map_err(io_error(path))?);
+            }
+            if let Some(dead) = self.dead.as_mut() {
+                dead.write(&self.loc.file, line, &reason, strip_eol(&self.rec))
+                    .map_err(io_error(&dead.path))?;
+            }
+        }
+        self.skipped.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Reads one CSV record and appends its parsed record to `out`.
+    fn step_csv(&mut self, out: &mut Vec<T>) -> Result<Step, SourceError> {
+        let line = self.open.as_ref().map_or(1, |o| o.line);
+        match self.read_csv_record(false)? {
+            CsvRead::Eof => return Ok(Step::Eof),
+            CsvRead::Blank => return Ok(Step::Line),
+            CsvRead::Bad(reason) => {
+                self.malformed(line, reason)?;
+                return Ok(Step::Line);
+            }
+            CsvRead::Fields => {}
+        }
+        let Some(open) = self.open.as_ref() else {
+            return Ok(Step::Eof);
+        };
+        let result = if self.csv_ends.len() != open.width {
+            Err(format!(
+                "expected {} fields, found {}",
+                open.width,
+                self.csv_ends.len()
+            ))
+        } else {
+            let mut fields = recycle(std::mem::take(&mut self.strs));
+            let mut failure = None;
+            for (column, &i) in self.columns.iter().zip(&open.map) {
+                match csv_field(&self.csv_buf, &self.csv_ends, i).map(std::str::from_utf8) {
+                    Some(Ok(text)) => fields.push(text),
+                    _ => {
+                        failure = Some(format!("field `{column}` is not valid UTF-8"));
+                        break;
+                    }
+                }
+            }
+            let result = match failure {
+                Some(reason) => Err(reason),
+                None => {
+                    self.loc.line = line;
+                    (self.parse)(&fields, &self.loc)
+                }
+            };
+            self.strs = recycle(fields);
+            result
+        };
+        match result {
+            Ok(record) => out.push(record),
+            Err(reason) => self.malformed(line, reason)?,
+        }
+        Ok(Step::Line)
+    }
+
+    /// Reads one JSON line and appends its parsed record to `out`.
+    fn step_json(&mut self, out: &mut Vec<T>) -> Result<Step, SourceError> {
+        let Some(open) = self.open.as_mut() else {
+            return Ok(Step::Eof);
+        };
+        let line = open.line;
+        self.rec.clear();
+        let (n, too_long) = read_line(&mut open.reader, &mut self.rec, self.max_record_bytes)
+            .map_err(io_error(&self.loc.file))?;
+        if n == 0 {
+            return Ok(Step::Eof);
+        }
+        open.offset += n;
+        open.line += 1;
+        if too_long {
+            let reason = format!("line longer than {} bytes", self.max_record_bytes);
+            self.malformed(line, reason)?;
+            return Ok(Step::Line);
+        }
+        let mut content = strip_eol(&self.rec);
+        if line == 1 {
+            content = content.strip_prefix(BOM).unwrap_or(content);
+        }
+        if content.iter().all(|b| is_json_space(*b)) {
+            return Ok(Step::Line);
+        }
+        let result = match std::str::from_utf8(content) {
+            Err(e) => Err(format!("invalid UTF-8 at byte {}", e.valid_up_to())),
+            Ok(text) => match scan_object(text.as_bytes(), &self.columns, &mut self.json) {
+                Err(reason) => Err(reason),
+                Ok(()) => {
+                    let mut fields = recycle(std::mem::take(&mut self.strs));
+                    let mut failure = None;
+                    for ((column, val), esc) in
+                        self.columns.iter().zip(&self.json.vals).zip(&self.json.esc)
+                    {
+                        let value = match *val {
+                            Val::Missing => Err(format!("missing field `{column}`")),
+                            Val::Null => Err(format!("field `{column}` is null")),
+                            Val::Escaped => Ok(esc.as_str()),
+                            Val::Span(start, end) => text
+                                .get(start..end)
+                                .ok_or_else(|| format!("field `{column}`: bad span")),
+                        };
+                        match value {
+                            Ok(v) => fields.push(v),
+                            Err(reason) => {
+                                failure = Some(reason);
+                                break;
+                            }
+                        }
+                    }
+                    let result = match failure {
+                        Some(reason) => Err(reason),
+                        None => {
+                            self.loc.line = line;
+                            (self.parse)(&fields, &self.loc)
+                        }
+                    };
+                    self.strs = recycle(fields);
+                    result
+                }
+            },
+        };
+        match result {
+            Ok(record) => out.push(record),
+            Err(reason) => self.malformed(line, reason)?,
+        }
+        Ok(Step::Line)
+    }
+
+    /// Flushes the dead-letter file at the end of the input.
+    fn finish(&mut self) -> Result<(), SourceError> {
+        self.finished = true;
+        if let Some(dead) = self.dead.as_mut() {
+            dead.out.flush().map_err(io_error(&dead.path))?;
+            dead.out
+                .get_ref()
+                .sync_data()
+                .map_err(io_error(&dead.path))?;
+        }
+        Ok(())
+    }
+}
+
+impl<T: 'static> SourceReader<T> for FileReader<T> {
+    fn poll(&mut self, out: &mut Vec<T>, max: usize) -> Result<SourcePoll, SourceError> {
+        if self.finished {
+            return Ok(SourcePoll::Finished);
+        }
+        let before = out.len();
+        // Lines examined, not records appended, bound the work of one poll, so that a long run
+        // of skipped lines still returns control to the shard regularly.
+        let mut examined = 0;
+        while examined < max {
+            if self.open.is_none() {
+                if self.index >= self.files.len() {
+                    self.finish()?;
+                    return Ok(if out.len() > before {
+                        SourcePoll::Ready
+                    } else {
+                        SourcePoll::Finished
+                    });
+                }
+                self.open_current(None)?;
+            }
+            let step = match self.format {
+                FileFormat::Csv => self.step_csv(out)?,
+                FileFormat::JsonLines => self.step_json(out)?,
+            };
+            match step {
+                Step::Eof => {
+                    self.open = None;
+                    self.index += 1;
+                }
+                Step::Line => examined += 1,
+            }
+        }
+        Ok(SourcePoll::Ready)
+    }
+
+    fn position(&self) -> Vec<u8> {
+        let (offset, line) = self.open.as_ref().map_or((0, 1), |o| (o.offset, o.line));
+        let name = self
+            .files
+            .get(self.index)
+            .and_then(|p| p.file_name())
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let mut pos = Vec::with_capacity(POSITION_FIXED_BYTES + name.len());
+        pos.push(POSITION_VERSION);
+        pos.extend_from_slice(&(self.index as u64).to_le_bytes());
+        pos.extend_from_slice(&offset.to_le_bytes());
+        pos.extend_from_slice(&line.to_le_bytes());
+        pos.extend_from_slice(&(name.len() as u32).to_le_bytes());
+        pos.extend_from_slice(name.as_bytes());
+        pos
+    }
+
+    fn seek(&mut self, position: &[u8]) -> Result<(), SourceError> {
+        let bad = |why: String| SourceError::BadPosition(why);
+        let (index, offset, line, name) = decode_position(position).ok_or_else(|| {
+            bad(format!(
+                "not a file source position ({} bytes)",
+                position.len()
+            ))
+        })?;
+        let index =
+            usize::try_from(index).map_err(|_| bad(format!("file index {index} out of range")))?;
+        if index > self.files.len() {
+            return Err(bad(format!(
+                "file index {index}, but the source has {} files",
+                self.files.len()
+            )));
+        }
+        let expected = self
+            .files
+            .get(index)
+            .and_then(|p| p.file_name())
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if name != expected.as_bytes() {
+            return Err(bad(format!(
+                "file {index} is `{}` in the position but `{expected}` now",
+                String::from_utf8_lossy(name)
+            )));
+        }
+        if line == 0 || (index == self.files.len() && (offset, line) != (0, 1)) {
+            return Err(bad(format!(
+                "offset {offset}, line {line} is not a position of file {index}"
+            )));
+        }
+        self.open = None;
+        self.index = index;
+        self.finished = false;
+        if index < self.files.len() {
+            self.open_current(Some((offset, line)))?;
+        }
+        Ok(())
+    }
+}
+
+/// Decodes (file index, byte offset, line, file name) from a position.
+fn decode_position(pos: &[u8]) -> Option<(u64, u64, u64, &[u8])> {
+    let u64_at = |at: usize| -> Option<u64> {
+        Some(u64::from_le_bytes(pos.get(at..at + 8)?.try_into().ok()?))
+    };
+    if pos.first() != Some(&POSITION_VERSION) {
+        return None;
+    }
+    let name_len = u32::from_le_bytes(pos.get(25..29)?.try_into().ok()?) as usize;
+    let name = pos.get(POSITION_FIXED_BYTES..)?;
+    if name.len() != name_len {
+        return None;
+    }
+    Some((u64_at(1)?, u64_at(9)?, u64_at(17)?, name))
+}
+
+fn is_json_space(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | b'\r')
+}
+
+/// What the JSON scanner found for one wanted column.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Val {
+    Missing,
+    Null,
+    /// The text is this byte range of the line (a string's content, or a literal's text).
+    Span(usize, usize),
+    /// The text is the column's unescape buffer.
+    Escaped,
+}
+
+/// Per-line JSON scratch space, reused across lines.
+#[derive(Default)]
+struct JsonScratch {
+    vals: Vec<Val>,
+    /// Per column: the unescaped text of an escaped string value.
+    esc: Vec<String>,
+    /// An escaped key, unescaped for comparison.
+    key: String,
+}
+
+/// A JSON syntax error: what was wrong and at which byte.
+struct JsonError(&'static str, usize);
+
+/// What a JSON value was.
+enum Kind {
+    /// A string: content range and whether it holds escapes.
+    Str(usize, usize, bool),
+    Null,
+    /// A number, boolean, array or object: its text is the value's byte range.
+    Other,
+}
+
+/// A validating scanner over one line of JSON.
+struct Scanner<'a> {
+    b: &'a [u8],
+    pos: usize,
+}
+
+impl Scanner<'_> {
+    fn peek(&self) -> Option<u8> {
+        self.b.get(self.pos).copied()
+    }
+
+    fn err<T>(&self, what: &'static str) -> Result<T, JsonError> {
+        Err(JsonError(what, self.pos))
+    }
+
+    fn ws(&mut self) {
+        while self.peek().is_some_and(is_json_space) {
+            self.pos += 1;
+        }
+    }
+
+    fn hex4(&mut self) -> Result<u32, JsonError> {
+        let mut v = 0;
+        for _ in 0..4 {
+            let d = match self.peek() {
+                Some(c @ b'0'..=b'9') => c - b'0',
+                Some(c @ b'a'..=b'f') => c - b'a' + 10,
+                Some(c @ b'A'..=b'F') => c - b'A' + 10,
+                _ => return self.err("invalid \\u escape"),
+            };
+            v = v * 16 + u32::from(d);
+            self.pos += 1;
+        }
+        Ok(v)
+    }
+
+    /// Scans a string starting at the opening quote; returns its content range and whether it
+    /// has escapes. Checks every escape, including surrogate pairs.
+    fn string(&mut self) -> Result<(usize, usize, bool), JsonError> {
+        self.pos += 1;
+        let start = self.pos;
+        let mut escaped = false;
+        loop {
+            match self.peek() {
+                None => return self.err("unterminated string"),
+                Some(b'"') => {
+                    self.pos += 1;
+                    return Ok((start, self.pos - 1, escaped));
+                }
+                Some(b'\\') => {
+                    escaped = true;
+                    self.pos += 1;
+                    match self.peek() {
+                        Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => {
+                            self.pos += 1
+                        }
+                        Some(b'u') => {
+                            self.pos += 1;
+                            let unit = self.hex4()?;
+                            if (0xDC00..0xE000).contains(&unit) {
+                                return self.err("lone low surrogate in \\u escape");
+                            }
+                            if (0xD800..0xDC00).contains(&unit) {
+                                if self.b.get(self.pos..self.pos + 2) != Some(b"\\u") {
+                                    return self.err("lone high surrogate in \\u escape");
+                                }
+                                self.pos += 2;
+                                if !(0xDC00..0xE000).contains(&self.hex4()?) {
+                                    return self
+                                        .err("high surrogate not followed by a low surrogate");
+                                }
+                            }
+                        }
+                        _ => return self.err("invalid escape"),
+                    }
+                }
+                Some(0..=0x1F) => return self.err("control character in string"),
+                Some(_) => self.pos += 1,
+            }
+        }
+    }
+
+    fn digits(&mut self) -> usize {
+        let start = self.pos;
+        while self.peek().is_some_and(|c| c.is_ascii_digit()) {
+            self.pos += 1;
+        }
+        self.pos - start
+    }
+
+    fn number(&mut self) -> Result<(), JsonError> {
+        if self.peek() == Some(b'-') {
+            self.pos += 1;
+        }
+        match self.peek() {
+            Some(b'0') => self.pos += 1,
+            Some(b'1'..=b'9') => {
+                self.digits();
+            }
+            _ => return self.err("invalid number"),
+        }
+        if self.peek() == Some(b'.') {
+            self.pos += 1;
+            if self.digits() == 0 {
+                return self.err("invalid number");
+            }
+        }
+        if matches!(self.peek(), Some(b'e' | b'E')) {
+            self.pos += 1;
+            if matches!(self.peek(), Some(b'+' | b'-')) {
+                self.pos += 1;
+            }
+            if self.digits() == 0 {
+                return self.err("invalid number");
+            }
+        }
+        Ok(())
+    }
+
+    fn literal(&mut self, word: &[u8]) -> Result<(), JsonError> {
+        if self.b.get(self.pos..self.pos + word.len()) == Some(word) {
+            self.pos += word.len();
+            Ok(())
+        } else {
+            self.err("invalid literal")
+        }
+    }
+
+    /// Scans one value at the current position (whitespace already skipped).
+    fn value(&mut self, depth: usize) -> Result<Kind, JsonError> {
+        match self.peek() {
+            Some(b'"') => {
+                let (start, end, escaped) = self.string()?;
+                Ok(Kind::Str(start, end, escaped))
+            }
+            Some(b'{') => self.container(depth, b'}', true).map(|()| Kind::Other),
+            Some(b'[') => self.container(depth, b']', false).map(|()| Kind::Other),
+            Some(b't') => self.literal(b"true").map(|()| Kind::Other),
+            Some(b'f') => self.literal(b"false").map(|()| Kind::Other),
+            Some(b'n') => self.literal(b"null").map(|()| Kind::Null),
+            Some(b'-' | b'0'..=b'9') => self.number().map(|()| Kind::Other),
+            None => self.err("unexpected end of line"),
+            Some(_) => self.err("expected a value"),
+        }
+    }
+
+    /// Scans a nested object or array whose opening bracket is at the current position.
+    fn container(&mut self, depth: usize, close: u8, object: bool) -> Result<(), JsonError> {
+        if depth >= MAX_JSON_DEPTH {
+            return self.err("nested too deeply");
+        }
+        self.pos += 1;
+        self.ws();
+        if self.peek() == Some(close) {
+            self.pos += 1;
+            return Ok(());
+        }
+        loop {
+            if object {
+                if self.peek() != Some(b'"') {
+                    return self.err("expected a string key");
+                }
+                self.string()?;
+                self.ws();
+                if self.peek() != Some(b':') {
+                    return self.err("expected ':'");
+                }
+                self.pos += 1;
+                self.ws();
+            }
+            self.value(depth + 1)?;
+            self.ws();
+            match self.peek() {
+                Some(b',') => {
+                    self.pos += 1;
+                    self.ws();
+                }
+                Some(c) if c == close => {
+                    self.pos += 1;
+                    return Ok(());
+                }
+                _ => {
+                    return self.err(if object {
+                        "expected ',' or '}'"
+                    } else {
+                        "expected ',' or ']'"
+                    })
+                }
+            }
+        }
+    }
+}
+
+/// Unescapes the content of a JSON string that [`Scanner::string`] accepted.
+fn unescape(content: &[u8], out: &mut String) -> Option<()> {
+    out.clear();
+    let mut i = 0;
+    while i < content.len() {
+        let run = content
+            .get(i..)?
+            .iter()
+            .position(|&b| b == b'\\')
+            .unwrap_or(content.len() - i);
+        out.push_str(std::str::from_utf8(content.get(i..i + run)?).ok()?);
+        i += run;
+        if i >= content.len() {
+            break;
+        }
+        let c = *content.get(i + 1)?;
+        i += 2;
+        let ch = match c {
+            b'"' => '"',
+            b'\\' => '\\',
+            b'/' => '/',
+            b'b' => '\u{8}',
+            b'f' => '\u{c}',
+            b'n' => '\n',
+            b'r' => '\r',
+            b't' => '\t',
+            b'u' => {
+                let hex = |at: usize| -> Option<u32> {
+                    u32::from_str_radix(std::str::from_utf8(content.get(at..at + 4)?).ok()?, 16)
+                        .ok()
+                };
+                let unit = hex(i)?;
+                i += 4;
+                if (0xD800..0xDC00).contains(&unit) {
+                    let low = hex(i + 2)?;
+                    i += 6;
+                    char::from_u32(0x10000 + ((unit - 0xD800) << 10) + (low.checked_sub(0xDC00)?))?
+                } else {
+                    char::from_u32(unit)?
+                }
+            }
+            _ => return None,
+        };
+        out.push(ch);
+    }
+    Some(())
+}
+
+/// Checks that `b` is exactly one JSON object (with surrounding whitespace) and records in
+/// `scratch.vals` where each of `columns` is. Returns the reason if the line is malformed.
+fn scan_object(b: &[u8], columns: &[String], scratch: &mut JsonScratch) -> Result<(), String> {
+    scratch.vals.clear();
+    scratch.vals.resize(columns.len(), Val::Missing);
+    if scratch.esc.len() < columns.len() {
+        scratch.esc.resize_with(columns.len(), String::new);
+    }
+    let syntax = |JsonError(what, at)| format!("invalid JSON at byte {at}: {what}");
+    let mut s = Scanner { b, pos: 0 };
+    s.ws();
+    if s.peek() != Some(b'{') {
+        return Err("not a JSON object".to_owned());
+    }
+    s.pos += 1;
+    s.ws();
+    if s.peek() == Some(b'}') {
+        s.pos += 1;
+    } else {
+        loop {
+            if s.peek() != Some(b'"') {
+                return Err(syntax(JsonError("expected a string key", s.pos)));
+            }
+            let (key_start, key_end, key_escaped) = s.string().map_err(syntax)?;
+            let key: &[u8] = if key_escaped {
+                unescape(
+                    b.get(key_start..key_end).unwrap_or_default(),
+                    &mut scratch.key,
+                )
+                .ok_or_else(|| syntax(JsonError("invalid escape", key_start)))?;
+                scratch.key.as_bytes()
+            } else {
+                b.get(key_start..key_end).unwrap_or_default()
+            };
+            let wanted = columns.iter().any(|c| c.as_bytes() == key);
+            s.ws();
+            if s.peek() != Some(b':') {
+                return Err(syntax(JsonError("expected ':'", s.pos)));
+            }
+            s.pos += 1;
+            s.ws();
+            let value_start = s.pos;
+            let kind = s.value(1).map_err(syntax)?;
+            if wanted {
+                for (i, column) in columns.iter().enumerate() {
+                    if column.as_bytes() != key {
+                        continue;
+                    }
+                    if scratch.vals.get(i) != Some(&Val::Missing) {
+                        return Err(format!("duplicate field `{column}`"));
+                    }
+                    let val = match kind {
+                        Kind::Null => Val::Null,
+                        Kind::Other => Val::Span(value_start, s.pos),
+                        Kind::Str(start, end, false) => Val::Span(start, end),
+                        Kind::Str(start, end, true) => {
+                            let buf = scratch.esc.get_mut(i).ok_or("scratch space missing")?;
+                            unescape(b.get(start..end).unwrap_or_default(), buf)
+                                .ok_or_else(|| syntax(JsonError("invalid escape", start)))?;
+                            Val::Escaped
+                        }
+                    };
+                    if let Some(slot) = scratch.vals.get_mut(i) {
+                        *slot = val;
+                    }
+                }
+            }
+            s.ws();
+            match s.peek() {
+                Some(b',') => {
+                    s.pos += 1;
+                    s.ws();
+                }
+                Some(b'}') => {
+                    s.pos += 1;
+                    break;
+                }
+                _ => return Err(syntax(JsonError("expected ',' or '}'", s.pos))),
+            }
+        }
+    }
+    s.ws();
+    if s.pos != b.len() {
+        return Err(syntax(JsonError(
+            "trailing characters after the object",
+            s.pos,
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::{SourceError, SourcePoll, SourceReader};
+
+    fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+        let path = dir.join(name);
+        fs::write(&path, text).expect("write test file");
+        path
+    }
+
+    /// Parses (key, integer value) from two fields.
+    fn pair(fields: &[&str], _loc: &Location) -> Result<(String, i64), String> {
+        let [key, value] = fields else {
+            return Err(format!("expected 2 fields, got {}", fields.len()));
+        };
+        let value = value
+            .parse::<i64>()
+            .map_err(|e| format!("value `{value}`: {e}"))?;
+        Ok(((*key).to_owned(), value))
+    }
+
+    /// All the fields as owned strings.
+    fn texts(fields: &[&str], _loc: &Location) -> Result<Vec<String>, String> {
+        Ok(fields.iter().map(|f| (*f).to_owned()).collect())
+    }
+
+    fn reader<T: Send + 'static>(source: &FileSource<T>) -> Box<dyn SourceReader<T>> {
+        source.create_reader(0, 1).expect("create reader")
+    }
+
+    fn drain<T: 'static>(
+        reader: &mut dyn SourceReader<T>,
+        max: usize,
+    ) -> Result<Vec<T>, SourceError> {
+        let mut all = Vec::new();
+        let mut batch = Vec::new();
+        loop {
+            batch.clear();
+            let poll = reader.poll(&mut batch, max)?;
+            assert!(batch.len() <= max, "poll appended {} > {max}", batch.len());
+            all.append(&mut batch);
+            if poll == SourcePoll::Finished {
+                return Ok(all);
+            }
+        }
+    }
+
+    fn kv(pairs: &[(&str, i64)]) -> Vec<(String, i64)> {
+        pairs.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect()
+    }
+
+    #[test]
+    fn csv_reads_wanted_columns_in_order() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let path = write(
+            tmp.path(),
+            "in.csv",
+            "id,name,score\n1,a,10\n2,b,-3\n\n3,c,7\n",
+        );
+        let source = FileSource::new(&path, FileFormat::Csv, &["name", "score"], pair);
+        assert_eq!(source.name(), "file");
+        let got = drain(reader(&source).as_mut(), 2).expect("read");
+        assert_eq!(got, kv(&[("a", 10), ("b", -3), ("c", 7)]));
+        assert_eq!(source.skipped().load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn csv_quoted_fields_crlf_and_multiline_records() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let text =
+            "\u{feff}k,\"v\"\r\n\"a,b\",\"say \"\"hi\"\"\"\r\n\"two\nlines\",x\r\nlast,\"\"\r\n";
+        let path = write(tmp.path(), "q.csv", text);
+        let lines = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = Arc::clone(&lines);
+        let source = FileSource::new(
+            &path,
+            FileFormat::Csv,
+            &["k", "v"],
+            move |f: &[&str], loc: &Location| {
+                seen.lock().map_err(|e| e.to_string())?.push(loc.line);
+                texts(f, loc)
+            },
+        );
+        let got = drain(reader(&source).as_mut(), 10).expect("read");
+        assert_eq!(
+            got,
+            vec![
+                vec!["a,b".to_owned(), "say \"hi\"".to_owned()],
+                vec!["two\nlines".to_owned(), "x".to_owned()],
+                vec!["last".to_owned(), String::new()],
+            ]
+        );
+        // The multi-line record starts on line 3 and the next record on line 5.
+        assert_eq!(*lines.lock().expect("lock"), vec![2, 3, 5]);
+    }
+
+    #[test]
+    fn csv_unknown_column_names_file_and_header() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let path = write(tmp.path(), "u.csv", "a,b\n1,2\n");
+        let source = FileSource::new(&path, FileFormat::Csv, &["a", "zz"], texts);
+        let err = drain(reader(&source).as_mut(), 10).expect_err("unknown column");
+        match &err {
+            SourceError::UnknownColumn {
+                file,
+                column,
+                available,
+            } => {
+                assert_eq!(file, &path);
+                assert_eq!(column, "zz");
+                assert_eq!(available, "a, b");
+            }
+            other => panic!("unexpected error {other:?}"),
+        }
+        assert!(err.to_string().contains("u.csv"), "{err}");
+    }
+
+    #[test]
+    fn csv_malformed_lines_fail_with_file_and_line() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let cases = [
+            (
+                "count.csv",
+                &b"k,v\na,1\nb,2,3\n"[..],
+                3,
+                "expected 2 fields, found 3",
+            ),
+            ("parse.csv", b"k,v\na,1\nb,1\nc,x\n", 4, "value `x`"),
+            (
+                "quote.csv",
+                b"k,v\na,1\n\"b\"c,1\n",
+                3,
+                "after a closing quote",
+            ),
+            (
+                "bare.csv",
+                b"k,v\na,1\nb\"c,1\n",
+                3,
+                "quote inside an unquoted field",
+            ),
+            (
+                "open.csv",
+                b"k,v\na,1\n\"b,1\nc,2\n",
+                3,
+                "unterminated quoted field",
+            ),
+            ("utf8.csv", b"k,v\na,1\nb\xff,1\n", 3, "not valid UTF-8"),
+        ];
+        for (name, text, line, reason) in cases {
+            let path = tmp.path().join(name);
+            fs::write(&path, text).expect("write");
+            let source = FileSource::new(&path, FileFormat::Csv, &["k", "v"], pair);
+            let mut r = reader(&source);
+            let mut out = Vec::new();
+            let err = loop {
+                match r.poll(&mut out, 1) {
+                    Ok(SourcePoll::Finished) => panic!("{name}: no error"),
+                    Ok(_) => {}
+                    Err(e) => break e,
+                }
+            };
+            assert!(out.iter().all(|(_, v)| *v == 1), "{name}: {out:?}");
+            match &err {
+                SourceError::Malformed {
+                    file,
+                    line: l,
+                    reason: r,
+                } => {
+                    assert_eq!(file, &path, "{name}");
+                    assert_eq!(*l, line, "{name}");
+                    assert!(r.contains(reason), "{name}: {r}");
+                }
+                other => panic!("{name}: unexpected error {other:?}"),
+            }
+            assert!(
+                err.to_string().contains(&format!("{name}:{line}:")),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn csv_empty_file_and_header_only_have_no_records() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        for (name, text) in [
+            ("empty.csv", ""),
+            ("header.csv", "k,v\n"),
+            ("header-no-eol.csv", "k,v"),
+        ] {
+            let path = write(tmp.path(), name, text);
+            let source = FileSource::new(&path, FileFormat::Csv, &["v"], texts);
+            assert!(
+                drain(reader(&source).as_mut(), 4).expect(name).is_empty(),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn jsonl_reads_fields_as_text() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let text = concat!(
+            "{\"a\": \"plain\", \"b\": 12, \"c\": true, \"skip\": [1, {\"x\": null}]}\n",
+            "\n   \n",
+            "{\"c\": false, \"b\": -1.5e3, \"a\": \"q\\\"\\\\\\n\\u00e9\\ud83d\\ude00\"}\r\n",
+            "{\"a\": \"\", \"b\": [1, 2], \"c\": {\"n\": \"m\"}, \"extra\": null}",
+        );
+        let path = write(tmp.path(), "in.jsonl", text);
+        let source = FileSource::new(&path, FileFormat::JsonLines, &["a", "b", "c"], texts);
+        let got = drain(reader(&source).as_mut(), 3).expect("read");
+        let expect: Vec<Vec<String>> = vec![
+            vec!["plain".into(), "12".into(), "true".into()],
+            vec![
+                "q\"\\\n\u{e9}\u{1F600}".into(),
+                "-1.5e3".into(),
+                "false".into(),
+            ],
+            vec![String::new(), "[1, 2]".into(), "{\"n\": \"m\"}".into()],
+        ];
+        assert_eq!(got, expect);
+    }
+
+    #[test]
+    fn jsonl_escaped_keys_match_columns() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let path = write(
+            tmp.path(),
+            "k.jsonl",
+            "{\"\\u0061\": 1, \"b\\u00e9\": \"x\"}\n",
+        );
+        let source = FileSource::new(&path, FileFormat::JsonLines, &["a", "b\u{e9}"], texts);
+        let got = drain(reader(&source).as_mut(), 3).expect("read");
+        assert_eq!(got, vec![vec!["1".to_owned(), "x".to_owned()]]);
+    }
+
+    #[test]
+    fn jsonl_malformed_lines_fail_with_file_and_line() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let good = "{\"k\": \"a\", \"v\": 1}\n";
+        let cases = [
+            ("missing", "{\"k\": \"b\"}", "missing field `v`"),
+            ("null", "{\"k\": \"b\", \"v\": null}", "field `v` is null"),
+            ("badjson", "{\"k\": \"b\", \"v\": 1", "invalid JSON"),
+            ("array", "[1, 2]", "not a JSON object"),
+            (
+                "trailing",
+                "{\"k\": \"b\", \"v\": 1} x",
+                "trailing characters",
+            ),
+            (
+                "comma",
+                "{\"k\": \"b\", \"v\": 1,}",
+                "expected a string key",
+            ),
+            (
+                "dup",
+                "{\"k\": \"b\", \"v\": 1, \"v\": 2}",
+                "duplicate field `v`",
+            ),
+            ("parse", "{\"k\": \"b\", \"v\": \"x\"}", "value `x`"),
+            ("number", "{\"k\": \"b\", \"v\": 01}", "invalid JSON"),
+            ("escape", "{\"k\": \"\\x\", \"v\": 1}", "invalid escape"),
+            ("surrogate", "{\"k\": \"\\ud800\", \"v\": 1}", "surrogate"),
+        ];
+        for (name, bad, expected) in cases {
+            let path = write(tmp.path(), name, &format!("{good}\n{bad}\n{good}"));
+            let source = FileSource::new(&path, FileFormat::JsonLines, &["k", "v"], pair);
+            let err = drain(reader(&source).as_mut(), 8).expect_err(name);
+            match &err {
+                SourceError::Malformed { file, line, reason } => {
+                    assert_eq!(file, &path, "{name}");
+                    assert_eq!(*line, 3, "{name}");
+                    assert!(reason.contains(expected), "{name}: {reason}");
+                }
+                other => panic!("{name}: unexpected error {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn json_scanner_agrees_with_serde_json() {
+        let lines = [
+            "{}",
+            " { } ",
+            "{\"a\":1}",
+            "{\"a\":[]}",
+            "{\"a\":[1,]}",
+            "{\"a\":{\"b\":{}}}",
+            "{\"a\":-0.0e+5}",
+            "{\"a\":-}",
+            "{\"a\":1.}",
+            "{\"a\":.5}",
+            "{\"a\":1e}",
+            "{\"a\":tru}",
+            "{\"a\":nul}",
+            "{\"a\":\"\\u12\"}",
+            "{\"a\":\"\\udc00\"}",
+            "{\"a\":\"\\ud800\\u0041\"}",
+            "{\"a\":\"\\ud800\\udc00\"}",
+            "{\"a\":\"\t\"}",
+            "{\"a\" 1}",
+            "{a:1}",
+            "{\"a\":1 \"b\":2}",
+            "{\"a\":1}}",
+            "{\"a\":[1 2]}",
+            "\"str\"",
+            "{\"a\":\"\\/\\b\\f\\r\\t\"}",
+        ];
+        let mut scratch = JsonScratch::default();
+        let columns = vec!["a".to_owned()];
+        for line in lines {
+            let ours = scan_object(line.as_bytes(), &columns, &mut scratch).is_ok();
+            let theirs = matches!(
+                serde_json::from_str::<serde_json::Value>(line),
+                Ok(serde_json::Value::Object(_))
+            );
+            assert_eq!(ours, theirs, "{line}");
+        }
+        let deep = format!("{{\"a\":{}{}}}", "[".repeat(200), "]".repeat(200));
+        assert!(scan_object(deep.as_bytes(), &columns, &mut scratch).is_err());
+    }
+
+    #[test]
+    fn skip_policy_counts_and_goes_on() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let path = write(tmp.path(), "s.csv", "k,v\na,1\nb\nc,x\nd,4\n");
+        let source = FileSource::new(&path, FileFormat::Csv, &["k", "v"], pair)
+            .error_policy(ErrorPolicy::Skip);
+        let skipped = source.skipped();
+        let got = drain(reader(&source).as_mut(), 1).expect("read");
+        assert_eq!(got, kv(&[("a", 1), ("d", 4)]));
+        assert_eq!(skipped.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn dead_letter_policy_writes_raw_lines() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let path = write(
+            tmp.path(),
+            "d.jsonl",
+            "{\"k\":\"a\",\"v\":1}\r\nnot json\r\n{\"k\":\"b\"}\n{\"k\":\"c\",\"v\":3}\n",
+        );
+        let dead = tmp.path().join("errors").join("nested").join("dead.jsonl");
+        let source = FileSource::new(&path, FileFormat::JsonLines, &["k", "v"], pair)
+            .error_policy(ErrorPolicy::DeadLetter(dead.clone()));
+        let got = drain(reader(&source).as_mut(), 100).expect("read");
+        assert_eq!(got, kv(&[("a", 1), ("c", 3)]));
+        assert_eq!(source.skipped().load(Ordering::Relaxed), 2);
+        let text = fs::read_to_string(&dead).expect("dead-letter file");
+        let entries: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("dead-letter line is JSON"))
+            .collect();
+        assert_eq!(entries.len(), 2);
+        assert_eq!(entries[0]["file"], path.to_string_lossy().as_ref());
+        assert_eq!(entries[0]["line"], 2);
+        assert_eq!(entries[0]["raw"], "not json");
+        assert_eq!(entries[0]["reason"], "not a JSON object");
+        assert_eq!(entries[1]["line"], 3);
+        assert_eq!(entries[1]["raw"], "{\"k\":\"b\"}");
+        assert_eq!(entries[1]["reason"], "missing field `v`");
+    }
+
+    #[test]
+    fn too_long_lines_are_malformed_and_reading_goes_on() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let long = "x".repeat(100);
+        let path = write(
+            tmp.path(),
+            "l.csv",
+            &format!("k,v\na,1\n{long},2\nb,3\n\"{long}\n{long}\",4\nc,5"),
+        );
+        let mut source = FileSource::new(&path, FileFormat::Csv, &["k", "v"], pair)
+            .error_policy(ErrorPolicy::Skip);
+        source.max_record_bytes = 64;
+        let got = drain(reader(&source).as_mut(), 10).expect("read");
+        assert_eq!(got, kv(&[("a", 1), ("b", 3), ("c", 5)]));
+        // Giving up on the quoted record after its first line leaves its second line, which is
+        // malformed on its own: three lines skipped.
+        assert_eq!(source.skipped().load(Ordering::Relaxed), 3);
+    }
+
+    /// A directory of three files, a hidden file and a subdirectory that are skipped.
+    fn directory(format: FileFormat) -> (tempfile::TempDir, Vec<(String, i64)>) {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let mut expect = Vec::new();
+        for (f, name) in ["c", "a", "b"].iter().enumerate() {
+            let mut text = match format {
+                FileFormat::Csv => "v,k\n".to_owned(),
+                FileFormat::JsonLines => String::new(),
+            };
+            let file_number = match *name {
+                "a" => 0,
+                "b" => 1,
+                _ => 2,
+            };
+            for i in 0..(3 + f as i64) {
+                let v = file_number * 100 + i;
+                let k = format!("{name}{i}");
+                text.push_str(&match format {
+                    FileFormat::Csv => format!("{v},\"{k}\"\r\n"),
+                    FileFormat::JsonLines => format!("{{\"k\":\"{k}\",\"v\":{v}}}\n"),
+                });
+            }
+            write(tmp.path(), &format!("part-{name}"), &text);
+        }
+        for name in ["a", "b", "c"] {
+            let n = match name {
+                "a" => 4,
+                "b" => 5,
+                _ => 3,
+            };
+            let file_number = match name {
+                "a" => 0,
+                "b" => 1,
+                _ => 2,
+            };
+            for i in 0..n {
+                expect.push((format!("{name}{i}"), file_number * 100 + i));
+            }
+        }
+        write(tmp.path(), ".hidden", "garbage\n");
+        fs::create_dir(tmp.path().join("sub")).expect("subdir");
+        write(&tmp.path().join("sub"), "x", "garbage\n");
+        (tmp, expect)
+    }
+
+    #[test]
+    fn directory_files_are_read_in_name_order() {
+        for format in [FileFormat::Csv, FileFormat::JsonLines] {
+            let (tmp, expect) = directory(format);
+            let source = FileSource::new(tmp.path(), format, &["k", "v"], pair);
+            assert_eq!(
+                drain(reader(&source).as_mut(), 2).expect("read"),
+                expect,
+                "{format:?}"
+            );
+            // Other shards read nothing.
+            let mut other = source.create_reader(1, 2).expect("reader");
+            let mut out = Vec::new();
+            assert_eq!(
+                other.poll(&mut out, 10).expect("poll"),
+                SourcePoll::Finished
+            );
+            assert!(out.is_empty());
+        }
+    }
+
+    #[test]
+    fn seek_continues_with_the_next_record() {
+        for format in [FileFormat::Csv, FileFormat::JsonLines] {
+            let (tmp, expect) = directory(format);
+            let source = FileSource::new(tmp.path(), format, &["k", "v"], pair);
+            for n in 0..=expect.len() {
+                let mut first = reader(&source);
+                let mut out = Vec::new();
+                // Read exactly n records, one per poll.
+                while out.len() < n {
+                    first.poll(&mut out, 1).expect("poll");
+                }
+                assert_eq!(out, expect[..n], "{format:?} n={n}");
+                let position = first.position();
+                let mut second = reader(&source);
+                second.seek(&position).expect("seek");
+                let rest = drain(second.as_mut(), 3).expect("read rest");
+                assert_eq!(rest, expect[n..], "{format:?} n={n}");
+                // And the first reader agrees with the second.
+                assert_eq!(drain(first.as_mut(), 3).expect("read rest"), expect[n..]);
+                // The end position of a finished reader is valid too.
+                let mut third = reader(&source);
+                third.seek(&first.position()).expect("seek to end");
+                assert!(drain(third.as_mut(), 3).expect("read").is_empty());
+            }
+        }
+    }
+
+    #[test]
+    fn bad_positions_are_rejected() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        write(
+            tmp.path(),
+            "a.jsonl",
+            "{\"k\":\"a\",\"v\":1}\n{\"k\":\"b\",\"v\":2}\n",
+        );
+        let source = FileSource::new(tmp.path(), FileFormat::JsonLines, &["k", "v"], pair);
+        let mut r = reader(&source);
+        let mut out = Vec::new();
+        r.poll(&mut out, 1).expect("poll");
+        let good = r.position();
+        let encode = |index: u64, offset: u64, line: u64, name: &str| {
+            let mut p = vec![POSITION_VERSION];
+            p.extend_from_slice(&index.to_le_bytes());
+            p.extend_from_slice(&offset.to_le_bytes());
+            p.extend_from_slice(&line.to_le_bytes());
+            p.extend_from_slice(&(name.len() as u32).to_le_bytes());
+            p.extend_from_slice(name.as_bytes());
+            p
+        };
+        assert_eq!(good, encode(0, 16, 2, "a.jsonl"));
+        let mut wrong_version = good.clone();
+        wrong_version[0] = 9;
+        let bad = [
+            Vec::new(),
+            vec![1, 2, 3],
+            good[..good.len() - 1].to_vec(),
+            wrong_version,
+            encode(5, 0, 1, ""),
+            encode(0, 16, 2, "b.jsonl"),
+            encode(0, 7, 2, "a.jsonl"),
+            encode(0, 9999, 3, "a.jsonl"),
+            encode(0, 16, 0, "a.jsonl"),
+            encode(1, 5, 1, ""),
+        ];
+        for position in bad {
+            let mut fresh = reader(&source);
+            match fresh.seek(&position) {
+                Err(SourceError::BadPosition(_)) => {}
+                other => panic!("{position:?}: expected BadPosition, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn missing_path_is_an_io_error_naming_it() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let path = tmp.path().join("nope");
+        let source = FileSource::new(&path, FileFormat::Csv, &["k"], texts);
+        match source.create_reader(0, 1) {
+            Err(SourceError::Io { path: p, .. }) => assert_eq!(p, path),
+            Err(other) => panic!("unexpected error {other:?}"),
+            Ok(_) => panic!("a missing path has no reader"),
+        }
+    }
+
+    #[test]
+    fn recycled_field_vector_keeps_its_allocation() {
+        let mut v: Vec<&str> = Vec::with_capacity(8);
+        v.push("x");
+        let v: Vec<&'static str> = recycle(v);
+        assert!(v.is_empty());
+        assert!(v.capacity() >= 8);
+    }
+}

@@ -1,0 +1,101 @@
+//! Sources: where records enter a job.
+//!
+//! A [`Source`] is a description shared by every shard; at job start each shard asks it for a
+//! [`SourceReader`] of its own. A reader hands out records in batches into a buffer that the
+//! shard reuses, so a source costs no allocation per record. A reader's position is opaque
+//! bytes, taken with a checkpoint barrier and given back on restore.
+
+use std::path::PathBuf;
+
+mod file;
+mod generator;
+mod ingress;
+mod iter;
+
+pub use file::{ErrorPolicy, FileFormat, FileSource, Location};
+pub use generator::{splitmix64, GeneratorSource};
+pub use ingress::{ingress, Closed, Ingress, IngressSource};
+pub use iter::IterSource;
+
+/// What a poll of a reader found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SourcePoll {
+    /// Zero or more records were appended; poll again.
+    Ready,
+    /// Nothing is available now; poll again later (the shard may idle meanwhile).
+    Idle,
+    /// The source is exhausted: it will append nothing more.
+    Finished,
+}
+
+/// A source's error. Each variant names what failed and where.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SourceError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{file}:{line}: malformed record: {reason}")]
+    Malformed {
+        file: PathBuf,
+        line: u64,
+        reason: String,
+    },
+    #[error("{file}: unknown column `{column}` (columns: {available})")]
+    UnknownColumn {
+        file: PathBuf,
+        column: String,
+        available: String,
+    },
+    #[error("source position is not valid for this source: {0}")]
+    BadPosition(String),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// One shard's reader of a source.
+pub trait SourceReader<T>: 'static {
+    /// Appends up to `max` records to `out` (which the caller clears between polls).
+    fn poll(&mut self, out: &mut Vec<T>, max: usize) -> Result<SourcePoll, SourceError>;
+
+    /// The position just after the last record appended so far, as opaque bytes.
+    fn position(&self) -> Vec<u8>;
+
+    /// Continues from a position that [`SourceReader::position`] returned earlier.
+    fn seek(&mut self, position: &[u8]) -> Result<(), SourceError>;
+}
+
+/// A source description, shared by every shard.
+pub trait Source<T>: Send + Sync + 'static {
+    /// The reader for `shard` of `shards`. A source that cannot split returns a reader with data
+    /// on one shard and finished readers elsewhere.
+    fn create_reader(
+        &self,
+        shard: usize,
+        shards: usize,
+    ) -> Result<Box<dyn SourceReader<T>>, SourceError>;
+
+    /// A short name for metrics and errors.
+    fn name(&self) -> &str {
+        "source"
+    }
+}
+
+/// A reader that has nothing, for shards a source does not read on.
+#[derive(Debug, Default)]
+pub struct EmptyReader;
+
+impl<T: 'static> SourceReader<T> for EmptyReader {
+    fn poll(&mut self, _out: &mut Vec<T>, _max: usize) -> Result<SourcePoll, SourceError> {
+        Ok(SourcePoll::Finished)
+    }
+    fn position(&self) -> Vec<u8> {
+        Vec::new()
+    }
+    fn seek(&mut self, _position: &[u8]) -> Result<(), SourceError> {
+        Ok(())
+    }
+}

@@ -1,0 +1,400 @@
+//! The stream API: a job builder and typed streams, close to Flink's DataStream.
+
+use std::cell::RefCell;
+use std::marker::PhantomData;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use crate::config::JobConfig;
+use crate::data::Data;
+use crate::error::{JobError, StartError};
+use crate::graph::{name_of, BuildCtx, Factory, Graph, GraphRef, Head, HeadStatus, Name};
+use crate::metrics::{bump, HeadCounters};
+use crate::operator::{Counted, Emit, Event, FlatMapOp, InputMerger, Out, UnionInput, NO_TS};
+use crate::sink::{CallbackSink, CollectSink, Collected, FileSink, Sink, SinkOp};
+use crate::source::{IterSource, Source, SourcePoll, SourceReader};
+
+/// A job under construction. Add sources, transform the streams, end them in sinks, then
+/// [`Job::start`] or [`Job::run`].
+pub struct Job {
+    pub(crate) graph: GraphRef,
+    pub(crate) config: JobConfig,
+    pub(crate) errors: Rc<RefCell<Vec<String>>>,
+}
+
+impl Job {
+    pub fn new(config: JobConfig) -> Self {
+        Self {
+            graph: Rc::new(RefCell::new(Graph::default())),
+            config,
+            errors: Rc::default(),
+        }
+    }
+
+    pub fn config(&self) -> &JobConfig {
+        &self.config
+    }
+
+    /// A stream read from `source`, split over shards as the source decides.
+    pub fn source<T: Data>(&self, source: impl Source<T>) -> Stream<T> {
+        let name = self.graph.borrow_mut().name(source.name());
+        let source = Arc::new(source);
+        let slot = name.clone();
+        let factory: Factory<T> = Arc::new(move |ctx: &mut BuildCtx, down: Out<T>| {
+            let name2 = name_of(&slot);
+            let reader =
+                source
+                    .create_reader(ctx.shard, ctx.shards)
+                    .map_err(|e| StartError::Source {
+                        operator: name2.clone(),
+                        source: e,
+                    })?;
+            let counters = ctx.metrics.operator(&name2, ctx.shard);
+            let head = SourceHead {
+                name: name2.clone(),
+                shard: ctx.shard,
+                reader,
+                buf: Vec::with_capacity(ctx.config.batch_records),
+                batch: ctx.config.batch_records,
+                down: Box::new(Counted { counters, down }),
+                gate: ctx.take_gate(),
+                state: SourceState::Running,
+                last_ms: i64::MIN,
+                marker_interval_ms: ctx.config.latency_marker_interval_ms as i64,
+                next_marker_ms: i64::MIN,
+                epoch: ctx.epoch,
+                counters: ctx.metrics.head(&name2, ctx.shard),
+            };
+            ctx.heads.push(Box::new(head));
+            Ok(())
+        });
+        self.stream(factory, name)
+    }
+
+    /// A stream of the items that `make` yields on each shard. `make(shard, shards)` is called
+    /// once per shard; return an empty iterator on shards that should not produce.
+    pub fn from_iter<T, I, F>(&self, make: F) -> Stream<T>
+    where
+        T: Data,
+        I: Iterator<Item = T> + 'static,
+        F: Fn(usize, usize) -> I + Send + Sync + 'static,
+    {
+        self.source(IterSource::new(make))
+    }
+
+    /// A stream of the items of `items`, all read on shard 0, in order.
+    pub fn from_vec<T: Data + Sync>(&self, items: Vec<T>) -> Stream<T> {
+        let items = Arc::new(items);
+        self.from_iter(move |shard, _| {
+            let items = items.clone();
+            let n = if shard == 0 { items.len() } else { 0 };
+            (0..n).map(move |i| items[i].clone())
+        })
+    }
+
+    pub(crate) fn stream<T>(&self, factory: Factory<T>, name: Name) -> Stream<T> {
+        Stream {
+            graph: self.graph.clone(),
+            errors: self.errors.clone(),
+            factory,
+            name,
+        }
+    }
+
+    /// Starts the job on its shards and returns at once.
+    pub fn start(self) -> Result<crate::JobHandle, StartError> {
+        if let Some(e) = self.errors.borrow().first() {
+            return Err(StartError::Config {
+                key: "graph".into(),
+                reason: e.clone(),
+            });
+        }
+        let graph = std::mem::take(&mut *self.graph.borrow_mut());
+        crate::shard::start(self.config, graph)
+    }
+
+    /// Starts the job and waits until it finishes.
+    pub fn run(self) -> Result<crate::JobSummary, JobError> {
+        self.start()?.wait()
+    }
+}
+
+/// A stream of records of type `T`.
+pub struct Stream<T> {
+    pub(crate) graph: GraphRef,
+    pub(crate) errors: Rc<RefCell<Vec<String>>>,
+    pub(crate) factory: Factory<T>,
+    /// The name of the operator that produces this stream (its uid once set).
+    pub(crate) name: Name,
+}
+
+impl<T: Data> Stream<T> {
+    pub(crate) fn derive<U>(&self, factory: Factory<U>, name: Name) -> Stream<U> {
+        Stream {
+            graph: self.graph.clone(),
+            errors: self.errors.clone(),
+            factory,
+            name,
+        }
+    }
+
+    pub(crate) fn new_name(&self, kind: &str) -> Name {
+        self.graph.borrow_mut().name(kind)
+    }
+
+    /// The name of the operator that produces this stream, as metrics show it.
+    pub fn name(&self) -> String {
+        name_of(&self.name)
+    }
+
+    fn chain<U: 'static, F>(self, kind: &str, f: F) -> Stream<U>
+    where
+        F: Fn(T, &mut Emit<'_, U>) + Send + Sync + 'static,
+    {
+        let name = self.new_name(kind);
+        let up = self.factory.clone();
+        let f = Arc::new(f);
+        let slot = name.clone();
+        let factory: Factory<U> = Arc::new(move |ctx: &mut BuildCtx, down: Out<U>| {
+            let f = f.clone();
+            let op = FlatMapOp {
+                f: move |t: T, e: &mut Emit<'_, U>| f(t, e),
+                counters: ctx.metrics.operator(&name_of(&slot), ctx.shard),
+                down,
+                _t: PhantomData,
+            };
+            up(ctx, Box::new(op))
+        });
+        Stream {
+            graph: self.graph,
+            errors: self.errors,
+            factory,
+            name,
+        }
+    }
+
+    /// Applies `f` to every record.
+    pub fn map<U: Data>(self, f: impl Fn(T) -> U + Send + Sync + 'static) -> Stream<U> {
+        self.chain("map", move |t, e| e.emit(f(t)))
+    }
+
+    /// Keeps the records for which `f` is true.
+    pub fn filter(self, f: impl Fn(&T) -> bool + Send + Sync + 'static) -> Stream<T> {
+        self.chain("filter", move |t, e| {
+            if f(&t) {
+                e.emit(t)
+            }
+        })
+    }
+
+    /// Emits every item that `f` returns for a record.
+    pub fn flat_map<U: Data, I: IntoIterator<Item = U>>(
+        self,
+        f: impl Fn(T) -> I + Send + Sync + 'static,
+    ) -> Stream<U> {
+        self.chain("flat_map", move |t, e| {
+            for u in f(t) {
+                e.emit(u)
+            }
+        })
+    }
+
+    /// Maps and filters in one step.
+    pub fn filter_map<U: Data>(
+        self,
+        f: impl Fn(T) -> Option<U> + Send + Sync + 'static,
+    ) -> Stream<U> {
+        self.chain("filter_map", move |t, e| {
+            if let Some(u) = f(t) {
+                e.emit(u)
+            }
+        })
+    }
+
+    /// Calls `f` on every record and passes it on unchanged.
+    pub fn inspect(self, f: impl Fn(&T) + Send + Sync + 'static) -> Stream<T> {
+        self.chain("inspect", move |t, e| {
+            f(&t);
+            e.emit(t)
+        })
+    }
+
+    /// Gives the operator that produces this stream a stable uid: it names the operator's state
+    /// in checkpoints and its metrics. Every stateful operator should have one.
+    pub fn uid(self, uid: &str) -> Self {
+        let r = self.graph.borrow_mut().uid(uid);
+        match r {
+            Ok(u) => *self.name.lock().unwrap_or_else(|p| p.into_inner()) = u,
+            Err(e) => self.errors.borrow_mut().push(e),
+        }
+        self
+    }
+
+    /// Merges two streams of the same type.
+    pub fn union(self, other: Stream<T>) -> Stream<T> {
+        let name = self.new_name("union");
+        let a = self.factory.clone();
+        let b = other.factory.clone();
+        let factory: Factory<T> = Arc::new(move |ctx: &mut BuildCtx, down: Out<T>| {
+            let merger = Rc::new(RefCell::new(InputMerger::new(2)));
+            let down = Rc::new(RefCell::new(down));
+            let gate = ctx.gate.clone();
+            a(
+                ctx,
+                Box::new(UnionInput {
+                    index: 0,
+                    merger: merger.clone(),
+                    down: down.clone(),
+                }),
+            )?;
+            ctx.gate = gate;
+            b(
+                ctx,
+                Box::new(UnionInput {
+                    index: 1,
+                    merger,
+                    down,
+                }),
+            )
+        });
+        self.derive(factory, name)
+    }
+
+    /// Sends records to every shard round-robin.
+    pub fn rebalance(self) -> Stream<T> {
+        crate::exchange::exchange(self, "rebalance", crate::exchange::Route::RoundRobin)
+    }
+
+    /// Sends every record to every shard.
+    pub fn broadcast(self) -> Stream<T> {
+        crate::exchange::exchange(self, "broadcast", crate::exchange::Route::Broadcast)
+    }
+
+    /// Partitions the stream by key: records with equal keys meet on one shard, in order.
+    pub fn key_by<K, F>(self, key: F) -> crate::keyed::KeyedStream<T, K>
+    where
+        K: weir_state::KeyCodec + Clone + Send + Sync + 'static,
+        F: Fn(&T) -> K + Send + Sync + 'static,
+    {
+        crate::keyed::KeyedStream::new(self, Arc::new(key))
+    }
+
+    /// Assigns event timestamps and generates watermarks.
+    pub fn assign_timestamps(self, strategy: crate::time::WatermarkStrategy<T>) -> Stream<T> {
+        crate::time::assign(self, strategy)
+    }
+
+    /// Ends the stream in `sink`.
+    pub fn sink(self, sink: impl Sink<T>) {
+        let name = self.new_name(sink.name());
+        let sink = Arc::new(sink);
+        let up = self.factory.clone();
+        self.graph
+            .borrow_mut()
+            .roots
+            .push(Arc::new(move |ctx: &mut BuildCtx| {
+                let writer = sink.create_writer(ctx.shard, ctx.shards)?;
+                let op = SinkOp::new(name_of(&name), writer, ctx);
+                up(ctx, Box::new(op))
+            }));
+    }
+
+    /// Collects every record; read them from the returned handle after the job finished.
+    pub fn collect(self) -> Collected<T> {
+        let (sink, collected) = CollectSink::new();
+        self.sink(sink);
+        collected
+    }
+
+    /// Calls `f` for every record, on the shard that holds it.
+    pub fn for_each(self, f: impl Fn(T) + Send + Sync + 'static) {
+        self.sink(CallbackSink::new(f));
+    }
+
+    /// Writes one line per record into `dir/part-<shard>.csv`; `format` renders a record.
+    pub fn write_lines(
+        self,
+        dir: impl Into<std::path::PathBuf>,
+        format: impl Fn(&T, &mut String) + Send + Sync + 'static,
+    ) {
+        self.sink(FileSink::new(dir, format));
+    }
+}
+
+enum SourceState {
+    Running,
+    /// The reader finished; the end-of-input events are sent, waiting for the gate to drain.
+    Ending,
+}
+
+/// Drives a source reader into its chain.
+struct SourceHead<T> {
+    name: String,
+    shard: usize,
+    reader: Box<dyn SourceReader<T>>,
+    buf: Vec<T>,
+    batch: usize,
+    down: Out<T>,
+    gate: Rc<crate::graph::Gate>,
+    state: SourceState,
+    last_ms: i64,
+    marker_interval_ms: i64,
+    next_marker_ms: i64,
+    epoch: std::time::Instant,
+    counters: Arc<HeadCounters>,
+}
+
+impl<T: 'static> Head for SourceHead<T> {
+    fn step(&mut self, now_ms: i64) -> Result<HeadStatus, JobError> {
+        let t0 = std::time::Instant::now();
+        if !self.gate.flush() {
+            bump(
+                &self.counters.backpressured_ns,
+                t0.elapsed().as_nanos() as u64,
+            );
+            return Ok(HeadStatus::Blocked);
+        }
+        if let SourceState::Ending = self.state {
+            return Ok(HeadStatus::Done);
+        }
+        if now_ms != self.last_ms {
+            self.last_ms = now_ms;
+            self.down.processing_time(now_ms);
+            if self.marker_interval_ms > 0 && now_ms >= self.next_marker_ms {
+                self.next_marker_ms = now_ms + self.marker_interval_ms;
+                let created_ns = self.epoch.elapsed().as_nanos() as u64;
+                self.down.event(Event::LatencyMarker { created_ns });
+            }
+        }
+        self.buf.clear();
+        let poll = self
+            .reader
+            .poll(&mut self.buf, self.batch)
+            .map_err(|source| JobError::Source {
+                operator: self.name.clone(),
+                shard: self.shard,
+                source,
+            })?;
+        let n = self.buf.len();
+        for rec in self.buf.drain(..) {
+            self.down.collect(rec, NO_TS);
+        }
+        let status = match poll {
+            SourcePoll::Finished => {
+                self.down.event(Event::Watermark(i64::MAX));
+                self.down.event(Event::EndOfInput);
+                self.state = SourceState::Ending;
+                HeadStatus::Progress
+            }
+            _ if n > 0 => HeadStatus::Progress,
+            _ => HeadStatus::Idle,
+        };
+        self.gate.flush();
+        let spent = t0.elapsed().as_nanos() as u64;
+        match status {
+            HeadStatus::Idle => bump(&self.counters.idle_ns, spent),
+            _ => bump(&self.counters.busy_ns, spent),
+        }
+        Ok(status)
+    }
+}

@@ -1,0 +1,617 @@
+//! Event-time windows per key: tumbling, sliding and session windows, with reduce, aggregate
+//! and process-window functions, and allowed lateness (Flink's WindowOperator semantics).
+//!
+//! A window's contents live in keyed state namespaced by the window. Each window has an
+//! event-time timer at its last millisecond (`end - 1`): when the watermark passes it, the
+//! window fires. With allowed lateness the contents stay until `end - 1 + lateness`; a late
+//! record within that bound updates the window and fires it again; a record later than that
+//! is dropped and counted.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use weir_state::KeyCodec;
+
+use crate::data::Data;
+use crate::exchange::exchange;
+use crate::graph::{name_of, BuildCtx, Factory};
+use crate::keyed::{
+    fire_timers, key_route, AggregateFunction, KeyFn, KeyedContext, KeyedStream, OpState,
+    TimeDomain, TimerQueues,
+};
+use crate::metrics::{bump, OperatorCounters};
+use crate::operator::{Collector, Event, Out};
+use crate::stream::Stream;
+
+/// A window of event time: `[start, end)` in milliseconds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Window {
+    pub start: i64,
+    pub end: i64,
+}
+
+impl Window {
+    /// The last timestamp that belongs to the window.
+    pub fn max_timestamp(&self) -> i64 {
+        self.end - 1
+    }
+
+    fn encode(&self) -> [u8; 16] {
+        let mut b = [0u8; 16];
+        b[..8].copy_from_slice(&((self.start as u64) ^ (1 << 63)).to_be_bytes());
+        b[8..].copy_from_slice(&((self.end as u64) ^ (1 << 63)).to_be_bytes());
+        b
+    }
+
+    fn decode(b: &[u8]) -> Option<Window> {
+        let s = u64::from_be_bytes(b.get(..8)?.try_into().ok()?) ^ (1 << 63);
+        let e = u64::from_be_bytes(b.get(8..16)?.try_into().ok()?) ^ (1 << 63);
+        Some(Window {
+            start: s as i64,
+            end: e as i64,
+        })
+    }
+
+    fn intersects(&self, o: &Window) -> bool {
+        self.start <= o.end && self.end >= o.start
+    }
+}
+
+/// How records are assigned to windows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WindowAssigner {
+    Tumbling {
+        size_ms: i64,
+        offset_ms: i64,
+    },
+    Sliding {
+        size_ms: i64,
+        slide_ms: i64,
+        offset_ms: i64,
+    },
+    Session {
+        gap_ms: i64,
+    },
+}
+
+impl WindowAssigner {
+    pub fn tumbling(size_ms: i64) -> Self {
+        WindowAssigner::Tumbling {
+            size_ms: size_ms.max(1),
+            offset_ms: 0,
+        }
+    }
+
+    pub fn sliding(size_ms: i64, slide_ms: i64) -> Self {
+        WindowAssigner::Sliding {
+            size_ms: size_ms.max(1),
+            slide_ms: slide_ms.max(1),
+            offset_ms: 0,
+        }
+    }
+
+    pub fn session(gap_ms: i64) -> Self {
+        WindowAssigner::Session {
+            gap_ms: gap_ms.max(1),
+        }
+    }
+
+    /// The windows `ts` belongs to (for sessions: its own window before merging).
+    pub fn assign(&self, ts: i64, out: &mut Vec<Window>) {
+        out.clear();
+        match *self {
+            WindowAssigner::Tumbling { size_ms, offset_ms } => {
+                let start = window_start(ts, offset_ms, size_ms);
+                out.push(Window {
+                    start,
+                    end: start.saturating_add(size_ms),
+                });
+            }
+            WindowAssigner::Sliding {
+                size_ms,
+                slide_ms,
+                offset_ms,
+            } => {
+                let last = window_start(ts, offset_ms, slide_ms);
+                let mut start = last;
+                while start > ts.saturating_sub(size_ms) {
+                    out.push(Window {
+                        start,
+                        end: start.saturating_add(size_ms),
+                    });
+                    start = start.saturating_sub(slide_ms);
+                }
+            }
+            WindowAssigner::Session { gap_ms } => out.push(Window {
+                start: ts,
+                end: ts.saturating_add(gap_ms),
+            }),
+        }
+    }
+
+    fn is_session(&self) -> bool {
+        matches!(self, WindowAssigner::Session { .. })
+    }
+}
+
+/// The start of the window of `size` (shifted by `offset`) that holds `ts`, for negative
+/// timestamps too (Flink's TimeWindow.getWindowStartWithOffset).
+pub fn window_start(ts: i64, offset: i64, size: i64) -> i64 {
+    let r = (ts - offset).rem_euclid(size);
+    ts - r
+}
+
+/// A keyed stream grouped into windows.
+pub struct WindowedStream<T, K> {
+    keyed: KeyedStream<T, K>,
+    assigner: WindowAssigner,
+    lateness_ms: i64,
+}
+
+/// How a window's contents are kept and turned into output.
+trait Contents<K, T, R>: Send + Sync + 'static {
+    fn add(&self, ctx: &mut KeyedContext<'_, K, R>, rec: T);
+    /// Moves the contents of the context's namespace into window `into` (session merges).
+    fn merge_into<'a>(&self, ctx: &mut KeyedContext<'a, K, R>, into: &'a [u8]);
+    fn fire(&self, ctx: &mut KeyedContext<'_, K, R>, w: Window);
+    fn clear(&self, ctx: &mut KeyedContext<'_, K, R>);
+}
+
+/// Contents folded into one accumulator (reduce and aggregate).
+struct Folded<A, T, R, Add, Merge, Emit> {
+    add: Add,
+    merge: Merge,
+    emit: Emit,
+    _p: PhantomData<fn(A, T) -> R>,
+}
+
+impl<K, T, A, R, Add, Merge, Emit> Contents<K, T, R> for Folded<A, T, R, Add, Merge, Emit>
+where
+    K: Clone + 'static,
+    T: Data,
+    A: Data,
+    R: Data,
+    Add: Fn(Option<A>, T) -> A + Send + Sync + 'static,
+    Merge: Fn(A, A) -> A + Send + Sync + 'static,
+    Emit: Fn(&K, Window, &A) -> R + Send + Sync + 'static,
+{
+    fn add(&self, ctx: &mut KeyedContext<'_, K, R>, rec: T) {
+        let acc = ctx.value::<A>("window");
+        let acc = (self.add)(acc, rec);
+        ctx.set_value("window", &acc);
+    }
+
+    fn merge_into<'a>(&self, ctx: &mut KeyedContext<'a, K, R>, into: &'a [u8]) {
+        let Some(from) = ctx.value::<A>("window") else {
+            return;
+        };
+        ctx.clear_value("window");
+        let ns = ctx.namespace;
+        ctx.namespace = into;
+        let merged = match ctx.value::<A>("window") {
+            Some(a) => (self.merge)(a, from),
+            None => from,
+        };
+        ctx.set_value("window", &merged);
+        ctx.namespace = ns;
+    }
+
+    fn fire(&self, ctx: &mut KeyedContext<'_, K, R>, w: Window) {
+        if let Some(acc) = ctx.value::<A>("window") {
+            let r = (self.emit)(ctx.key, w, &acc);
+            ctx.emit_at(r, w.max_timestamp());
+        }
+    }
+
+    fn clear(&self, ctx: &mut KeyedContext<'_, K, R>) {
+        ctx.clear_value("window");
+    }
+}
+
+/// Contents kept as the list of records (process-window functions).
+struct Listed<T, R, F> {
+    f: F,
+    _p: PhantomData<fn(T) -> R>,
+}
+
+impl<K, T, R, F> Contents<K, T, R> for Listed<T, R, F>
+where
+    K: Clone + 'static,
+    T: Data,
+    R: Data,
+    F: Fn(&K, Window, Vec<T>, &mut Vec<R>) + Send + Sync + 'static,
+{
+    fn add(&self, ctx: &mut KeyedContext<'_, K, R>, rec: T) {
+        ctx.append("window", &rec);
+    }
+
+    fn merge_into<'a>(&self, ctx: &mut KeyedContext<'a, K, R>, into: &'a [u8]) {
+        let from = ctx.list::<T>("window");
+        ctx.clear_list("window");
+        let ns = ctx.namespace;
+        ctx.namespace = into;
+        for r in &from {
+            ctx.append("window", r);
+        }
+        ctx.namespace = ns;
+    }
+
+    fn fire(&self, ctx: &mut KeyedContext<'_, K, R>, w: Window) {
+        let items = ctx.list::<T>("window");
+        if items.is_empty() {
+            return;
+        }
+        let mut out = Vec::new();
+        (self.f)(ctx.key, w, items, &mut out);
+        for r in out {
+            ctx.emit_at(r, w.max_timestamp());
+        }
+    }
+
+    fn clear(&self, ctx: &mut KeyedContext<'_, K, R>) {
+        ctx.clear_list("window");
+    }
+}
+
+impl<T: Data, K: KeyCodec + Clone + Send + Sync + 'static> WindowedStream<T, K> {
+    pub(crate) fn new(keyed: KeyedStream<T, K>, assigner: WindowAssigner) -> Self {
+        Self {
+            keyed,
+            assigner,
+            lateness_ms: 0,
+        }
+    }
+
+    /// Keeps windows for `ms` after they fired, so that late records update them.
+    pub fn allowed_lateness(mut self, ms: i64) -> Self {
+        self.lateness_ms = ms.max(0);
+        self
+    }
+
+    /// Reduces each window's records to one, emitted when the window fires.
+    pub fn reduce(self, f: impl Fn(T, T) -> T + Send + Sync + 'static) -> Stream<T> {
+        let f = Arc::new(f);
+        let f2 = f.clone();
+        self.build(
+            "window_reduce",
+            Folded {
+                add: move |acc: Option<T>, t: T| match acc {
+                    Some(a) => f(a, t),
+                    None => t,
+                },
+                merge: move |a: T, b: T| f2(a, b),
+                emit: |_: &K, _: Window, a: &T| a.clone(),
+                _p: PhantomData,
+            },
+        )
+    }
+
+    /// Aggregates each window's records; emits `agg.result` when the window fires.
+    pub fn aggregate<A: Data, O: Data>(self, agg: impl AggregateFunction<T, A, O>) -> Stream<O> {
+        self.aggregate_with(agg, |_, _, o| o)
+    }
+
+    /// Aggregates each window's records; emits `f(key, window, agg.result)`.
+    pub fn aggregate_with<A: Data, O: Data, R: Data>(
+        self,
+        agg: impl AggregateFunction<T, A, O>,
+        f: impl Fn(&K, Window, O) -> R + Send + Sync + 'static,
+    ) -> Stream<R> {
+        let agg = Arc::new(agg);
+        let (a1, a2, a3) = (agg.clone(), agg.clone(), agg);
+        self.build(
+            "window_aggregate",
+            Folded {
+                add: move |acc: Option<A>, t: T| a1.add(acc.unwrap_or_else(|| a1.create()), t),
+                merge: move |a: A, b: A| a2.merge(a, b),
+                emit: move |k: &K, w: Window, acc: &A| f(k, w, a3.result(acc)),
+                _p: PhantomData,
+            },
+        )
+    }
+
+    /// Counts each window's records; emits `f(key, window, count)`.
+    pub fn count_with<R: Data>(
+        self,
+        f: impl Fn(&K, Window, u64) -> R + Send + Sync + 'static,
+    ) -> Stream<R> {
+        self.build(
+            "window_count",
+            Folded {
+                add: |acc: Option<u64>, _t: T| acc.unwrap_or(0) + 1,
+                merge: |a: u64, b: u64| a + b,
+                emit: move |k: &K, w: Window, n: &u64| f(k, w, *n),
+                _p: PhantomData,
+            },
+        )
+    }
+
+    /// Calls `f(key, window, records, out)` with all of a window's records when it fires.
+    pub fn process<R: Data>(
+        self,
+        f: impl Fn(&K, Window, Vec<T>, &mut Vec<R>) + Send + Sync + 'static,
+    ) -> Stream<R> {
+        self.build("window_process", Listed { f, _p: PhantomData })
+    }
+
+    fn build<R: Data, C: Contents<K, T, R>>(self, kind: &str, contents: C) -> Stream<R> {
+        let up = self.keyed.up;
+        let key = self.keyed.key;
+        let name = up.new_name(kind);
+        let slot = name.clone();
+        let (assigner, lateness) = (self.assigner, self.lateness_ms);
+        let contents = Arc::new(contents);
+        let exchanged = exchange(up, "key_by", key_route(key.clone()));
+        let upf = exchanged.factory.clone();
+        let factory: Factory<R> = Arc::new(move |ctx: &mut BuildCtx, down: Out<R>| {
+            let name = name_of(&slot);
+            let op = WindowOp {
+                key: key.clone(),
+                contents: contents.clone(),
+                assigner,
+                lateness,
+                ops: OpState::new(&name, ctx)?,
+                timers: TimerQueues::default(),
+                counters: ctx.metrics.operator(&name, ctx.shard),
+                windows: Vec::new(),
+                down,
+                _p: PhantomData,
+            };
+            upf(ctx, Box::new(op))
+        });
+        exchanged.derive(factory, name)
+    }
+}
+
+struct WindowOp<K, T, R, C> {
+    key: KeyFn<T, K>,
+    contents: Arc<C>,
+    assigner: WindowAssigner,
+    lateness: i64,
+    ops: OpState,
+    timers: TimerQueues<K>,
+    counters: Arc<OperatorCounters>,
+    windows: Vec<Window>,
+    down: Out<R>,
+    _p: PhantomData<fn(T) -> R>,
+}
+
+impl<K, T, R, C> WindowOp<K, T, R, C>
+where
+    K: KeyCodec + Clone + 'static,
+    T: Data,
+    R: Data,
+    C: Contents<K, T, R>,
+{
+    fn is_late(&self, w: &Window) -> bool {
+        w.max_timestamp().saturating_add(self.lateness) <= self.ops.watermark
+    }
+
+    /// Merges `w` with the key's overlapping session windows; returns the merged window.
+    fn merge_session(&mut self, key: &K, w: Window) -> Window {
+        let mut sessions: Vec<(i64, i64)> = {
+            let mut ctx = self.context(key, &[]);
+            ctx.value::<Vec<(i64, i64)>>("sessions").unwrap_or_default()
+        };
+        let mut merged = w;
+        let mut absorbed = Vec::new();
+        sessions.retain(|&(s, e)| {
+            let o = Window { start: s, end: e };
+            if o.intersects(&merged) {
+                absorbed.push(o);
+                merged.start = merged.start.min(s);
+                merged.end = merged.end.max(e);
+                false
+            } else {
+                true
+            }
+        });
+        // A window absorbed later may have widened `merged` into windows kept earlier.
+        loop {
+            let before = absorbed.len();
+            sessions.retain(|&(s, e)| {
+                let o = Window { start: s, end: e };
+                if o.intersects(&merged) {
+                    absorbed.push(o);
+                    merged.start = merged.start.min(s);
+                    merged.end = merged.end.max(e);
+                    false
+                } else {
+                    true
+                }
+            });
+            if absorbed.len() == before {
+                break;
+            }
+        }
+        let into = merged.encode();
+        let contents = self.contents.clone();
+        let lateness = self.lateness;
+        for o in absorbed {
+            if o == merged {
+                continue;
+            }
+            let ns = o.encode();
+            let mut ctx = self.context(key, &ns);
+            contents.merge_into(&mut ctx, &into);
+            ctx.delete_timer(TimeDomain::EventTime, o.max_timestamp());
+            if lateness > 0 {
+                ctx.delete_timer(TimeDomain::EventTime, o.max_timestamp() + lateness);
+            }
+        }
+        sessions.push((merged.start, merged.end));
+        let mut ctx = self.context(key, &[]);
+        ctx.set_value("sessions", &sessions);
+        merged
+    }
+
+    fn context<'a>(&'a mut self, key: &'a K, ns: &'a [u8]) -> KeyedContext<'a, K, R> {
+        KeyedContext {
+            key,
+            ts: crate::operator::NO_TS,
+            op: &mut self.ops,
+            timers: &mut self.timers,
+            namespace: ns,
+            out: &mut self.down,
+            emitted: 0,
+        }
+    }
+}
+
+impl<K, T, R, C> Collector<T> for WindowOp<K, T, R, C>
+where
+    K: KeyCodec + Clone + 'static,
+    T: Data,
+    R: Data,
+    C: Contents<K, T, R>,
+{
+    fn collect(&mut self, rec: T, ts: i64) {
+        bump(&self.counters.records_in, 1);
+        if ts == crate::operator::NO_TS {
+            // Event-time windows need timestamps: assign them upstream.
+            self.ops.fail.fail(crate::JobError::Operator {
+                operator: self.ops.name.clone(),
+                shard: self.ops.shard,
+                message: "record without an event timestamp reached an event-time window; \
+                          call assign_timestamps before key_by"
+                    .into(),
+            });
+            return;
+        }
+        let key = (self.key)(&rec);
+        self.ops.set_key(&key);
+        let mut windows = std::mem::take(&mut self.windows);
+        self.assigner.assign(ts, &mut windows);
+        if self.assigner.is_session() {
+            let w = windows[0];
+            if self.is_late(&w) {
+                bump(&self.counters.records_dropped, 1);
+                self.windows = windows;
+                return;
+            }
+            windows[0] = self.merge_session(&key, w);
+        }
+        let live: Vec<Window> = windows
+            .iter()
+            .copied()
+            .filter(|w| !self.is_late(w))
+            .collect();
+        bump(
+            &self.counters.records_dropped,
+            (windows.len() - live.len()) as u64,
+        );
+        let n = live.len();
+        let mut emitted = 0;
+        let mut rec = Some(rec);
+        for (i, w) in live.into_iter().enumerate() {
+            let ns = w.encode();
+            let contents = self.contents.clone();
+            let watermark = self.ops.watermark;
+            let lateness = self.lateness;
+            let mut ctx = self.context(&key, &ns);
+            ctx.ts = ts;
+            // The last window takes the record itself; the others a copy.
+            let r = if i + 1 == n { rec.take() } else { rec.clone() };
+            if let Some(r) = r {
+                contents.add(&mut ctx, r);
+            }
+            ctx.register_event_timer(w.max_timestamp());
+            if lateness > 0 {
+                ctx.register_event_timer(w.max_timestamp() + lateness);
+            }
+            if w.max_timestamp() <= watermark {
+                // A late record within the allowed lateness: fire the window again at once.
+                contents.fire(&mut ctx, w);
+            }
+            emitted += ctx.emitted;
+        }
+        self.windows = windows;
+        bump(&self.counters.records_out, emitted);
+    }
+
+    fn event(&mut self, ev: Event) {
+        if let Event::Watermark(wm) = ev {
+            self.ops.watermark = wm;
+            let contents = self.contents.clone();
+            let lateness = self.lateness;
+            let session = self.assigner.is_session();
+            let n = fire_timers(
+                &mut self.ops,
+                &mut self.timers,
+                TimeDomain::EventTime,
+                wm,
+                &mut self.down,
+                |ts, _, ctx| {
+                    let Some(w) = Window::decode(ctx.namespace) else {
+                        return;
+                    };
+                    if ts == w.max_timestamp() {
+                        contents.fire(ctx, w);
+                    }
+                    if ts == w.max_timestamp() + lateness {
+                        contents.clear(ctx);
+                        if session {
+                            let mut sessions = {
+                                let ns = ctx.namespace;
+                                ctx.namespace = &[];
+                                let s =
+                                    ctx.value::<Vec<(i64, i64)>>("sessions").unwrap_or_default();
+                                ctx.namespace = ns;
+                                s
+                            };
+                            sessions.retain(|&(s, e)| (s, e) != (w.start, w.end));
+                            let ns = ctx.namespace;
+                            ctx.namespace = &[];
+                            if sessions.is_empty() {
+                                ctx.clear_value("sessions");
+                            } else {
+                                ctx.set_value("sessions", &sessions);
+                            }
+                            ctx.namespace = ns;
+                        }
+                    }
+                },
+            );
+            bump(&self.counters.records_out, n);
+        }
+        self.down.event(ev);
+    }
+
+    fn processing_time(&mut self, now_ms: i64) {
+        self.ops.now_ms = now_ms;
+        self.down.processing_time(now_ms);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn window_start_handles_negative_timestamps() {
+        assert_eq!(window_start(15, 0, 10), 10);
+        assert_eq!(window_start(-1, 0, 10), -10);
+        assert_eq!(window_start(-10, 0, 10), -10);
+        assert_eq!(window_start(7, 2, 5), 7);
+    }
+
+    #[test]
+    fn sliding_assigns_every_covering_window() {
+        let mut out = Vec::new();
+        WindowAssigner::sliding(10, 5).assign(12, &mut out);
+        out.sort();
+        assert_eq!(
+            out,
+            vec![Window { start: 5, end: 15 }, Window { start: 10, end: 20 }]
+        );
+    }
+
+    #[test]
+    fn window_namespace_round_trips_and_sorts_by_start() {
+        let a = Window { start: -5, end: 5 };
+        let b = Window { start: 3, end: 9 };
+        assert_eq!(Window::decode(&a.encode()), Some(a));
+        assert!(a.encode() < b.encode());
+        assert_eq!(Window::decode(&[1, 2]), None);
+    }
+}

@@ -1,0 +1,49 @@
+//! The store's error type: I/O, corrupt bytes (naming file and offset), and invalid values.
+
+use std::path::PathBuf;
+
+pub use weir_io::{FormatError, IoError};
+
+/// Errors of the state store and keyed state.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StateError {
+    #[error(transparent)]
+    Io(#[from] IoError),
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    /// An archived value did not validate (read from disk).
+    #[error("invalid archived value for state {state_id} from {source_desc}: {reason}")]
+    BadValue {
+        state_id: u16,
+        source_desc: String,
+        reason: String,
+    },
+    /// Serializing a value failed.
+    #[error("serializing a value for state {state_id}: {reason}")]
+    Serialize { state_id: u16, reason: String },
+    /// A snapshot handle does not decode.
+    #[error("snapshot handle: {reason} at offset {offset}")]
+    BadHandle { offset: u64, reason: String },
+    /// A segment named in a snapshot handle differs from what the handle recorded.
+    #[error("{file}: {what} mismatch: handle says {expected}, file has {actual}")]
+    HandleMismatch {
+        file: PathBuf,
+        what: &'static str,
+        expected: u64,
+        actual: u64,
+    },
+    /// Handles to restore disagree (max parallelism).
+    #[error("incompatible snapshot handles: {reason}")]
+    Incompatible { reason: String },
+}
+
+impl StateError {
+    /// The format error inside, if any (tests and tools inspect file and offset).
+    pub fn as_format(&self) -> Option<&FormatError> {
+        match self {
+            StateError::Format(f) => Some(f),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,722 @@
+//! The keyed state API operators see.
+//!
+//! Shape: a [`KeyedBackend`] owns the shard's [`Store`] and the *current key* and *namespace*
+//! (set by the runtime before each record or timer). State handles are small `Copy` values
+//! obtained once by name (`backend.value_state::<u64>("count")`) and used with the backend:
+//!
+//! ```ignore
+//! let count = backend.value_state::<u64>("count");
+//! backend.set_current_key(&user_id);
+//! let n = count.get(&mut backend)?.map_or(0, |v| v.to_native());
+//! count.update(&mut backend, &(n + 1))?;
+//! ```
+//!
+//! A state's id is derived from its name (`1 + xxh3_64(name) % 0xFFFE`), so it is the same on
+//! every shard and after restore without any registry; two names of one backend that collide
+//! panic at registration (rename one). Id `0xFFFF` ([`TIMER_STATE_ID`]) holds timers.
+//!
+//! Values are rkyv 0.8 archives. Reads return `&Archived<V>` in place: bytes from a memtable
+//! (written by this process, 16-aligned in the arena) are accessed unchecked; bytes from a
+//! segment file are validated first (DESIGN invariant 7). The hot path (get and update of a
+//! `ValueState<u64>` whose key is in the memtable) does not allocate: keys are built in a
+//! reused buffer and values serialized into a reused aligned buffer, and a same-size value is
+//! overwritten in place.
+//!
+//! Namespaces (windows): [`KeyedBackend::set_namespace`] scopes every state access and timer
+//! registration until changed; the empty namespace is the default.
+
+use std::collections::BTreeSet;
+use std::marker::PhantomData;
+
+use rkyv::api::high::{HighDeserializer, HighSerializer, HighValidator};
+use rkyv::bytecheck::CheckBytes;
+use rkyv::rancor;
+use rkyv::ser::allocator::ArenaHandle;
+use rkyv::util::AlignedVec;
+use rkyv::{Archive, Deserialize, Serialize};
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::error::StateError;
+use crate::key::{encode_state_key, key_group_for, KeyCodec, KeyGroup, KeyGroupRange};
+use crate::store::{Found, SnapshotJob, Store};
+
+/// State id reserved for timers.
+pub const TIMER_STATE_ID: u16 = 0xFFFF;
+
+/// What a state value must be: rkyv-archivable with validation and deserialization.
+pub trait StateValue:
+    Archive<
+        Archived: for<'a> CheckBytes<HighValidator<'a, rancor::Error>>
+                      + Deserialize<Self, HighDeserializer<rancor::Error>>,
+    > + for<'a> Serialize<HighSerializer<AlignedVec, ArenaHandle<'a>, rancor::Error>>
+    + Sized
+{
+}
+
+impl<T> StateValue for T where
+    T: Archive<
+            Archived: for<'a> CheckBytes<HighValidator<'a, rancor::Error>>
+                          + Deserialize<T, HighDeserializer<rancor::Error>>,
+        > + for<'a> Serialize<HighSerializer<AlignedVec, ArenaHandle<'a>, rancor::Error>>
+{
+}
+
+/// Timer domains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum TimeDomain {
+    EventTime = 0,
+    ProcessingTime = 1,
+}
+
+/// A due timer, as popped.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Timer {
+    pub time_ms: u64,
+    pub key_group: KeyGroup,
+    /// The encoded key ([`KeyCodec`] bytes) the timer was registered for.
+    pub key: Vec<u8>,
+    pub namespace: Vec<u8>,
+}
+
+/// Keyed state of one shard over a [`Store`] (see the module docs).
+#[derive(Debug)]
+pub struct KeyedBackend {
+    store: Store,
+    range: KeyGroupRange,
+    max_parallelism: u16,
+    key_group: KeyGroup,
+    key: Vec<u8>,
+    ns: Vec<u8>,
+    kbuf: Vec<u8>,
+    vbuf: AlignedVec,
+    names: std::collections::HashMap<u16, String>,
+    timers: [BTreeSet<Timer>; 2],
+}
+
+fn ser_err(state_id: u16, e: rancor::Error) -> StateError {
+    StateError::Serialize {
+        state_id,
+        reason: e.to_string(),
+    }
+}
+
+/// Access an archived value: trusted bytes unchecked, bytes from disk validated.
+fn access<'a, V: StateValue>(state_id: u16, f: Found<'a>) -> Result<&'a V::Archived, StateError> {
+    let aligned = (f.value.as_ptr() as usize) & 15 == 0;
+    if f.in_memory && aligned {
+        // SAFETY: `in_memory` bytes were produced by `rkyv::to_bytes_in` for this state's
+        // value type in this process (a state id maps to one type: it is derived from the
+        // name and a name is registered with one type), and they sit 16-aligned in the
+        // memtable arena, unchanged since.
+        return Ok(unsafe { rkyv::access_unchecked::<V::Archived>(f.value) });
+    }
+    rkyv::access::<V::Archived, rancor::Error>(f.value).map_err(|e| StateError::BadValue {
+        state_id,
+        source_desc: if f.in_memory {
+            "memtable"
+        } else {
+            "segment file"
+        }
+        .to_owned(),
+        reason: e.to_string(),
+    })
+}
+
+fn deser<V: StateValue>(a: &V::Archived, state_id: u16) -> Result<V, StateError> {
+    rkyv::deserialize::<V, rancor::Error>(a).map_err(|e| ser_err(state_id, e))
+}
+
+impl KeyedBackend {
+    /// A backend over `store` for the key groups `range`; rebuilds the timer queues from the
+    /// store (so a restored store brings its timers back).
+    pub fn new(mut store: Store, range: KeyGroupRange) -> KeyedBackend {
+        let max_parallelism = store.config().max_parallelism;
+        let mut timers: [BTreeSet<Timer>; 2] = [BTreeSet::new(), BTreeSet::new()];
+        for kg in range.first..=range.last {
+            let mut prefix = Vec::with_capacity(4);
+            prefix.extend_from_slice(&kg.to_be_bytes());
+            prefix.extend_from_slice(&TIMER_STATE_ID.to_be_bytes());
+            for (k, _) in store.scan_prefix(&prefix) {
+                if let Some((domain, t)) = decode_timer_key(k) {
+                    timers[domain as usize].insert(t);
+                }
+            }
+        }
+        KeyedBackend {
+            store,
+            range,
+            max_parallelism,
+            key_group: range.first,
+            key: Vec::new(),
+            ns: Vec::new(),
+            kbuf: Vec::new(),
+            vbuf: AlignedVec::new(),
+            names: Default::default(),
+            timers,
+        }
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    pub fn store_mut(&mut self) -> &mut Store {
+        &mut self.store
+    }
+
+    pub fn into_store(self) -> Store {
+        self.store
+    }
+
+    pub fn key_group_range(&self) -> KeyGroupRange {
+        self.range
+    }
+
+    /// The caller's clock for TTL (see [`Store::set_now_ms`]).
+    pub fn set_now_ms(&mut self, now_ms: u64) {
+        self.store.set_now_ms(now_ms);
+    }
+
+    /// Set the current key; its key group is computed from its encoding.
+    pub fn set_current_key<K: KeyCodec + ?Sized>(&mut self, key: &K) {
+        self.key.clear();
+        key.encode_key(&mut self.key);
+        self.key_group = key_group_for(&self.key, self.max_parallelism);
+        debug_assert!(
+            self.range.contains(self.key_group),
+            "key outside this shard's key groups"
+        );
+    }
+
+    /// Set the current key from its encoding and known key group (the runtime computed it).
+    pub fn set_current_key_bytes(&mut self, key_group: KeyGroup, key_bytes: &[u8]) {
+        self.key.clear();
+        self.key.extend_from_slice(key_bytes);
+        self.key_group = key_group;
+    }
+
+    pub fn current_key_group(&self) -> KeyGroup {
+        self.key_group
+    }
+
+    pub fn current_key_bytes(&self) -> &[u8] {
+        &self.key
+    }
+
+    /// Scope state and timers to a namespace (a window); empty = none.
+    pub fn set_namespace(&mut self, ns: &[u8]) {
+        self.ns.clear();
+        self.ns.extend_from_slice(ns);
+    }
+
+    /// Encode a typed namespace with [`KeyCodec`].
+    pub fn set_namespace_of<N: KeyCodec + ?Sized>(&mut self, ns: &N) {
+        self.ns.clear();
+        ns.encode_key(&mut self.ns);
+    }
+
+    fn register(&mut self, name: &str) -> u16 {
+        let id = 1 + (xxh3_64(name.as_bytes()) % 0xFFFE) as u16;
+        if let Some(prev) = self.names.get(&id) {
+            assert_eq!(
+                prev, name,
+                "state names {prev:?} and {name:?} hash to one id; rename one"
+            );
+        } else {
+            self.names.insert(id, name.to_owned());
+        }
+        id
+    }
+
+    /// Expire entries of a state `ttl_ms` after their last write (invisible, then compacted away).
+    pub fn set_ttl(&mut self, state_id: u16, ttl_ms: Option<u64>) {
+        self.store.set_ttl(state_id, ttl_ms);
+    }
+
+    pub fn value_state<V: StateValue>(&mut self, name: &str) -> ValueState<V> {
+        ValueState {
+            id: self.register(name),
+            _v: PhantomData,
+        }
+    }
+
+    pub fn list_state<V: StateValue>(&mut self, name: &str) -> ListState<V> {
+        ListState {
+            id: self.register(name),
+            _v: PhantomData,
+        }
+    }
+
+    pub fn map_state<K: KeyCodec, V: StateValue>(&mut self, name: &str) -> MapState<K, V> {
+        MapState {
+            id: self.register(name),
+            _v: PhantomData,
+        }
+    }
+
+    pub fn reducing_state<V: StateValue, F: Fn(V, V) -> V>(
+        &mut self,
+        name: &str,
+        reduce: F,
+    ) -> ReducingState<V, F> {
+        ReducingState {
+            id: self.register(name),
+            reduce,
+            _v: PhantomData,
+        }
+    }
+
+    pub fn aggregating_state<A: AggregateFunction>(
+        &mut self,
+        name: &str,
+        agg: A,
+    ) -> AggregatingState<A> {
+        AggregatingState {
+            id: self.register(name),
+            agg,
+        }
+    }
+
+    /// Build the store key prefix of `state_id` for the current key and namespace in `kbuf`.
+    fn build_key(&mut self, state_id: u16) {
+        self.kbuf.clear();
+        encode_state_key(
+            &mut self.kbuf,
+            self.key_group,
+            state_id,
+            &self.ns,
+            &self.key,
+        );
+    }
+
+    fn put_value<V: StateValue>(&mut self, state_id: u16, v: &V) -> Result<(), StateError> {
+        let mut buf = std::mem::take(&mut self.vbuf);
+        buf.clear();
+        let buf = rkyv::api::high::to_bytes_in::<_, rancor::Error>(v, buf)
+            .map_err(|e| ser_err(state_id, e))?;
+        self.store.put(&self.kbuf, &buf);
+        self.vbuf = buf;
+        Ok(())
+    }
+
+    fn delete_prefix(&mut self) {
+        let keys: Vec<Vec<u8>> = self
+            .store
+            .scan_prefix(&self.kbuf)
+            .map(|(k, _)| k.to_vec())
+            .collect();
+        for k in keys {
+            self.store.delete(&k);
+        }
+    }
+
+    // --- timers --------------------------------------------------------------------------
+
+    fn timer_store_key(&self, domain: TimeDomain, t: &Timer) -> Vec<u8> {
+        let mut k = Vec::with_capacity(17 + t.key.len() + t.namespace.len());
+        k.extend_from_slice(&t.key_group.to_be_bytes());
+        k.extend_from_slice(&TIMER_STATE_ID.to_be_bytes());
+        k.push(domain as u8);
+        k.extend_from_slice(&t.time_ms.to_be_bytes());
+        k.extend_from_slice(&(t.key.len() as u16).to_be_bytes());
+        k.extend_from_slice(&t.key);
+        k.extend_from_slice(&(t.namespace.len() as u16).to_be_bytes());
+        k.extend_from_slice(&t.namespace);
+        k
+    }
+
+    fn current_timer(&self, time_ms: u64) -> Timer {
+        Timer {
+            time_ms,
+            key_group: self.key_group,
+            key: self.key.clone(),
+            namespace: self.ns.clone(),
+        }
+    }
+
+    /// Register a timer for the current key and namespace (idempotent). Timers are stored in
+    /// the store too, so snapshots include them.
+    pub fn register_timer(&mut self, domain: TimeDomain, time_ms: u64) {
+        let t = self.current_timer(time_ms);
+        let k = self.timer_store_key(domain, &t);
+        if self.timers[domain as usize].insert(t) {
+            self.store.put(&k, &[]);
+        }
+    }
+
+    /// Delete a timer of the current key and namespace, if registered.
+    pub fn delete_timer(&mut self, domain: TimeDomain, time_ms: u64) {
+        let t = self.current_timer(time_ms);
+        if self.timers[domain as usize].remove(&t) {
+            let k = self.timer_store_key(domain, &t);
+            self.store.delete(&k);
+        }
+    }
+
+    /// Remove and return the earliest timer with `time_ms <= up_to_ms`.
+    pub fn pop_due(&mut self, domain: TimeDomain, up_to_ms: u64) -> Option<Timer> {
+        let set = &mut self.timers[domain as usize];
+        if set.first()?.time_ms > up_to_ms {
+            return None;
+        }
+        let t = set.pop_first()?;
+        let k = self.timer_store_key(domain, &t);
+        self.store.delete(&k);
+        Some(t)
+    }
+
+    /// Time of the earliest timer.
+    pub fn next_timer_ms(&self, domain: TimeDomain) -> Option<u64> {
+        self.timers[domain as usize].first().map(|t| t.time_ms)
+    }
+
+    pub fn timer_count(&self, domain: TimeDomain) -> usize {
+        self.timers[domain as usize].len()
+    }
+
+    /// Synchronous part of a snapshot (freezes the memtable); run the job anywhere.
+    pub fn snapshot(&mut self, checkpoint_id: u64) -> SnapshotJob {
+        self.store.snapshot(checkpoint_id)
+    }
+}
+
+fn decode_timer_key(k: &[u8]) -> Option<(TimeDomain, Timer)> {
+    let mut s = k;
+    let kg = u16::decode_key(&mut s)?;
+    if u16::decode_key(&mut s)? != TIMER_STATE_ID {
+        return None;
+    }
+    let domain = match u8::decode_key(&mut s)? {
+        0 => TimeDomain::EventTime,
+        1 => TimeDomain::ProcessingTime,
+        _ => return None,
+    };
+    let time_ms = u64::decode_key(&mut s)?;
+    let kl = usize::from(u16::decode_key(&mut s)?);
+    let key = s.get(..kl)?.to_vec();
+    s = &s[kl..];
+    let nl = usize::from(u16::decode_key(&mut s)?);
+    let namespace = s.get(..nl)?.to_vec();
+    Some((
+        domain,
+        Timer {
+            time_ms,
+            key_group: kg,
+            key,
+            namespace,
+        },
+    ))
+}
+
+/// A single value per key (and namespace).
+#[derive(Debug)]
+pub struct ValueState<V> {
+    id: u16,
+    _v: PhantomData<fn() -> V>,
+}
+
+impl<V> Clone for ValueState<V> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<V> Copy for ValueState<V> {}
+
+impl<V: StateValue> ValueState<V> {
+    pub fn id(&self) -> u16 {
+        self.id
+    }
+
+    /// The archived value of the current key, if any.
+    pub fn get<'a>(&self, be: &'a mut KeyedBackend) -> Result<Option<&'a V::Archived>, StateError> {
+        be.build_key(self.id);
+        match be.store.get(&be.kbuf) {
+            Some(f) => access::<V>(self.id, f).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// The value, deserialized.
+    pub fn value(&self, be: &mut KeyedBackend) -> Result<Option<V>, StateError> {
+        match self.get(be)? {
+            Some(a) => deser::<V>(a, self.id).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    pub fn update(&self, be: &mut KeyedBackend, v: &V) -> Result<(), StateError> {
+        be.build_key(self.id);
+        be.put_value(self.id, v)
+    }
+
+    pub fn clear(&self, be: &mut KeyedBackend) {
+        be.build_key(self.id);
+        be.store.delete(&be.kbuf);
+    }
+}
+
+/// A list per key: `add` appends without reading.
+#[derive(Debug)]
+pub struct ListState<V> {
+    id: u16,
+    _v: PhantomData<fn() -> V>,
+}
+
+impl<V> Clone for ListState<V> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<V> Copy for ListState<V> {}
+
+impl<V: StateValue> ListState<V> {
+    pub fn id(&self) -> u16 {
+        self.id
+    }
+
+    pub fn add(&self, be: &mut KeyedBackend, v: &V) -> Result<(), StateError> {
+        be.build_key(self.id);
+        let seq = be.store.next_seq();
+        be.kbuf.extend_from_slice(&seq.to_be_bytes());
+        be.put_value(self.id, v)
+    }
+
+    /// Visit the archived elements in insertion order.
+    pub fn for_each(
+        &self,
+        be: &mut KeyedBackend,
+        mut f: impl FnMut(&V::Archived),
+    ) -> Result<(), StateError> {
+        be.build_key(self.id);
+        let prefix = std::mem::take(&mut be.kbuf);
+        let mut res = Ok(());
+        for (_, found) in be.store.scan_prefix(&prefix) {
+            match access::<V>(self.id, found) {
+                Ok(a) => f(a),
+                Err(e) => {
+                    res = Err(e);
+                    break;
+                }
+            }
+        }
+        be.kbuf = prefix;
+        res
+    }
+
+    pub fn get(&self, be: &mut KeyedBackend) -> Result<Vec<V>, StateError> {
+        let mut out = Vec::new();
+        let mut err = None;
+        self.for_each(be, |a| match deser::<V>(a, self.id) {
+            Ok(v) => out.push(v),
+            Err(e) => err = Some(e),
+        })?;
+        err.map_or(Ok(out), Err)
+    }
+
+    pub fn clear(&self, be: &mut KeyedBackend) {
+        be.build_key(self.id);
+        be.delete_prefix();
+    }
+
+    /// Replace the list.
+    pub fn update(&self, be: &mut KeyedBackend, values: &[V]) -> Result<(), StateError> {
+        self.clear(be);
+        for v in values {
+            self.add(be, v)?;
+        }
+        Ok(())
+    }
+}
+
+type MapMarker<K, V> = fn() -> (Box<K>, V);
+
+/// A map per key.
+#[derive(Debug)]
+pub struct MapState<K: ?Sized, V> {
+    id: u16,
+    _v: PhantomData<MapMarker<K, V>>,
+}
+
+impl<K: ?Sized, V> Clone for MapState<K, V> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<K: ?Sized, V> Copy for MapState<K, V> {}
+
+impl<K: KeyCodec + ?Sized, V: StateValue> MapState<K, V> {
+    pub fn id(&self) -> u16 {
+        self.id
+    }
+
+    fn build(&self, be: &mut KeyedBackend, mk: &K) {
+        be.build_key(self.id);
+        mk.encode_key(&mut be.kbuf);
+    }
+
+    pub fn get<'a>(
+        &self,
+        be: &'a mut KeyedBackend,
+        mk: &K,
+    ) -> Result<Option<&'a V::Archived>, StateError> {
+        self.build(be, mk);
+        match be.store.get(&be.kbuf) {
+            Some(f) => access::<V>(self.id, f).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    pub fn contains(&self, be: &mut KeyedBackend, mk: &K) -> bool {
+        self.build(be, mk);
+        be.store.get(&be.kbuf).is_some()
+    }
+
+    pub fn put(&self, be: &mut KeyedBackend, mk: &K, v: &V) -> Result<(), StateError> {
+        self.build(be, mk);
+        be.put_value(self.id, v)
+    }
+
+    pub fn remove(&self, be: &mut KeyedBackend, mk: &K) {
+        self.build(be, mk);
+        be.store.delete(&be.kbuf);
+    }
+
+    /// Visit entries in map-key order.
+    pub fn for_each(
+        &self,
+        be: &mut KeyedBackend,
+        mut f: impl FnMut(K::Owned, &V::Archived),
+    ) -> Result<(), StateError> {
+        be.build_key(self.id);
+        let prefix = std::mem::take(&mut be.kbuf);
+        let mut res = Ok(());
+        for (k, found) in be.store.scan_prefix(&prefix) {
+            let mut rest = &k[prefix.len()..];
+            let Some(mk) = K::decode_key(&mut rest) else {
+                res = Err(StateError::BadValue {
+                    state_id: self.id,
+                    source_desc: "map key".to_owned(),
+                    reason: "map key does not decode".to_owned(),
+                });
+                break;
+            };
+            match access::<V>(self.id, found) {
+                Ok(a) => f(mk, a),
+                Err(e) => {
+                    res = Err(e);
+                    break;
+                }
+            }
+        }
+        be.kbuf = prefix;
+        res
+    }
+
+    pub fn entries(&self, be: &mut KeyedBackend) -> Result<Vec<(K::Owned, V)>, StateError> {
+        let mut out = Vec::new();
+        let mut err = None;
+        self.for_each(be, |k, a| match deser::<V>(a, self.id) {
+            Ok(v) => out.push((k, v)),
+            Err(e) => err = Some(e),
+        })?;
+        err.map_or(Ok(out), Err)
+    }
+
+    pub fn clear(&self, be: &mut KeyedBackend) {
+        be.build_key(self.id);
+        be.delete_prefix();
+    }
+}
+
+/// A value combined with each added one by a reduce function.
+#[derive(Debug, Clone, Copy)]
+pub struct ReducingState<V, F> {
+    id: u16,
+    reduce: F,
+    _v: PhantomData<fn() -> V>,
+}
+
+impl<V: StateValue, F: Fn(V, V) -> V> ReducingState<V, F> {
+    pub fn id(&self) -> u16 {
+        self.id
+    }
+
+    pub fn add(&self, be: &mut KeyedBackend, v: V) -> Result<(), StateError> {
+        let cur = ValueState::<V> {
+            id: self.id,
+            _v: PhantomData,
+        };
+        let next = match cur.value(be)? {
+            Some(old) => (self.reduce)(old, v),
+            None => v,
+        };
+        cur.update(be, &next)
+    }
+
+    pub fn get<'a>(&self, be: &'a mut KeyedBackend) -> Result<Option<&'a V::Archived>, StateError> {
+        ValueState::<V> {
+            id: self.id,
+            _v: PhantomData,
+        }
+        .get(be)
+    }
+
+    pub fn clear(&self, be: &mut KeyedBackend) {
+        ValueState::<V> {
+            id: self.id,
+            _v: PhantomData,
+        }
+        .clear(be)
+    }
+}
+
+/// An aggregation: inputs are added to an accumulator; results are computed from it.
+pub trait AggregateFunction {
+    type In;
+    type Acc: StateValue;
+    type Out;
+    fn create_accumulator(&self) -> Self::Acc;
+    fn add(&self, value: &Self::In, acc: &mut Self::Acc);
+    fn result(&self, acc: &Self::Acc) -> Self::Out;
+}
+
+/// State holding an accumulator of an [`AggregateFunction`].
+#[derive(Debug, Clone, Copy)]
+pub struct AggregatingState<A> {
+    id: u16,
+    agg: A,
+}
+
+impl<A: AggregateFunction> AggregatingState<A> {
+    pub fn id(&self) -> u16 {
+        self.id
+    }
+
+    pub fn add(&self, be: &mut KeyedBackend, v: &A::In) -> Result<(), StateError> {
+        let cur = ValueState::<A::Acc> {
+            id: self.id,
+            _v: PhantomData,
+        };
+        let mut acc = cur
+            .value(be)?
+            .unwrap_or_else(|| self.agg.create_accumulator());
+        self.agg.add(v, &mut acc);
+        cur.update(be, &acc)
+    }
+
+    pub fn get(&self, be: &mut KeyedBackend) -> Result<Option<A::Out>, StateError> {
+        let cur = ValueState::<A::Acc> {
+            id: self.id,
+            _v: PhantomData,
+        };
+        Ok(cur.value(be)?.map(|acc| self.agg.result(&acc)))
+    }
+
+    pub fn clear(&self, be: &mut KeyedBackend) {
+        ValueState::<A::Acc> {
+            id: self.id,
+            _v: PhantomData,
+        }
+        .clear(be)
+    }
+}

@@ -1,0 +1,1059 @@
+//! The LSM store of one shard.
+//!
+//! * A mutable [`Memtable`] bounded by `memtable_budget_bytes`; when full it is frozen.
+//! * Frozen memtables, newest last, readable until their segment is installed.
+//! * Segments, oldest first. Reads go memtable, frozen (newest first), segments (newest first)
+//!   and stop at the first version of a key; bloom filters skip segments.
+//!
+//! No executor and no clock: time is passed in with [`Store::set_now_ms`]; maintenance is
+//! handed out as `Send` jobs ([`FlushJob`], [`CompactionJob`], [`SnapshotJob`]) that run on any
+//! thread and are installed back with [`Store::install`].
+//!
+//! **Compaction is size-tiered** (universal style): flushes produce segments of about one
+//! memtable; a run of the newest segments is merged when each older member is no bigger than
+//! `size_ratio` times the sum of the newer ones and the run has at least `min_merge` members,
+//! or everything is merged when there are more than `max_segments`. Why tiered and not
+//! leveled: keyed state in a stream processor is write-heavy (every record updates state),
+//! and snapshots share immutable segments between checkpoints; tiering writes each byte
+//! O(log n) times instead of leveled's O(fan-out * levels), keeps few large files that stay
+//! stable across incremental checkpoints, and bloom filters keep point reads (the dominant
+//! read) at about one segment probe. Range scans pay for the overlap, which keyed state rarely
+//! needs beyond per-key prefixes. Shadowed versions are dropped by every compaction;
+//! tombstones and expired entries only when the run includes the oldest segment.
+//!
+//! Files are reference counted through `Arc<Segment>`: the store, retained snapshots,
+//! running jobs and iterators each hold one. A segment the store no longer needs is marked
+//! obsolete and its file is deleted when the last reference goes. On shutdown nothing is
+//! deleted, so files a retained snapshot names survive the process.
+
+use std::cell::Cell;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use weir_io::{DirLock, Fs};
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::error::StateError;
+use crate::handle::{SegmentRef, SnapshotHandle};
+use crate::key::{KeyGroupRange, DEFAULT_MAX_PARALLELISM};
+use crate::memtable::{Frozen, Memtable, ValueRef, NO_EXPIRY};
+use crate::segment::{Probe, Segment, SegmentIter, SegmentWriter, WriterOptions};
+
+/// Store configuration. Every bound is named.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// The mutable memtable is frozen when it holds this many bytes.
+    pub memtable_budget_bytes: usize,
+    /// Target size of a data block.
+    pub block_target_bytes: usize,
+    /// Bloom filter bits per key.
+    pub bloom_bits_per_key: u32,
+    /// Minimum number of segments a tiered compaction merges.
+    pub compaction_min_merge: usize,
+    /// An older segment joins a compaction run if it is at most this many times the newer ones.
+    pub compaction_size_ratio: u64,
+    /// Above this many segments everything is merged.
+    pub max_segments: usize,
+    /// Number of key groups.
+    pub max_parallelism: u16,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            memtable_budget_bytes: 64 << 20,
+            block_target_bytes: 4096,
+            bloom_bits_per_key: 10,
+            compaction_min_merge: 4,
+            compaction_size_ratio: 2,
+            max_segments: 12,
+            max_parallelism: DEFAULT_MAX_PARALLELISM,
+        }
+    }
+}
+
+/// Counters and gauges of a store.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StoreMetrics {
+    pub memtable_bytes: usize,
+    pub memtable_entries: usize,
+    pub frozen_memtables: usize,
+    pub frozen_bytes: usize,
+    pub segments: usize,
+    pub segment_bytes: u64,
+    /// In-memory index of segment blocks.
+    pub index_bytes: usize,
+    /// Bloom filter bytes (mapped).
+    pub filter_bytes: usize,
+    pub flushes: u64,
+    pub compactions: u64,
+    pub compaction_bytes_in: u64,
+    pub compaction_bytes_out: u64,
+    pub gets: u64,
+    /// Segment probes answered "absent" by a bloom filter.
+    pub bloom_negatives: u64,
+    pub snapshots: u64,
+    pub retained_snapshots: usize,
+}
+
+/// A value found by [`Store::get`] or a scan.
+#[derive(Debug, Clone, Copy)]
+pub struct Found<'a> {
+    pub value: &'a [u8],
+    /// True if the bytes come from a memtable this process wrote (trusted), false if they
+    /// come from a segment file (must be validated before an unchecked rkyv access).
+    pub in_memory: bool,
+}
+
+/// Shared between the store and its snapshot jobs.
+#[derive(Debug, Default)]
+struct Registry {
+    retained: BTreeMap<u64, Vec<Arc<Segment>>>,
+    /// Segments snapshot jobs wrote for frozen memtables, by generation, awaiting adoption.
+    flushed: BTreeMap<u64, Arc<Segment>>,
+    /// Generations a snapshot job is writing now.
+    in_flight: HashSet<u64>,
+    /// Segment ids of the last completed snapshot (for the `is_new` marks).
+    last_completed: HashSet<u64>,
+    snapshots: u64,
+}
+
+#[derive(Debug)]
+struct Ctx {
+    fs: Arc<dyn Fs>,
+    dir: PathBuf,
+    opts: WriterOptions,
+}
+
+impl Ctx {
+    fn path_for(&self, id: u64) -> PathBuf {
+        self.dir.join(format!("{id:016x}.wseg"))
+    }
+
+    /// Write a sorted sequence of entries as segment `id` and open it. On error the partial
+    /// file is removed (best effort) and never used.
+    fn write_segment<'a>(
+        &self,
+        id: u64,
+        entries: impl Iterator<Item = (&'a [u8], ValueRef<'a>)>,
+    ) -> Result<Option<Arc<Segment>>, StateError> {
+        let path = self.path_for(id);
+        let result = (|| {
+            let mut w = SegmentWriter::create(&*self.fs, &path, id, self.opts)?;
+            let mut n = 0u64;
+            for (k, v) in entries {
+                w.add(k, v)?;
+                n += 1;
+            }
+            if n == 0 {
+                drop(w);
+                self.fs.remove(&path)?;
+                return Ok(None);
+            }
+            let written = w.finish()?;
+            self.fs.sync_dir(&self.dir)?;
+            let seg = Segment::open(self.fs.clone(), &written.path, Some(id), true)?;
+            // Check the bytes read back against what the writer computed: a device or cache
+            // that returned other bytes is caught here, before the segment is ever used.
+            if (seg.size_bytes, seg.crc32) != (written.size_bytes, written.crc32) {
+                return Err(StateError::HandleMismatch {
+                    file: written.path,
+                    what: "crc32 of the written segment",
+                    expected: u64::from(written.crc32),
+                    actual: u64::from(seg.crc32),
+                });
+            }
+            Ok(Some(Arc::new(seg)))
+        })();
+        if result.is_err() && path.exists() {
+            let _ = self.fs.remove(&path);
+        }
+        result
+    }
+}
+
+/// The LSM store of one shard (see the module docs).
+#[derive(Debug)]
+pub struct Store {
+    ctx: Arc<Ctx>,
+    config: StoreConfig,
+    _lock: DirLock,
+    mem: Memtable,
+    frozen: Vec<Arc<Frozen>>,
+    segments: Vec<Arc<Segment>>,
+    next_gen: u64,
+    next_segment_id: u64,
+    next_seq: u64,
+    now_ms: u64,
+    ttl_ms: HashMap<u16, u64>,
+    flush_in_flight: Option<u64>,
+    compaction_in_flight: bool,
+    registry: Arc<Mutex<Registry>>,
+    flushes: u64,
+    compactions: u64,
+    compaction_bytes_in: u64,
+    compaction_bytes_out: u64,
+    gets: Cell<u64>,
+    bloom_negatives: Cell<u64>,
+}
+
+fn lock(r: &Mutex<Registry>) -> MutexGuard<'_, Registry> {
+    r.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Store {
+    /// Open an empty store in `dir` (created if needed) and lock the directory. Segment files
+    /// already there are not loaded (state comes back through [`Store::restore`]) and not
+    /// deleted (a retained checkpoint may name them); new ids continue above them.
+    pub fn open(fs: Arc<dyn Fs>, dir: &Path, config: StoreConfig) -> Result<Store, StateError> {
+        fs.create_dir_all(dir)?;
+        let lock = DirLock::acquire(dir)?;
+        let mut next_segment_id = 1;
+        for p in fs.list_dir(dir)? {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            if let Some(hex) = name.strip_suffix(".wseg") {
+                if let Ok(id) = u64::from_str_radix(hex, 16) {
+                    next_segment_id = next_segment_id.max(id + 1);
+                }
+            }
+        }
+        let budget_bytes = config.memtable_budget_bytes;
+        Ok(Store {
+            ctx: Arc::new(Ctx {
+                fs,
+                dir: dir.to_owned(),
+                opts: WriterOptions {
+                    block_target_bytes: config.block_target_bytes,
+                    bloom_bits_per_key: config.bloom_bits_per_key,
+                },
+            }),
+            config,
+            _lock: lock,
+            mem: Memtable::with_budget(budget_bytes),
+            frozen: Vec::new(),
+            segments: Vec::new(),
+            next_gen: 1,
+            next_segment_id,
+            next_seq: 0,
+            now_ms: 0,
+            ttl_ms: HashMap::new(),
+            flush_in_flight: None,
+            compaction_in_flight: false,
+            registry: Arc::default(),
+            flushes: 0,
+            compactions: 0,
+            compaction_bytes_in: 0,
+            compaction_bytes_out: 0,
+            gets: Cell::new(0),
+            bloom_negatives: Cell::new(0),
+        })
+    }
+
+    /// Open a store in `dir` holding exactly the state of `handles` restricted to `range`.
+    /// Every listed segment is verified (all block CRCs, then size and whole-file CRC against
+    /// the handle) before a byte of it is used. Several handles (for example the shards of a
+    /// job restored at another parallelism) are merged; for a key present in several, the
+    /// later handle wins. The result is written as one new segment in `dir`.
+    pub fn restore(
+        fs: Arc<dyn Fs>,
+        dir: &Path,
+        config: StoreConfig,
+        handles: &[SnapshotHandle],
+        range: KeyGroupRange,
+    ) -> Result<Store, StateError> {
+        let mut store = Store::open(fs.clone(), dir, config)?;
+        let mut inputs = Vec::new();
+        for h in handles {
+            if h.max_parallelism != store.config.max_parallelism {
+                return Err(StateError::Incompatible {
+                    reason: format!(
+                        "handle of checkpoint {} has max parallelism {}, store {}",
+                        h.checkpoint_id, h.max_parallelism, store.config.max_parallelism
+                    ),
+                });
+            }
+            store.next_seq = store.next_seq.max(h.next_seq);
+            for r in &h.segments {
+                if !r.key_groups.is_some_and(|kg| kg.intersects(&range)) {
+                    continue;
+                }
+                let seg = Segment::open(fs.clone(), &r.path, Some(r.segment_id), false)?;
+                for (what, expected, actual) in [
+                    ("size", r.size_bytes, seg.size_bytes),
+                    ("crc32", u64::from(r.crc32), u64::from(seg.crc32)),
+                    ("entry count", r.entry_count, seg.entry_count),
+                ] {
+                    if expected != actual {
+                        return Err(StateError::HandleMismatch {
+                            file: r.path.clone(),
+                            what,
+                            expected,
+                            actual,
+                        });
+                    }
+                }
+                inputs.push(seg);
+            }
+        }
+        let start = range.first.to_be_bytes();
+        let end = range.last.checked_add(1).map(|e| e.to_be_bytes().to_vec());
+        // Newest first: later handles and later segments win.
+        let srcs: Vec<Src<'_>> = inputs
+            .iter()
+            .rev()
+            .map(|s| Src::Seg(s.iter_from(&start)))
+            .collect();
+        let merged = Merge::new(srcs, end)
+            .filter(|(_, v, _)| !v.tombstone)
+            .map(|(k, v, _)| (k, v));
+        let id = store.alloc_segment_id();
+        if let Some(seg) = store.ctx.write_segment(id, merged)? {
+            store.segments.push(seg);
+        }
+        Ok(store)
+    }
+
+    pub fn config(&self) -> &StoreConfig {
+        &self.config
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.ctx.dir
+    }
+
+    /// The caller's clock: entries with TTL expire relative to this, reads hide expired
+    /// entries, compaction drops them.
+    pub fn set_now_ms(&mut self, now_ms: u64) {
+        self.now_ms = now_ms;
+    }
+
+    pub fn now_ms(&self) -> u64 {
+        self.now_ms
+    }
+
+    /// Time to live of the entries of `state_id` (bytes 2..4 of a key), from their last write.
+    pub fn set_ttl(&mut self, state_id: u16, ttl_ms: Option<u64>) {
+        match ttl_ms {
+            Some(t) => self.ttl_ms.insert(state_id, t),
+            None => self.ttl_ms.remove(&state_id),
+        };
+    }
+
+    /// A store-wide counter that survives snapshot and restore (list-state element ids).
+    pub fn next_seq(&mut self) -> u64 {
+        self.next_seq += 1;
+        self.next_seq
+    }
+
+    fn expiry_for(&self, key: &[u8]) -> u64 {
+        if self.ttl_ms.is_empty() || key.len() < 4 {
+            return NO_EXPIRY;
+        }
+        match self.ttl_ms.get(&u16::from_be_bytes([key[2], key[3]])) {
+            Some(&ttl) => self.now_ms.saturating_add(ttl),
+            None => NO_EXPIRY,
+        }
+    }
+
+    /// Insert or overwrite. Keys start with their key group (2 bytes, big-endian).
+    pub fn put(&mut self, key: &[u8], value: &[u8]) {
+        assert!(
+            key.len() >= 2 && key.len() <= usize::from(u16::MAX),
+            "key length {}",
+            key.len()
+        );
+        let exp = self.expiry_for(key);
+        self.mem.put(key, value, exp, false);
+        self.maybe_freeze();
+    }
+
+    /// Delete (writes a tombstone).
+    pub fn delete(&mut self, key: &[u8]) {
+        assert!(
+            key.len() >= 2 && key.len() <= usize::from(u16::MAX),
+            "key length {}",
+            key.len()
+        );
+        self.mem.put(key, &[], NO_EXPIRY, true);
+        self.maybe_freeze();
+    }
+
+    fn maybe_freeze(&mut self) {
+        if self.mem.approx_bytes() >= self.config.memtable_budget_bytes {
+            self.freeze();
+        }
+    }
+
+    /// Freeze the mutable memtable (no I/O, no copy). A no-op if it is empty.
+    pub fn freeze(&mut self) {
+        if self.mem.is_empty() {
+            return;
+        }
+        let fresh = Memtable::with_budget(self.config.memtable_budget_bytes);
+        let mem = std::mem::replace(&mut self.mem, fresh);
+        self.frozen.push(Arc::new(Frozen::new(mem, self.next_gen)));
+        self.next_gen += 1;
+    }
+
+    fn visible<'a>(&self, v: ValueRef<'a>, in_memory: bool) -> Option<Found<'a>> {
+        if v.tombstone || v.expire_at_ms <= self.now_ms {
+            return None;
+        }
+        Some(Found {
+            value: v.bytes,
+            in_memory,
+        })
+    }
+
+    /// Point lookup.
+    pub fn get(&self, key: &[u8]) -> Option<Found<'_>> {
+        self.gets.set(self.gets.get() + 1);
+        let hash = xxh3_64(key);
+        if let Some(v) = self.mem.get_hashed(key, hash) {
+            return self.visible(v, true);
+        }
+        for f in self.frozen.iter().rev() {
+            if let Some(v) = f.mem.get_hashed(key, hash) {
+                return self.visible(v, true);
+            }
+        }
+        for s in self.segments.iter().rev() {
+            match s.get(key, hash) {
+                Probe::BloomNegative => self.bloom_negatives.set(self.bloom_negatives.get() + 1),
+                Probe::Absent => {}
+                Probe::Found(v) => return self.visible(v, false),
+            }
+        }
+        None
+    }
+
+    /// Entries with `start <= key < end` (`end: None` = unbounded), in key order.
+    pub fn scan_range(&mut self, start: &[u8], end: Option<&[u8]>) -> ScanIter<'_> {
+        self.mem.prepare_scan();
+        let mut srcs = Vec::with_capacity(2 + self.frozen.len() + self.segments.len());
+        let (a, b) = self.mem.runs();
+        let (ia, ib) = (
+            self.mem.lower_bound(a, start),
+            self.mem.lower_bound(b, start),
+        );
+        srcs.push(Src::Mem {
+            m: &self.mem,
+            a: &a[ia..],
+            b: &b[ib..],
+        });
+        for f in self.frozen.iter().rev() {
+            let ids = f.order();
+            let i = f.mem.lower_bound(ids, start);
+            srcs.push(Src::Frozen {
+                m: &f.mem,
+                ids: &ids[i..],
+            });
+        }
+        for s in self.segments.iter().rev() {
+            srcs.push(Src::Seg(s.iter_from(start)));
+        }
+        ScanIter {
+            merge: Merge::new(srcs, end.map(<[u8]>::to_vec)),
+            now_ms: self.now_ms,
+        }
+    }
+
+    /// Entries whose key starts with `prefix`.
+    pub fn scan_prefix(&mut self, prefix: &[u8]) -> ScanIter<'_> {
+        let end = prefix_successor(prefix);
+        self.scan_range(prefix, end.as_deref())
+    }
+
+    /// Entries of the key groups in `range`.
+    pub fn scan_key_groups(&mut self, range: KeyGroupRange) -> ScanIter<'_> {
+        let end = range.last.checked_add(1).map(u16::to_be_bytes);
+        self.scan_range(&range.first.to_be_bytes(), end.as_ref().map(|e| &e[..]))
+    }
+
+    fn alloc_segment_id(&mut self) -> u64 {
+        let id = self.next_segment_id;
+        self.next_segment_id += 1;
+        id
+    }
+
+    /// Adopt segments snapshot jobs wrote for the oldest frozen memtables.
+    fn absorb(&mut self) {
+        let mut reg = lock(&self.registry);
+        while let Some(f) = self.frozen.first() {
+            match reg.flushed.remove(&f.gen) {
+                Some(seg) => {
+                    self.frozen.remove(0);
+                    self.segments.push(seg);
+                    self.flushes += 1;
+                }
+                None => break,
+            }
+        }
+        let oldest = self.frozen.first().map_or(self.next_gen, |f| f.gen);
+        let stale: Vec<u64> = reg.flushed.range(..oldest).map(|(g, _)| *g).collect();
+        for g in stale {
+            if let Some(seg) = reg.flushed.remove(&g) {
+                seg.mark_obsolete();
+            }
+        }
+    }
+
+    /// True when a flush or compaction job is due.
+    pub fn needs_maintenance(&self) -> bool {
+        (!self.frozen.is_empty() && self.flush_in_flight.is_none())
+            || (!self.compaction_in_flight && self.pick_compaction().is_some())
+    }
+
+    /// The flush of the oldest frozen memtable, if one is due and none is running (flushes
+    /// install in freeze order so segments stay ordered).
+    pub fn flush_job(&mut self) -> Option<FlushJob> {
+        self.absorb();
+        if self.flush_in_flight.is_some() {
+            return None;
+        }
+        let f = self.frozen.first()?.clone();
+        if lock(&self.registry).in_flight.contains(&f.gen) {
+            return None;
+        }
+        self.flush_in_flight = Some(f.gen);
+        Some(FlushJob {
+            id: self.alloc_segment_id(),
+            frozen: f,
+            ctx: self.ctx.clone(),
+        })
+    }
+
+    /// Which contiguous run of segments (start index) a tiered compaction should merge.
+    fn pick_compaction(&self) -> Option<usize> {
+        let n = self.segments.len();
+        if n < 2 {
+            return None;
+        }
+        let mut sum = self.segments[n - 1].size_bytes;
+        let mut start = n - 1;
+        while start > 0 {
+            let older = self.segments[start - 1].size_bytes;
+            if older > sum.saturating_mul(self.config.compaction_size_ratio) {
+                break;
+            }
+            sum += older;
+            start -= 1;
+        }
+        if n - start >= self.config.compaction_min_merge {
+            Some(start)
+        } else if n > self.config.max_segments {
+            Some(0)
+        } else {
+            None
+        }
+    }
+
+    /// A compaction, if one is due and none is running.
+    pub fn compaction_job(&mut self) -> Option<CompactionJob> {
+        self.absorb();
+        if self.compaction_in_flight {
+            return None;
+        }
+        let start = self.pick_compaction()?;
+        self.compaction_in_flight = true;
+        Some(CompactionJob {
+            id: self.alloc_segment_id(),
+            inputs: self.segments[start..].to_vec(),
+            bottom: start == 0,
+            now_ms: self.now_ms,
+            ctx: self.ctx.clone(),
+        })
+    }
+
+    /// Force a compaction of all segments into one (tombstones dropped).
+    pub fn full_compaction_job(&mut self) -> Option<CompactionJob> {
+        self.absorb();
+        if self.compaction_in_flight || self.segments.len() < 2 {
+            return None;
+        }
+        self.compaction_in_flight = true;
+        Some(CompactionJob {
+            id: self.alloc_segment_id(),
+            inputs: self.segments.clone(),
+            bottom: true,
+            now_ms: self.now_ms,
+            ctx: self.ctx.clone(),
+        })
+    }
+
+    /// Install a finished job. Returns the job's own error, if it failed (the store stays
+    /// consistent: a failed flush leaves the memtable frozen and readable, to retry).
+    pub fn install(&mut self, done: impl Into<JobDone>) -> Result<(), StateError> {
+        match done.into() {
+            JobDone::Flush(d) => {
+                self.flush_in_flight = None;
+                let seg = d.result?;
+                let head = self.frozen.first().map(|f| f.gen);
+                if head == Some(d.gen) {
+                    self.frozen.remove(0);
+                    if let Some(seg) = seg {
+                        self.segments.push(seg);
+                    }
+                    self.flushes += 1;
+                } else if let Some(seg) = seg {
+                    // A snapshot already flushed this generation.
+                    seg.mark_obsolete();
+                }
+                self.absorb();
+            }
+            JobDone::Compaction(d) => {
+                self.compaction_in_flight = false;
+                let out = d.result?;
+                let pos = self
+                    .segments
+                    .windows(d.input_ids.len())
+                    .position(|w| w.iter().map(|s| s.id).eq(d.input_ids.iter().copied()));
+                match pos {
+                    Some(p) => {
+                        let removed: Vec<_> = self
+                            .segments
+                            .splice(p..p + d.input_ids.len(), out.clone())
+                            .collect();
+                        for s in &removed {
+                            s.mark_obsolete();
+                        }
+                        self.compactions += 1;
+                        self.compaction_bytes_in += d.bytes_in;
+                        self.compaction_bytes_out += out.as_ref().map_or(0, |s| s.size_bytes);
+                    }
+                    None => {
+                        if let Some(s) = out {
+                            s.mark_obsolete();
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Run due flushes and compactions inline until none is due.
+    pub fn run_pending_maintenance(&mut self) -> Result<(), StateError> {
+        loop {
+            if let Some(j) = self.flush_job() {
+                let done = j.run();
+                self.install(done)?;
+                continue;
+            }
+            if let Some(j) = self.compaction_job() {
+                let done = j.run();
+                self.install(done)?;
+                continue;
+            }
+            return Ok(());
+        }
+    }
+
+    /// Freeze and flush everything, then compact to one segment (tests, tools).
+    pub fn flush_and_compact_all(&mut self) -> Result<(), StateError> {
+        self.freeze();
+        self.run_pending_maintenance()?;
+        if let Some(j) = self.full_compaction_job() {
+            let done = j.run();
+            self.install(done)?;
+        }
+        Ok(())
+    }
+
+    /// Synchronous part of a snapshot: freeze the memtable and capture the segment list. No
+    /// I/O, no copy of the memtable. The returned job writes what is not yet on disk.
+    pub fn snapshot(&mut self, checkpoint_id: u64) -> SnapshotJob {
+        self.absorb();
+        self.freeze();
+        let mut parts = Vec::with_capacity(self.segments.len() + self.frozen.len());
+        parts.extend(self.segments.iter().cloned().map(Part::Done));
+        let mut reg = lock(&self.registry);
+        for f in &self.frozen {
+            match reg.flushed.get(&f.gen) {
+                Some(seg) => parts.push(Part::Done(seg.clone())),
+                None => {
+                    reg.in_flight.insert(f.gen);
+                    let id = self.next_segment_id;
+                    self.next_segment_id += 1;
+                    parts.push(Part::Write(f.clone(), id));
+                }
+            }
+        }
+        drop(reg);
+        SnapshotJob {
+            checkpoint_id,
+            parts,
+            next_seq: self.next_seq,
+            max_parallelism: self.config.max_parallelism,
+            ctx: self.ctx.clone(),
+            registry: self.registry.clone(),
+        }
+    }
+
+    /// Forget a retained snapshot; files only it referred to are deleted.
+    pub fn release_snapshot(&mut self, checkpoint_id: u64) {
+        let segs = lock(&self.registry).retained.remove(&checkpoint_id);
+        drop(segs);
+    }
+
+    /// Ids of retained snapshots.
+    pub fn retained_snapshots(&self) -> Vec<u64> {
+        lock(&self.registry).retained.keys().copied().collect()
+    }
+
+    pub fn metrics(&self) -> StoreMetrics {
+        let reg = lock(&self.registry);
+        StoreMetrics {
+            memtable_bytes: self.mem.approx_bytes(),
+            memtable_entries: self.mem.len(),
+            frozen_memtables: self.frozen.len(),
+            frozen_bytes: self.frozen.iter().map(|f| f.mem.approx_bytes()).sum(),
+            segments: self.segments.len(),
+            segment_bytes: self.segments.iter().map(|s| s.size_bytes).sum(),
+            index_bytes: self.segments.iter().map(|s| s.index_bytes()).sum(),
+            filter_bytes: self.segments.iter().map(|s| s.filter_bytes()).sum(),
+            flushes: self.flushes,
+            compactions: self.compactions,
+            compaction_bytes_in: self.compaction_bytes_in,
+            compaction_bytes_out: self.compaction_bytes_out,
+            gets: self.gets.get(),
+            bloom_negatives: self.bloom_negatives.get(),
+            snapshots: reg.snapshots,
+            retained_snapshots: reg.retained.len(),
+        }
+    }
+
+    /// Paths of the live segment files, oldest first.
+    pub fn segment_paths(&self) -> Vec<PathBuf> {
+        self.segments.iter().map(|s| s.path.clone()).collect()
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        // Shutdown is not obsolescence: keep every file a retained snapshot may name.
+        let reg = lock(&self.registry);
+        for s in reg.retained.values().flatten().chain(reg.flushed.values()) {
+            s.keep_file();
+        }
+    }
+}
+
+fn prefix_successor(prefix: &[u8]) -> Option<Vec<u8>> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xFF {
+            end.push(last + 1);
+            return Some(end);
+        }
+    }
+    None
+}
+
+/// Flush of one frozen memtable into a segment.
+#[derive(Debug)]
+pub struct FlushJob {
+    id: u64,
+    frozen: Arc<Frozen>,
+    ctx: Arc<Ctx>,
+}
+
+/// A finished [`FlushJob`], to [`Store::install`].
+#[derive(Debug)]
+pub struct FlushDone {
+    gen: u64,
+    result: Result<Option<Arc<Segment>>, StateError>,
+}
+
+impl FlushJob {
+    pub fn run(self) -> FlushDone {
+        let f = &self.frozen;
+        let entries = f.order().iter().map(|&i| f.mem.entry(i));
+        FlushDone {
+            gen: f.gen,
+            result: self.ctx.write_segment(self.id, entries),
+        }
+    }
+}
+
+/// Merge of a contiguous run of segments.
+#[derive(Debug)]
+pub struct CompactionJob {
+    id: u64,
+    inputs: Vec<Arc<Segment>>,
+    bottom: bool,
+    now_ms: u64,
+    ctx: Arc<Ctx>,
+}
+
+/// A finished [`CompactionJob`], to [`Store::install`].
+#[derive(Debug)]
+pub struct CompactionDone {
+    input_ids: Vec<u64>,
+    bytes_in: u64,
+    result: Result<Option<Arc<Segment>>, StateError>,
+}
+
+impl CompactionJob {
+    pub fn run(self) -> CompactionDone {
+        let srcs: Vec<Src<'_>> = self
+            .inputs
+            .iter()
+            .rev()
+            .map(|s| Src::Seg(s.iter_from(&[])))
+            .collect();
+        let (bottom, now) = (self.bottom, self.now_ms);
+        let merged = Merge::new(srcs, None).filter_map(move |(k, v, _)| {
+            let expired = v.expire_at_ms <= now;
+            if bottom && (v.tombstone || expired) {
+                None
+            } else if expired {
+                // Above the bottom an expired entry still shadows older versions.
+                Some((
+                    k,
+                    ValueRef {
+                        bytes: &[],
+                        expire_at_ms: NO_EXPIRY,
+                        tombstone: true,
+                    },
+                ))
+            } else {
+                Some((k, v))
+            }
+        });
+        let result = self.ctx.write_segment(self.id, merged);
+        CompactionDone {
+            input_ids: self.inputs.iter().map(|s| s.id).collect(),
+            bytes_in: self.inputs.iter().map(|s| s.size_bytes).sum(),
+            result,
+        }
+    }
+}
+
+/// A finished job of either kind.
+#[derive(Debug)]
+pub enum JobDone {
+    Flush(FlushDone),
+    Compaction(CompactionDone),
+}
+
+impl From<FlushDone> for JobDone {
+    fn from(d: FlushDone) -> Self {
+        JobDone::Flush(d)
+    }
+}
+
+impl From<CompactionDone> for JobDone {
+    fn from(d: CompactionDone) -> Self {
+        JobDone::Compaction(d)
+    }
+}
+
+#[derive(Debug)]
+enum Part {
+    Done(Arc<Segment>),
+    Write(Arc<Frozen>, u64),
+}
+
+/// Asynchronous part of a snapshot: writes frozen memtables as segments, registers the
+/// snapshot as retained and returns its handle.
+#[derive(Debug)]
+pub struct SnapshotJob {
+    checkpoint_id: u64,
+    parts: Vec<Part>,
+    next_seq: u64,
+    max_parallelism: u16,
+    ctx: Arc<Ctx>,
+    registry: Arc<Mutex<Registry>>,
+}
+
+impl SnapshotJob {
+    pub fn checkpoint_id(&self) -> u64 {
+        self.checkpoint_id
+    }
+
+    pub fn run(mut self) -> Result<SnapshotHandle, StateError> {
+        let parts = std::mem::take(&mut self.parts);
+        let mut segs = Vec::with_capacity(parts.len());
+        let mut result = Ok(());
+        for part in parts {
+            match part {
+                Part::Done(s) => segs.push(s),
+                Part::Write(f, id) => {
+                    if result.is_err() {
+                        continue;
+                    }
+                    let entries = f.order().iter().map(|&i| f.mem.entry(i));
+                    match self.ctx.write_segment(id, entries) {
+                        Ok(Some(seg)) => {
+                            let mut reg = lock(&self.registry);
+                            reg.in_flight.remove(&f.gen);
+                            reg.flushed.entry(f.gen).or_insert_with(|| seg.clone());
+                            segs.push(seg);
+                        }
+                        Ok(None) => unreachable!("frozen memtables are never empty"),
+                        Err(e) => result = Err(e),
+                    }
+                }
+            }
+        }
+        result?;
+        let mut reg = lock(&self.registry);
+        let refs = segs
+            .iter()
+            .map(|s| SegmentRef {
+                path: s.path.clone(),
+                segment_id: s.id,
+                size_bytes: s.size_bytes,
+                crc32: s.crc32,
+                entry_count: s.entry_count,
+                key_groups: s.key_groups,
+                is_new: !reg.last_completed.contains(&s.id),
+            })
+            .collect();
+        reg.last_completed = segs.iter().map(|s| s.id).collect();
+        reg.retained.insert(self.checkpoint_id, segs);
+        reg.snapshots += 1;
+        Ok(SnapshotHandle {
+            checkpoint_id: self.checkpoint_id,
+            next_seq: self.next_seq,
+            max_parallelism: self.max_parallelism,
+            segments: refs,
+        })
+    }
+}
+
+impl Drop for SnapshotJob {
+    fn drop(&mut self) {
+        // A job dropped or failed before writing releases its generations for normal flushes.
+        let mut reg = lock(&self.registry);
+        for p in &self.parts {
+            if let Part::Write(f, _) = p {
+                reg.in_flight.remove(&f.gen);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Merging iteration.
+
+enum Src<'a> {
+    Mem {
+        m: &'a Memtable,
+        a: &'a [u32],
+        b: &'a [u32],
+    },
+    Frozen {
+        m: &'a Memtable,
+        ids: &'a [u32],
+    },
+    Seg(SegmentIter<'a>),
+}
+
+type Item<'a> = (&'a [u8], ValueRef<'a>, bool);
+
+impl<'a> Src<'a> {
+    fn next(&mut self) -> Option<Item<'a>> {
+        match self {
+            Src::Mem { m, a, b } => {
+                let take_a = match (a.first(), b.first()) {
+                    (None, None) => return None,
+                    (Some(_), None) => true,
+                    (None, Some(_)) => false,
+                    (Some(&x), Some(&y)) => m.entry(x).0 < m.entry(y).0,
+                };
+                let id = if take_a {
+                    let id = a[0];
+                    *a = &a[1..];
+                    id
+                } else {
+                    let id = b[0];
+                    *b = &b[1..];
+                    id
+                };
+                let (k, v) = m.entry(id);
+                Some((k, v, true))
+            }
+            Src::Frozen { m, ids } => {
+                let (&id, rest) = ids.split_first()?;
+                *ids = rest;
+                let (k, v) = m.entry(id);
+                Some((k, v, true))
+            }
+            Src::Seg(it) => it.next().map(|(k, v)| (k, v, false)),
+        }
+    }
+}
+
+/// K-way merge of sources in priority order (index 0 newest); yields the newest version of
+/// each key, tombstones included, up to `end` (exclusive).
+struct Merge<'a> {
+    srcs: Vec<Src<'a>>,
+    heads: Vec<Option<Item<'a>>>,
+    end: Option<Vec<u8>>,
+}
+
+impl<'a> Merge<'a> {
+    fn new(mut srcs: Vec<Src<'a>>, end: Option<Vec<u8>>) -> Self {
+        let heads = srcs.iter_mut().map(Src::next).collect();
+        Merge { srcs, heads, end }
+    }
+}
+
+impl<'a> Iterator for Merge<'a> {
+    type Item = Item<'a>;
+    fn next(&mut self) -> Option<Item<'a>> {
+        let mut best: Option<(usize, &'a [u8])> = None;
+        for (i, h) in self.heads.iter().enumerate() {
+            if let Some((k, _, _)) = h {
+                if best.is_none_or(|(_, bk)| *k < bk) {
+                    best = Some((i, k));
+                }
+            }
+        }
+        let (bi, bk) = best?;
+        if self.end.as_deref().is_some_and(|e| bk >= e) {
+            return None;
+        }
+        let out = self.heads[bi];
+        for i in 0..self.heads.len() {
+            if matches!(self.heads[i], Some((k, _, _)) if k == bk) {
+                self.heads[i] = self.srcs[i].next();
+            }
+        }
+        out
+    }
+}
+
+/// Iterator over visible entries of a scan, in key order.
+pub struct ScanIter<'a> {
+    merge: Merge<'a>,
+    now_ms: u64,
+}
+
+impl std::fmt::Debug for ScanIter<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ScanIter").finish_non_exhaustive()
+    }
+}
+
+impl<'a> Iterator for ScanIter<'a> {
+    type Item = (&'a [u8], Found<'a>);
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            let (k, v, in_memory) = self.merge.next()?;
+            if v.tombstone || v.expire_at_ms <= self.now_ms {
+                continue;
+            }
+            return Some((
+                k,
+                Found {
+                    value: v.bytes,
+                    in_memory,
+                },
+            ));
+        }
+    }
+}

@@ -1,0 +1,295 @@
+//! Keyed state API: every state kind, namespaces, timers, TTL, snapshot and restore onto
+//! another shard count, the rkyv layout, and the allocation-free hot path.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::sync::Arc;
+
+use weir_io::{Fs, StdFs};
+use weir_state::{
+    AggregateFunction, KeyGroupRange, KeyedBackend, SnapshotHandle, Store, StoreConfig, TimeDomain,
+};
+
+/// Counts allocations of the current thread (other test threads do not interfere).
+struct CountingAlloc;
+thread_local! { static ALLOCS: Cell<u64> = const { Cell::new(0) }; }
+// SAFETY: forwards every call to the system allocator unchanged; only counts.
+unsafe impl GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        let _ = ALLOCS.try_with(|c| c.set(c.get() + 1));
+        // SAFETY: same contract as our caller's.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        // SAFETY: same contract as our caller's.
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        let _ = ALLOCS.try_with(|c| c.set(c.get() + 1));
+        // SAFETY: same contract as our caller's.
+        unsafe { System.realloc(p, l, n) }
+    }
+}
+#[global_allocator]
+static GLOBAL: CountingAlloc = CountingAlloc;
+
+fn cfg(mp: u16) -> StoreConfig {
+    StoreConfig {
+        memtable_budget_bytes: 256 << 10,
+        block_target_bytes: 512,
+        max_parallelism: mp,
+        ..StoreConfig::default()
+    }
+}
+
+fn backend(dir: &std::path::Path, mp: u16) -> KeyedBackend {
+    let fs: Arc<dyn Fs> = Arc::new(StdFs);
+    KeyedBackend::new(
+        Store::open(fs, dir, cfg(mp)).unwrap(),
+        KeyGroupRange::all(mp),
+    )
+}
+
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Debug, PartialEq, Clone)]
+struct Bid {
+    auction: u64,
+    price: u32,
+    bidder: String,
+}
+
+struct Avg;
+impl AggregateFunction for Avg {
+    type In = u64;
+    type Acc = (u64, u64);
+    type Out = f64;
+    fn create_accumulator(&self) -> (u64, u64) {
+        (0, 0)
+    }
+    fn add(&self, v: &u64, acc: &mut (u64, u64)) {
+        acc.0 += v;
+        acc.1 += 1;
+    }
+    fn result(&self, acc: &(u64, u64)) -> f64 {
+        acc.0 as f64 / acc.1 as f64
+    }
+}
+
+#[test]
+fn every_state_kind_round_trips_through_segments() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut be = backend(dir.path(), 128);
+    let count = be.value_state::<u64>("count");
+    let bids = be.list_state::<Bid>("bids");
+    let prices = be.map_state::<String, u32>("prices");
+    let max = be.reducing_state::<u64, _>("max", |a: u64, b: u64| a.max(b));
+    let avg = be.aggregating_state("avg", Avg);
+    for user in 0..300u64 {
+        be.set_current_key(&user);
+        for i in 0..3u64 {
+            let n = count.get(&mut be).unwrap().map_or(0, |v| v.to_native());
+            count.update(&mut be, &(n + 1)).unwrap();
+            bids.add(
+                &mut be,
+                &Bid {
+                    auction: i,
+                    price: (user * 10 + i) as u32,
+                    bidder: format!("u{user}"),
+                },
+            )
+            .unwrap();
+            prices
+                .put(&mut be, &format!("item{}", 2 - i), &((user + i) as u32))
+                .unwrap();
+            max.add(&mut be, user * i).unwrap();
+            avg.add(&mut be, &(i * 2)).unwrap();
+        }
+        if user % 50 == 0 {
+            be.store_mut().run_pending_maintenance().unwrap();
+        }
+    }
+    be.store_mut().flush_and_compact_all().unwrap();
+    for user in (0..300u64).step_by(7) {
+        be.set_current_key(&user);
+        assert_eq!(count.value(&mut be).unwrap(), Some(3));
+        let got = bids.get(&mut be).unwrap();
+        assert_eq!(got.len(), 3);
+        assert_eq!(
+            got[2],
+            Bid {
+                auction: 2,
+                price: (user * 10 + 2) as u32,
+                bidder: format!("u{user}")
+            }
+        );
+        let entries = prices.entries(&mut be).unwrap();
+        assert_eq!(
+            entries.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(),
+            vec!["item0", "item1", "item2"]
+        );
+        assert_eq!(
+            prices
+                .get(&mut be, &"item0".to_owned())
+                .unwrap()
+                .map(|v| v.to_native()),
+            Some((user + 2) as u32)
+        );
+        assert_eq!(
+            max.get(&mut be).unwrap().map(|v| v.to_native()),
+            Some(user * 2)
+        );
+        assert_eq!(avg.get(&mut be).unwrap(), Some(2.0));
+    }
+    be.set_current_key(&5u64);
+    prices.remove(&mut be, &"item1".to_owned());
+    assert!(!prices.contains(&mut be, &"item1".to_owned()));
+    bids.clear(&mut be);
+    assert!(bids.get(&mut be).unwrap().is_empty());
+    count.clear(&mut be);
+    assert_eq!(count.value(&mut be).unwrap(), None);
+    be.set_current_key(&6u64);
+    assert_eq!(
+        count.value(&mut be).unwrap(),
+        Some(3),
+        "other keys untouched"
+    );
+}
+
+#[test]
+fn namespaces_isolate_windows() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut be = backend(dir.path(), 128);
+    let sum = be.value_state::<u64>("sum");
+    be.set_current_key("alice");
+    for w in 0..4u64 {
+        be.set_namespace_of(&(w * 1000));
+        sum.update(&mut be, &(w + 10)).unwrap();
+    }
+    be.set_namespace_of(&2000u64);
+    assert_eq!(sum.value(&mut be).unwrap(), Some(12));
+    sum.clear(&mut be);
+    be.set_namespace_of(&3000u64);
+    assert_eq!(sum.value(&mut be).unwrap(), Some(13));
+    be.set_namespace(&[]);
+    assert_eq!(sum.value(&mut be).unwrap(), None);
+}
+
+#[test]
+fn timers_order_dedupe_delete_and_survive_restore_on_other_shards() {
+    let root = tempfile::tempdir().unwrap();
+    let fs: Arc<dyn Fs> = Arc::new(StdFs);
+    let mp = 32;
+    let mut be = backend(&root.path().join("a"), mp);
+    let last = be.value_state::<u64>("last");
+    for k in 0..40u64 {
+        be.set_current_key(&k);
+        be.set_namespace_of(&7u32);
+        be.register_timer(TimeDomain::EventTime, 100 + (k * 37) % 50);
+        be.register_timer(TimeDomain::EventTime, 100 + (k * 37) % 50); // idempotent
+        be.register_timer(TimeDomain::ProcessingTime, 5000 + k);
+        last.update(&mut be, &k).unwrap();
+    }
+    be.set_current_key(&3u64);
+    be.set_namespace_of(&7u32);
+    be.delete_timer(TimeDomain::ProcessingTime, 5003);
+    assert_eq!(be.timer_count(TimeDomain::EventTime), 40);
+    assert_eq!(be.timer_count(TimeDomain::ProcessingTime), 39);
+    // Pop a few, then snapshot: popped timers must not come back.
+    let mut times = Vec::new();
+    while let Some(t) = be.pop_due(TimeDomain::EventTime, 110) {
+        times.push(t.time_ms);
+    }
+    assert!(times.windows(2).all(|w| w[0] <= w[1]) && !times.is_empty());
+    assert!(be.next_timer_ms(TimeDomain::EventTime).unwrap() > 110);
+    let h = be.snapshot(1).run().unwrap();
+    let h = SnapshotHandle::from_bytes(&h.to_bytes()).unwrap();
+    let mut event = 0;
+    let mut proc = 0;
+    for shard in 0..3u16 {
+        let range = KeyGroupRange::for_shard(shard, 3, mp);
+        let store = Store::restore(
+            fs.clone(),
+            &root.path().join(format!("r{shard}")),
+            cfg(mp),
+            std::slice::from_ref(&h),
+            range,
+        )
+        .unwrap();
+        let mut rb = KeyedBackend::new(store, range);
+        while let Some(t) = rb.pop_due(TimeDomain::EventTime, u64::MAX) {
+            assert!(t.time_ms > 110 && range.contains(t.key_group));
+            assert_eq!(t.namespace, {
+                let mut n = Vec::new();
+                weir_state::KeyCodec::encode_key(&7u32, &mut n);
+                n
+            });
+            // State of the timer's key is there too.
+            rb.set_current_key_bytes(t.key_group, &t.key);
+            rb.set_namespace_of(&7u32);
+            assert!(last.value(&mut rb).unwrap().is_some());
+            event += 1;
+        }
+        proc += rb.timer_count(TimeDomain::ProcessingTime);
+    }
+    assert_eq!(event, 40 - times.len());
+    assert_eq!(proc, 39);
+}
+
+#[test]
+fn ttl_per_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut be = backend(dir.path(), 128);
+    let session = be.value_state::<u64>("session");
+    let total = be.value_state::<u64>("total");
+    be.set_ttl(session.id(), Some(60_000));
+    be.set_now_ms(1_000);
+    be.set_current_key(&1u32);
+    session.update(&mut be, &1).unwrap();
+    total.update(&mut be, &1).unwrap();
+    be.set_now_ms(61_000);
+    assert_eq!(session.value(&mut be).unwrap(), None);
+    assert_eq!(total.value(&mut be).unwrap(), Some(1));
+}
+
+#[test]
+fn rkyv_archived_layout_is_pinned() {
+    // Golden bytes: a change of rkyv features or version that alters the on-disk value layout
+    // must fail here (PLATFORM.md: no `unaligned`, `big_endian`, `pointer_width_64`).
+    let b = rkyv::to_bytes::<rkyv::rancor::Error>(&0x0102_0304_0506_0708u64).unwrap();
+    assert_eq!(&b[..], &[8, 7, 6, 5, 4, 3, 2, 1]);
+    let bid = Bid {
+        auction: 7,
+        price: 9,
+        bidder: "ab".to_owned(),
+    };
+    let b = rkyv::to_bytes::<rkyv::rancor::Error>(&bid).unwrap();
+    assert_eq!(
+        &b[..],
+        &[
+            7, 0, 0, 0, 0, 0, 0, 0, // auction u64 LE
+            9, 0, 0, 0, // price u32 LE
+            b'a', b'b', 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, // inline string "ab" (8 bytes)
+            0, 0, 0, 0, // padding to the struct's 8-byte alignment
+        ][..]
+    );
+}
+
+#[test]
+fn hot_path_value_state_does_not_allocate() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut be = backend(dir.path(), 128);
+    let count = be.value_state::<u64>("count");
+    for k in 0..100u64 {
+        be.set_current_key(&k);
+        count.update(&mut be, &0).unwrap();
+    }
+    let before = ALLOCS.with(Cell::get);
+    for i in 0..10_000u64 {
+        be.set_current_key(&(i % 100));
+        let n = count.get(&mut be).unwrap().map_or(0, |v| v.to_native());
+        count.update(&mut be, &(n + 1)).unwrap();
+    }
+    let after = ALLOCS.with(Cell::get);
+    assert_eq!(after - before, 0, "the get+update hot path allocated");
+    be.set_current_key(&42u64);
+    assert_eq!(count.value(&mut be).unwrap(), Some(100));
+}

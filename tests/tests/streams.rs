@@ -1,0 +1,212 @@
+//! Stateless operators, union, rebalance, broadcast, windows on several shards, backpressure
+//! through a slow sink, and failures of user code.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use weir_runtime::{Job, JobConfig, JobError, Pinning, WatermarkStrategy, WindowAssigner};
+
+fn config(shards: usize) -> JobConfig {
+    JobConfig::new()
+        .with_shards(shards)
+        .with_pinning(Pinning::Never)
+}
+
+#[test]
+fn chained_operators_union_and_rebalance_keep_every_record() {
+    let job = Job::new(config(4));
+    let a = job.from_iter(|shard, shards| {
+        (0..10_000u64).filter(move |i| i % shards as u64 == shard as u64)
+    });
+    let b = job.from_vec((10_000..12_000u64).collect());
+    let out = a
+        .union(b)
+        .map(|x| x * 2)
+        .filter(|x| x % 3 != 0)
+        .flat_map(|x| [x, x + 1])
+        .filter_map(|x| (x % 5 != 0).then_some(x))
+        .inspect(|x| assert!(*x < 24_002))
+        .rebalance()
+        .collect();
+    job.run().expect("job");
+    let mut got = out.take();
+    got.sort();
+    let mut want: Vec<u64> = (0..12_000u64)
+        .map(|x| x * 2)
+        .filter(|x| x % 3 != 0)
+        .flat_map(|x| [x, x + 1])
+        .filter(|x| x % 5 != 0)
+        .collect();
+    want.sort();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn broadcast_delivers_every_record_to_every_shard() {
+    let job = Job::new(config(3));
+    let out = job.from_vec((0..500u32).collect()).broadcast().collect();
+    job.run().expect("job");
+    let mut got = out.take();
+    got.sort();
+    let mut want: Vec<u32> = (0..500).flat_map(|x| [x, x, x]).collect();
+    want.sort();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn sliding_and_session_windows_on_four_shards_match_sequential() {
+    // In-order timestamps so that no record is late, whatever the watermark timing.
+    let events: Vec<(u8, i64, u64)> = (0..4000u64)
+        .map(|i| {
+            let r = weir_runtime::source::splitmix64(5, i);
+            ((r % 5) as u8, (i * 3 + (i / 97) * 400) as i64, r % 100)
+        })
+        .collect();
+    let job = Job::new(config(4));
+    let s = job
+        .from_vec(events.clone())
+        .assign_timestamps(WatermarkStrategy::monotonous(|e: &(u8, i64, u64)| e.1));
+    let sums = s
+        .key_by(|e| e.0)
+        .window(WindowAssigner::sliding(100, 50))
+        .reduce(|a, b| (a.0, a.1.max(b.1), a.2 + b.2))
+        .uid("sliding")
+        .collect();
+    job.run().expect("job");
+    let mut got: Vec<(u8, u64)> = sums.take().into_iter().map(|e| (e.0, e.2)).collect();
+    got.sort();
+    let mut want = Vec::new();
+    for k in 0..5u8 {
+        let mine: Vec<&(u8, i64, u64)> = events.iter().filter(|e| e.0 == k).collect();
+        let max_ts = mine.iter().map(|e| e.1).max().unwrap_or(0);
+        let mut start = -50;
+        while start <= max_ts {
+            let s: Vec<u64> = mine
+                .iter()
+                .filter(|e| e.1 >= start && e.1 < start + 100)
+                .map(|e| e.2)
+                .collect();
+            if !s.is_empty() {
+                want.push((k, s.iter().sum()));
+            }
+            start += 50;
+        }
+    }
+    want.sort();
+    assert_eq!(got, want);
+
+    let job = Job::new(config(4));
+    let sessions = job
+        .from_vec(events.clone())
+        .assign_timestamps(WatermarkStrategy::monotonous(|e: &(u8, i64, u64)| e.1))
+        .key_by(|e| e.0)
+        .window(WindowAssigner::session(60))
+        .process(
+            |k: &u8, w, items: Vec<(u8, i64, u64)>, out: &mut Vec<(u8, i64, i64, usize)>| {
+                out.push((*k, w.start, w.end, items.len()))
+            },
+        )
+        .uid("sessions")
+        .collect();
+    job.run().expect("job");
+    let mut got = sessions.take();
+    got.sort();
+    let mut want = Vec::new();
+    for k in 0..5u8 {
+        let ts: Vec<i64> = events.iter().filter(|e| e.0 == k).map(|e| e.1).collect();
+        let (mut start, mut end, mut n) = (ts[0], ts[0] + 60, 0);
+        for t in ts {
+            if t > end {
+                want.push((k, start, end, n));
+                start = t;
+                n = 0;
+            }
+            end = end.max(t + 60);
+            n += 1;
+        }
+        want.push((k, start, end, n));
+    }
+    want.sort();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn a_slow_sink_backpressures_without_loss_or_unbounded_buffering() {
+    let seen = Arc::new(AtomicU64::new(0));
+    let s2 = seen.clone();
+    // Small rings and batches: the slow sink fills them quickly.
+    let job = Job::new(
+        config(2)
+            .with_ring_capacity_bytes(64 << 10)
+            .with_batch_records(64),
+    );
+    job.from_iter(|shard, _| (0..20_000u64).map(move |i| (i % 7, i * 2 + shard as u64)))
+        .key_by(|r| r.0)
+        .reduce(|a, b| (a.0, a.1.max(b.1)))
+        .uid("max")
+        .for_each(move |_r| {
+            if s2.fetch_add(1, Ordering::Relaxed).is_multiple_of(64) {
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+        });
+    let handle = job.start().expect("start");
+    let summary = handle.wait().expect("job");
+    assert_eq!(
+        seen.load(Ordering::Relaxed),
+        40_000,
+        "no record lost or duplicated"
+    );
+    let heads = &summary.metrics.heads;
+    let blocked: u64 = heads.iter().map(|h| h.backpressured_ns).sum();
+    assert!(blocked > 0, "the sources saw backpressure: {heads:?}");
+    let buffered = summary
+        .metrics
+        .operators
+        .iter()
+        .map(|o| o.max_buffered_bytes)
+        .max()
+        .unwrap_or(0);
+    // Outside the rings a writer holds at most what one batch of input produced.
+    assert!(
+        buffered <= 64 * 2 * 64,
+        "spill stayed within one batch per target: {buffered} bytes"
+    );
+}
+
+#[test]
+fn a_panicking_user_function_fails_the_job_with_its_message() {
+    let job = Job::new(config(3));
+    job.from_iter(|_, _| 0..100_000u64)
+        .key_by(|x| *x % 10)
+        .reduce(|a, b| {
+            if b == 77_777 {
+                panic!("bad record 77777");
+            }
+            a + b
+        })
+        .for_each(|_| {});
+    match job.run() {
+        Err(JobError::Panic { message, .. }) => {
+            assert!(message.contains("bad record 77777"), "{message}")
+        }
+        other => panic!("expected a panic failure, got {other:?}"),
+    }
+}
+
+#[test]
+fn cancel_stops_an_endless_job() {
+    let job = Job::new(config(2));
+    job.from_iter(|_, _| 0u64..).map(|x| x + 1).for_each(|_| {});
+    let h = job.start().expect("start");
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    h.cancel();
+    assert!(matches!(h.wait(), Err(JobError::Cancelled)));
+}
+
+#[test]
+fn duplicate_uids_are_rejected_before_start() {
+    let job = Job::new(config(1));
+    let a = job.from_vec(vec![1u32]).map(|x| x).uid("same");
+    a.map(|x| x).uid("same").for_each(|_| {});
+    assert!(job.start().is_err());
+}

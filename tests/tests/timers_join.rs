@@ -1,0 +1,265 @@
+//! Keyed process functions with event-time and processing-time timers, and a keyed join, on
+//! several shards and in the test driver, checked against sequential computations.
+
+use std::collections::{BTreeMap, HashMap};
+
+use weir_runtime::testing::TestDriver;
+use weir_runtime::{
+    CoProcessFunction, Job, JobConfig, KeyedContext, KeyedProcessFunction, Pinning, TimeDomain,
+    WatermarkStrategy,
+};
+
+fn config(shards: usize) -> JobConfig {
+    JobConfig::new()
+        .with_shards(shards)
+        .with_pinning(Pinning::Never)
+}
+
+/// Emits (key, count of records, last timestamp) when a key has been quiet for 100 ms of
+/// event time: an event-time timer at last + 100, moved forward by each record.
+struct QuietAfter;
+
+impl KeyedProcessFunction<u32, (u32, i64), (u32, u64, i64)> for QuietAfter {
+    fn process_element(&self, rec: (u32, i64), ctx: &mut KeyedContext<'_, u32, (u32, u64, i64)>) {
+        if let Some(old) = ctx.value::<i64>("last") {
+            ctx.delete_timer(TimeDomain::EventTime, old + 100);
+        }
+        let n = ctx.value::<u64>("n").unwrap_or(0) + 1;
+        ctx.set_value("n", &n);
+        let last = ctx.value::<i64>("last").map_or(rec.1, |l| l.max(rec.1));
+        ctx.set_value("last", &last);
+        ctx.register_event_timer(last + 100);
+    }
+
+    fn on_timer(
+        &self,
+        ts: i64,
+        domain: TimeDomain,
+        ctx: &mut KeyedContext<'_, u32, (u32, u64, i64)>,
+    ) {
+        assert_eq!(domain, TimeDomain::EventTime);
+        let n = ctx.value::<u64>("n").unwrap_or(0);
+        let last = ctx.value::<i64>("last").unwrap_or(ts);
+        let key = *ctx.key();
+        ctx.emit((key, n, last));
+        ctx.clear_value("n");
+        ctx.clear_value("last");
+    }
+}
+
+/// The same logic, sequentially: each record is processed, then the watermark `ts - 1` that
+/// follows it fires every due timer (the watermark is shared by all keys).
+fn quiet_oracle(events: &[(u32, i64)]) -> Vec<(u32, u64, i64)> {
+    let mut state: HashMap<u32, (u64, i64)> = HashMap::new();
+    let mut timers: BTreeMap<(i64, u32), ()> = BTreeMap::new();
+    let mut out = Vec::new();
+    let mut fire =
+        |upto: i64, state: &mut HashMap<u32, (u64, i64)>, timers: &mut BTreeMap<(i64, u32), ()>| {
+            while let Some((&(t, k), _)) = timers.first_key_value() {
+                if t > upto {
+                    break;
+                }
+                timers.pop_first();
+                if let Some((n, last)) = state.remove(&k) {
+                    out.push((k, n, last));
+                }
+            }
+        };
+    for &(k, t) in events {
+        let e = state.entry(k).or_insert((0, t));
+        if e.0 > 0 {
+            timers.remove(&(e.1 + 100, k));
+        }
+        e.0 += 1;
+        e.1 = e.1.max(t);
+        timers.insert((e.1 + 100, k), ());
+        fire(t - 1, &mut state, &mut timers);
+    }
+    fire(i64::MAX, &mut state, &mut timers);
+    out.sort();
+    out
+}
+
+fn bursty_events() -> Vec<(u32, i64)> {
+    let mut v = Vec::new();
+    let mut t = 0i64;
+    for i in 0..3000u64 {
+        let r = weir_runtime::source::splitmix64(11, i);
+        // Mostly small steps, sometimes a long pause: bursts per key.
+        t += if r.is_multiple_of(50) {
+            500
+        } else {
+            (r % 7) as i64
+        };
+        v.push(((r >> 8) as u32 % 13, t));
+    }
+    v
+}
+
+/// On several shards the watermark an operator sees depends on when the other shards' sources
+/// report (a shard that starts late holds everyone's watermark back), so bursts may be merged;
+/// what must hold whatever the timing: every record is counted exactly once, each output ends a
+/// run of consecutive records of its key at its `last`, and a run ends only where the key's
+/// next record is more than 100 ms later (a timer never fires early).
+#[test]
+fn event_time_timers_on_four_shards_never_fire_early_nor_lose_records() {
+    let events = bursty_events();
+    let job = Job::new(config(4));
+    let out = job
+        .from_vec(events.clone())
+        .assign_timestamps(
+            WatermarkStrategy::monotonous(|e: &(u32, i64)| e.1).with_watermark_per_record(),
+        )
+        .key_by(|e| e.0)
+        .process(QuietAfter)
+        .uid("quiet")
+        .collect();
+    job.run().expect("job");
+    let mut got = out.take();
+    got.sort();
+    let mut per_key: BTreeMap<u32, Vec<i64>> = BTreeMap::new();
+    for (k, t) in &events {
+        per_key.entry(*k).or_default().push(*t);
+    }
+    for (k, ts) in per_key {
+        let mut runs: Vec<(u64, i64)> = got
+            .iter()
+            .filter(|o| o.0 == k)
+            .map(|o| (o.1, o.2))
+            .collect();
+        runs.sort_by_key(|r| r.1);
+        let mut i = 0usize;
+        for (n, last) in runs {
+            i += n as usize;
+            assert_eq!(
+                ts[i - 1],
+                last,
+                "key {k}: a run of {n} ends at its last record"
+            );
+            if let Some(next) = ts.get(i) {
+                assert!(
+                    next - last > 100,
+                    "key {k}: timer at {last}+100 fired before the watermark passed it"
+                );
+            }
+        }
+        assert_eq!(i, ts.len(), "key {k}: every record counted once");
+    }
+}
+
+/// Emits the count of a key's records 1000 ms of processing time after its first record.
+struct CountFor1s;
+
+impl KeyedProcessFunction<u32, u32, (u32, u64)> for CountFor1s {
+    fn process_element(&self, _rec: u32, ctx: &mut KeyedContext<'_, u32, (u32, u64)>) {
+        let n = ctx.value::<u64>("n").unwrap_or(0);
+        if n == 0 {
+            let at = ctx.current_processing_time() + 1000;
+            ctx.register_processing_timer(at);
+        }
+        ctx.set_value("n", &(n + 1));
+    }
+
+    fn on_timer(&self, _ts: i64, domain: TimeDomain, ctx: &mut KeyedContext<'_, u32, (u32, u64)>) {
+        assert_eq!(domain, TimeDomain::ProcessingTime);
+        let n = ctx.value::<u64>("n").unwrap_or(0);
+        let k = *ctx.key();
+        ctx.emit((k, n));
+        ctx.clear_value("n");
+    }
+}
+
+#[test]
+fn processing_time_timers_fire_when_the_driver_advances_time() {
+    let mut d =
+        TestDriver::new(|s| s.key_by(|k: &u32| *k).process(CountFor1s).stream()).expect("driver");
+    d.set_processing_time(10_000);
+    for k in [1, 2, 1, 1] {
+        d.push(k);
+    }
+    assert!(d.drain().expect("run").is_empty(), "no timer is due yet");
+    d.set_processing_time(10_999);
+    assert!(d.drain().expect("run").is_empty(), "still 1 ms early");
+    d.set_processing_time(11_000);
+    let mut out = d.drain().expect("run");
+    out.sort();
+    assert_eq!(out, vec![(1, 3), (2, 1)]);
+    d.push(2);
+    d.set_processing_time(12_500);
+    assert!(
+        d.drain().expect("run").is_empty(),
+        "the new timer is due at 13500"
+    );
+    d.set_processing_time(13_500);
+    assert_eq!(d.drain().expect("run"), vec![(2, 1)]);
+}
+
+/// Joins orders with payments by order id; each side may come first.
+struct OrderPayment;
+
+impl CoProcessFunction<u64, (u64, String), (u64, i64), (u64, String, i64)> for OrderPayment {
+    fn process_left(
+        &self,
+        order: (u64, String),
+        ctx: &mut KeyedContext<'_, u64, (u64, String, i64)>,
+    ) {
+        match ctx.value::<i64>("payment") {
+            Some(p) => ctx.emit((order.0, order.1, p)),
+            None => ctx.set_value("order", &order.1),
+        }
+    }
+
+    fn process_right(&self, pay: (u64, i64), ctx: &mut KeyedContext<'_, u64, (u64, String, i64)>) {
+        match ctx.value::<String>("order") {
+            Some(o) => ctx.emit((pay.0, o, pay.1)),
+            None => ctx.set_value("payment", &pay.1),
+        }
+    }
+}
+
+#[test]
+fn keyed_join_on_three_shards_matches_sequential() {
+    let orders: Vec<(u64, String)> = (0..2000u64)
+        .map(|i| (i, format!("item-{}", i % 17)))
+        .collect();
+    // Payments for every third order, in another order.
+    let payments: Vec<(u64, i64)> = (0..2000u64)
+        .rev()
+        .filter(|i| i % 3 == 0)
+        .map(|i| (i, (i * 7 % 1000) as i64))
+        .collect();
+    let job = Job::new(config(3));
+    let o = job.from_vec(orders.clone()).key_by(|o| o.0);
+    let p = job.from_vec(payments.clone()).key_by(|p| p.0);
+    let out = o.connect(p).process(OrderPayment).uid("join").collect();
+    job.run().expect("job");
+    let mut got = out.take();
+    got.sort();
+    let by_id: HashMap<u64, String> = orders.into_iter().collect();
+    let mut want: Vec<(u64, String, i64)> = payments
+        .iter()
+        .map(|(id, amt)| (*id, by_id[id].clone(), *amt))
+        .collect();
+    want.sort();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn event_time_timers_in_the_driver_match_sequential() {
+    let events = bursty_events();
+    let mut d = TestDriver::new(|s| {
+        s.assign_timestamps(
+            WatermarkStrategy::monotonous(|e: &(u32, i64)| e.1).with_watermark_per_record(),
+        )
+        .key_by(|e| e.0)
+        .process(QuietAfter)
+        .stream()
+    })
+    .expect("driver");
+    for e in &events {
+        d.push(*e);
+    }
+    let mut got = d.finish().expect("finish");
+    got.sort();
+    assert_eq!(got, quiet_oracle(&events));
+}

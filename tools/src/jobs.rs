@@ -1,0 +1,134 @@
+//! The built-in file jobs of `weir run`.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use weir_runtime::source::{ErrorPolicy, FileFormat, FileSource};
+use weir_runtime::{Job, JobConfig, WatermarkStrategy, WindowAssigner};
+
+use crate::{Format, InputArgs, KeyedSumArgs, Policy, WindowCountArgs};
+
+fn config(input: &InputArgs) -> JobConfig {
+    let mut c = JobConfig::new();
+    if let Some(n) = input.shards {
+        c = c.with_shards(n);
+    }
+    c
+}
+
+fn format(f: Format) -> FileFormat {
+    match f {
+        Format::Csv => FileFormat::Csv,
+        Format::Jsonl => FileFormat::JsonLines,
+    }
+}
+
+fn policy(p: &Policy) -> ErrorPolicy {
+    match p {
+        Policy::Fail => ErrorPolicy::Fail,
+        Policy::Skip => ErrorPolicy::Skip,
+        Policy::DeadLetter(p) => ErrorPolicy::DeadLetter(p.clone()),
+    }
+}
+
+/// Removes the part files of an earlier run so that the directory holds only this run's output.
+fn prepare_output(dir: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with("part-") && name.ends_with(".csv") {
+            std::fs::remove_file(e.path())
+                .map_err(|err| format!("{}: {err}", e.path().display()))?;
+        }
+    }
+    Ok(())
+}
+
+fn parse_int(field: &str, column: &str) -> Result<i64, String> {
+    field
+        .trim()
+        .parse::<i64>()
+        .map_err(|_| format!("column `{column}`: `{field}` is not an integer"))
+}
+
+pub fn keyed_sum(a: &KeyedSumArgs) -> Result<(), String> {
+    prepare_output(&a.input.output)?;
+    let value_col = a.value.clone();
+    let source = FileSource::new(
+        a.input.input.clone(),
+        format(a.input.format),
+        &[a.key.as_str(), a.value.as_str()],
+        move |f: &[&str], _| Ok((f[0].to_string(), parse_int(f[1], &value_col)?)),
+    )
+    .error_policy(policy(&a.input.on_error));
+    let skipped = source.skipped();
+    let job = Job::new(config(&a.input));
+    job.source(source)
+        .key_by(|(k, _): &(String, i64)| k.clone())
+        .reduce(|(k, a), (_, b)| (k, a.saturating_add(b)))
+        .uid("keyed-sum")
+        .write_lines(a.input.output.clone(), |(k, s), line| {
+            let _ = write!(line, "{},{}", csv_field(k), s);
+        });
+    let summary = job.run().map_err(|e| e.to_string())?;
+    eprintln!(
+        "keyed-sum: {} records in, {} skipped, {} shards, {:.2}s",
+        summary.metrics.records_in("keyed-sum"),
+        skipped.load(std::sync::atomic::Ordering::Relaxed),
+        summary.shards,
+        summary.metrics.elapsed.as_secs_f64()
+    );
+    Ok(())
+}
+
+pub fn window_count(a: &WindowCountArgs) -> Result<(), String> {
+    prepare_output(&a.input.output)?;
+    let ts_col = a.timestamp.clone();
+    let source = FileSource::new(
+        a.input.input.clone(),
+        format(a.input.format),
+        &[a.key.as_str(), a.timestamp.as_str()],
+        move |f: &[&str], _| Ok((f[0].to_string(), parse_int(f[1], &ts_col)?)),
+    )
+    .error_policy(policy(&a.input.on_error));
+    let skipped = source.skipped();
+    let job = Job::new(config(&a.input));
+    job.source(source)
+        .assign_timestamps(WatermarkStrategy::bounded_out_of_orderness(
+            a.out_of_orderness,
+            |r: &(String, i64)| r.1,
+        ))
+        .key_by(|(k, _): &(String, i64)| k.clone())
+        .window(WindowAssigner::tumbling(a.window))
+        .count_with(|k, w, n| (w.start, k.clone(), n))
+        .uid("window-count")
+        .write_lines(a.input.output.clone(), |(start, k, n), line| {
+            let _ = write!(line, "{start},{},{n}", csv_field(k));
+        });
+    let summary = job.run().map_err(|e| e.to_string())?;
+    let m = &summary.metrics;
+    eprintln!(
+        "window-count: {} records in, {} late, {} skipped, {} windows out, {:.2}s",
+        m.records_in("window-count"),
+        m.operators
+            .iter()
+            .filter(|o| o.operator == "window-count")
+            .map(|o| o.records_dropped)
+            .sum::<u64>(),
+        skipped.load(std::sync::atomic::Ordering::Relaxed),
+        m.records_out("window-count"),
+        m.elapsed.as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Quotes a CSV field when it needs it (RFC 4180).
+pub fn csv_field(s: &str) -> std::borrow::Cow<'_, str> {
+    if s.contains([',', '"', '\n', '\r']) {
+        std::borrow::Cow::Owned(format!("\"{}\"", s.replace('"', "\"\"")))
+    } else {
+        std::borrow::Cow::Borrowed(s)
+    }
+}
