@@ -11,6 +11,15 @@ pub struct Opts {
     pub json: bool,
     /// Smaller inputs: a smoke run for CI, not a measurement.
     pub quick: bool,
+    /// Run only the benchmarks whose name contains this.
+    pub only: Option<String>,
+}
+
+impl Opts {
+    /// Whether the benchmark `name` is selected.
+    pub fn wants(&self, name: &str) -> bool {
+        self.only.as_deref().is_none_or(|o| name.contains(o))
+    }
 }
 
 /// One measured figure and the baseline it is compared with.

@@ -267,7 +267,11 @@ fn new_hist() -> Histogram<u64> {
 
 pub fn run(opts: &Opts) -> Vec<BenchResult> {
     let reps = if opts.quick { 1 } else { 3 };
-    let mut rows = crate::ring::run(opts);
+    let mut rows = if opts.wants("ring") {
+        crate::ring::run(opts)
+    } else {
+        Vec::new()
+    };
 
     let n = if opts.quick { 2_000_000 } else { 50_000_000 };
     chain_job(n / 10); // warm up page faults and code

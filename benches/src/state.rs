@@ -5,11 +5,14 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Instant;
 
 use weir_io::{Fs, StdFs, UringFs};
-use weir_state::{KeyGroupRange, Store, StoreConfig};
+use weir_state::{
+    CompactionJob, FlushJob, JobDone, KeyGroupRange, KeyedBackend, Store, StoreConfig, ValueState,
+};
 
 use crate::{thread_cpu_ns, BenchResult, Opts};
 
@@ -91,16 +94,114 @@ fn bench_dir() -> tempfile::TempDir {
         .expect("bench dir")
 }
 
-fn peak_rss_bytes() -> u64 {
-    // SAFETY: getrusage fills the zeroed struct we pass; no other memory is touched.
-    unsafe {
-        let mut ru: libc::rusage = std::mem::zeroed();
-        libc::getrusage(libc::RUSAGE_SELF, &mut ru);
-        ru.ru_maxrss as u64 * 1024
+/// A maintenance job for the background thread.
+enum Job {
+    Flush(FlushJob),
+    Compact(CompactionJob),
+}
+
+/// Maintenance off the processing thread, as in the engine (DESIGN invariant 5): flush and
+/// compaction jobs run on one background thread and are installed back by the caller.
+struct Background {
+    tx: Option<mpsc::Sender<Job>>,
+    rx: mpsc::Receiver<JobDone>,
+    in_flight: usize,
+    thread: Option<std::thread::JoinHandle<u64>>,
+}
+
+impl Background {
+    fn new() -> Background {
+        let (tx, jobs) = mpsc::channel::<Job>();
+        let (done_tx, rx) = mpsc::channel::<JobDone>();
+        let thread = std::thread::spawn(move || {
+            let c0 = thread_cpu_ns();
+            for j in jobs {
+                let d: JobDone = match j {
+                    Job::Flush(j) => j.run().into(),
+                    Job::Compact(j) => j.run().into(),
+                };
+                if done_tx.send(d).is_err() {
+                    break;
+                }
+            }
+            thread_cpu_ns() - c0
+        });
+        Background {
+            tx: Some(tx),
+            rx,
+            in_flight: 0,
+            thread: Some(thread),
+        }
+    }
+
+    fn submit(&mut self, store: &mut Store) {
+        let tx = self.tx.as_ref().expect("open");
+        if let Some(j) = store.flush_job() {
+            tx.send(Job::Flush(j)).expect("worker");
+            self.in_flight += 1;
+        }
+        if let Some(j) = store.compaction_job() {
+            tx.send(Job::Compact(j)).expect("worker");
+            self.in_flight += 1;
+        }
+    }
+
+    /// Install finished jobs, start due ones; block while more than `max_frozen` memtables
+    /// wait for their flush (back-pressure bounds memory at about (1 + max_frozen) budgets).
+    fn pump(&mut self, store: &mut Store, max_frozen: usize) {
+        while let Ok(d) = self.rx.try_recv() {
+            self.in_flight -= 1;
+            store.install(d).expect("install");
+        }
+        self.submit(store);
+        while store.frozen_memtables() > max_frozen && self.in_flight > 0 {
+            let d = self.rx.recv().expect("worker");
+            self.in_flight -= 1;
+            store.install(d).expect("install");
+            self.submit(store);
+        }
+    }
+
+    /// Wait until no job is running or due.
+    fn drain(&mut self, store: &mut Store) {
+        self.submit(store);
+        while self.in_flight > 0 {
+            let d = self.rx.recv().expect("worker");
+            self.in_flight -= 1;
+            store.install(d).expect("install");
+            self.submit(store);
+        }
+    }
+
+    /// Stop the thread; its CPU nanoseconds.
+    fn finish(mut self) -> u64 {
+        self.tx = None;
+        self.thread.take().map_or(0, |t| t.join().expect("worker"))
     }
 }
 
-/// Run the state benchmarks.
+/// (RssAnon, RssFile) of this process in bytes, from /proc/self/status (0 if unavailable).
+fn rss_now() -> (u64, u64) {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        s.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(0, |kb| kb * 1024)
+    };
+    (field("RssAnon:"), field("RssFile:"))
+}
+
+fn enabled(section: &str) -> bool {
+    match std::env::var("WEIR_STATE_BENCH") {
+        Ok(v) if !v.is_empty() => v.split(',').any(|s| s == section),
+        _ => true,
+    }
+}
+
+/// Run the state benchmarks. `WEIR_STATE_BENCH=updates,gets,write,snapshot,memtable,hot`
+/// selects sections (gets need updates).
 pub fn run(opts: &Opts) -> Vec<BenchResult> {
     let (fs, fs_name) = fs();
     let keys: u64 = if opts.quick { 200_000 } else { 10_000_000 };
@@ -109,307 +210,417 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
     let mut out = Vec::new();
     let dir = bench_dir();
 
-    // 1. Random updates over `keys` distinct keys, 16-byte values, maintenance inline.
+    // 1. Random updates over `keys` distinct keys, 16-byte values; flushes and compactions
+    // run on a background thread as in the engine. Figures: per CPU second of the processing
+    // thread, and (extra) per CPU second of both threads.
     let config = StoreConfig {
         memtable_budget_bytes: budget,
         ..StoreConfig::default()
     };
     let mut store =
         Store::open(fs.clone(), &dir.path().join("updates"), config.clone()).expect("open");
-    let mut rng = Rng(1);
     let mut k = [0u8; 12];
-    let t = timed(|| {
-        for i in 0..updates {
-            let user = rng.next() % keys;
-            key_of(user, &mut k);
-            let mut v = [0u8; 16];
-            v[..8].copy_from_slice(&i.to_le_bytes());
-            store.put(&k, &v);
-            if i % 4096 == 0 && store.needs_maintenance() {
-                store.run_pending_maintenance().expect("maintenance");
+    let mut index_bytes = 0usize;
+    let mut filter_bytes = 0usize;
+    if enabled("updates") || enabled("gets") {
+        let (anon0, _) = rss_now();
+        let mut peak_anon = anon0;
+        let mut peak_file = 0u64;
+        let mut bg = Background::new();
+        let mut rng = Rng(1);
+        let t = timed(|| {
+            for i in 0..updates {
+                let user = rng.next() % keys;
+                key_of(user, &mut k);
+                let mut v = [0u8; 16];
+                v[..8].copy_from_slice(&i.to_le_bytes());
+                store.put(&k, &v);
+                if i % 4096 == 0 {
+                    bg.pump(&mut store, 1);
+                    if i % (1 << 18) == 0 {
+                        let (a, f) = rss_now();
+                        peak_anon = peak_anon.max(a);
+                        peak_file = peak_file.max(f);
+                    }
+                }
             }
-        }
-        store.freeze();
-        store.run_pending_maintenance().expect("maintenance");
-    });
-    let m = store.metrics();
-    let mut base_map: hashbrown::HashMap<[u8; 12], [u8; 16]> = hashbrown::HashMap::new();
-    let mut rng = Rng(1);
-    let base = timed(|| {
-        for i in 0..updates {
-            let user = rng.next() % keys;
-            key_of(user, &mut k);
-            let mut v = [0u8; 16];
-            v[..8].copy_from_slice(&i.to_le_bytes());
-            base_map.insert(k, v);
-        }
-    });
-    let baseline_len = base_map.len();
-    drop(base_map);
-    let mut r = result(
-        "state_random_updates",
-        updates,
-        &t,
-        "hashbrown_insert",
-        updates,
-        &base,
-    );
-    r.extra = vec![
-        ("distinct_keys".into(), keys as f64),
-        ("baseline_map_len".into(), baseline_len as f64),
-        ("flushes".into(), m.flushes as f64),
-        ("compactions".into(), m.compactions as f64),
-        ("segments".into(), m.segments as f64),
-        ("segment_bytes".into(), m.segment_bytes as f64),
-    ];
-    out.push(r);
+        });
+        let t_drain = timed(|| {
+            store.freeze();
+            bg.drain(&mut store);
+        });
+        let (a, f) = rss_now();
+        peak_anon = peak_anon.max(a);
+        peak_file = peak_file.max(f);
+        let bg_cpu = bg.finish();
+        let m = store.metrics();
+        index_bytes = m.index_bytes;
+        filter_bytes = m.filter_bytes;
+        // Baseline: an honest fast hash map (hashbrown with foldhash, preallocated).
+        let mut base_map: hashbrown::HashMap<[u8; 12], [u8; 16], hashbrown::DefaultHashBuilder> =
+            hashbrown::HashMap::with_capacity_and_hasher(keys as usize, Default::default());
+        let mut rng = Rng(1);
+        let base = timed(|| {
+            for i in 0..updates {
+                let user = rng.next() % keys;
+                key_of(user, &mut k);
+                let mut v = [0u8; 16];
+                v[..8].copy_from_slice(&i.to_le_bytes());
+                base_map.insert(k, v);
+            }
+        });
+        let baseline_len = base_map.len();
+        drop(base_map);
+        let mut r = result(
+            "state_random_updates",
+            updates,
+            &t,
+            "hashbrown_foldhash_prealloc_insert",
+            updates,
+            &base,
+        );
+        let all_cpu = t.cpu_ns + t_drain.cpu_ns + bg_cpu;
+        r.extra = vec![
+            ("distinct_keys".into(), keys as f64),
+            ("baseline_map_len".into(), baseline_len as f64),
+            (
+                "per_cpu_sec_incl_maintenance".into(),
+                per_sec(updates, all_cpu),
+            ),
+            ("maintenance_cpu_s".into(), bg_cpu as f64 / 1e9),
+            ("final_drain_wall_s".into(), t_drain.wall_ns as f64 / 1e9),
+            ("flushes".into(), m.flushes as f64),
+            ("compactions".into(), m.compactions as f64),
+            ("segments".into(), m.segments as f64),
+            ("segment_bytes".into(), m.segment_bytes as f64),
+        ];
+        out.push(r);
+        // Memory of the store alone (sampled before any baseline map exists): anonymous RSS
+        // growth against one active memtable + one frozen memtable (the back-pressure bound)
+        // + block indexes + bloom filters. Mapped segment pages are page cache (RssFile).
+        let expected = 2 * budget as u64 + index_bytes as u64 + filter_bytes as u64;
+        let grown = peak_anon.saturating_sub(anon0);
+        out.push(BenchResult {
+            bench: "state_memory".into(),
+            per_wall_sec: 0.0,
+            per_cpu_sec: 0.0,
+            baseline: "memtable_budget_x2_plus_index_plus_filter".into(),
+            baseline_per_cpu_sec: expected as f64,
+            ratio: grown as f64 / expected as f64,
+            p50_ns: None,
+            p99_ns: None,
+            p999_ns: None,
+            max_ns: None,
+            extra: vec![
+                ("peak_anon_rss_growth_bytes".into(), grown as f64),
+                ("anon_rss_at_start_bytes".into(), anon0 as f64),
+                ("peak_file_rss_bytes".into(), peak_file as f64),
+                ("memtable_budget_bytes".into(), budget as f64),
+                ("index_bytes".into(), index_bytes as f64),
+                ("filter_bytes".into(), filter_bytes as f64),
+            ],
+        });
+    }
 
     // 2. Point gets from segments (warm page cache) and absent keys (bloom negatives).
-    store.flush_and_compact_all().expect("compact");
-    let gets: u64 = if opts.quick { 200_000 } else { 4_000_000 };
-    let mut rng = Rng(2);
-    let mut found = 0u64;
-    // Warm-up: touch the pages once (PLATFORM.md: first touch is expensive on this VM).
-    for _ in 0..gets / 4 {
-        key_of(rng.next() % keys, &mut k);
-        found += u64::from(store.get(&k).is_some());
-    }
-    let t = timed(|| {
-        for _ in 0..gets {
+    if enabled("gets") {
+        store.flush_and_compact_all().expect("compact");
+        let gets: u64 = if opts.quick { 200_000 } else { 4_000_000 };
+        let mut rng = Rng(2);
+        let mut found = 0u64;
+        // Warm-up: touch the pages once (PLATFORM.md: first touch is expensive on this VM).
+        for _ in 0..gets / 4 {
             key_of(rng.next() % keys, &mut k);
             found += u64::from(store.get(&k).is_some());
         }
-    });
-    let mut base_map: hashbrown::HashMap<[u8; 12], [u8; 16]> =
-        hashbrown::HashMap::with_capacity(keys as usize);
-    for user in 0..keys {
-        key_of(user, &mut k);
-        base_map.insert(k, [0; 16]);
-    }
-    let mut base_found = 0u64;
-    let base = timed(|| {
-        for _ in 0..gets {
-            key_of(rng.next() % keys, &mut k);
-            base_found += u64::from(base_map.contains_key(&k));
+        let t = timed(|| {
+            for _ in 0..gets {
+                key_of(rng.next() % keys, &mut k);
+                found += u64::from(store.get(&k).is_some());
+            }
+        });
+        let mut base_map: hashbrown::HashMap<[u8; 12], [u8; 16], hashbrown::DefaultHashBuilder> =
+            hashbrown::HashMap::with_capacity_and_hasher(keys as usize, Default::default());
+        for user in 0..keys {
+            key_of(user, &mut k);
+            base_map.insert(k, [0; 16]);
         }
-    });
-    drop(base_map);
-    let mut r = result(
-        "state_point_get_segment",
-        gets,
-        &t,
-        "hashbrown_get",
-        gets,
-        &base,
-    );
-    r.extra = vec![
-        ("found".into(), found as f64),
-        ("baseline_found".into(), base_found as f64),
-    ];
-    out.push(r);
+        let mut base_found = 0u64;
+        let base = timed(|| {
+            for _ in 0..gets {
+                key_of(rng.next() % keys, &mut k);
+                base_found += u64::from(base_map.contains_key(&k));
+            }
+        });
+        drop(base_map);
+        let mut r = result(
+            "state_point_get_segment",
+            gets,
+            &t,
+            "hashbrown_get",
+            gets,
+            &base,
+        );
+        r.extra = vec![
+            ("found".into(), found as f64),
+            ("baseline_found".into(), base_found as f64),
+        ];
+        out.push(r);
 
-    let bloom_before = store.metrics().bloom_negatives;
-    let mut absent_found = 0u64;
-    let t = timed(|| {
-        for _ in 0..gets {
-            key_of(keys + rng.next() % keys, &mut k);
-            absent_found += u64::from(store.get(&k).is_some());
-        }
-    });
-    let neg = store.metrics().bloom_negatives - bloom_before;
-    let base_t = timed(|| {
-        let mut h = 0u64;
-        for _ in 0..gets {
-            key_of(keys + rng.next() % keys, &mut k);
-            h ^= xxhash_rust::xxh3::xxh3_64(&k);
-        }
-        std::hint::black_box(h);
-    });
-    let mut r = result(
-        "state_get_absent_bloom",
-        gets,
-        &t,
-        "xxh3_of_key",
-        gets,
-        &base_t,
-    );
-    r.extra = vec![
-        ("bloom_negative_fraction".into(), neg as f64 / gets as f64),
-        ("false_found".into(), absent_found as f64),
-    ];
-    out.push(r);
-    let index_bytes = store.metrics().index_bytes;
-    let filter_bytes = store.metrics().filter_bytes;
+        let bloom_before = store.metrics().bloom_negatives;
+        let mut absent_found = 0u64;
+        let t = timed(|| {
+            for _ in 0..gets {
+                key_of(keys + rng.next() % keys, &mut k);
+                absent_found += u64::from(store.get(&k).is_some());
+            }
+        });
+        let neg = store.metrics().bloom_negatives - bloom_before;
+        let base_t = timed(|| {
+            let mut h = 0u64;
+            for _ in 0..gets {
+                key_of(keys + rng.next() % keys, &mut k);
+                h ^= xxhash_rust::xxh3::xxh3_64(&k);
+            }
+            std::hint::black_box(h);
+        });
+        let mut r = result(
+            "state_get_absent_bloom",
+            gets,
+            &t,
+            "xxh3_of_key",
+            gets,
+            &base_t,
+        );
+        r.extra = vec![
+            ("bloom_negative_fraction".into(), neg as f64 / gets as f64),
+            ("false_found".into(), absent_found as f64),
+        ];
+        out.push(r);
+    }
     drop(store);
+    let _ = (index_bytes, filter_bytes);
 
     // 3. Segment write bandwidth vs raw sequential writes + fsync of the same size.
-    let wcfg = StoreConfig {
-        memtable_budget_bytes: 1 << 30,
-        ..StoreConfig::default()
-    };
-    let n_write: u64 = if opts.quick { 200_000 } else { 2_000_000 };
-    let mut ws = Store::open(fs.clone(), &dir.path().join("write"), wcfg).expect("open");
-    for user in 0..n_write {
-        key_of(
-            user.wrapping_mul(0x9e37_79b9_7f4a_7c15) % (n_write * 4),
-            &mut k,
-        );
-        ws.put(&k, &[7u8; 16]);
-    }
-    ws.freeze();
-    let job = ws.flush_job().expect("flush job");
-    let mut done = None;
-    let t = timed(|| done = Some(job.run()));
-    ws.install(done.expect("ran")).expect("flush");
-    let seg_bytes = ws.metrics().segment_bytes;
-    let raw_path = dir.path().join("raw.bin");
-    let chunk = vec![0x5au8; 4 << 20];
-    let base = timed(|| {
-        let mut f = fs.create(&raw_path).expect("create");
-        let mut off = 0u64;
-        while off < seg_bytes {
-            let n = (seg_bytes - off).min(chunk.len() as u64) as usize;
-            f.write_at(off, &chunk[..n]).expect("write");
-            off += n as u64;
+    if enabled("write") {
+        let wcfg = StoreConfig {
+            memtable_budget_bytes: 1 << 30,
+            ..StoreConfig::default()
+        };
+        let n_write: u64 = if opts.quick { 200_000 } else { 2_000_000 };
+        let mut ws = Store::open(fs.clone(), &dir.path().join("write"), wcfg).expect("open");
+        for user in 0..n_write {
+            key_of(
+                user.wrapping_mul(0x9e37_79b9_7f4a_7c15) % (n_write * 4),
+                &mut k,
+            );
+            ws.put(&k, &[7u8; 16]);
         }
-        f.sync().expect("sync");
-    });
-    // The segment job also builds the file (sort, encode, bloom) and verifies it on open;
-    // bandwidth is bytes per wall second, the ratio per wall second as well (I/O bound).
-    let mut r = result(
-        "state_segment_write",
-        seg_bytes,
-        &t,
-        "raw_sequential_write_fsync",
-        seg_bytes,
-        &base,
-    );
-    r.ratio = per_sec(seg_bytes, t.wall_ns) / per_sec(seg_bytes, base.wall_ns);
-    r.extra = vec![
-        ("segment_bytes".into(), seg_bytes as f64),
-        (
-            "baseline_bytes_per_wall_sec".into(),
-            per_sec(seg_bytes, base.wall_ns),
-        ),
-        ("fs_uring".into(), f64::from(u8::from(fs_name == "uring"))),
-    ];
-    out.push(r);
-    drop(ws);
+        ws.freeze();
+        let job = ws.flush_job().expect("flush job");
+        let mut done = None;
+        let t = timed(|| done = Some(job.run()));
+        ws.install(done.expect("ran")).expect("flush");
+        let seg_bytes = ws.metrics().segment_bytes;
+        let raw_path = dir.path().join("raw.bin");
+        let chunk = vec![0x5au8; 4 << 20];
+        let base = timed(|| {
+            let mut f = fs.create(&raw_path).expect("create");
+            let mut off = 0u64;
+            while off < seg_bytes {
+                let n = (seg_bytes - off).min(chunk.len() as u64) as usize;
+                f.write_at(off, &chunk[..n]).expect("write");
+                off += n as u64;
+            }
+            f.sync().expect("sync");
+        });
+        // The segment job also builds the file (sort, encode, bloom) and verifies it on open;
+        // bandwidth is bytes per wall second, the ratio per wall second as well (I/O bound).
+        let mut r = result(
+            "state_segment_write",
+            seg_bytes,
+            &t,
+            "raw_sequential_write_fsync",
+            seg_bytes,
+            &base,
+        );
+        r.ratio = per_sec(seg_bytes, t.wall_ns) / per_sec(seg_bytes, base.wall_ns);
+        r.extra = vec![
+            ("segment_bytes".into(), seg_bytes as f64),
+            (
+                "baseline_bytes_per_wall_sec".into(),
+                per_sec(seg_bytes, base.wall_ns),
+            ),
+            ("fs_uring".into(), f64::from(u8::from(fs_name == "uring"))),
+        ];
+        out.push(r);
+        drop(ws);
+    }
 
     // 4. Snapshot synchronous part with a full memtable.
-    let scfg = StoreConfig {
-        memtable_budget_bytes: budget * 2,
-        ..StoreConfig::default()
-    };
-    let rounds = if opts.quick { 5 } else { 20 };
-    let mut ss = Store::open(fs.clone(), &dir.path().join("snap"), scfg).expect("open");
-    let mut lat = Vec::new();
-    let mut user = 0u64;
-    for ckpt in 0..rounds {
-        while ss.metrics().memtable_bytes < budget {
-            key_of(user, &mut k);
-            ss.put(&k, &[1u8; 16]);
-            user += 1;
+    if enabled("snapshot") {
+        let scfg = StoreConfig {
+            memtable_budget_bytes: budget * 2,
+            ..StoreConfig::default()
+        };
+        let rounds = if opts.quick { 5 } else { 20 };
+        let mut ss = Store::open(fs.clone(), &dir.path().join("snap"), scfg).expect("open");
+        let mut lat = Vec::new();
+        let mut user = 0u64;
+        for ckpt in 0..rounds {
+            while ss.metrics().memtable_bytes < budget {
+                key_of(user, &mut k);
+                ss.put(&k, &[1u8; 16]);
+                user += 1;
+            }
+            let t0 = Instant::now();
+            let job = ss.snapshot(ckpt);
+            lat.push(t0.elapsed().as_nanos() as u64);
+            job.run().expect("snapshot");
+            ss.release_snapshot(ckpt);
+            ss.run_pending_maintenance().expect("maintenance");
         }
-        let t0 = Instant::now();
-        let job = ss.snapshot(ckpt);
-        lat.push(t0.elapsed().as_nanos() as u64);
-        job.run().expect("snapshot");
-        ss.release_snapshot(ckpt);
-        ss.run_pending_maintenance().expect("maintenance");
+        lat.sort_unstable();
+        let pct = |p: f64| lat[((lat.len() as f64 * p).ceil() as usize).clamp(1, lat.len()) - 1];
+        let mut base_lat = Vec::new();
+        for _ in 0..rounds {
+            let v: Vec<u8> = vec![1; 64];
+            let t0 = Instant::now();
+            let b = Arc::new(v);
+            std::hint::black_box(&b);
+            base_lat.push(t0.elapsed().as_nanos() as u64);
+        }
+        let total: u64 = lat.iter().sum();
+        out.push(BenchResult {
+            bench: "state_snapshot_sync_part".into(),
+            per_wall_sec: per_sec(rounds, total),
+            per_cpu_sec: per_sec(rounds, total),
+            baseline: "arc_new_small_vec".into(),
+            baseline_per_cpu_sec: per_sec(rounds, base_lat.iter().sum()),
+            ratio: per_sec(rounds, total) / per_sec(rounds, base_lat.iter().sum()),
+            p50_ns: Some(pct(0.5)),
+            p99_ns: Some(pct(0.99)),
+            p999_ns: Some(pct(0.999)),
+            max_ns: lat.last().copied(),
+            extra: vec![
+                ("memtable_budget_bytes".into(), budget as f64),
+                ("samples".into(), rounds as f64),
+            ],
+        });
+        drop(ss);
     }
-    lat.sort_unstable();
-    let pct = |p: f64| lat[((lat.len() as f64 * p).ceil() as usize).clamp(1, lat.len()) - 1];
-    let mut base_lat = Vec::new();
-    for _ in 0..rounds {
-        let v: Vec<u8> = vec![1; 64];
-        let t0 = Instant::now();
-        let b = Arc::new(v);
-        std::hint::black_box(&b);
-        base_lat.push(t0.elapsed().as_nanos() as u64);
-    }
-    let total: u64 = lat.iter().sum();
-    out.push(BenchResult {
-        bench: "state_snapshot_sync_part".into(),
-        per_wall_sec: per_sec(rounds, total),
-        per_cpu_sec: per_sec(rounds, total),
-        baseline: "arc_new_small_vec".into(),
-        baseline_per_cpu_sec: per_sec(rounds, base_lat.iter().sum()),
-        ratio: per_sec(rounds, total) / per_sec(rounds, base_lat.iter().sum()),
-        p50_ns: Some(pct(0.5)),
-        p99_ns: Some(pct(0.99)),
-        p999_ns: Some(pct(0.999)),
-        max_ns: lat.last().copied(),
-        extra: vec![
-            ("memtable_budget_bytes".into(), budget as f64),
-            ("samples".into(), rounds as f64),
-        ],
-    });
-    drop(ss);
 
     // 5. Memtable design: hash index (the store) vs a sorted map, same updates, no flushes.
-    let n_mem: u64 = if opts.quick { 200_000 } else { 2_000_000 };
-    let distinct = n_mem / 4;
-    let mcfg = StoreConfig {
-        memtable_budget_bytes: 1 << 30,
-        ..StoreConfig::default()
-    };
-    let mut ms = Store::open(fs.clone(), &dir.path().join("mem"), mcfg).expect("open");
-    let mut rng = Rng(3);
-    let t = timed(|| {
-        for i in 0..n_mem {
-            key_of(rng.next() % distinct, &mut k);
-            ms.put(&k, &i.to_le_bytes());
-        }
-    });
-    let mut bt: BTreeMap<Vec<u8>, [u8; 16]> = BTreeMap::new();
-    let mut rng = Rng(3);
-    let base = timed(|| {
-        for i in 0..n_mem {
-            key_of(rng.next() % distinct, &mut k);
-            let mut v = [0u8; 16];
-            v[..8].copy_from_slice(&i.to_le_bytes());
-            match bt.get_mut(&k[..]) {
-                Some(slot) => *slot = v,
-                None => {
-                    bt.insert(k.to_vec(), v);
+    if enabled("memtable") {
+        let n_mem: u64 = if opts.quick { 200_000 } else { 2_000_000 };
+        let distinct = n_mem / 4;
+        let mcfg = StoreConfig {
+            memtable_budget_bytes: 1 << 30,
+            ..StoreConfig::default()
+        };
+        let mut ms = Store::open(fs.clone(), &dir.path().join("mem"), mcfg).expect("open");
+        let mut rng = Rng(3);
+        let t = timed(|| {
+            for i in 0..n_mem {
+                key_of(rng.next() % distinct, &mut k);
+                ms.put(&k, &i.to_le_bytes());
+            }
+        });
+        let mut bt: BTreeMap<Vec<u8>, [u8; 16]> = BTreeMap::new();
+        let mut rng = Rng(3);
+        let base = timed(|| {
+            for i in 0..n_mem {
+                key_of(rng.next() % distinct, &mut k);
+                let mut v = [0u8; 16];
+                v[..8].copy_from_slice(&i.to_le_bytes());
+                match bt.get_mut(&k[..]) {
+                    Some(slot) => *slot = v,
+                    None => {
+                        bt.insert(k.to_vec(), v);
+                    }
                 }
             }
-        }
-    });
-    out.push(result(
-        "memtable_hash_vs_btree",
-        n_mem,
-        &t,
-        "btreemap_sorted_insert",
-        n_mem,
-        &base,
-    ));
-    drop(ms);
+        });
+        out.push(result(
+            "memtable_hash_vs_btree",
+            n_mem,
+            &t,
+            "btreemap_sorted_insert",
+            n_mem,
+            &base,
+        ));
+        drop(ms);
+    }
 
-    // 6. Memory: peak RSS against what the store should hold.
-    let rss = peak_rss_bytes();
-    let expected = budget as u64 * 2 + index_bytes as u64 + filter_bytes as u64;
-    out.push(BenchResult {
-        bench: "state_memory".into(),
-        per_wall_sec: 0.0,
-        per_cpu_sec: 0.0,
-        baseline: "memtable_budget_x2_plus_index_plus_filter".into(),
-        baseline_per_cpu_sec: expected as f64,
-        ratio: rss as f64 / expected as f64,
-        p50_ns: None,
-        p99_ns: None,
-        p999_ns: None,
-        max_ns: None,
-        extra: vec![
-            ("peak_rss_bytes".into(), rss as f64),
-            ("memtable_budget_bytes".into(), budget as f64),
-            ("index_bytes".into(), index_bytes as f64),
-            ("filter_bytes".into(), filter_bytes as f64),
-            ("note_rss_includes_baseline_hashmaps".into(), 1.0),
-        ],
-    });
+    // 6. Keyed-count hot path: ValueState<u64> value() + update() of keys in the memtable,
+    // as the runtime calls it (set_current_key_bytes, set_namespace(&[]), value, update).
+    if enabled("hot") {
+        out.push(hot_path(&fs, dir.path(), opts));
+    }
+
     let _ = KeyGroupRange::all(128);
     let _: &Path = dir.path();
     out
+}
+
+fn hot_path(fs: &Arc<dyn Fs>, dir: &Path, opts: &Opts) -> BenchResult {
+    let n_keys: u64 = 100_000;
+    let ops: u64 = if opts.quick { 1_000_000 } else { 20_000_000 };
+    let store = Store::open(fs.clone(), &dir.join("hot"), StoreConfig::default()).expect("open");
+    let mut be = KeyedBackend::new(store, KeyGroupRange::all(128));
+    let id = be.state_id("count");
+    let keys: Vec<[u8; 8]> = (0..n_keys).map(|i| (i * 7919).to_be_bytes()).collect();
+    let kgs: Vec<u16> = keys
+        .iter()
+        .map(|k| (xxhash_rust::xxh3::xxh3_64(k) % 128) as u16)
+        .collect();
+    for (k, &kg) in keys.iter().zip(&kgs) {
+        be.set_current_key_bytes(kg, k);
+        be.set_namespace(&[]);
+        ValueState::<u64>::from_id(id)
+            .update(&mut be, &0)
+            .expect("update");
+    }
+    let mut rng = Rng(9);
+    let t = timed(|| {
+        for _ in 0..ops {
+            let i = (rng.next() % n_keys) as usize;
+            be.set_current_key_bytes(kgs[i], &keys[i]);
+            be.set_namespace(&[]);
+            let count = ValueState::<u64>::from_id(id);
+            let n = count.value(&mut be).expect("get").unwrap_or(0);
+            count.update(&mut be, &(n + 1)).expect("update");
+        }
+    });
+    let mut map: hashbrown::HashMap<[u8; 8], u64, hashbrown::DefaultHashBuilder> =
+        hashbrown::HashMap::with_capacity_and_hasher(n_keys as usize, Default::default());
+    for k in &keys {
+        map.insert(*k, 0);
+    }
+    let mut rng = Rng(9);
+    let base = timed(|| {
+        for _ in 0..ops {
+            let i = (rng.next() % n_keys) as usize;
+            let n = map.get(&keys[i]).copied().unwrap_or(0);
+            map.insert(keys[i], n + 1);
+        }
+        std::hint::black_box(&map);
+    });
+    let mut r = result(
+        "keyed_value_u64_get_update",
+        ops,
+        &t,
+        "hashbrown_foldhash_get_insert",
+        ops,
+        &base,
+    );
+    r.extra = vec![
+        ("ns_per_op_cpu".into(), t.cpu_ns as f64 / ops as f64),
+        (
+            "baseline_ns_per_op_cpu".into(),
+            base.cpu_ns as f64 / ops as f64,
+        ),
+        ("keys".into(), n_keys as f64),
+    ];
+    r
 }

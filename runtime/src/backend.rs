@@ -1,23 +1,28 @@
-//! The shard's keyed state as operators use it: the shard's [`weir_state::KeyedBackend`], and
-//! the background thread that runs its flushes and compactions.
+//! A keyed operator's state on one shard: its own LSM store ([`weir_state::KeyedBackend`])
+//! under `<state-dir>/shard-<n>/<operator>`, and the background thread that runs the store's
+//! flushes, compactions and the asynchronous part of its snapshots.
 //!
 //! Processing never waits for state I/O (DESIGN invariant 5): a full memtable is frozen in
-//! place (microseconds), and the frozen memtable's flush to a segment, like every compaction,
-//! runs as a `Send` job on the shard's maintenance thread; the shard installs the finished job
-//! between two steps of its loop.
+//! place, a snapshot only freezes it too (microseconds), and writing segments, compacting and
+//! uploading a snapshot's new segments to checkpoint storage run as `Send` jobs on the
+//! maintenance thread; the shard installs their results between two steps of its loop.
 
 use std::cell::RefCell;
-use std::path::Path;
+use std::collections::HashMap;
 use std::rc::Rc;
+use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::sync::Arc;
+use std::time::Instant;
 
 use weir_io::Fs;
-use weir_state::{JobDone, KeyGroupRange, KeyedBackend, Store, StoreConfig};
+use weir_state::{JobDone, KeyGroupRange, KeyedBackend, SnapshotHandle, Store, StoreConfig};
 
-use crate::config::JobConfig;
+use crate::checkpoint::shard::ShardCheckpointRef;
+use crate::checkpoint::snapshot::{FileRefData, Part, PartKind};
 use crate::data::Data;
 use crate::error::{JobError, StartError};
+use crate::graph::BuildCtx;
 
 pub use weir_state::StateError;
 
@@ -26,20 +31,36 @@ pub use weir_state::StateError;
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct StateId(pub Rc<str>);
 
-type Job = Box<dyn FnOnce() -> JobDone + Send>;
+enum Output {
+    Maintenance(JobDone),
+    Snapshot {
+        checkpoint_id: u64,
+        result: Result<(Part, Vec<(u64, FileRefData)>), String>,
+        elapsed_ns: u64,
+    },
+}
+
+type Job = Box<dyn FnOnce() -> Output + Send>;
 
 struct Maintenance {
     jobs: mpsc::Sender<Job>,
-    done: mpsc::Receiver<JobDone>,
-    in_flight: bool,
+    done: mpsc::Receiver<Output>,
+    maintenance_in_flight: bool,
+    snapshots_in_flight: usize,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 struct Inner {
     be: KeyedBackend,
-    names: Vec<String>,
     shard: usize,
+    operator: String,
     maint: Option<Maintenance>,
+    checkpoint: Option<ShardCheckpointRef>,
+    /// Segments of this store already in checkpoint storage, by segment id, with the
+    /// checkpoint that uploaded them.
+    uploaded: HashMap<u64, (FileRefData, u64)>,
+    /// Timers of the restored checkpoint, for the operator to take.
+    restored_timers: Vec<Vec<u8>>,
 }
 
 impl Drop for Inner {
@@ -53,153 +74,351 @@ impl Drop for Inner {
     }
 }
 
-/// The keyed state of one shard, shared by the keyed operators on it.
+/// The keyed state of one operator on one shard.
 #[derive(Clone)]
 pub struct ShardState {
     inner: Rc<RefCell<Inner>>,
 }
 
+/// What a keyed operator's checkpoint part holds inline.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Debug)]
+pub(crate) struct KeyedPart {
+    /// `weir_state::SnapshotHandle::to_bytes`.
+    pub handle: Vec<u8>,
+    /// Which uploaded file holds each segment of the handle.
+    pub segments: Vec<(u64, FileRefData)>,
+    /// The operator's timers (its own encoding).
+    pub timers: Vec<u8>,
+}
+
+fn sanitize(name: &str) -> String {
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
 impl ShardState {
-    /// Opens the shard's store under `dir/shard-<n>` with `fs`. With `background`, flushes and
-    /// compactions run on a maintenance thread; without (the test driver), inline.
-    pub(crate) fn open(
-        dir: &Path,
-        shard: usize,
-        config: &JobConfig,
-        fs: Arc<dyn Fs>,
-        background: bool,
-    ) -> Result<Self, StartError> {
-        let path = dir.join(format!("shard-{shard}"));
+    /// Opens (or restores) the store of operator `name` on the shard `ctx` builds.
+    pub(crate) fn open_for(ctx: &BuildCtx, name: &str) -> Result<Self, StartError> {
+        let shard = ctx.shard;
+        let err = |reason: String| StartError::State { shard, reason };
+        let dir = ctx
+            .state_dir
+            .join(format!("shard-{shard}"))
+            .join(sanitize(name));
+        let fs: Arc<dyn Fs> = if ctx.real_io {
+            Arc::new(
+                weir_io::UringFs::new().map_err(|e| StartError::IoUringUnavailable {
+                    reason: e.to_string(),
+                })?,
+            )
+        } else {
+            Arc::new(weir_io::StdFs)
+        };
+        let config = &ctx.config;
         let store_config = StoreConfig {
             memtable_budget_bytes: config.memtable_budget_bytes,
             max_parallelism: config.max_parallelism,
             ..StoreConfig::default()
         };
-        let store = Store::open(fs, &path, store_config).map_err(|e| StartError::State {
-            shard,
-            reason: format!("{}: {e}", path.display()),
-        })?;
         let range =
             KeyGroupRange::for_shard(shard as u16, config.shards as u16, config.max_parallelism);
-        let be = KeyedBackend::new(store, range);
-        let maint = if background {
-            let (jtx, jrx) = mpsc::channel::<Job>();
-            let (dtx, drx) = mpsc::channel::<JobDone>();
-            let thread = std::thread::Builder::new()
-                .name(format!("weir-maint-{shard}"))
-                .spawn(move || {
-                    while let Ok(job) = jrx.recv() {
-                        if dtx.send(job()).is_err() {
-                            break;
-                        }
+        // A fresh directory per run: a restore rebuilds the store from the checkpoint, and state
+        // left by an earlier run must not leak into this one.
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).map_err(|e| err(format!("{}: {e}", dir.display())))?;
+        }
+        let mut restored_timers = Vec::new();
+        let store = match ctx.restore.as_ref() {
+            Some(r) => {
+                let mut handles = Vec::new();
+                let local = dir.join("restore");
+                std::fs::create_dir_all(&local)
+                    .map_err(|e| err(format!("{}: {e}", local.display())))?;
+                for (_, part) in r.parts(name, PartKind::Keyed) {
+                    let kp: KeyedPart = crate::checkpoint::snapshot::decode_any(&part.bytes)
+                        .map_err(|e| {
+                            err(format!(
+                                "checkpoint {}: state of `{name}`: {e}",
+                                r.checkpoint_id
+                            ))
+                        })?;
+                    let mut h = SnapshotHandle::from_bytes(&kp.handle).map_err(|e| {
+                        err(format!(
+                            "checkpoint {}: state handle of `{name}`: {e}",
+                            r.checkpoint_id
+                        ))
+                    })?;
+                    if h.segments
+                        .iter()
+                        .all(|s| s.key_groups.is_some_and(|g| !g.intersects(&range)))
+                    {
+                        continue;
                     }
-                })
-                .map_err(|e| StartError::State {
-                    shard,
-                    reason: format!("maintenance thread: {e}"),
-                })?;
-            Some(Maintenance {
-                jobs: jtx,
-                done: drx,
-                in_flight: false,
-                thread: Some(thread),
-            })
+                    let files: HashMap<u64, &FileRefData> =
+                        kp.segments.iter().map(|(id, f)| (*id, f)).collect();
+                    for seg in &mut h.segments {
+                        let f = files.get(&seg.segment_id).ok_or_else(|| {
+                            err(format!(
+                                "checkpoint {}: segment {} of `{name}` has no file",
+                                r.checkpoint_id, seg.segment_id
+                            ))
+                        })?;
+                        // Verified (CRC) before a byte is used: invariant 4.
+                        let bytes = r.reader.read_file(f).map_err(err)?;
+                        let path =
+                            local.join(format!("{:016x}-{}.wseg", seg.segment_id, h.checkpoint_id));
+                        std::fs::write(&path, &bytes)
+                            .map_err(|e| err(format!("{}: {e}", path.display())))?;
+                        seg.path = path;
+                    }
+                    handles.push(h);
+                    restored_timers.push(kp.timers);
+                }
+                tracing::debug!(
+                    "restore {name} shard {shard}: {} handles, ckpt {}, parts {}",
+                    handles.len(),
+                    r.checkpoint_id,
+                    r.parts(name, PartKind::Keyed).count()
+                );
+                Store::restore(fs, &dir, store_config, &handles, range)
+                    .map_err(|e| err(format!("restoring `{name}`: {e}")))?
+            }
+            None => Store::open(fs, &dir, store_config)
+                .map_err(|e| err(format!("{}: {e}", dir.display())))?,
+        };
+        let be = KeyedBackend::new(store, range);
+        let maint = if ctx.real_io {
+            Some(Self::spawn(shard).map_err(err)?)
         } else {
             None
         };
         Ok(Self {
             inner: Rc::new(RefCell::new(Inner {
                 be,
-                names: Vec::new(),
                 shard,
+                operator: name.to_string(),
                 maint,
+                checkpoint: ctx.checkpoint.clone(),
+                uploaded: HashMap::new(),
+                restored_timers,
             })),
         })
     }
 
-    /// Opens the shard's store on the real file system through io_uring, with a maintenance
-    /// thread.
-    pub(crate) fn new(dir: &Path, shard: usize, config: &JobConfig) -> Result<Self, StartError> {
-        let fs = weir_io::UringFs::new().map_err(|e| StartError::IoUringUnavailable {
-            reason: e.to_string(),
-        })?;
-        Self::open(dir, shard, config, Arc::new(fs), true)
+    fn spawn(shard: usize) -> Result<Maintenance, String> {
+        let (jtx, jrx) = mpsc::channel::<Job>();
+        let (dtx, drx) = mpsc::channel::<Output>();
+        let thread = std::thread::Builder::new()
+            .name(format!("weir-maint-{shard}"))
+            .spawn(move || {
+                while let Ok(job) = jrx.recv() {
+                    if dtx.send(job()).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| format!("maintenance thread: {e}"))?;
+        Ok(Maintenance {
+            jobs: jtx,
+            done: drx,
+            maintenance_in_flight: false,
+            snapshots_in_flight: 0,
+            thread: Some(thread),
+        })
+    }
+
+    /// The timers of the restored checkpoint (one encoded list per restored handle).
+    pub(crate) fn take_restored_timers(&self) -> Vec<Vec<u8>> {
+        std::mem::take(&mut self.inner.borrow_mut().restored_timers)
+    }
+
+    pub(crate) fn key_group_range(&self) -> KeyGroupRange {
+        self.inner.borrow().be.key_group_range()
     }
 
     /// Installs finished background work and hands out the next job. Never waits.
-    pub(crate) fn maintain(&self) -> Result<Option<JobError>, JobError> {
+    pub(crate) fn maintain(&self) -> Result<(), JobError> {
         let mut guard = self.inner.borrow_mut();
         let inner = &mut *guard;
-        let fail = |shard: usize, e: StateError| JobError::Operator {
+        let shard = inner.shard;
+        let fail = |message: String| JobError::Operator {
             operator: "state".into(),
             shard,
-            message: e.to_string(),
+            message,
         };
-        match &mut inner.maint {
-            Some(m) => {
-                if m.in_flight {
-                    match m.done.try_recv() {
-                        Ok(done) => {
-                            m.in_flight = false;
-                            inner
-                                .be
-                                .store_mut()
-                                .install(done)
-                                .map_err(|e| fail(inner.shard, e))?;
-                        }
-                        Err(mpsc::TryRecvError::Empty) => return Ok(None),
-                        Err(mpsc::TryRecvError::Disconnected) => {
-                            return Err(JobError::Operator {
-                                operator: "state".into(),
-                                shard: inner.shard,
-                                message: "the maintenance thread stopped".into(),
-                            })
-                        }
-                    }
-                }
-                let store = inner.be.store_mut();
-                if !store.needs_maintenance() {
-                    return Ok(None);
-                }
-                let job: Option<Job> = match store.flush_job() {
-                    Some(j) => Some(Box::new(move || JobDone::from(j.run()))),
-                    None => store
-                        .compaction_job()
-                        .map(|j| Box::new(move || JobDone::from(j.run())) as Job),
-                };
-                if let Some(job) = job {
-                    if m.jobs.send(job).is_err() {
-                        return Err(JobError::Operator {
-                            operator: "state".into(),
-                            shard: inner.shard,
-                            message: "the maintenance thread stopped".into(),
-                        });
-                    }
-                    m.in_flight = true;
-                }
-                Ok(None)
+        let Some(m) = &mut inner.maint else {
+            let store = inner.be.store_mut();
+            if store.needs_maintenance() {
+                store
+                    .run_pending_maintenance()
+                    .map_err(|e| fail(e.to_string()))?;
             }
-            None => {
-                let store = inner.be.store_mut();
-                if store.needs_maintenance() {
-                    store
-                        .run_pending_maintenance()
-                        .map_err(|e| fail(inner.shard, e))?;
+            return Ok(());
+        };
+        loop {
+            match m.done.try_recv() {
+                Ok(Output::Maintenance(done)) => {
+                    m.maintenance_in_flight = false;
+                    inner
+                        .be
+                        .store_mut()
+                        .install(done)
+                        .map_err(|e| fail(e.to_string()))?;
                 }
-                Ok(None)
+                Ok(Output::Snapshot {
+                    checkpoint_id,
+                    result,
+                    elapsed_ns,
+                }) => {
+                    m.snapshots_in_flight -= 1;
+                    // The local snapshot's segments are now in checkpoint storage (or the
+                    // checkpoint failed): the store may drop them when compaction replaces them.
+                    inner.be.store_mut().release_snapshot(checkpoint_id);
+                    let result = result.map(|(part, uploaded)| {
+                        for (seg, f) in uploaded {
+                            inner.uploaded.insert(seg, (f, checkpoint_id));
+                        }
+                        part
+                    });
+                    if let Some(c) = &inner.checkpoint {
+                        c.borrow_mut()
+                            .report_async_done(checkpoint_id, result, elapsed_ns);
+                    }
+                }
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    return Err(fail("the maintenance thread stopped".into()))
+                }
             }
         }
+        if let Some(c) = &inner.checkpoint {
+            // Files uploaded by an aborted checkpoint are deleted with it: upload again.
+            let aborted = c.borrow().shared.aborted.load(Ordering::Acquire);
+            inner.uploaded.retain(|_, (_, by)| *by != aborted);
+        }
+        if m.maintenance_in_flight {
+            return Ok(());
+        }
+        let store = inner.be.store_mut();
+        if !store.needs_maintenance() {
+            return Ok(());
+        }
+        let job: Option<Job> = match store.flush_job() {
+            Some(j) => Some(Box::new(move || {
+                Output::Maintenance(JobDone::from(j.run()))
+            })),
+            None => store
+                .compaction_job()
+                .map(|j| Box::new(move || Output::Maintenance(JobDone::from(j.run()))) as Job),
+        };
+        if let Some(job) = job {
+            m.jobs
+                .send(job)
+                .map_err(|_| fail("the maintenance thread stopped".into()))?;
+            m.maintenance_in_flight = true;
+        }
+        Ok(())
     }
 
-    /// The id of state `name` (an operator's uid and the state's name).
-    pub(crate) fn state_id(&self, name: &str) -> StateId {
-        let mut i = self.inner.borrow_mut();
-        // Registering checks that no two names share an id.
-        let _ = i.be.value_state::<u8>(name);
-        if !i.names.iter().any(|n| n == name) {
-            i.names.push(name.to_string());
+    /// Checkpoint `id` reached the operator: freezes the store (the synchronous part) and
+    /// hands the rest — writing the frozen memtable as a segment, uploading the segments
+    /// checkpoint storage does not hold yet — to the maintenance thread. `timers` is stored
+    /// inline. The part is reported to the shard's checkpoint when done.
+    pub(crate) fn snapshot(&self, id: u64, timers: Vec<u8>) {
+        let t0 = Instant::now();
+        let mut guard = self.inner.borrow_mut();
+        let inner = &mut *guard;
+        let Some(ckpt) = inner.checkpoint.clone() else {
+            return;
+        };
+        let job = inner.be.snapshot(id);
+        let sync_ns = t0.elapsed().as_nanos() as u64;
+        let store = ckpt.borrow().shared.store.clone();
+        let shard = inner.shard;
+        let operator = inner.operator.clone();
+        let known: HashMap<u64, FileRefData> = inner
+            .uploaded
+            .iter()
+            .map(|(k, (f, _))| (*k, f.clone()))
+            .collect();
+        let work = move || {
+            let t = Instant::now();
+            let result = (|| -> Result<(Part, Vec<(u64, FileRefData)>), String> {
+                let handle = job
+                    .run()
+                    .map_err(|e| format!("snapshot of `{operator}`: {e}"))?;
+                let mut segments = Vec::new();
+                let mut files = Vec::new();
+                let mut new = Vec::new();
+                for seg in &handle.segments {
+                    let f = match known.get(&seg.segment_id) {
+                        Some(f) => {
+                            store.reuse_shared(id, shard, f)?;
+                            f.clone()
+                        }
+                        None => {
+                            let f = store.upload_shared(id, shard, &seg.path)?;
+                            new.push((seg.segment_id, f.clone()));
+                            f
+                        }
+                    };
+                    segments.push((seg.segment_id, f.clone()));
+                    files.push(f);
+                }
+                let part = KeyedPart {
+                    handle: handle.to_bytes(),
+                    segments,
+                    timers,
+                };
+                Ok((
+                    Part {
+                        operator,
+                        kind: PartKind::Keyed,
+                        bytes: crate::checkpoint::snapshot::encode(&part),
+                        files,
+                        logical: Vec::new(),
+                    },
+                    new,
+                ))
+            })();
+            Output::Snapshot {
+                checkpoint_id: id,
+                result,
+                elapsed_ns: t.elapsed().as_nanos() as u64,
+            }
+        };
+        ckpt.borrow_mut().report_async_start(id, sync_ns);
+        match &mut inner.maint {
+            Some(m) => {
+                if m.jobs.send(Box::new(work)).is_ok() {
+                    m.snapshots_in_flight += 1;
+                } else {
+                    ckpt.borrow_mut().report_async_done(
+                        id,
+                        Err("the maintenance thread stopped".into()),
+                        0,
+                    );
+                }
+            }
+            None => {
+                // The test driver has no maintenance thread: run inline.
+                if let Output::Snapshot {
+                    result, elapsed_ns, ..
+                } = work()
+                {
+                    inner.be.store_mut().release_snapshot(id);
+                    ckpt.borrow_mut()
+                        .report_async_done(id, result.map(|(p, _)| p), elapsed_ns);
+                }
+            }
         }
-        StateId(Rc::from(name))
     }
 
     fn with<R>(&self, kg: u16, key: &[u8], ns: &[u8], f: impl FnOnce(&mut KeyedBackend) -> R) -> R {
@@ -208,6 +427,13 @@ impl ShardState {
         be.set_current_key_bytes(kg, key);
         be.set_namespace(ns);
         f(be)
+    }
+
+    /// The id of state `name` (an operator's uid and the state's name).
+    pub(crate) fn state_id(&self, name: &str) -> StateId {
+        // Registering checks that no two names share an id.
+        let _ = self.inner.borrow_mut().be.value_state::<u8>(name);
+        StateId(Rc::from(name))
     }
 
     pub(crate) fn value_get<V: Data>(

@@ -36,6 +36,23 @@ pub struct JobConfig {
     pub auto_watermark_interval_ms: u64,
     /// How often sources emit a latency marker (0: never).
     pub latency_marker_interval_ms: u64,
+    /// Checkpointing; `None`: no checkpoints and no restarts.
+    pub checkpoint: Option<crate::checkpoint::CheckpointConfig>,
+    /// What the job restores from when it starts.
+    pub restore: Option<RestoreFrom>,
+    /// Let a restore fall back to an older checkpoint when the newest does not verify, even
+    /// where that may duplicate output a sink already committed.
+    pub allow_fallback: bool,
+}
+
+/// Where a job's state comes from when it starts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RestoreFrom {
+    /// The newest complete checkpoint in the job's checkpoint directory; none there: start
+    /// from the beginning (and say so), so one restart command serves every restart.
+    Latest,
+    /// A checkpoint directory (`.../chk-<n>`) or a savepoint directory.
+    Path(PathBuf),
 }
 
 impl Default for JobConfig {
@@ -52,6 +69,9 @@ impl Default for JobConfig {
             memtable_budget_bytes: 64 << 20,
             auto_watermark_interval_ms: 200,
             latency_marker_interval_ms: 100,
+            checkpoint: None,
+            restore: None,
+            allow_fallback: false,
         }
     }
 }
@@ -107,6 +127,25 @@ impl JobConfig {
         self
     }
 
+    /// Checkpoints the job as `config` says.
+    pub fn with_checkpointing(mut self, config: crate::checkpoint::CheckpointConfig) -> Self {
+        self.checkpoint = Some(config);
+        self
+    }
+
+    /// Restores the job from `from` when it starts.
+    pub fn with_restore(mut self, from: RestoreFrom) -> Self {
+        self.restore = Some(from);
+        self
+    }
+
+    /// Allows restore to fall back to an older checkpoint even where that may duplicate
+    /// committed output.
+    pub fn with_allow_fallback(mut self, allow: bool) -> Self {
+        self.allow_fallback = allow;
+        self
+    }
+
     /// Checks the values that would otherwise fail deep inside a shard.
     pub fn validate(&self) -> Result<(), crate::StartError> {
         let bad = |key: &str, why: String| {
@@ -138,6 +177,11 @@ impl JobConfig {
         }
         if self.batch_records == 0 {
             return bad("batch_records", "must be at least 1".into());
+        }
+        if self.restore.is_some() && self.checkpoint.is_none() {
+            if let Some(RestoreFrom::Latest) = self.restore {
+                return bad("restore", "`latest` needs a checkpoint directory".into());
+            }
         }
         Ok(())
     }

@@ -66,7 +66,6 @@ pub(crate) unsafe fn read_trusted<T: Data>(bytes: &[u8]) -> T {
 
 /// Reads a record from bytes that came from outside this process (disk, another process):
 /// validated first.
-#[cfg(test)]
 pub(crate) fn read_validated<T: Data>(bytes: &[u8]) -> Result<T, RkyvError> {
     let archived = rkyv::access::<rkyv::Archived<T>, RkyvError>(bytes)?;
     rkyv::deserialize::<T, RkyvError>(archived)

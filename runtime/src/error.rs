@@ -37,6 +37,17 @@ pub enum StartError {
     },
     #[error("state store of shard {shard}: {reason}")]
     State { shard: usize, reason: String },
+    #[error("sink `{operator}` on shard {shard}: {source}")]
+    Sink {
+        operator: String,
+        shard: usize,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("checkpoint storage: {reason}")]
+    Checkpoint { reason: String },
+    #[error("restore: {reason}")]
+    Restore { reason: String },
 }
 
 /// Why a running job failed.
@@ -75,6 +86,8 @@ pub enum JobError {
     Panic { shard: usize, message: String },
     #[error("the job was cancelled")]
     Cancelled,
+    #[error("{reason}")]
+    CheckpointFailures { reason: String },
 }
 
 impl JobError {

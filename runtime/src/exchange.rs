@@ -15,6 +15,7 @@ use std::sync::Arc;
 use rkyv::util::AlignedVec;
 use weir_ring::{Consumer, FrameKind, Header, Producer, PushWithError};
 
+use crate::checkpoint::shard::ShardCheckpointRef;
 use crate::data::{read_trusted, serialize_into, Data};
 use crate::error::{JobError, StartError};
 use crate::graph::{name_of, BuildCtx, Factory, FailCell, Flush, Head, HeadStatus};
@@ -105,8 +106,15 @@ pub(crate) fn exchange<T: Data>(up: Stream<T>, kind: &'static str, route: Route<
                     reason: format!("exchange {id} ({name}) has no rings"),
                 })?;
         let counters = ctx.metrics.operator(&name, ctx.shard);
+        let mut merger = InputMerger::new(consumers.len());
+        merger.align = crate::checkpoint::aligns(ctx);
+        let keyed = matches!(route, Route::KeyGroup(_));
+        let channels = crate::unaligned::Channels::new(ctx, &name, keyed)?;
         let head = ExchangeHead::<T> {
-            merger: InputMerger::new(consumers.len()),
+            merger,
+            checkpoint: ctx.checkpoint.clone(),
+            align_started: None,
+            channels,
             consumers,
             ended: Vec::new(),
             down,
@@ -133,6 +141,7 @@ pub(crate) fn exchange<T: Data>(up: Stream<T>, kind: &'static str, route: Route<
             counters,
             ctx.fail.clone(),
         )));
+        writer.borrow_mut().announce = crate::checkpoint::unaligned_after(ctx).is_some();
         ctx.gate.register(Rc::new(WriterFlush(writer.clone())));
         let w = ExchangeWriter {
             state: writer,
@@ -149,6 +158,13 @@ pub(crate) fn exchange<T: Data>(up: Stream<T>, kind: &'static str, route: Route<
 
 struct WriterState {
     producers: Vec<Producer>,
+    /// Unaligned checkpoints: announce each barrier with its ring position, so consumers can
+    /// act on it before reading up to it.
+    announce: bool,
+    /// Per target: a barrier frame still in the spill buffer (id, its offset there), announced
+    /// when it reaches the ring.
+    pending_announce: Vec<Option<(u64, usize)>>,
+    last_announced: Vec<u64>,
     /// Frames that did not fit their ring yet, per target, in order.
     spill: Vec<AlignedVec<16>>,
     spilled: usize,
@@ -168,6 +184,9 @@ impl WriterState {
         let n = producers.len();
         Self {
             producers,
+            announce: false,
+            pending_announce: vec![None; n],
+            last_announced: vec![0; n],
             spill: (0..n).map(|_| AlignedVec::new()).collect(),
             spilled: 0,
             name,
@@ -265,17 +284,22 @@ impl WriterState {
         for (t, buf) in self.spill.iter_mut().enumerate() {
             let mut off = 0;
             while off < buf.len() {
-                let frame_len = weir_ring::frame_bytes(u32::from_le_bytes([
-                    buf[off],
-                    buf[off + 1],
-                    buf[off + 2],
-                    buf[off + 3],
-                ]) as usize);
+                let len = u32::from_le_bytes([buf[off], buf[off + 1], buf[off + 2], buf[off + 3]]);
+                let frame_len = weir_ring::frame_bytes(len as usize);
+                let pos = self.producers[t].write_position();
                 match self.producers[t].reserve(frame_len) {
                     Ok(Some(mut region)) => {
                         region.as_mut_slice()[..frame_len]
                             .copy_from_slice(&buf[off..off + frame_len]);
                         region.commit(frame_len);
+                        if let Some((id, at)) = self.pending_announce[t] {
+                            if at == off {
+                                // The barrier frame reached the ring at `pos`.
+                                self.producers[t].announce(id, pos);
+                                self.last_announced[t] = id;
+                                self.pending_announce[t] = None;
+                            }
+                        }
                         off += frame_len;
                         self.spilled -= 1;
                     }
@@ -283,6 +307,9 @@ impl WriterState {
                 }
             }
             if off > 0 {
+                if let Some((_, at)) = &mut self.pending_announce[t] {
+                    *at -= off;
+                }
                 let rest = buf[off..].to_vec();
                 buf.clear();
                 buf.extend_from_slice(&rest);
@@ -290,6 +317,26 @@ impl WriterState {
             all &= buf.is_empty();
         }
         all
+    }
+
+    /// Sends barrier `id` to every target; with `announce`, also announces it at its ring
+    /// position (now, or when the frame leaves the spill buffer).
+    fn barrier(&mut self, id: u64) {
+        for t in 0..self.producers.len() {
+            let in_ring = self.spill[t].is_empty();
+            let pos = self.producers[t].write_position();
+            let spill_at = self.spill[t].len();
+            self.write(t, Header::barrier(id), &mut |_| Some(0));
+            if !self.announce || id <= self.last_announced[t] {
+                continue;
+            }
+            if in_ring && self.spill[t].is_empty() {
+                self.producers[t].announce(id, pos);
+                self.last_announced[t] = id;
+            } else {
+                self.pending_announce[t] = Some((id, spill_at));
+            }
+        }
     }
 
     fn broadcast_control(&mut self, header: Header) {
@@ -364,6 +411,7 @@ impl<T: Data> Collector<T> for ExchangeWriter<T> {
                     Some(0)
                 });
             }
+            Event::Barrier(id) => s.barrier(id),
             Event::EndOfInput => {
                 s.broadcast_control(Header::end_of_stream());
                 s.closed = true;
@@ -391,13 +439,57 @@ struct ExchangeHead<T> {
     head: Arc<HeadCounters>,
     next_input: usize,
     done: bool,
+    checkpoint: Option<ShardCheckpointRef>,
+    /// When the first barrier of the alignment in progress arrived.
+    align_started: Option<std::time::Instant>,
+    /// Unaligned checkpoints: in-flight data captured, restored data to replay.
+    channels: crate::unaligned::Channels,
     _t: PhantomData<fn() -> T>,
+}
+
+impl<T: Data> ExchangeHead<T> {
+    /// Takes checkpoint `id` unaligned from here on: the barrier goes down the chain now,
+    /// ahead of the data still queued in the rings.
+    fn start_unaligned(&mut self, id: u64) {
+        let done = self.merger.abandon(id);
+        self.align_started = None;
+        self.down.event(Event::Barrier(id));
+        self.channels.start(id, done);
+    }
+
+    /// Acts on barrier announcements and on an alignment that waited too long.
+    fn check_unaligned(&mut self) {
+        let Some(timeout) = self.channels.unaligned_after else {
+            return;
+        };
+        if let (Some(started), Some(id)) = (self.align_started, self.merger.aligning()) {
+            if started.elapsed() >= timeout && id > self.channels.last_id() {
+                self.start_unaligned(id);
+            }
+        }
+        for i in 0..self.consumers.len() {
+            if self.ended[i] {
+                continue;
+            }
+            let Some((id, pos)) = self.consumers[i].announcement() else {
+                continue;
+            };
+            if id > self.channels.last_id() && timeout.is_zero() {
+                self.start_unaligned(id);
+            }
+            if self.channels.active_id() == Some(id) && self.channels.capturing(i) {
+                let (a, b) = self.consumers[i].peek_range(pos);
+                self.channels.capture_ring(i, a, b);
+            }
+        }
+        self.channels.maybe_finish();
+    }
 }
 
 impl<T: Data> Head for ExchangeHead<T> {
     fn step(&mut self, now_ms: i64) -> Result<HeadStatus, JobError> {
         let t0 = std::time::Instant::now();
-        if !self.gate.flush() {
+        if !self.gate.flush() || self.gate.is_blocked() {
             bump(&self.head.backpressured_ns, t0.elapsed().as_nanos() as u64);
             return Ok(HeadStatus::Blocked);
         }
@@ -408,12 +500,30 @@ impl<T: Data> Head for ExchangeHead<T> {
             self.ended = vec![false; self.consumers.len()];
         }
         self.down.processing_time(now_ms);
+        self.channels.poll();
+        if self.channels.has_replay() {
+            // Restored in-flight records come before any new input.
+            let (down, counters) = (&mut self.down, &self.counters);
+            let n = self.channels.replay::<T>(self.batch, |rec, ts| {
+                bump(&counters.records_in, 1);
+                down.collect(rec, ts);
+            })?;
+            self.gate.flush();
+            bump(&self.head.busy_ns, t0.elapsed().as_nanos() as u64);
+            return Ok(if n > 0 {
+                HeadStatus::Progress
+            } else {
+                HeadStatus::Idle
+            });
+        }
+        self.check_unaligned();
         let n_inputs = self.consumers.len();
         let mut budget = self.batch;
         let mut moved = 0usize;
         for k in 0..n_inputs {
             let i = (self.next_input + k) % n_inputs;
-            if self.ended[i] {
+            // An input that delivered the barrier being aligned waits for the others.
+            if self.ended[i] || self.merger.is_blocked(i) {
                 continue;
             }
             let Some(region) = self.consumers[i].read() else {
@@ -429,6 +539,10 @@ impl<T: Data> Head for ExchangeHead<T> {
                         // `ExchangeWriter<T>` of this job in this process, with
                         // `serialize_into::<T>` into 16-aligned ring memory.
                         let rec: T = unsafe { read_trusted::<T>(f.payload) };
+                        if self.channels.capturing(i) {
+                            self.channels
+                                .capture_record(i, f.key_group, f.ts, f.payload);
+                        }
                         bump(&self.counters.records_in, 1);
                         self.down.collect(rec, f.ts);
                         budget = budget.saturating_sub(1);
@@ -449,12 +563,46 @@ impl<T: Data> Head for ExchangeHead<T> {
                     }
                     FrameKind::EndOfStream => {
                         end = true;
+                        self.channels.input_done(i);
                         let down = &mut self.down;
                         self.merger
                             .on_event(i, Event::EndOfInput, &mut |e| down.event(e));
                     }
-                    // Barriers arrive with checkpointing; until then no writer emits them.
-                    _ => {}
+                    FrameKind::Barrier if f.ts as u64 <= self.channels.last_id() => {
+                        // Taken unaligned already: the in-band barrier only ends the capture.
+                        if self.channels.active_id() == Some(f.ts as u64) {
+                            self.channels.input_done(i);
+                        }
+                    }
+                    FrameKind::Barrier => {
+                        let id = f.ts as u64;
+                        let started = *self
+                            .align_started
+                            .get_or_insert_with(std::time::Instant::now);
+                        let (down, ckpt) = (&mut self.down, &self.checkpoint);
+                        let mut forwarded = false;
+                        self.merger.on_event(i, Event::Barrier(id), &mut |e| {
+                            if e == Event::Barrier(id) {
+                                forwarded = true;
+                                if let Some(c) = ckpt {
+                                    c.borrow_mut().record_alignment(
+                                        id,
+                                        started.elapsed().as_nanos() as u64,
+                                        0,
+                                    );
+                                }
+                            }
+                            down.event(e)
+                        });
+                        if forwarded {
+                            self.align_started = None;
+                            self.channels.aligned(id);
+                        }
+                        if self.merger.is_blocked(i) {
+                            // Records after the barrier belong to the next checkpoint.
+                            break;
+                        }
+                    }
                 }
                 if budget == 0 || end {
                     break;
@@ -470,6 +618,7 @@ impl<T: Data> Head for ExchangeHead<T> {
                 break;
             }
         }
+        self.channels.maybe_finish();
         self.gate.flush();
         let spent = t0.elapsed().as_nanos() as u64;
         if self.merger.all_ended() {

@@ -44,15 +44,30 @@ pub(crate) trait Flush {
     fn flush(&self) -> bool;
 }
 
-/// The exchange writers at the end of one chain.
+/// The exchange writers at the end of one chain, and the barrier blocks on its way (an input
+/// of a union that delivered a barrier waits for the other inputs). A union's inputs each get
+/// a child gate of the gate below the union.
 #[derive(Default)]
 pub(crate) struct Gate {
     writers: RefCell<Vec<Rc<dyn Flush>>>,
+    blockers: RefCell<Vec<Rc<std::cell::Cell<bool>>>>,
+    parent: Option<Rc<Gate>>,
 }
 
 impl Gate {
+    pub fn child_of(parent: Rc<Gate>) -> Self {
+        Self {
+            parent: Some(parent),
+            ..Self::default()
+        }
+    }
+
     pub fn register(&self, w: Rc<dyn Flush>) {
         self.writers.borrow_mut().push(w);
+    }
+
+    pub fn add_blocker(&self, b: Rc<std::cell::Cell<bool>>) {
+        self.blockers.borrow_mut().push(b);
     }
 
     /// True when every writer of the chain has handed over all its output.
@@ -61,7 +76,16 @@ impl Gate {
         for w in self.writers.borrow().iter() {
             all &= w.flush();
         }
+        if let Some(p) = &self.parent {
+            all &= p.flush();
+        }
         all
+    }
+
+    /// True while a barrier alignment downstream holds this chain's input back.
+    pub fn is_blocked(&self) -> bool {
+        self.blockers.borrow().iter().any(|b| b.get())
+            || self.parent.as_ref().is_some_and(|p| p.is_blocked())
     }
 }
 
@@ -94,7 +118,17 @@ pub(crate) struct BuildCtx {
     pub exchanges: ExchangeEndpoints,
     pub metrics: Arc<Registry>,
     pub fail: FailCell,
-    pub state: crate::keyed::ShardState,
+    /// Where this shard's operators keep their state stores.
+    pub state_dir: std::path::PathBuf,
+    /// Stores through io_uring with a maintenance thread (shards), or std::fs inline (the
+    /// test driver).
+    pub real_io: bool,
+    /// Every store opened on the shard: the loop runs their background work.
+    pub states: Vec<crate::keyed::ShardState>,
+    /// Checkpointing, when the job has it.
+    pub checkpoint: Option<crate::checkpoint::shard::ShardCheckpointRef>,
+    /// The checkpoint the job restores from, if any.
+    pub restore: Option<Arc<crate::checkpoint::restore::RestoreState>>,
     /// Monotonic origin shared by every shard (latency markers).
     pub epoch: std::time::Instant,
 }
@@ -103,6 +137,14 @@ impl BuildCtx {
     /// Takes the gate of the chain that a head about to be built drives.
     pub fn take_gate(&mut self) -> Rc<Gate> {
         std::mem::take(&mut self.gate)
+    }
+
+    /// Opens the state store of operator `name` on this shard, restored from the job's restore
+    /// checkpoint when there is one.
+    pub fn open_state(&mut self, name: &str) -> Result<crate::keyed::ShardState, StartError> {
+        let s = crate::keyed::ShardState::open_for(self, name)?;
+        self.states.push(s.clone());
+        Ok(s)
     }
 }
 

@@ -6,10 +6,11 @@
 use std::sync::Arc;
 
 use rkyv::{Archive, Deserialize, Serialize};
-use weir_state::KeyCodec;
 
 use crate::data::Data;
-use crate::keyed::{KeyedContext, KeyedProcessFunction, KeyedStream, ProcessStream, TimeDomain};
+use crate::keyed::{
+    Key, KeyedContext, KeyedProcessFunction, KeyedStream, ProcessStream, TimeDomain,
+};
 
 /// A record of the first (`Left`) or second (`Right`) input of a connected stream.
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
@@ -59,7 +60,7 @@ where
     A: Data,
     B: Data,
     Either<A, B>: Data,
-    K: KeyCodec + Clone + Send + Sync + 'static,
+    K: Key,
 {
     pub(crate) fn new(left: KeyedStream<A, K>, right: KeyedStream<B, K>) -> Self {
         Self { left, right }

@@ -34,6 +34,13 @@ pub fn key_group_of(key_bytes: &[u8], max_parallelism: u16) -> u16 {
     weir_state::key_group_for(key_bytes, max_parallelism)
 }
 
+/// What a key must be: a stable, order-preserving encoding that decodes back to the key
+/// (timers restored from a checkpoint hand the key to `on_timer`). Implemented for integers,
+/// bool, String, byte vectors and tuples of them.
+pub trait Key: KeyCodec<Owned = Self> + Clone + Send + Sync + 'static {}
+
+impl<K: KeyCodec<Owned = K> + Clone + Send + Sync + 'static> Key for K {}
+
 /// A key selector shared by the shards.
 pub(crate) type KeyFn<T, K> = Arc<dyn Fn(&T) -> K + Send + Sync>;
 
@@ -54,7 +61,7 @@ pub struct KeyedStream<T, K> {
     pub(crate) key: KeyFn<T, K>,
 }
 
-impl<T: Data, K: KeyCodec + Clone + Send + Sync + 'static> KeyedStream<T, K> {
+impl<T: Data, K: Key> KeyedStream<T, K> {
     pub(crate) fn new(up: Stream<T>, key: KeyFn<T, K>) -> Self {
         Self { up, key }
     }
@@ -105,11 +112,12 @@ impl<T: Data, K: KeyCodec + Clone + Send + Sync + 'static> KeyedStream<T, K> {
         let upf = exchanged.factory.clone();
         let factory: Factory<O> = Arc::new(move |ctx: &mut BuildCtx, down: Out<O>| {
             let name = name_of(&slot);
+            let ops = OpState::new(&name, ctx)?;
             let op = KeyedOp {
                 f: f.clone(),
                 key: key.clone(),
-                ops: OpState::new(&name, ctx)?,
-                timers: TimerQueues::default(),
+                timers: TimerQueues::restored(&ops.state, &name)?,
+                ops,
                 counters: ctx.metrics.operator(&name, ctx.shard),
                 down,
                 _p: PhantomData,
@@ -243,6 +251,68 @@ impl<K> Default for TimerQueues<K> {
     }
 }
 
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+struct TimerRecord {
+    domain: u8,
+    ts: i64,
+    key_group: u16,
+    key: Vec<u8>,
+    namespace: Vec<u8>,
+}
+
+impl<K: Key> TimerQueues<K> {
+    /// The timers, encoded for a checkpoint.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(self.event.len() + self.processing.len());
+        for (domain, q) in [(0u8, &self.event), (1u8, &self.processing)] {
+            for t in q.keys() {
+                v.push(TimerRecord {
+                    domain,
+                    ts: t.ts,
+                    key_group: t.key_group,
+                    key: t.key.clone(),
+                    namespace: t.namespace.clone(),
+                });
+            }
+        }
+        crate::checkpoint::snapshot::encode(&v)
+    }
+
+    /// The timers of a restored checkpoint whose key groups this shard owns.
+    pub fn restored(state: &ShardState, operator: &str) -> Result<Self, crate::StartError> {
+        let mut q = Self::default();
+        let range = state.key_group_range();
+        for bytes in state.take_restored_timers() {
+            let records: Vec<TimerRecord> = crate::checkpoint::snapshot::decode_any(&bytes)
+                .map_err(|e| crate::StartError::State {
+                    shard: 0,
+                    reason: format!("timers of `{operator}`: {e}"),
+                })?;
+            for r in records.into_iter().filter(|r| range.contains(r.key_group)) {
+                let key = K::decode_key(&mut r.key.as_slice()).ok_or_else(|| {
+                    crate::StartError::State {
+                        shard: 0,
+                        reason: format!("timers of `{operator}`: a timer's key does not decode"),
+                    }
+                })?;
+                let t = TimerKey {
+                    ts: r.ts,
+                    key_group: r.key_group,
+                    key: r.key,
+                    namespace: r.namespace,
+                };
+                let d = if r.domain == 0 {
+                    TimeDomain::EventTime
+                } else {
+                    TimeDomain::ProcessingTime
+                };
+                q.queue(d).insert(t, key);
+            }
+        }
+        Ok(q)
+    }
+}
+
 impl<K> TimerQueues<K> {
     pub fn queue(&mut self, d: TimeDomain) -> &mut BTreeMap<TimerKey, K> {
         match d {
@@ -279,11 +349,17 @@ pub(crate) struct OpState {
 }
 
 impl OpState {
-    pub fn new(name: &str, ctx: &BuildCtx) -> Result<Self, crate::StartError> {
+    /// Opens the operator's store (restored when the job restores) and registers the
+    /// operator as a checkpoint participant.
+    pub fn new(name: &str, ctx: &mut BuildCtx) -> Result<Self, crate::StartError> {
+        let state = ctx.open_state(name)?;
+        if let Some(c) = &ctx.checkpoint {
+            c.borrow_mut().register();
+        }
         Ok(Self {
             name: name.to_string(),
             shard: ctx.shard,
-            state: ctx.state.clone(),
+            state,
             fail: ctx.fail.clone(),
             watermark: i64::MIN,
             now_ms: i64::MIN,
@@ -544,7 +620,7 @@ pub(crate) fn fire_timers<K: Clone, O: 'static>(
 
 impl<K, I, O, P> Collector<I> for KeyedOp<K, I, O, P>
 where
-    K: KeyCodec + Clone + 'static,
+    K: Key,
     I: Data,
     O: Data,
     P: KeyedProcessFunction<K, I, O>,
@@ -569,6 +645,9 @@ where
     }
 
     fn event(&mut self, ev: Event) {
+        if let Event::Barrier(id) = ev {
+            self.ops.state.snapshot(id, self.timers.encode());
+        }
         if let Event::Watermark(w) = ev {
             self.ops.watermark = w;
             let f = &self.f;

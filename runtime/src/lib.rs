@@ -18,6 +18,7 @@
 //! ```
 
 mod backend;
+pub mod checkpoint;
 mod config;
 mod data;
 mod error;
@@ -34,9 +35,10 @@ pub mod source;
 mod stream;
 pub mod testing;
 mod time;
+mod unaligned;
 mod window;
 
-pub use config::{JobConfig, Pinning};
+pub use config::{JobConfig, Pinning, RestoreFrom};
 pub use data::Data;
 pub use error::{JobError, StartError};
 pub use join::{CoProcessFunction, ConnectedStreams, Either};

@@ -24,6 +24,8 @@ pub enum Event {
     Idle(bool),
     /// Emitted by a source at `created_ns` (monotonic, process-wide); sinks record its age.
     LatencyMarker { created_ns: u64 },
+    /// Checkpoint barrier `n`: everything before it belongs to checkpoint `n`.
+    Barrier(u64),
     /// The input has ended; nothing follows.
     EndOfInput,
 }
@@ -117,6 +119,15 @@ pub(crate) struct InputMerger {
     idle: Vec<bool>,
     ended: Vec<bool>,
     emitted: i64,
+    /// The barrier being aligned and the inputs that delivered it.
+    barrier: Option<(u64, Vec<bool>)>,
+    /// Per input: delivered the barrier being aligned and must not deliver more records until
+    /// it is complete (aligned checkpoints only).
+    pub blocked: Vec<std::rc::Rc<std::cell::Cell<bool>>>,
+    /// Block inputs that delivered the barrier (exactly once) or not (at least once).
+    pub align: bool,
+    /// The newest barrier forwarded or abandoned: older ones are stale.
+    last_barrier: u64,
 }
 
 impl InputMerger {
@@ -126,6 +137,86 @@ impl InputMerger {
             idle: vec![false; inputs],
             ended: vec![false; inputs],
             emitted: i64::MIN,
+            barrier: None,
+            blocked: (0..inputs)
+                .map(|_| std::rc::Rc::new(std::cell::Cell::new(false)))
+                .collect(),
+            align: true,
+            last_barrier: 0,
+        }
+    }
+
+    /// Whether input `i` must wait for the other inputs' barrier.
+    pub fn is_blocked(&self, i: usize) -> bool {
+        self.blocked[i].get()
+    }
+
+    /// Input `i` delivered barrier `id`: forwards it once every input that has not ended did.
+    fn on_barrier(&mut self, i: usize, id: u64, out: &mut dyn FnMut(Event)) {
+        if id <= self.last_barrier {
+            return;
+        }
+        match &self.barrier {
+            // A stale barrier of a checkpoint this operator already passed or abandoned.
+            Some((cur, _)) if id < *cur => return,
+            // A newer barrier while aligning an older one: the older checkpoint can no longer
+            // complete here (its barrier was skipped upstream); align the newer one instead.
+            Some((cur, _)) if id > *cur => self.release(),
+            _ => {}
+        }
+        let n = self.ended.len();
+        let arrived = &mut self.barrier.get_or_insert_with(|| (id, vec![false; n])).1;
+        arrived[i] = true;
+        if self.align {
+            self.blocked[i].set(true);
+        }
+        self.maybe_forward(out);
+    }
+
+    fn maybe_forward(&mut self, out: &mut dyn FnMut(Event)) {
+        let done = match &self.barrier {
+            Some((_, arrived)) => arrived.iter().zip(&self.ended).all(|(a, e)| *a || *e),
+            None => false,
+        };
+        if done {
+            if let Some((id, _)) = self.barrier {
+                self.release();
+                out(Event::Barrier(id));
+            }
+        }
+    }
+
+    /// The barrier being aligned, if any.
+    pub fn aligning(&self) -> Option<u64> {
+        self.barrier.as_ref().map(|(id, _)| *id)
+    }
+
+    /// Barrier `id` is taken unaligned instead: stops aligning it (and anything older) and
+    /// returns which inputs had delivered it. Its in-band barriers are ignored from now on.
+    pub fn abandon(&mut self, id: u64) -> Vec<bool> {
+        let n = self.ended.len();
+        let arrived = match &self.barrier {
+            Some((cur, arrived)) if *cur == id => arrived.clone(),
+            _ => vec![false; n],
+        };
+        if self.barrier.as_ref().is_some_and(|(cur, _)| *cur <= id) {
+            self.release();
+        }
+        self.last_barrier = self.last_barrier.max(id);
+        arrived
+            .iter()
+            .zip(&self.ended)
+            .map(|(a, e)| *a || *e)
+            .collect()
+    }
+
+    fn release(&mut self) {
+        if let Some((id, _)) = &self.barrier {
+            self.last_barrier = self.last_barrier.max(*id);
+        }
+        self.barrier = None;
+        for b in &self.blocked {
+            b.set(false);
         }
     }
 
@@ -144,11 +235,14 @@ impl InputMerger {
                 self.advance(out);
             }
             Event::LatencyMarker { .. } => out(ev),
+            Event::Barrier(id) => self.on_barrier(i, id, out),
             Event::EndOfInput => {
                 self.ended[i] = true;
                 self.watermarks[i] = i64::MAX;
                 self.idle[i] = false;
                 self.advance(out);
+                // An ended input no longer holds back a barrier.
+                self.maybe_forward(out);
                 if self.ended.iter().all(|e| *e) {
                     out(Event::EndOfInput);
                 }
@@ -229,6 +323,49 @@ mod tests {
         m.on_event(1, Event::EndOfInput, &mut |e| got.push(e));
         assert_eq!(got.last(), Some(&Event::EndOfInput));
         assert!(got.contains(&Event::Watermark(i64::MAX)));
+    }
+
+    #[test]
+    fn merger_aligns_barriers_and_blocks_inputs_that_delivered_them() {
+        let mut m = InputMerger::new(3);
+        let mut got = Vec::new();
+        m.on_event(0, Event::Barrier(5), &mut |e| got.push(e));
+        assert!(m.is_blocked(0) && !m.is_blocked(1));
+        m.on_event(2, Event::EndOfInput, &mut |e| got.push(e));
+        assert!(
+            !got.contains(&Event::Barrier(5)),
+            "input 1 has not delivered barrier 5"
+        );
+        m.on_event(1, Event::Barrier(5), &mut |e| got.push(e));
+        assert_eq!(got.iter().filter(|e| **e == Event::Barrier(5)).count(), 1);
+        assert!(
+            !m.is_blocked(0) && !m.is_blocked(1),
+            "aligned: every input released"
+        );
+        // A stale barrier is ignored; a newer one abandons the older alignment.
+        got.clear();
+        m.on_event(0, Event::Barrier(4), &mut |e| got.push(e));
+        assert!(got.is_empty() && !m.is_blocked(0));
+        m.on_event(0, Event::Barrier(6), &mut |e| got.push(e));
+        m.on_event(1, Event::Barrier(7), &mut |e| got.push(e));
+        assert!(
+            !m.is_blocked(0) && m.is_blocked(1),
+            "barrier 6 abandoned for 7"
+        );
+        m.on_event(0, Event::Barrier(7), &mut |e| got.push(e));
+        assert_eq!(got, vec![Event::Barrier(7)]);
+    }
+
+    #[test]
+    fn at_least_once_merger_forwards_on_the_last_barrier_without_blocking() {
+        let mut m = InputMerger::new(2);
+        m.align = false;
+        let mut got = Vec::new();
+        m.on_event(0, Event::Barrier(1), &mut |e| got.push(e));
+        assert!(!m.is_blocked(0));
+        assert!(got.is_empty());
+        m.on_event(1, Event::Barrier(1), &mut |e| got.push(e));
+        assert_eq!(got, vec![Event::Barrier(1)]);
     }
 
     #[test]

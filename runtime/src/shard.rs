@@ -1,17 +1,29 @@
-//! Shards: one glommio executor thread each, driving the heads of every chain built on it.
+//! Shards, attempts and restarts.
+//!
+//! A job runs as *attempts*. An attempt wires the rings, starts one glommio executor thread per
+//! shard — each builds every chain's operators and then drives their heads in a loop — and,
+//! with checkpointing, a coordinator thread. When an attempt fails and the restart strategy
+//! allows it, the next attempt restores every shard from the newest complete checkpoint.
 //!
 //! A shard's loop steps each head in turn. A head that moved data is stepped again right away
 //! (yielding to glommio when its time slice is used up); when no head moved anything the shard
 //! backs off, first by spinning briefly, then by sleeping with a growing interval, so that more
 //! shards than cores (tests run 4 shards on 2 cores) still share the machine fairly.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use glommio::{LocalExecutorBuilder, Placement};
 
-use crate::config::{JobConfig, Pinning};
+use crate::checkpoint::coordinator::{Coordinator, Requests};
+use crate::checkpoint::restore::RestoreState;
+use crate::checkpoint::shard::{ShardCheckpoint, Shared};
+use crate::checkpoint::snapshot::PartKind;
+use crate::checkpoint::store::{IoCheckpointStore, SavepointReader, StorageReader};
+use crate::checkpoint::{CheckpointMetrics, RestartStrategy};
+use crate::config::{JobConfig, Pinning, RestoreFrom};
 use crate::error::{JobError, StartError};
 use crate::graph::{BuildCtx, FailCell, Gate, Graph, HeadStatus, Root};
 use crate::metrics::{JobMetrics, Registry};
@@ -21,12 +33,21 @@ const IDLE_SLEEP_MAX: Duration = Duration::from_millis(1);
 /// Rounds without progress before a shard starts sleeping.
 const IDLE_SPIN_ROUNDS: u32 = 64;
 
+/// What the job handle and the supervisor share.
+struct Control {
+    cancel: AtomicBool,
+    finished: AtomicBool,
+    metrics: Mutex<Arc<Registry>>,
+    checkpoints: Arc<Mutex<CheckpointMetrics>>,
+    requests: Arc<Requests>,
+    restarts: AtomicU64,
+    checkpointing: bool,
+}
+
 /// A running job.
 pub struct JobHandle {
-    threads: Vec<glommio::ExecutorJoinHandle<Result<(), JobError>>>,
-    cancel: Arc<AtomicBool>,
-    running: Arc<AtomicUsize>,
-    metrics: Arc<Registry>,
+    supervisor: Option<std::thread::JoinHandle<Result<(), JobError>>>,
+    ctl: Arc<Control>,
     shards: usize,
     _state_dir: Option<tempfile::TempDir>,
 }
@@ -36,57 +57,70 @@ pub struct JobHandle {
 pub struct JobSummary {
     pub shards: usize,
     pub metrics: JobMetrics,
+    pub checkpoints: CheckpointMetrics,
+    /// How many times the job restarted after a failure.
+    pub restarts: u64,
 }
 
 impl JobHandle {
-    /// Waits until every shard finished. Returns the first real failure (not the cancellations
-    /// that it caused on other shards).
+    /// Waits until the job finished (after any restarts).
     pub fn wait(mut self) -> Result<JobSummary, JobError> {
-        let mut first: Option<JobError> = None;
-        for (shard, t) in std::mem::take(&mut self.threads).into_iter().enumerate() {
-            let r = match t.join() {
-                Ok(r) => r,
-                Err(glommio::GlommioError::BuilderError(
-                    glommio::BuilderErrorKind::ThreadPanic(p),
-                )) => Err(JobError::Panic {
-                    shard,
-                    message: panic_message(&p),
-                }),
-                Err(e) => Err(JobError::Start(StartError::Executor {
-                    shard,
-                    reason: e.to_string(),
-                })),
-            };
-            if let Err(e) = r {
-                match &first {
-                    None => first = Some(e),
-                    Some(f) if f.is_cancellation() && !e.is_cancellation() => first = Some(e),
-                    _ => {}
-                }
-            }
-        }
-        match first {
-            Some(e) => Err(e),
-            None => Ok(JobSummary {
-                shards: self.shards,
-                metrics: self.metrics.snapshot(),
+        let r = match self.supervisor.take() {
+            Some(t) => t.join().unwrap_or_else(|p| {
+                Err(JobError::Panic {
+                    shard: usize::MAX,
+                    message: panic_message(&*p),
+                })
             }),
+            None => Ok(()),
+        };
+        r.map(|()| self.summary())
+    }
+
+    fn summary(&self) -> JobSummary {
+        JobSummary {
+            shards: self.shards,
+            metrics: self.metrics(),
+            checkpoints: self.checkpoint_metrics(),
+            restarts: self.ctl.restarts.load(Ordering::Acquire),
         }
     }
 
     /// Asks every shard to stop; [`JobHandle::wait`] then returns [`JobError::Cancelled`].
     pub fn cancel(&self) {
-        self.cancel.store(true, Ordering::Relaxed);
+        self.ctl.cancel.store(true, Ordering::Release);
     }
 
-    /// True once every shard's loop ended.
+    /// True once the job ended.
     pub fn is_finished(&self) -> bool {
-        self.running.load(Ordering::Acquire) == 0
+        self.ctl.finished.load(Ordering::Acquire)
     }
 
-    /// A snapshot of the job's metrics.
+    /// A snapshot of the current attempt's metrics.
     pub fn metrics(&self) -> JobMetrics {
-        self.metrics.snapshot()
+        lock(&self.ctl.metrics).snapshot()
+    }
+
+    /// The job's checkpoint metrics.
+    pub fn checkpoint_metrics(&self) -> CheckpointMetrics {
+        lock(&self.ctl.checkpoints).clone()
+    }
+
+    /// Triggers a checkpoint now (it starts as soon as no other is in progress).
+    pub fn trigger_checkpoint(&self) -> Result<(), StartError> {
+        if !self.ctl.checkpointing {
+            return Err(StartError::Config {
+                key: "checkpoint".into(),
+                reason: "the job has no checkpoint directory".into(),
+            });
+        }
+        self.ctl.requests.manual.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// How many times the job restarted after a failure so far.
+    pub fn restarts(&self) -> u64 {
+        self.ctl.restarts.load(Ordering::Acquire)
     }
 
     pub fn shards(&self) -> usize {
@@ -96,16 +130,18 @@ impl JobHandle {
 
 impl Drop for JobHandle {
     fn drop(&mut self) {
-        if !self.threads.is_empty() {
+        if let Some(t) = self.supervisor.take() {
             self.cancel();
-            for t in std::mem::take(&mut self.threads) {
-                let _ = t.join();
-            }
+            let _ = t.join();
         }
     }
 }
 
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {
         (*s).to_string()
     } else if let Some(s) = p.downcast_ref::<String>() {
@@ -122,9 +158,20 @@ struct CancelOnPanic(Arc<AtomicBool>);
 impl Drop for CancelOnPanic {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            self.0.store(true, Ordering::Relaxed);
+            self.0.store(true, Ordering::Release);
         }
     }
+}
+
+/// Everything an attempt needs, fixed for the job's life.
+struct Plan {
+    config: Arc<JobConfig>,
+    roots: Arc<Vec<Root>>,
+    exchanges: usize,
+    state_dir: PathBuf,
+    sentinel: PathBuf,
+    placements: Vec<Placement>,
+    store: Option<Arc<IoCheckpointStore>>,
 }
 
 /// Starts `graph` on `config.shards` shards.
@@ -149,86 +196,484 @@ pub(crate) fn start(config: JobConfig, graph: Graph) -> Result<JobHandle, StartE
     let shards = config.shards;
     let cores = core_affinity::get_core_ids().unwrap_or_default();
     let pin = config.pinning == Pinning::Auto && cores.len() >= shards;
-    let endpoints = crate::exchange::wire(graph.exchanges, shards, config.ring_capacity_bytes);
-    let config = Arc::new(config);
-    let roots: Arc<Vec<Root>> = Arc::new(graph.roots);
-    let metrics = Registry::new();
+    let placements = (0..shards)
+        .map(|s| {
+            if pin {
+                Placement::Fixed(cores[s].id)
+            } else {
+                Placement::Unbound
+            }
+        })
+        .collect();
+    let store = match &config.checkpoint {
+        Some(c) => {
+            let fs =
+                Arc::new(
+                    weir_io::UringFs::new().map_err(|e| StartError::IoUringUnavailable {
+                        reason: e.to_string(),
+                    })?,
+                );
+            let storage = weir_io::CheckpointStorage::open(fs, &c.dir, &c.job_id).map_err(|e| {
+                StartError::Checkpoint {
+                    reason: format!("{}: {e}", c.dir.join(&c.job_id).display()),
+                }
+            })?;
+            Some(Arc::new(IoCheckpointStore::new(storage)))
+        }
+        None => None,
+    };
+    let restore = initial_restore(&config, store.as_deref())?;
+    let ctl = Arc::new(Control {
+        cancel: AtomicBool::new(false),
+        finished: AtomicBool::new(false),
+        metrics: Mutex::new(Registry::new()),
+        checkpoints: Arc::new(Mutex::new(CheckpointMetrics::default())),
+        requests: Arc::new(Requests::default()),
+        restarts: AtomicU64::new(0),
+        checkpointing: config.checkpoint.is_some(),
+    });
+    if restore.is_some() {
+        lock(&ctl.checkpoints).last_checkpoint_restore_timestamp =
+            Some(crate::checkpoint::coordinator::now_ms());
+    }
+    let plan = Plan {
+        config: Arc::new(config),
+        roots: Arc::new(graph.roots),
+        exchanges: graph.exchanges,
+        state_dir,
+        sentinel,
+        placements,
+        store,
+    };
+    let ctl2 = ctl.clone();
+    let supervisor = std::thread::Builder::new()
+        .name("weir-supervisor".into())
+        .spawn(move || {
+            let r = supervise(&plan, restore, &ctl2);
+            ctl2.finished.store(true, Ordering::Release);
+            r
+        })
+        .map_err(|e| StartError::Executor {
+            shard: 0,
+            reason: format!("supervisor thread: {e}"),
+        })?;
+    Ok(JobHandle {
+        supervisor: Some(supervisor),
+        ctl,
+        shards,
+        _state_dir: tmp,
+    })
+}
+
+/// The restore state the job starts from, as its configuration asks.
+fn initial_restore(
+    config: &JobConfig,
+    store: Option<&IoCheckpointStore>,
+) -> Result<Option<Arc<RestoreState>>, StartError> {
+    let err = |reason: String| StartError::Restore { reason };
+    match &config.restore {
+        None => Ok(None),
+        Some(RestoreFrom::Latest) => {
+            let Some(store) = store else {
+                return Err(err("`latest` needs a checkpoint directory".into()));
+            };
+            match latest_restore(config, store)? {
+                Some(r) => {
+                    eprintln!("weir: restoring from checkpoint {}", r.checkpoint_id);
+                    Ok(Some(r))
+                }
+                None => {
+                    eprintln!(
+                        "weir: no complete checkpoint in {}; starting from the beginning",
+                        store.storage.job_dir().display()
+                    );
+                    Ok(None)
+                }
+            }
+        }
+        Some(RestoreFrom::Path(p)) => restore_from_path(config, p).map(Some),
+    }
+}
+
+/// The newest complete checkpoint that verifies. An older one is used only where that cannot
+/// duplicate committed output (DESIGN invariant 4), or when the user allowed it.
+fn latest_restore(
+    config: &JobConfig,
+    store: &IoCheckpointStore,
+) -> Result<Option<Arc<RestoreState>>, StartError> {
+    let err = |reason: String| StartError::Restore { reason };
+    let infos = store.storage.list().map_err(|e| err(e.to_string()))?;
+    tracing::debug!(
+        "list: {:?}",
+        infos.iter().map(|i| (i.id, i.complete)).collect::<Vec<_>>()
+    );
+    let mut complete: Vec<u64> = infos.iter().filter(|i| i.complete).map(|i| i.id).collect();
+    complete.sort_unstable();
+    let mut skipped: Vec<(u64, String)> = Vec::new();
+    for id in complete.into_iter().rev() {
+        let attempt = store
+            .storage
+            .verify(id)
+            .map_err(|e| e.to_string())
+            .and_then(|_| store.storage.read_metadata(id).map_err(|e| e.to_string()))
+            .and_then(|m| {
+                RestoreState::decode(
+                    id,
+                    &m.sections,
+                    Arc::new(StorageReader(store.storage.clone())),
+                    config.shards,
+                    config.max_parallelism,
+                )
+            });
+        match attempt {
+            Ok(r) => {
+                if !skipped.is_empty() {
+                    let has_transactions = r
+                        .shards
+                        .iter()
+                        .flat_map(|s| s.parts.iter())
+                        .any(|p| p.kind == PartKind::Sink && !p.bytes.is_empty());
+                    if has_transactions && !config.allow_fallback {
+                        let (bad, why) = &skipped[0];
+                        return Err(err(format!(
+                            "checkpoint {bad} does not verify ({why}); falling back to checkpoint {id} could duplicate \
+                             output that a sink committed for checkpoint {bad}. Restore stops here; allow the fallback \
+                             with --allow-fallback (JobConfig::with_allow_fallback) to accept that"
+                        )));
+                    }
+                    for (bad, why) in &skipped {
+                        eprintln!("weir: checkpoint {bad} does not verify ({why}); falling back");
+                    }
+                }
+                return Ok(Some(Arc::new(r)));
+            }
+            Err(e) => skipped.push((id, e)),
+        }
+    }
+    if let Some((bad, why)) = skipped.first() {
+        return Err(err(format!(
+            "no complete checkpoint verifies; the newest, {bad}: {why}"
+        )));
+    }
+    Ok(None)
+}
+
+fn restore_from_path(config: &JobConfig, path: &Path) -> Result<Arc<RestoreState>, StartError> {
+    let err = |reason: String| StartError::Restore {
+        reason: format!("{}: {reason}", path.display()),
+    };
+    let fs: Arc<dyn weir_io::Fs> = Arc::new(weir_io::StdFs);
+    // A checkpoint directory `<root>/<job>/chk-<n>`: read it through its job's storage, whose
+    // shared files it references.
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or_default();
+    if let Some(n) = name
+        .strip_prefix("chk-")
+        .and_then(|n| n.parse::<u64>().ok())
+    {
+        let job_dir = path
+            .parent()
+            .ok_or_else(|| err("no job directory".into()))?;
+        let (root, job) = (
+            job_dir
+                .parent()
+                .ok_or_else(|| err("no checkpoint root".into()))?,
+            job_dir
+                .file_name()
+                .and_then(|n| n.to_str())
+                .ok_or_else(|| err("bad job directory".into()))?,
+        );
+        let storage = weir_io::CheckpointStorage::open_read_only(fs, root, job)
+            .map_err(|e| err(e.to_string()))?;
+        storage.verify(n).map_err(|e| err(e.to_string()))?;
+        let m = storage.read_metadata(n).map_err(|e| err(e.to_string()))?;
+        let r = RestoreState::decode(
+            n,
+            &m.sections,
+            Arc::new(StorageReader(storage)),
+            config.shards,
+            config.max_parallelism,
+        )
+        .map_err(err)?;
+        return Ok(Arc::new(r));
+    }
+    let sp = weir_io::Savepoint::open(fs, path).map_err(|e| err(e.to_string()))?;
+    sp.verify().map_err(|e| err(e.to_string()))?;
+    let m = sp.metadata().clone();
+    let r = RestoreState::decode(
+        m.checkpoint_id,
+        &m.sections,
+        Arc::new(SavepointReader(sp)),
+        config.shards,
+        config.max_parallelism,
+    )
+    .map_err(err)?;
+    Ok(Arc::new(r))
+}
+
+/// Runs attempts until one ends well, the user cancels, or the restart strategy gives up.
+fn supervise(
+    plan: &Plan,
+    mut restore: Option<Arc<RestoreState>>,
+    ctl: &Control,
+) -> Result<(), JobError> {
+    let mut failures: Vec<Instant> = Vec::new();
+    let mut delay = None::<Duration>;
+    let mut last_failure = Instant::now();
+    loop {
+        let r = run_attempt(plan, restore.clone(), ctl);
+        let e = match r {
+            Ok(()) => return Ok(()),
+            Err(e) if ctl.cancel.load(Ordering::Acquire) => {
+                return Err(if e.is_cancellation() {
+                    JobError::Cancelled
+                } else {
+                    e
+                })
+            }
+            Err(e) => e,
+        };
+        let Some(ck) = &plan.config.checkpoint else {
+            return Err(e);
+        };
+        let now = Instant::now();
+        failures.push(now);
+        let wait = match &ck.restart {
+            RestartStrategy::None => None,
+            RestartStrategy::FixedDelay { attempts, delay } => {
+                (ctl.restarts.load(Ordering::Acquire) < u64::from(*attempts)).then_some(*delay)
+            }
+            RestartStrategy::FailureRate {
+                max_failures,
+                interval,
+                delay,
+            } => {
+                failures.retain(|t| now.duration_since(*t) <= *interval);
+                (failures.len() <= *max_failures as usize).then_some(*delay)
+            }
+            RestartStrategy::ExponentialDelay {
+                initial,
+                max,
+                multiplier,
+                jitter,
+                reset_after,
+            } => {
+                let base = match delay {
+                    Some(d) if now.duration_since(last_failure) < *reset_after => {
+                        d.mul_f64(*multiplier).min(*max)
+                    }
+                    _ => *initial,
+                };
+                delay = Some(base);
+                // Jitter from the clock's low bits: spreads restarts of many jobs apart.
+                let noise =
+                    (crate::checkpoint::coordinator::now_ms() % 1000) as f64 / 1000.0 * 2.0 - 1.0;
+                Some(base.mul_f64((1.0 + jitter * noise).max(0.0)))
+            }
+        };
+        last_failure = now;
+        let Some(wait) = wait else {
+            return Err(e);
+        };
+        tracing::warn!("job failed ({e}); restarting in {wait:?}");
+        eprintln!("weir: job failed: {e}; restarting in {wait:?}");
+        let until = Instant::now() + wait;
+        while Instant::now() < until {
+            if ctl.cancel.load(Ordering::Acquire) {
+                return Err(JobError::Cancelled);
+            }
+            std::thread::sleep(
+                Duration::from_millis(5).min(until.saturating_duration_since(Instant::now())),
+            );
+        }
+        let store = plan.store.as_deref().ok_or(e)?;
+        restore = latest_restore(&plan.config, store).map_err(JobError::Start)?;
+        ctl.restarts.fetch_add(1, Ordering::AcqRel);
+        lock(&ctl.checkpoints).last_checkpoint_restore_timestamp =
+            Some(crate::checkpoint::coordinator::now_ms());
+    }
+}
+
+/// The id the next attempt's first checkpoint gets: above every checkpoint in storage.
+fn next_checkpoint_id(plan: &Plan, restore: Option<&RestoreState>) -> u64 {
+    let stored = plan
+        .store
+        .as_ref()
+        .and_then(|s| s.storage.list().ok())
+        .map(|l| l.iter().map(|i| i.id).max().unwrap_or(0))
+        .unwrap_or(0);
+    stored.max(restore.map_or(0, |r| r.checkpoint_id)) + 1
+}
+
+fn run_attempt(
+    plan: &Plan,
+    restore: Option<Arc<RestoreState>>,
+    ctl: &Control,
+) -> Result<(), JobError> {
+    let shards = plan.config.shards;
+    let registry = Registry::new();
+    *lock(&ctl.metrics) = registry.clone();
     let cancel = Arc::new(AtomicBool::new(false));
     let running = Arc::new(AtomicUsize::new(shards));
+    let endpoints = crate::exchange::wire(plan.exchanges, shards, plan.config.ring_capacity_bytes);
+    // Checkpointing: the shared state and the coordinator thread.
+    let (shared, coordinator, failure) = match (&plan.config.checkpoint, &plan.store) {
+        (Some(c), Some(store)) => {
+            let (tx, rx) = mpsc::channel();
+            let first = next_checkpoint_id(plan, restore.as_deref());
+            let shared = Arc::new(Shared {
+                config: c.clone(),
+                requested: AtomicU64::new(first - 1),
+                completed: AtomicU64::new(first - 1),
+                aborted: AtomicU64::new(0),
+                sources_total: AtomicUsize::new(0),
+                sources_finished: AtomicUsize::new(0),
+                shards_ready: AtomicUsize::new(0),
+                final_id: AtomicU64::new(0),
+                stopping: AtomicBool::new(false),
+                store: store.clone(),
+                acks: Mutex::new(tx),
+            });
+            let failure = Arc::new(Mutex::new(None));
+            let coord = Coordinator::new(
+                shared.clone(),
+                shards,
+                plan.config.max_parallelism,
+                rx,
+                first,
+                ctl.requests.clone(),
+                ctl.checkpoints.clone(),
+                failure.clone(),
+            );
+            let t = std::thread::Builder::new()
+                .name("weir-coordinator".into())
+                .spawn(move || coord.run())
+                .map_err(|e| {
+                    JobError::Start(StartError::Executor {
+                        shard: 0,
+                        reason: format!("coordinator thread: {e}"),
+                    })
+                })?;
+            (Some(shared), Some(t), Some(failure))
+        }
+        _ => (None, None, None),
+    };
     let epoch = Instant::now();
     let mut threads = Vec::with_capacity(shards);
+    let mut spawn_error = None;
     for (shard, exchanges) in endpoints.into_iter().enumerate() {
-        let placement = if pin {
-            Placement::Fixed(cores[shard].id)
-        } else {
-            Placement::Unbound
-        };
-        let (config2, roots, metrics, shard_cancel, running, sentinel, state_dir) = (
-            config.clone(),
-            roots.clone(),
-            metrics.clone(),
+        let (config, roots, registry, cancel2, running2, sentinel, state_dir, shared, restore) = (
+            plan.config.clone(),
+            plan.roots.clone(),
+            registry.clone(),
             cancel.clone(),
             running.clone(),
-            sentinel.clone(),
-            state_dir.clone(),
+            plan.sentinel.clone(),
+            plan.state_dir.clone(),
+            shared.clone(),
+            restore.clone(),
         );
-        let spawned = LocalExecutorBuilder::new(placement)
+        let spawned = LocalExecutorBuilder::new(plan.placements[shard].clone())
             .name(&format!("weir-shard-{shard}"))
             .io_memory(config.io_memory_bytes)
             .spawn(move || async move {
-                let _guard = CancelOnPanic(shard_cancel.clone());
-                let cancel = &shard_cancel;
+                let _guard = CancelOnPanic(cancel2.clone());
                 let r = async {
                     crate::platform::dma_probe(&sentinel, shard).await?;
-                    let state = crate::keyed::ShardState::new(&state_dir, shard, &config2)
-                        .map_err(JobError::Start)?;
                     let mut ctx = BuildCtx {
                         shard,
-                        shards: config2.shards,
-                        config: config2.clone(),
+                        shards: config.shards,
+                        config: config.clone(),
                         heads: Vec::new(),
                         gate: Default::default(),
                         exchanges,
-                        metrics,
+                        metrics: registry,
                         fail: FailCell::default(),
-                        state,
+                        state_dir,
+                        real_io: true,
+                        states: Vec::new(),
+                        checkpoint: shared
+                            .as_ref()
+                            .map(|s| ShardCheckpoint::new(s.clone(), shard)),
+                        restore,
                         epoch,
                     };
                     for root in roots.iter() {
                         root(&mut ctx)?;
                         ctx.gate = std::rc::Rc::new(Gate::default());
                     }
-                    run_loop(ctx, cancel).await
+                    if let Some(s) = &shared {
+                        s.shards_ready.fetch_add(1, Ordering::AcqRel);
+                    }
+                    run_loop(ctx, &cancel2).await
                 }
                 .await;
                 if r.is_err() {
-                    cancel.store(true, Ordering::Relaxed);
+                    cancel2.store(true, Ordering::Release);
                 }
-                running.fetch_sub(1, Ordering::AcqRel);
+                running2.fetch_sub(1, Ordering::AcqRel);
                 r
             });
         match spawned {
             Ok(t) => threads.push(t),
             Err(e) => {
-                cancel.store(true, Ordering::Relaxed);
-                for t in threads {
-                    let _ = t.join();
-                }
-                return Err(StartError::Executor {
+                cancel.store(true, Ordering::Release);
+                spawn_error = Some(JobError::Start(StartError::Executor {
                     shard,
                     reason: e.to_string(),
-                });
+                }));
+                break;
             }
         }
     }
-    Ok(JobHandle {
-        threads,
-        cancel,
-        running,
-        metrics,
-        shards,
-        _state_dir: tmp,
-    })
+    // Watch for the user's cancel and for checkpoint failures beyond the tolerable number.
+    let mut first: Option<JobError> = spawn_error;
+    while running.load(Ordering::Acquire) > 0 && first.is_none() {
+        if ctl.cancel.load(Ordering::Acquire) {
+            cancel.store(true, Ordering::Release);
+            break;
+        }
+        if let Some(f) = failure.as_ref().and_then(|f| lock(f).clone()) {
+            first = Some(JobError::CheckpointFailures { reason: f });
+            cancel.store(true, Ordering::Release);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    for (shard, t) in threads.into_iter().enumerate() {
+        let r = match t.join() {
+            Ok(r) => r,
+            Err(glommio::GlommioError::BuilderError(glommio::BuilderErrorKind::ThreadPanic(p))) => {
+                Err(JobError::Panic {
+                    shard,
+                    message: panic_message(&*p),
+                })
+            }
+            Err(e) => Err(JobError::Start(StartError::Executor {
+                shard,
+                reason: e.to_string(),
+            })),
+        };
+        if let Err(e) = r {
+            match &first {
+                None => first = Some(e),
+                Some(f) if f.is_cancellation() && !e.is_cancellation() => first = Some(e),
+                _ => {}
+            }
+        }
+    }
+    if let Some(s) = &shared {
+        s.stopping.store(true, Ordering::Release);
+    }
+    if let Some(t) = coordinator {
+        let _ = t.join();
+    }
+    match first {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// Wall-clock milliseconds: processing time.
@@ -244,7 +689,7 @@ async fn run_loop(mut ctx: BuildCtx, cancel: &AtomicBool) -> Result<(), JobError
     let mut idle_rounds = 0u32;
     let mut sleep = Duration::from_micros(10);
     loop {
-        if cancel.load(Ordering::Relaxed) {
+        if cancel.load(Ordering::Acquire) {
             return Err(JobError::Cancelled);
         }
         let now = now_ms();
@@ -278,8 +723,14 @@ async fn run_loop(mut ctx: BuildCtx, cancel: &AtomicBool) -> Result<(), JobError
                 HeadStatus::Done => *d = true,
             }
         }
-        if let Some(e) = ctx.state.maintain()? {
-            return Err(e);
+        for s in &ctx.states {
+            s.maintain()?;
+        }
+        if let Some(c) = &ctx.checkpoint {
+            ShardCheckpoint::poll_completed(c);
+            if let Some(e) = ctx.fail.take() {
+                return Err(e);
+            }
         }
         if live == 0 {
             return Ok(());

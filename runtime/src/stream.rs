@@ -5,6 +5,8 @@ use std::marker::PhantomData;
 use std::rc::Rc;
 use std::sync::Arc;
 
+use crate::checkpoint::shard::ShardCheckpointRef;
+use crate::checkpoint::snapshot::{Part, PartKind};
 use crate::config::JobConfig;
 use crate::data::Data;
 use crate::error::{JobError, StartError};
@@ -42,13 +44,47 @@ impl Job {
         let slot = name.clone();
         let factory: Factory<T> = Arc::new(move |ctx: &mut BuildCtx, down: Out<T>| {
             let name2 = name_of(&slot);
-            let reader =
+            let mut reader =
                 source
                     .create_reader(ctx.shard, ctx.shards)
                     .map_err(|e| StartError::Source {
                         operator: name2.clone(),
                         source: e,
                     })?;
+            if let Some(r) = &ctx.restore {
+                let parts = r.parts_for_shard(&name2, PartKind::Source, ctx.shard);
+                let positions: Vec<&[u8]> = parts
+                    .iter()
+                    .map(|p| p.bytes.as_slice())
+                    .filter(|b| !b.is_empty())
+                    .collect();
+                match positions.as_slice() {
+                    [] => {}
+                    [pos] => reader.seek(pos).map_err(|e| StartError::Source {
+                        operator: name2.clone(),
+                        source: e,
+                    })?,
+                    _ => {
+                        return Err(StartError::Config {
+                            key: "shards".into(),
+                            reason: format!(
+                                "source `{name2}` read on {} shards in checkpoint {}; its positions cannot be merged onto shard {} of {}",
+                                positions.len(),
+                                r.checkpoint_id,
+                                ctx.shard,
+                                ctx.shards
+                            ),
+                        })
+                    }
+                }
+            }
+            if let Some(c) = &ctx.checkpoint {
+                let mut c = c.borrow_mut();
+                c.register();
+                c.shared
+                    .sources_total
+                    .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            }
             let counters = ctx.metrics.operator(&name2, ctx.shard);
             let head = SourceHead {
                 name: name2.clone(),
@@ -64,6 +100,14 @@ impl Job {
                 next_marker_ms: i64::MIN,
                 epoch: ctx.epoch,
                 counters: ctx.metrics.head(&name2, ctx.shard),
+                // Barriers requested before this attempt started belong to an earlier attempt.
+                last_barrier: ctx.checkpoint.as_ref().map_or(0, |c| {
+                    c.borrow()
+                        .shared
+                        .requested
+                        .load(std::sync::atomic::Ordering::Acquire)
+                }),
+                checkpoint: ctx.checkpoint.clone(),
             };
             ctx.heads.push(Box::new(head));
             Ok(())
@@ -236,9 +280,17 @@ impl<T: Data> Stream<T> {
         let a = self.factory.clone();
         let b = other.factory.clone();
         let factory: Factory<T> = Arc::new(move |ctx: &mut BuildCtx, down: Out<T>| {
-            let merger = Rc::new(RefCell::new(InputMerger::new(2)));
-            let down = Rc::new(RefCell::new(down));
+            let mut m = InputMerger::new(2);
+            m.align = crate::checkpoint::aligns(ctx);
+            // Each input's head is held back by its own flag while the union aligns a barrier.
             let gate = ctx.gate.clone();
+            let g0 = crate::graph::Gate::child_of(gate.clone());
+            g0.add_blocker(m.blocked[0].clone());
+            let g1 = crate::graph::Gate::child_of(gate);
+            g1.add_blocker(m.blocked[1].clone());
+            let merger = Rc::new(RefCell::new(m));
+            let down = Rc::new(RefCell::new(down));
+            ctx.gate = Rc::new(g0);
             a(
                 ctx,
                 Box::new(UnionInput {
@@ -247,7 +299,7 @@ impl<T: Data> Stream<T> {
                     down: down.clone(),
                 }),
             )?;
-            ctx.gate = gate;
+            ctx.gate = Rc::new(g1);
             b(
                 ctx,
                 Box::new(UnionInput {
@@ -273,7 +325,7 @@ impl<T: Data> Stream<T> {
     /// Partitions the stream by key: records with equal keys meet on one shard, in order.
     pub fn key_by<K, F>(self, key: F) -> crate::keyed::KeyedStream<T, K>
     where
-        K: weir_state::KeyCodec + Clone + Send + Sync + 'static,
+        K: crate::keyed::Key,
         F: Fn(&T) -> K + Send + Sync + 'static,
     {
         crate::keyed::KeyedStream::new(self, Arc::new(key))
@@ -294,7 +346,7 @@ impl<T: Data> Stream<T> {
             .roots
             .push(Arc::new(move |ctx: &mut BuildCtx| {
                 let writer = sink.create_writer(ctx.shard, ctx.shards)?;
-                let op = SinkOp::new(name_of(&name), writer, ctx);
+                let op = SinkOp::new(name_of(&name), writer, ctx)?;
                 up(ctx, Box::new(op))
             }));
     }
@@ -323,7 +375,11 @@ impl<T: Data> Stream<T> {
 
 enum SourceState {
     Running,
-    /// The reader finished; the end-of-input events are sent, waiting for the gate to drain.
+    /// The reader finished and the final watermark went out; with checkpointing, the stream
+    /// stays open until the checkpoint taken after every source finished is complete, so that
+    /// it commits the job's last output.
+    Finished,
+    /// The end-of-input events are sent, waiting for the gate to drain.
     Ending,
 }
 
@@ -342,20 +398,66 @@ struct SourceHead<T> {
     next_marker_ms: i64,
     epoch: std::time::Instant,
     counters: Arc<HeadCounters>,
+    checkpoint: Option<ShardCheckpointRef>,
+    last_barrier: u64,
+}
+
+impl<T: 'static> SourceHead<T> {
+    /// Injects the newest requested barrier: records the reader's position (everything before
+    /// the barrier was emitted) and sends the barrier down the chain.
+    fn inject_barrier(&mut self) {
+        let Some(c) = &self.checkpoint else { return };
+        let requested = c
+            .borrow()
+            .shared
+            .requested
+            .load(std::sync::atomic::Ordering::Acquire);
+        if requested <= self.last_barrier {
+            return;
+        }
+        let t0 = std::time::Instant::now();
+        self.last_barrier = requested;
+        let part = Part {
+            operator: self.name.clone(),
+            kind: PartKind::Source,
+            bytes: self.reader.position(),
+            files: Vec::new(),
+            logical: Vec::new(),
+        };
+        c.borrow_mut()
+            .report(requested, part, t0.elapsed().as_nanos() as u64);
+        self.down.event(Event::Barrier(requested));
+    }
 }
 
 impl<T: 'static> Head for SourceHead<T> {
     fn step(&mut self, now_ms: i64) -> Result<HeadStatus, JobError> {
         let t0 = std::time::Instant::now();
-        if !self.gate.flush() {
+        // A barrier goes out even under backpressure: it queues behind the records before it.
+        self.inject_barrier();
+        if !self.gate.flush() || self.gate.is_blocked() {
             bump(
                 &self.counters.backpressured_ns,
                 t0.elapsed().as_nanos() as u64,
             );
             return Ok(HeadStatus::Blocked);
         }
-        if let SourceState::Ending = self.state {
-            return Ok(HeadStatus::Done);
+        match self.state {
+            SourceState::Ending => return Ok(HeadStatus::Done),
+            SourceState::Finished => {
+                let done = self
+                    .checkpoint
+                    .as_ref()
+                    .is_none_or(|c| c.borrow().shared.final_complete());
+                if !done {
+                    return Ok(HeadStatus::Idle);
+                }
+                self.down.event(Event::EndOfInput);
+                self.state = SourceState::Ending;
+                self.gate.flush();
+                return Ok(HeadStatus::Progress);
+            }
+            SourceState::Running => {}
         }
         if now_ms != self.last_ms {
             self.last_ms = now_ms;
@@ -382,8 +484,13 @@ impl<T: 'static> Head for SourceHead<T> {
         let status = match poll {
             SourcePoll::Finished => {
                 self.down.event(Event::Watermark(i64::MAX));
-                self.down.event(Event::EndOfInput);
-                self.state = SourceState::Ending;
+                self.state = SourceState::Finished;
+                if let Some(c) = &self.checkpoint {
+                    c.borrow()
+                        .shared
+                        .sources_finished
+                        .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                }
                 HeadStatus::Progress
             }
             _ if n > 0 => HeadStatus::Progress,

@@ -33,6 +33,7 @@ pub struct TestDriver<I, O> {
     done: Vec<bool>,
     fail: FailCell,
     now_ms: i64,
+    states: Vec<crate::keyed::ShardState>,
     _ctx: BuildCtx,
     _state_dir: tempfile::TempDir,
 }
@@ -94,13 +95,11 @@ impl<I: Data, O: Data> TestDriver<I, O> {
         let mut ctx = BuildCtx {
             shard: 0,
             shards: 1,
-            state: crate::keyed::ShardState::open(
-                state_dir.path(),
-                0,
-                &config,
-                Arc::new(weir_io::StdFs),
-                false,
-            )?,
+            state_dir: state_dir.path().to_path_buf(),
+            real_io: false,
+            states: Vec::new(),
+            checkpoint: None,
+            restore: None,
             config,
             heads: Vec::new(),
             gate: Default::default(),
@@ -114,6 +113,7 @@ impl<I: Data, O: Data> TestDriver<I, O> {
             ctx.gate = Default::default();
         }
         let heads = std::mem::take(&mut ctx.heads);
+        let states = std::mem::take(&mut ctx.states);
         Ok(Self {
             input,
             output,
@@ -121,6 +121,7 @@ impl<I: Data, O: Data> TestDriver<I, O> {
             heads,
             fail: ctx.fail.clone(),
             now_ms: 0,
+            states,
             _ctx: ctx,
             _state_dir: state_dir,
         })
@@ -170,6 +171,9 @@ impl<I: Data, O: Data> TestDriver<I, O> {
                     HeadStatus::Done => *d = true,
                     HeadStatus::Idle | HeadStatus::Blocked => {}
                 }
+            }
+            for st in &self.states {
+                st.maintain()?;
             }
             if !progress {
                 return Ok(());

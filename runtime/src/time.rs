@@ -148,7 +148,9 @@ impl<T: 'static> Collector<T> for WatermarkOp<T> {
                 self.down.event(ev);
             }
             Event::Watermark(_) | Event::Idle(_) => {}
-            Event::LatencyMarker { .. } => self.down.event(ev),
+            // Watermarks are not checkpointed (as in Flink): after a restore they are generated
+            // again from the replayed records, so a record is late only as it would have been.
+            Event::LatencyMarker { .. } | Event::Barrier(_) => self.down.event(ev),
             Event::EndOfInput => {
                 self.emit_watermark();
                 self.down.event(ev);

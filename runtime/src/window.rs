@@ -10,13 +10,11 @@
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use weir_state::KeyCodec;
-
 use crate::data::Data;
 use crate::exchange::exchange;
 use crate::graph::{name_of, BuildCtx, Factory};
 use crate::keyed::{
-    fire_timers, key_route, AggregateFunction, KeyFn, KeyedContext, KeyedStream, OpState,
+    fire_timers, key_route, AggregateFunction, Key, KeyFn, KeyedContext, KeyedStream, OpState,
     TimeDomain, TimerQueues,
 };
 use crate::metrics::{bump, OperatorCounters};
@@ -253,7 +251,7 @@ where
     }
 }
 
-impl<T: Data, K: KeyCodec + Clone + Send + Sync + 'static> WindowedStream<T, K> {
+impl<T: Data, K: Key> WindowedStream<T, K> {
     pub(crate) fn new(keyed: KeyedStream<T, K>, assigner: WindowAssigner) -> Self {
         Self {
             keyed,
@@ -345,13 +343,14 @@ impl<T: Data, K: KeyCodec + Clone + Send + Sync + 'static> WindowedStream<T, K> 
         let upf = exchanged.factory.clone();
         let factory: Factory<R> = Arc::new(move |ctx: &mut BuildCtx, down: Out<R>| {
             let name = name_of(&slot);
+            let ops = OpState::new(&name, ctx)?;
             let op = WindowOp {
                 key: key.clone(),
                 contents: contents.clone(),
                 assigner,
                 lateness,
-                ops: OpState::new(&name, ctx)?,
-                timers: TimerQueues::default(),
+                timers: TimerQueues::restored(&ops.state, &name)?,
+                ops,
                 counters: ctx.metrics.operator(&name, ctx.shard),
                 windows: Vec::new(),
                 down,
@@ -378,7 +377,7 @@ struct WindowOp<K, T, R, C> {
 
 impl<K, T, R, C> WindowOp<K, T, R, C>
 where
-    K: KeyCodec + Clone + 'static,
+    K: Key,
     T: Data,
     R: Data,
     C: Contents<K, T, R>,
@@ -460,7 +459,7 @@ where
 
 impl<K, T, R, C> Collector<T> for WindowOp<K, T, R, C>
 where
-    K: KeyCodec + Clone + 'static,
+    K: Key,
     T: Data,
     R: Data,
     C: Contents<K, T, R>,
@@ -530,6 +529,9 @@ where
     }
 
     fn event(&mut self, ev: Event) {
+        if let Event::Barrier(id) = ev {
+            self.ops.state.snapshot(id, self.timers.encode());
+        }
         if let Event::Watermark(wm) = ev {
             self.ops.watermark = wm;
             let contents = self.contents.clone();

@@ -29,9 +29,9 @@ fn block_of(hash: u64, blocks: u32) -> usize {
     (((hash >> 32) * u64::from(blocks)) >> 32) as usize
 }
 
-/// Build the filter payload for `hashes` (xxh3_64 of each key).
-pub(crate) fn build(hashes: &[u64], bits_per_key: u32) -> Vec<u8> {
-    let bits = (hashes.len() as u64 * u64::from(bits_per_key)).max(1);
+/// An empty filter payload sized for `keys` keys at `bits_per_key`.
+pub(crate) fn empty(keys: u64, bits_per_key: u32) -> Vec<u8> {
+    let bits = (keys * u64::from(bits_per_key)).max(1);
     let blocks = bits.div_ceil(512).max(1) as u32;
     // A blocked filter wants fewer probes than the classic ln2 * bits/key.
     let k = ((f64::from(bits_per_key) * 0.6).round() as u8).clamp(1, 16);
@@ -39,11 +39,26 @@ pub(crate) fn build(hashes: &[u64], bits_per_key: u32) -> Vec<u8> {
     out[0] = BLOOM_VERSION;
     out[1] = k;
     out[4..8].copy_from_slice(&blocks.to_le_bytes());
+    out
+}
+
+/// Set the bits of `hash` in a payload made by [`empty`].
+#[inline]
+pub(crate) fn insert(out: &mut [u8], hash: u64) {
+    let k = out[1];
+    let blocks = u32::from_le_bytes([out[4], out[5], out[6], out[7]]);
+    let base = BLOOM_HEADER_LEN + block_of(hash, blocks) * BLOCK_BYTES;
+    let block = &mut out[base..base + BLOCK_BYTES];
+    for bit in probes(hash, k) {
+        block[(bit / 8) as usize] |= 1 << (bit % 8);
+    }
+}
+
+/// Build the filter payload for `hashes` (xxh3_64 of each key).
+pub(crate) fn build(hashes: &[u64], bits_per_key: u32) -> Vec<u8> {
+    let mut out = empty(hashes.len() as u64, bits_per_key);
     for &h in hashes {
-        let base = BLOOM_HEADER_LEN + block_of(h, blocks) * BLOCK_BYTES;
-        for bit in probes(h, k) {
-            out[base + (bit / 8) as usize] |= 1 << (bit % 8);
-        }
+        insert(&mut out, h);
     }
     out
 }

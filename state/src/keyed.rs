@@ -228,6 +228,12 @@ impl KeyedBackend {
         id
     }
 
+    /// Register `name` (as the typed constructors do) and return its state id, for the
+    /// `from_id` constructors of the handles.
+    pub fn state_id(&mut self, name: &str) -> u16 {
+        self.register(name)
+    }
+
     /// Expire entries of a state `ttl_ms` after their last write (invisible, then compacted away).
     pub fn set_ttl(&mut self, state_id: u16, ttl_ms: Option<u64>) {
         self.store.set_ttl(state_id, ttl_ms);
@@ -423,6 +429,20 @@ impl<V> Clone for ValueState<V> {
 impl<V> Copy for ValueState<V> {}
 
 impl<V: StateValue> ValueState<V> {
+    /// A handle for the state whose id is `id`, without hashing its name: cache the id once
+    /// (from [`Self::id`] of a handle obtained by name, or [`KeyedBackend::state_id`]) and build
+    /// typed handles from it on every access for free. The id must come from a registration of
+    /// this same state name (ids depend on the name only, so a registration on any backend of
+    /// the job will do), and the value type must be the one the state is always used with: as
+    /// with handles obtained by name, values this process wrote are read in place unchecked,
+    /// which relies on one value type per state.
+    pub const fn from_id(id: u16) -> Self {
+        ValueState {
+            id,
+            _v: PhantomData,
+        }
+    }
+
     pub fn id(&self) -> u16 {
         self.id
     }
@@ -470,6 +490,20 @@ impl<V> Clone for ListState<V> {
 impl<V> Copy for ListState<V> {}
 
 impl<V: StateValue> ListState<V> {
+    /// A handle for the state whose id is `id`, without hashing its name: cache the id once
+    /// (from [`Self::id`] of a handle obtained by name, or [`KeyedBackend::state_id`]) and build
+    /// typed handles from it on every access for free. The id must come from a registration of
+    /// this same state name (ids depend on the name only, so a registration on any backend of
+    /// the job will do), and the value type must be the one the state is always used with: as
+    /// with handles obtained by name, values this process wrote are read in place unchecked,
+    /// which relies on one value type per state.
+    pub const fn from_id(id: u16) -> Self {
+        ListState {
+            id,
+            _v: PhantomData,
+        }
+    }
+
     pub fn id(&self) -> u16 {
         self.id
     }
@@ -545,6 +579,20 @@ impl<K: ?Sized, V> Clone for MapState<K, V> {
 impl<K: ?Sized, V> Copy for MapState<K, V> {}
 
 impl<K: KeyCodec + ?Sized, V: StateValue> MapState<K, V> {
+    /// A handle for the state whose id is `id`, without hashing its name: cache the id once
+    /// (from [`Self::id`] of a handle obtained by name, or [`KeyedBackend::state_id`]) and build
+    /// typed handles from it on every access for free. The id must come from a registration of
+    /// this same state name (ids depend on the name only, so a registration on any backend of
+    /// the job will do), and the value type must be the one the state is always used with: as
+    /// with handles obtained by name, values this process wrote are read in place unchecked,
+    /// which relies on one value type per state.
+    pub const fn from_id(id: u16) -> Self {
+        MapState {
+            id,
+            _v: PhantomData,
+        }
+    }
+
     pub fn id(&self) -> u16 {
         self.id
     }
@@ -637,6 +685,16 @@ pub struct ReducingState<V, F> {
 }
 
 impl<V: StateValue, F: Fn(V, V) -> V> ReducingState<V, F> {
+    /// A handle for state id `id` with `reduce`, without hashing the name; the id contract
+    /// of [`ValueState::from_id`] applies.
+    pub fn from_id(id: u16, reduce: F) -> Self {
+        ReducingState {
+            id,
+            reduce,
+            _v: PhantomData,
+        }
+    }
+
     pub fn id(&self) -> u16 {
         self.id
     }
@@ -688,6 +746,12 @@ pub struct AggregatingState<A> {
 }
 
 impl<A: AggregateFunction> AggregatingState<A> {
+    /// A handle for state id `id` with `agg`, without hashing the name; the id contract of
+    /// [`ValueState::from_id`] applies.
+    pub fn from_id(id: u16, agg: A) -> Self {
+        AggregatingState { id, agg }
+    }
+
     pub fn id(&self) -> u16 {
         self.id
     }

@@ -18,8 +18,6 @@ use xxhash_rust::xxh3::xxh3_64;
 const CHUNK_BYTES_MAX: usize = 1 << 20;
 /// Smallest arena chunk.
 const CHUNK_BYTES_MIN: usize = 4096;
-/// Tail length above which a scan merges the tail into the sorted run.
-const TAIL_MERGE_MIN: usize = 4096;
 
 /// Expiry value meaning "never expires".
 pub(crate) const NO_EXPIRY: u64 = u64::MAX;
@@ -34,30 +32,61 @@ struct Loc {
 struct Arena {
     // u128 elements make every chunk 16-byte aligned.
     chunks: Vec<Box<[u128]>>,
+    /// The chunk allocations come from; chunks after it are recycled spares, not yet used.
+    cur: usize,
     chunk_bytes: usize,
     used: usize,
+    /// Bytes of the chunks in use (`chunks[..=cur]`).
     bytes: usize,
 }
 
 impl Arena {
+    #[inline]
     fn alloc(&mut self, len: usize) -> Loc {
         let len16 = len.div_ceil(16) * 16;
         let fits = self
             .chunks
-            .last()
+            .get(self.cur)
             .is_some_and(|c| c.len() * 16 - self.used >= len16);
         if !fits {
-            let n = len16.max(self.chunk_bytes) / 16;
-            self.chunks.push(vec![0u128; n].into_boxed_slice());
-            self.used = 0;
-            self.bytes += n * 16;
+            self.next_chunk(len16);
         }
         let loc = Loc {
-            chunk: (self.chunks.len() - 1) as u32,
+            chunk: self.cur as u32,
             off: self.used as u32,
         };
         self.used += len16;
         loc
+    }
+
+    #[cold]
+    fn next_chunk(&mut self, len16: usize) {
+        let next = if self.chunks.is_empty() {
+            0
+        } else {
+            self.cur + 1
+        };
+        let spare_fits = self.chunks.get(next).is_some_and(|c| c.len() * 16 >= len16);
+        if !spare_fits {
+            let n = len16.max(self.chunk_bytes) / 16;
+            self.chunks.push(vec![0u128; n].into_boxed_slice());
+            // Chunks after `cur` are unused spares: moving one does not move any data in use.
+            let last = self.chunks.len() - 1;
+            self.chunks.swap(next, last);
+        }
+        self.cur = next;
+        self.used = 0;
+        self.bytes += self.chunks[next].len() * 16;
+    }
+
+    /// Forget every allocation but keep the standard-size chunks for reuse (their pages are
+    /// already faulted in: PLATFORM.md, first touch costs microseconds per page here).
+    fn reset(&mut self) {
+        let std_len = self.chunk_bytes / 16;
+        self.chunks.retain(|c| c.len() == std_len);
+        self.cur = 0;
+        self.used = 0;
+        self.bytes = self.chunks.first().map_or(0, |c| c.len() * 16);
     }
 
     fn chunk_bytes(c: &[u128]) -> &[u8] {
@@ -84,14 +113,30 @@ impl Arena {
 
 #[derive(Debug, Clone, Copy)]
 struct Entry {
-    hash: u64,
     expire_at_ms: u64,
     key: Loc,
     val: Loc,
-    key_len: u32,
     val_len: u32,
+    /// Value slot capacity in bytes (a multiple of 16).
     val_cap: u32,
+    key_len: u16,
     tombstone: bool,
+}
+
+/// A hash index slot: entry id and the low 32 bits of the key's xxh3 hash. Keeping the hash in
+/// the slot means a probe rejects other keys without touching the entry table, and growing the
+/// table never reads the entries (no cache miss per entry on a resize).
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    id: u32,
+    h32: u32,
+}
+
+/// The table hash of a slot: both halves from the same 32 bits, so that hashbrown's bucket
+/// position (low bits) and tag (top 7 bits) can be recomputed from the slot alone.
+#[inline]
+fn table_hash(h32: u32) -> u64 {
+    u64::from(h32) | (u64::from(h32) << 32)
 }
 
 /// A value as stored: bytes, expiry, tombstone flag.
@@ -102,15 +147,32 @@ pub(crate) struct ValueRef<'a> {
     pub tombstone: bool,
 }
 
+/// Largest number of sorted runs kept before the smallest ones are merged; with the size rule
+/// in [`Memtable::prepare_scan`] there are O(log n) runs anyway, this only caps pathological
+/// cases.
+const MAX_RUNS: usize = 24;
+
 #[derive(Debug, Default)]
 pub(crate) struct Memtable {
     arena: Arena,
     entries: Vec<Entry>,
-    index: HashTable<u32>,
-    sorted: Vec<u32>,
-    tail: Vec<u32>,
-    tail_sorted: bool,
+    index: HashTable<Slot>,
+    /// Sorted runs of entry ids, oldest (largest) first; each run is more than twice the size
+    /// of the next one, so there are O(log n) of them and every id is merged O(log n) times.
+    runs: Vec<Vec<u32>>,
+    /// Ids appended since the last [`Memtable::prepare_scan`], unsorted.
+    fresh: Vec<u32>,
     value_bytes: usize,
+}
+
+/// The first 16 key bytes, zero padded, as a big-endian integer: comparing two of them orders
+/// keys by their first 16 bytes (ties need a full comparison).
+#[inline]
+pub(crate) fn key_prefix(key: &[u8]) -> u128 {
+    let mut b = [0u8; 16];
+    let n = key.len().min(16);
+    b[..n].copy_from_slice(&key[..n]);
+    u128::from_be_bytes(b)
 }
 
 impl Memtable {
@@ -135,34 +197,61 @@ impl Memtable {
         self.entries.is_empty()
     }
 
-    /// Memory held, for the budget: arena, entry table, hash index and order vectors.
+    /// Memory in use, for the budget: arena chunks in use, entry table, hash index (at
+    /// hashbrown's 7/8 load) and order vectors (every id is in exactly one run or `fresh`).
+    /// Capacity a recycled memtable keeps beyond that is not counted: it is bounded by what
+    /// the previous memtable used.
+    #[inline]
     pub fn approx_bytes(&self) -> usize {
+        let n = self.entries.len();
         self.arena.bytes
-            + self.entries.capacity() * std::mem::size_of::<Entry>()
-            + self.index.capacity() * (std::mem::size_of::<u32>() + 1)
-            + (self.sorted.capacity() + self.tail.capacity()) * 4
+            + n * (std::mem::size_of::<Entry>() + 4)
+            + (n + n / 7) * (std::mem::size_of::<Slot>() + 1)
     }
 
+    /// Empty this memtable for reuse as a fresh one, keeping its memory: arena chunks, entry
+    /// table and hash index capacity (no page faults, no rehashing on the next fill).
+    pub fn recycle(&mut self) {
+        self.arena.reset();
+        self.entries.clear();
+        self.index.clear();
+        self.runs.clear();
+        self.fresh.clear();
+        self.value_bytes = 0;
+    }
+
+    #[inline]
     fn key_of(&self, e: &Entry) -> &[u8] {
-        self.arena.get(e.key, e.key_len as usize)
+        self.arena.get(e.key, usize::from(e.key_len))
+    }
+
+    #[inline]
+    fn find(&self, key: &[u8], hash: u64) -> Option<u32> {
+        let h32 = hash as u32;
+        self.index
+            .find(table_hash(h32), |s| {
+                s.h32 == h32 && self.key_of(&self.entries[s.id as usize]) == key
+            })
+            .map(|s| s.id)
     }
 
     pub fn put(&mut self, key: &[u8], value: &[u8], expire_at_ms: u64, tombstone: bool) {
-        let hash = xxh3_64(key);
-        let Memtable {
-            arena,
-            entries,
-            index,
-            ..
-        } = self;
-        let found = index
-            .find(hash, |&i| {
-                let e = &entries[i as usize];
-                e.hash == hash && arena.get(e.key, e.key_len as usize) == key
-            })
-            .copied();
-        match found {
+        self.put_hashed(key, xxh3_64(key), value, expire_at_ms, tombstone);
+    }
+
+    /// [`Self::put`] with `hash = xxh3_64(key)` computed by the caller.
+    pub fn put_hashed(
+        &mut self,
+        key: &[u8],
+        hash: u64,
+        value: &[u8],
+        expire_at_ms: u64,
+        tombstone: bool,
+    ) {
+        debug_assert!(key.len() <= usize::from(u16::MAX));
+        match self.find(key, hash) {
             Some(i) => {
+                let Memtable { arena, entries, .. } = self;
                 let e = &mut entries[i as usize];
                 if value.len() > e.val_cap as usize {
                     e.val = arena.alloc(value.len());
@@ -176,37 +265,45 @@ impl Memtable {
                 arena.get_mut(val, len).copy_from_slice(value);
             }
             None => {
-                let k = arena.alloc(key.len());
-                arena.get_mut(k, key.len()).copy_from_slice(key);
-                let v = arena.alloc(value.len());
-                arena.get_mut(v, value.len()).copy_from_slice(value);
-                let idx = entries.len() as u32;
-                entries.push(Entry {
-                    hash,
+                // Key and value in one allocation: the value starts at the next multiple of 16.
+                let key16 = key.len().div_ceil(16) * 16;
+                let val_cap = value.len().div_ceil(16) * 16;
+                let k = self.arena.alloc(key16 + val_cap);
+                let v = Loc {
+                    chunk: k.chunk,
+                    off: k.off + key16 as u32,
+                };
+                {
+                    let slot = self.arena.get_mut(k, key16 + value.len());
+                    slot[..key.len()].copy_from_slice(key);
+                    slot[key16..].copy_from_slice(value);
+                }
+                let idx = self.entries.len() as u32;
+                self.entries.push(Entry {
                     expire_at_ms,
                     key: k,
                     val: v,
-                    key_len: key.len() as u32,
+                    key_len: key.len() as u16,
                     val_len: value.len() as u32,
-                    val_cap: value.len().div_ceil(16) as u32 * 16,
+                    val_cap: val_cap as u32,
                     tombstone,
                 });
-                index.insert_unique(hash, idx, |&i| entries[i as usize].hash);
-                self.tail.push(idx);
-                self.tail_sorted = false;
+                let h32 = hash as u32;
+                self.index
+                    .insert_unique(table_hash(h32), Slot { id: idx, h32 }, |s| {
+                        table_hash(s.h32)
+                    });
+                self.fresh.push(idx);
                 self.value_bytes += value.len() + key.len();
             }
         }
     }
 
     pub fn get_hashed(&self, key: &[u8], hash: u64) -> Option<ValueRef<'_>> {
-        let i = *self.index.find(hash, |&i| {
-            let e = &self.entries[i as usize];
-            e.hash == hash && self.key_of(e) == key
-        })?;
-        Some(self.value_at(i))
+        self.find(key, hash).map(|i| self.value_at(i))
     }
 
+    #[inline]
     fn value_at(&self, i: u32) -> ValueRef<'_> {
         let e = &self.entries[i as usize];
         ValueRef {
@@ -216,22 +313,40 @@ impl Memtable {
         }
     }
 
+    #[inline]
     pub fn entry(&self, i: u32) -> (&[u8], ValueRef<'_>) {
         (self.key_of(&self.entries[i as usize]), self.value_at(i))
     }
 
+    #[inline]
+    fn key_at(&self, i: u32) -> &[u8] {
+        self.key_of(&self.entries[i as usize])
+    }
+
+    /// Sort ids by key: on (16-byte key prefix, id) pairs, so that most comparisons are one
+    /// integer comparison without touching the arena; ties compare the full keys.
     fn sort_ids(&self, ids: &mut [u32]) {
-        ids.sort_unstable_by(|&a, &b| {
-            self.key_of(&self.entries[a as usize])
-                .cmp(self.key_of(&self.entries[b as usize]))
+        if ids.len() < 2 {
+            return;
+        }
+        let mut keyed: Vec<(u128, u32)> = ids
+            .iter()
+            .map(|&i| (key_prefix(self.key_at(i)), i))
+            .collect();
+        keyed.sort_unstable_by(|a, b| {
+            a.0.cmp(&b.0)
+                .then_with(|| self.key_at(a.1).cmp(self.key_at(b.1)))
         });
+        for (slot, (_, i)) in ids.iter_mut().zip(keyed) {
+            *slot = i;
+        }
     }
 
     fn merge_ids(&self, a: &[u32], b: &[u32]) -> Vec<u32> {
         let mut out = Vec::with_capacity(a.len() + b.len());
         let (mut i, mut j) = (0, 0);
         while i < a.len() && j < b.len() {
-            if self.entry(a[i]).0 <= self.entry(b[j]).0 {
+            if self.key_at(a[i]) <= self.key_at(b[j]) {
                 out.push(a[i]);
                 i += 1;
             } else {
@@ -244,38 +359,48 @@ impl Memtable {
         out
     }
 
-    /// Make `sorted` and `tail` each sorted, merging the tail in when it is large.
+    /// Make every run sorted: sort only the ids appended since the last call (O(f log f) for
+    /// f new ids), push them as a run, and merge the newest runs while the older is not more
+    /// than twice the newer (amortized O(log n) merges per id). A scan after a few appends
+    /// therefore costs about the appends, not the memtable.
     pub fn prepare_scan(&mut self) {
-        if !self.tail_sorted {
-            let mut tail = std::mem::take(&mut self.tail);
-            self.sort_ids(&mut tail);
-            self.tail = tail;
-            self.tail_sorted = true;
+        if !self.fresh.is_empty() {
+            let mut fresh = std::mem::take(&mut self.fresh);
+            self.sort_ids(&mut fresh);
+            self.runs.push(fresh);
         }
-        if self.tail.len() >= TAIL_MERGE_MIN && self.tail.len() * 8 >= self.sorted.len() {
-            self.sorted = self.merge_ids(&self.sorted, &self.tail);
-            self.tail.clear();
+        while self.runs.len() >= 2 {
+            let n = self.runs.len();
+            if self.runs[n - 2].len() > 2 * self.runs[n - 1].len() && n <= MAX_RUNS {
+                break;
+            }
+            let (Some(b), Some(a)) = (self.runs.pop(), self.runs.pop()) else {
+                unreachable!("two runs")
+            };
+            self.runs.push(self.merge_ids(&a, &b));
         }
     }
 
-    /// The two sorted id runs; valid after [`Self::prepare_scan`].
-    pub fn runs(&self) -> (&[u32], &[u32]) {
-        debug_assert!(self.tail_sorted || self.tail.is_empty());
-        (&self.sorted, &self.tail)
+    /// The sorted id runs; valid after [`Self::prepare_scan`] (no put in between).
+    pub fn runs(&self) -> Vec<&[u32]> {
+        debug_assert!(self.fresh.is_empty());
+        self.runs.iter().map(Vec::as_slice).collect()
     }
 
     /// All ids in key order (used once per frozen memtable).
     fn full_order(&self) -> Vec<u32> {
-        let mut tail = self.tail.clone();
-        if !self.tail_sorted {
-            self.sort_ids(&mut tail);
+        let mut fresh = self.fresh.clone();
+        self.sort_ids(&mut fresh);
+        let mut acc = fresh;
+        for r in self.runs.iter().rev() {
+            acc = self.merge_ids(r, &acc);
         }
-        self.merge_ids(&self.sorted, &tail)
+        acc
     }
 
     /// Index of the first id in sorted run `ids` whose key is >= `key`.
     pub fn lower_bound(&self, ids: &[u32], key: &[u8]) -> usize {
-        ids.partition_point(|&i| self.entry(i).0 < key)
+        ids.partition_point(|&i| self.key_at(i) < key)
     }
 }
 
@@ -337,10 +462,15 @@ mod tests {
                 model.insert(k.to_vec());
             }
             m.prepare_scan();
-            let (a, b) = m.runs();
-            let mut all: Vec<Vec<u8>> = a.iter().chain(b).map(|&i| m.entry(i).0.to_vec()).collect();
-            assert!(a.windows(2).all(|w| m.entry(w[0]).0 < m.entry(w[1]).0));
-            assert!(b.windows(2).all(|w| m.entry(w[0]).0 < m.entry(w[1]).0));
+            let runs = m.runs();
+            let mut all: Vec<Vec<u8>> = runs
+                .iter()
+                .flat_map(|r| r.iter())
+                .map(|&i| m.entry(i).0.to_vec())
+                .collect();
+            for r in &runs {
+                assert!(r.windows(2).all(|w| m.entry(w[0]).0 < m.entry(w[1]).0));
+            }
             all.sort();
             assert_eq!(all, model.iter().cloned().collect::<Vec<_>>());
         }
@@ -351,5 +481,60 @@ mod tests {
             .map(|&i| f.mem.entry(i).0.to_vec())
             .collect();
         assert_eq!(keys, model.into_iter().collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn interleaved_put_and_scan_sorts_only_new_ids() {
+        // One put, one scan, many times: every scan must see every key in order, the run
+        // count must stay logarithmic, and the work must not be quadratic (4000 rounds of a
+        // full re-sort would be ~8M key sorts; this finishes in milliseconds).
+        let mut m = Memtable::new();
+        let mut model = std::collections::BTreeSet::new();
+        for i in 0..4000u32 {
+            let k = i.wrapping_mul(2_654_435_761).to_be_bytes();
+            m.put(&k, b"v", NO_EXPIRY, false);
+            model.insert(k.to_vec());
+            m.prepare_scan();
+            let runs = m.runs();
+            assert!(runs.len() <= 2 + (usize::BITS - (i as usize + 1).leading_zeros()) as usize);
+            if i % 97 == 0 {
+                let mut all: Vec<Vec<u8>> = runs
+                    .iter()
+                    .flat_map(|r| r.iter())
+                    .map(|&i| m.entry(i).0.to_vec())
+                    .collect();
+                all.sort();
+                assert_eq!(all, model.iter().cloned().collect::<Vec<_>>());
+            }
+        }
+        let f = Frozen::new(m, 1);
+        let keys: Vec<Vec<u8>> = f
+            .order()
+            .iter()
+            .map(|&i| f.mem.entry(i).0.to_vec())
+            .collect();
+        assert_eq!(keys, model.into_iter().collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn prefix_ties_fall_back_to_full_keys() {
+        let mut m = Memtable::new();
+        let long_a = [7u8; 20];
+        let mut long_b = [7u8; 20];
+        long_b[19] = 6;
+        for k in [&b"ab"[..], b"ab\0", b"a", &long_a, &long_b, &[7u8; 16], b""] {
+            m.put(k, b"v", NO_EXPIRY, false);
+        }
+        let f = Frozen::new(m, 1);
+        let keys: Vec<Vec<u8>> = f
+            .order()
+            .iter()
+            .map(|&i| f.mem.entry(i).0.to_vec())
+            .collect();
+        let mut want = keys.clone();
+        want.sort();
+        want.dedup();
+        assert_eq!(keys, want);
+        assert_eq!(keys.len(), 7);
     }
 }

@@ -19,7 +19,7 @@ use xxhash_rust::xxh3::xxh3_64;
 use crate::bloom::{self, Bloom};
 use crate::error::StateError;
 use crate::key::{key_group_of, KeyGroupRange};
-use crate::memtable::ValueRef;
+use crate::memtable::{key_prefix, ValueRef};
 
 /// Offsets and sizes of the segment format (version 1). See `docs/segment-format.md`.
 pub mod layout {
@@ -75,6 +75,9 @@ pub mod layout {
 }
 use layout::*;
 
+/// One in this many block prefixes forms the first level of the block search.
+const TOP_STRIDE: usize = 32;
+
 /// Writer buffer flushed to the file in pieces of at least this size.
 const WRITE_BUFFER_BYTES: usize = 4 << 20;
 
@@ -90,12 +93,18 @@ fn rd_u64(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(x)
 }
 
-/// Description of a written segment.
+/// Description of a written segment: what the writer computed, so that opening it needs no
+/// second pass over its structure (see [`Segment::open_written`]).
 #[derive(Debug, Clone)]
 pub(crate) struct Written {
     pub path: PathBuf,
+    pub id: u64,
     pub size_bytes: u64,
     pub crc32: u32,
+    pub entry_count: u64,
+    blocks: Vec<BlockInfo>,
+    bloom: Bloom,
+    key_groups: Option<KeyGroupRange>,
 }
 
 /// Tuning of the writer.
@@ -103,6 +112,10 @@ pub(crate) struct Written {
 pub(crate) struct WriterOptions {
     pub block_target_bytes: usize,
     pub bloom_bits_per_key: u32,
+    /// Upper bound of the keys the writer will be given (sizes the bloom filter up front so
+    /// no per-key hash list is kept); `None`: unknown, hashes are kept and the filter is
+    /// sized exactly at the end.
+    pub expected_keys: Option<u64>,
 }
 
 pub(crate) struct SegmentWriter {
@@ -118,9 +131,15 @@ pub(crate) struct SegmentWriter {
     entry_offsets: Vec<u32>,
     block_index: u32,
     index: Vec<u8>,
+    /// Data blocks written so far; `last_key.0` is relative to the index payload until
+    /// [`SegmentWriter::finish`] knows where the index lands.
+    blocks: Vec<BlockInfo>,
     hashes: Vec<u64>,
+    /// The filter built as keys arrive, when `expected_keys` was given.
+    filter: Option<Vec<u8>>,
     entry_count: u64,
     last_key: Vec<u8>,
+    last_prefix: u128,
     kg_first: Option<u16>,
 }
 
@@ -156,9 +175,14 @@ impl SegmentWriter {
             entry_offsets: Vec::new(),
             block_index: 0,
             index,
+            blocks: Vec::new(),
             hashes: Vec::new(),
+            filter: opts
+                .expected_keys
+                .map(|n| bloom::empty(n.max(1), opts.bloom_bits_per_key)),
             entry_count: 0,
             last_key: Vec::new(),
+            last_prefix: 0,
             kg_first: None,
         })
     }
@@ -173,10 +197,15 @@ impl SegmentWriter {
             key.len() >= 2 && key.len() <= usize::from(u16::MAX),
             "bad key length"
         );
+        // Strict order, checked on 16-byte prefixes first (full keys only on a tie).
+        let pk = key_prefix(key);
         assert!(
-            self.entry_count == 0 || key > self.last_key.as_slice(),
+            self.entry_count == 0
+                || pk > self.last_prefix
+                || (pk == self.last_prefix && key > self.last_key.as_slice()),
             "segment keys must be strictly ascending"
         );
+        self.last_prefix = pk;
         if self.block_start.is_none() {
             self.block_start = Some(self.buf.len());
             self.buf
@@ -199,7 +228,11 @@ impl SegmentWriter {
         let pad = (VALUE_ALIGN - (self.abs() as usize % VALUE_ALIGN)) % VALUE_ALIGN;
         self.buf.resize(self.buf.len() + pad, 0);
         self.buf.extend_from_slice(v.bytes);
-        self.hashes.push(xxh3_64(key));
+        let h = xxh3_64(key);
+        match &mut self.filter {
+            Some(f) => bloom::insert(f, h),
+            None => self.hashes.push(h),
+        }
         if self.kg_first.is_none() {
             self.kg_first = Some(key_group_of(key));
         }
@@ -250,6 +283,13 @@ impl SegmentWriter {
         self.index
             .extend_from_slice(&(self.last_key.len() as u16).to_le_bytes());
         self.index.extend_from_slice(&[0, 0]);
+        let payload = block_offset as usize + BLOCK_HEADER_LEN;
+        self.blocks.push(BlockInfo {
+            payload,
+            count,
+            table: payload + table_off as usize,
+            last_key: (self.index.len(), self.last_key.len()),
+        });
         self.index.extend_from_slice(&self.last_key);
         self.block_index += 1;
         if self.buf.len() >= WRITE_BUFFER_BYTES {
@@ -292,7 +332,10 @@ impl SegmentWriter {
         );
         let index_len = (self.abs() - index_offset) as u32;
         // Filter block (its payload is a multiple of 16 plus 16: 24 + payload needs padding).
-        let mut filter = bloom::build(&self.hashes, self.opts.bloom_bits_per_key);
+        let mut filter = match self.filter.take() {
+            Some(f) => f,
+            None => bloom::build(&self.hashes, self.opts.bloom_bits_per_key),
+        };
         let pad = (BLOCK_ALIGN - (BLOCK_HEADER_LEN + filter.len()) % BLOCK_ALIGN) % BLOCK_ALIGN;
         let filter_bits_len = filter.len();
         filter.resize(filter_bits_len + pad, 0);
@@ -337,10 +380,24 @@ impl SegmentWriter {
         self.buf.extend_from_slice(&f);
         self.flush_buf()?;
         self.file.sync()?;
+        let index_payload = index_offset as usize + BLOCK_HEADER_LEN;
+        let mut blocks = std::mem::take(&mut self.blocks);
+        for b in &mut blocks {
+            b.last_key.0 += index_payload;
+        }
+        let filter_payload = filter_offset as usize + BLOCK_HEADER_LEN;
+        let bloom = Bloom::parse(&filter[..filter_bits_len], filter_payload)
+            .map_err(|(o, r)| malformed(&self.path, filter_payload + o, r))?;
         Ok(Written {
             path: self.path.clone(),
+            id: self.id,
             size_bytes: self.flushed,
             crc32: self.file_crc.clone().finalize(),
+            entry_count: self.entry_count,
+            blocks,
+            bloom,
+            key_groups: (self.entry_count > 0)
+                .then(|| KeyGroupRange::new(self.kg_first.unwrap_or(0), last_kg)),
         })
     }
 }
@@ -374,6 +431,10 @@ pub(crate) struct Segment {
     pub key_groups: Option<KeyGroupRange>,
     map: Mapped,
     blocks: Vec<BlockInfo>,
+    /// `key_prefix` of each block's last key (the in-memory search index of the blocks).
+    prefixes: Vec<u128>,
+    /// Every `TOP_STRIDE`-th entry of `prefixes`: a small first level that stays in cache.
+    top: Vec<u128>,
     bloom: Bloom,
     fs: Arc<dyn Fs>,
     /// Set when no store needs the file any more; the last reference then deletes it.
@@ -605,13 +666,75 @@ impl Segment {
             crc32,
             entry_count,
             key_groups,
+            prefixes: Vec::new(),
+            top: Vec::new(),
             map,
             blocks,
             bloom,
             fs,
             obsolete: AtomicBool::new(false),
             deletable: AtomicBool::new(owned),
-        })
+        }
+        .with_search_index())
+    }
+
+    /// Open a segment this process has just written and fsynced, without a second pass over
+    /// its structure: the writer produced it and knows its blocks, filter and totals. What
+    /// the reader would check again is the bytes themselves, so the whole file's CRC-32 is
+    /// computed from the map and compared with the writer's (a device or cache returning other
+    /// bytes than written is caught here, before the segment is used), and the size too.
+    /// Segments from anywhere else (restore) go through [`Segment::open`].
+    pub fn open_written(fs: Arc<dyn Fs>, w: Written) -> Result<Segment, StateError> {
+        let map = fs.map_readonly(&w.path)?;
+        let mismatch = |what, expected: u64, actual: u64| StateError::HandleMismatch {
+            file: w.path.clone(),
+            what,
+            expected,
+            actual,
+        };
+        if map.len() as u64 != w.size_bytes {
+            return Err(mismatch(
+                "size of the written segment",
+                w.size_bytes,
+                map.len() as u64,
+            ));
+        }
+        let crc32 = weir_io::crc32(&[&map]);
+        if crc32 != w.crc32 {
+            return Err(mismatch(
+                "crc32 of the written segment",
+                u64::from(w.crc32),
+                u64::from(crc32),
+            ));
+        }
+        Ok(Segment {
+            id: w.id,
+            path: w.path,
+            size_bytes: w.size_bytes,
+            crc32,
+            entry_count: w.entry_count,
+            key_groups: w.key_groups,
+            map,
+            blocks: w.blocks,
+            prefixes: Vec::new(),
+            top: Vec::new(),
+            bloom: w.bloom,
+            fs,
+            obsolete: AtomicBool::new(false),
+            deletable: AtomicBool::new(true),
+        }
+        .with_search_index())
+    }
+
+    fn with_search_index(mut self) -> Segment {
+        let prefixes: Vec<u128> = self
+            .blocks
+            .iter()
+            .map(|b| key_prefix(self.block_last_key(b)))
+            .collect();
+        self.top = prefixes.iter().step_by(TOP_STRIDE).copied().collect();
+        self.prefixes = prefixes;
+        self
     }
 
     pub fn mark_obsolete(&self) {
@@ -624,10 +747,19 @@ impl Segment {
 
     pub fn index_bytes(&self) -> usize {
         self.blocks.len() * std::mem::size_of::<BlockInfo>()
+            + (self.prefixes.len() + self.top.len()) * std::mem::size_of::<u128>()
     }
 
     pub fn filter_bytes(&self) -> usize {
         self.bloom.bytes()
+    }
+
+    #[inline]
+    fn entry_key(&self, blk: &BlockInfo, i: u32) -> &[u8] {
+        let b: &[u8] = &self.map;
+        let e = blk.payload + rd_u32(b, blk.table + 4 * i as usize) as usize;
+        let klen = usize::from(rd_u16(b, e + E_KEY_LEN));
+        &b[e + ENTRY_HEADER_LEN..e + ENTRY_HEADER_LEN + klen]
     }
 
     fn entry(&self, blk: &BlockInfo, i: u32) -> (&[u8], ValueRef<'_>) {
@@ -651,11 +783,32 @@ impl Segment {
         &self.map[blk.last_key.0..blk.last_key.0 + blk.last_key.1]
     }
 
+    /// Index of the first block whose last key is >= `key`. Searches the 16-byte key
+    /// prefixes in memory (a small first level, then a run of `TOP_STRIDE`); only blocks whose
+    /// prefix ties with the key's compare full keys in the map.
+    fn find_block(&self, key: &[u8]) -> usize {
+        let pk = key_prefix(key);
+        let t = self.top.partition_point(|&p| p < pk);
+        // prefixes[(t-1)*S] < pk <= prefixes[t*S] (where they exist).
+        let lo = if t == 0 { 0 } else { (t - 1) * TOP_STRIDE + 1 };
+        let hi = (t * TOP_STRIDE).min(self.prefixes.len());
+        let mut bi = lo + self.prefixes[lo..hi.max(lo)].partition_point(|&p| p < pk);
+        while bi < self.blocks.len()
+            && self.prefixes[bi] == pk
+            && self.block_last_key(&self.blocks[bi]) < key
+        {
+            bi += 1;
+        }
+        bi
+    }
+
     /// Position of the first entry with key >= `key`: (block, entry).
     fn seek(&self, key: &[u8]) -> (usize, u32) {
-        let bi = self
-            .blocks
-            .partition_point(|blk| self.block_last_key(blk) < key);
+        self.seek_in(self.find_block(key), key)
+    }
+
+    /// Position of the first entry >= `key` in block `bi` (from [`Self::find_block`]).
+    fn seek_in(&self, bi: usize, key: &[u8]) -> (usize, u32) {
         if bi == self.blocks.len() {
             return (bi, 0);
         }
@@ -663,7 +816,7 @@ impl Segment {
         let (mut lo, mut hi) = (0u32, blk.count);
         while lo < hi {
             let mid = lo + (hi - lo) / 2;
-            if self.entry(blk, mid).0 < key {
+            if self.entry_key(blk, mid) < key {
                 lo = mid + 1;
             } else {
                 hi = mid;
@@ -672,12 +825,32 @@ impl Segment {
         (bi, lo)
     }
 
+    /// Load one byte of every cache line of the block's entries and table: independent loads
+    /// that miss in parallel, instead of one dependent miss per binary-search step.
+    #[inline]
+    fn touch_block(&self, blk: &BlockInfo) {
+        let b: &[u8] = &self.map;
+        let end = (blk.table + 4 * blk.count as usize).min(b.len());
+        let mut acc = 0u8;
+        let mut off = blk.payload;
+        while off < end {
+            acc ^= b[off];
+            off += 64;
+        }
+        std::hint::black_box(acc);
+    }
+
     /// Point lookup; `hash` is `xxh3_64(key)`.
     pub fn get(&self, key: &[u8], hash: u64) -> Probe<'_> {
         if !self.bloom.may_contain(&self.map, hash) {
             return Probe::BloomNegative;
         }
-        let (bi, i) = self.seek(key);
+        let bi = self.find_block(key);
+        if bi == self.blocks.len() {
+            return Probe::Absent;
+        }
+        self.touch_block(&self.blocks[bi]);
+        let (bi, i) = self.seek_in(bi, key);
         if bi == self.blocks.len() {
             return Probe::Absent;
         }
@@ -861,6 +1034,7 @@ mod tests {
             WriterOptions {
                 block_target_bytes: 4096,
                 bloom_bits_per_key: 10,
+                expected_keys: None,
             },
         )
         .unwrap();
@@ -941,5 +1115,83 @@ mod tests {
             seg.get(&absent, xxh3_64(&absent)),
             Probe::Found(_)
         ));
+    }
+
+    /// Keys sharing their first 16 bytes across many small blocks: the prefix index must fall
+    /// back to full keys on ties. The writer-described open must agree with the full
+    /// verification, and a byte changed after writing must be caught by it.
+    #[test]
+    fn open_written_matches_full_verification_and_catches_changed_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = |i: u32| {
+            let mut k = vec![0u8, 3, 0, 1];
+            k.extend_from_slice(&[9u8; 14]); // 18-byte common prefix
+            k.extend_from_slice(&(i * 2).to_be_bytes());
+            k
+        };
+        for expected in [None, Some(5000)] {
+            let p = dir.path().join(format!("s{}.wseg", expected.is_some()));
+            let opts = WriterOptions {
+                block_target_bytes: 128,
+                bloom_bits_per_key: 10,
+                expected_keys: expected,
+            };
+            let mut w = SegmentWriter::create(&StdFs, &p, 7, opts).unwrap();
+            for i in 0..3000u32 {
+                let v = i.to_le_bytes();
+                let vr = ValueRef {
+                    bytes: &v,
+                    expire_at_ms: NO_EXPIRY,
+                    tombstone: false,
+                };
+                w.add(&key(i), vr).unwrap();
+            }
+            let written = w.finish().unwrap();
+            let fs: Arc<dyn Fs> = Arc::new(StdFs);
+            let full = Segment::open(fs.clone(), &p, Some(7), false).unwrap();
+            let fast = Segment::open_written(fs.clone(), written.clone()).unwrap();
+            fast.keep_file();
+            assert!(full.blocks.len() > 100);
+            assert_eq!(
+                (fast.entry_count, fast.crc32, fast.key_groups),
+                (full.entry_count, full.crc32, full.key_groups)
+            );
+            for seg in [&full, &fast] {
+                for i in 0..3000u32 {
+                    let k = key(i);
+                    match seg.get(&k, xxh3_64(&k)) {
+                        Probe::Found(v) => assert_eq!(v.bytes, &i.to_le_bytes()),
+                        other => panic!("{i}: {other:?}"),
+                    }
+                    let absent = {
+                        let mut a = key(i);
+                        let n = a.len();
+                        a[n - 1] += 1;
+                        a
+                    };
+                    assert!(!matches!(
+                        seg.get(&absent, xxh3_64(&absent)),
+                        Probe::Found(_)
+                    ));
+                }
+                let from: Vec<Vec<u8>> =
+                    seg.iter_from(&key(1500)).map(|(k, _)| k.to_vec()).collect();
+                assert_eq!(from.len(), 1500);
+                assert_eq!(from[0], key(1500));
+                assert_eq!(seg.iter_from(&[0, 4]).count(), 0);
+                assert_eq!(seg.iter_from(&[]).count(), 3000);
+            }
+            drop((full, fast));
+            // A byte that differs from what was written: the writer's CRC catches it.
+            let mut bytes = std::fs::read(&p).unwrap();
+            bytes[100] ^= 1;
+            std::fs::remove_file(&p).unwrap();
+            std::fs::write(&p, &bytes).unwrap();
+            let fs: Arc<dyn Fs> = Arc::new(StdFs);
+            match Segment::open_written(fs, written) {
+                Err(StateError::HandleMismatch { what, .. }) => assert!(what.contains("crc32")),
+                other => panic!("{other:?}"),
+            }
+        }
     }
 }

@@ -131,16 +131,22 @@ impl Ctx {
         self.dir.join(format!("{id:016x}.wseg"))
     }
 
-    /// Write a sorted sequence of entries as segment `id` and open it. On error the partial
-    /// file is removed (best effort) and never used.
+    /// Write a sorted sequence of entries as segment `id` and open it. `max_keys` bounds the
+    /// number of entries (sizes the bloom filter up front). On error the partial file is
+    /// removed (best effort) and never used.
     fn write_segment<'a>(
         &self,
         id: u64,
+        max_keys: u64,
         entries: impl Iterator<Item = (&'a [u8], ValueRef<'a>)>,
     ) -> Result<Option<Arc<Segment>>, StateError> {
         let path = self.path_for(id);
         let result = (|| {
-            let mut w = SegmentWriter::create(&*self.fs, &path, id, self.opts)?;
+            let opts = WriterOptions {
+                expected_keys: Some(max_keys),
+                ..self.opts
+            };
+            let mut w = SegmentWriter::create(&*self.fs, &path, id, opts)?;
             let mut n = 0u64;
             for (k, v) in entries {
                 w.add(k, v)?;
@@ -153,17 +159,8 @@ impl Ctx {
             }
             let written = w.finish()?;
             self.fs.sync_dir(&self.dir)?;
-            let seg = Segment::open(self.fs.clone(), &written.path, Some(id), true)?;
-            // Check the bytes read back against what the writer computed: a device or cache
-            // that returned other bytes is caught here, before the segment is ever used.
-            if (seg.size_bytes, seg.crc32) != (written.size_bytes, written.crc32) {
-                return Err(StateError::HandleMismatch {
-                    file: written.path,
-                    what: "crc32 of the written segment",
-                    expected: u64::from(written.crc32),
-                    actual: u64::from(seg.crc32),
-                });
-            }
+            // Checks the bytes read back (whole-file CRC) against what the writer computed.
+            let seg = Segment::open_written(self.fs.clone(), written)?;
             Ok(Some(Arc::new(seg)))
         })();
         if result.is_err() && path.exists() {
@@ -180,6 +177,8 @@ pub struct Store {
     config: StoreConfig,
     _lock: DirLock,
     mem: Memtable,
+    /// A flushed memtable kept for reuse as the next mutable one (its memory is faulted in).
+    spare: Option<Memtable>,
     frozen: Vec<Arc<Frozen>>,
     segments: Vec<Arc<Segment>>,
     next_gen: u64,
@@ -226,11 +225,13 @@ impl Store {
                 opts: WriterOptions {
                     block_target_bytes: config.block_target_bytes,
                     bloom_bits_per_key: config.bloom_bits_per_key,
+                    expected_keys: None,
                 },
             }),
             config,
             _lock: lock,
             mem: Memtable::with_budget(budget_bytes),
+            spare: None,
             frozen: Vec::new(),
             segments: Vec::new(),
             next_gen: 1,
@@ -308,7 +309,8 @@ impl Store {
             .filter(|(_, v, _)| !v.tombstone)
             .map(|(k, v, _)| (k, v));
         let id = store.alloc_segment_id();
-        if let Some(seg) = store.ctx.write_segment(id, merged)? {
+        let max_keys = inputs.iter().map(|s| s.entry_count).sum();
+        if let Some(seg) = store.ctx.write_segment(id, max_keys, merged)? {
             store.segments.push(seg);
         }
         Ok(store)
@@ -390,7 +392,10 @@ impl Store {
         if self.mem.is_empty() {
             return;
         }
-        let fresh = Memtable::with_budget(self.config.memtable_budget_bytes);
+        let fresh = match self.spare.take() {
+            Some(m) => m,
+            None => Memtable::with_budget(self.config.memtable_budget_bytes),
+        };
         let mem = std::mem::replace(&mut self.mem, fresh);
         self.frozen.push(Arc::new(Frozen::new(mem, self.next_gen)));
         self.next_gen += 1;
@@ -432,16 +437,14 @@ impl Store {
     pub fn scan_range(&mut self, start: &[u8], end: Option<&[u8]>) -> ScanIter<'_> {
         self.mem.prepare_scan();
         let mut srcs = Vec::with_capacity(2 + self.frozen.len() + self.segments.len());
-        let (a, b) = self.mem.runs();
-        let (ia, ib) = (
-            self.mem.lower_bound(a, start),
-            self.mem.lower_bound(b, start),
-        );
-        srcs.push(Src::Mem {
-            m: &self.mem,
-            a: &a[ia..],
-            b: &b[ib..],
-        });
+        let runs = self
+            .mem
+            .runs()
+            .into_iter()
+            .map(|r| &r[self.mem.lower_bound(r, start)..])
+            .filter(|r| !r.is_empty())
+            .collect();
+        srcs.push(Src::Mem { m: &self.mem, runs });
         for f in self.frozen.iter().rev() {
             let ids = f.order();
             let i = f.mem.lower_bound(ids, start);
@@ -483,7 +486,8 @@ impl Store {
         while let Some(f) = self.frozen.first() {
             match reg.flushed.remove(&f.gen) {
                 Some(seg) => {
-                    self.frozen.remove(0);
+                    let f = self.frozen.remove(0);
+                    Self::keep_spare(&mut self.spare, f);
                     self.segments.push(seg);
                     self.flushes += 1;
                 }
@@ -497,6 +501,23 @@ impl Store {
                 seg.mark_obsolete();
             }
         }
+    }
+
+    /// Keep a flushed memtable for reuse if nothing else (snapshot job, iterator) holds it.
+    fn keep_spare(spare: &mut Option<Memtable>, f: Arc<Frozen>) {
+        if spare.is_some() {
+            return;
+        }
+        if let Ok(f) = Arc::try_unwrap(f) {
+            let mut m = f.mem;
+            m.recycle();
+            *spare = Some(m);
+        }
+    }
+
+    /// Number of frozen memtables not yet installed as segments (for back-pressure).
+    pub fn frozen_memtables(&self) -> usize {
+        self.frozen.len()
     }
 
     /// True when a flush or compaction job is due.
@@ -591,7 +612,8 @@ impl Store {
                 let seg = d.result?;
                 let head = self.frozen.first().map(|f| f.gen);
                 if head == Some(d.gen) {
-                    self.frozen.remove(0);
+                    let f = self.frozen.remove(0);
+                    Self::keep_spare(&mut self.spare, f);
                     if let Some(seg) = seg {
                         self.segments.push(seg);
                     }
@@ -772,7 +794,7 @@ impl FlushJob {
         let entries = f.order().iter().map(|&i| f.mem.entry(i));
         FlushDone {
             gen: f.gen,
-            result: self.ctx.write_segment(self.id, entries),
+            result: self.ctx.write_segment(self.id, f.mem.len() as u64, entries),
         }
     }
 }
@@ -822,7 +844,8 @@ impl CompactionJob {
                 Some((k, v))
             }
         });
-        let result = self.ctx.write_segment(self.id, merged);
+        let max_keys = self.inputs.iter().map(|s| s.entry_count).sum();
+        let result = self.ctx.write_segment(self.id, max_keys, merged);
         CompactionDone {
             input_ids: self.inputs.iter().map(|s| s.id).collect(),
             bytes_in: self.inputs.iter().map(|s| s.size_bytes).sum(),
@@ -885,7 +908,7 @@ impl SnapshotJob {
                         continue;
                     }
                     let entries = f.order().iter().map(|&i| f.mem.entry(i));
-                    match self.ctx.write_segment(id, entries) {
+                    match self.ctx.write_segment(id, f.mem.len() as u64, entries) {
                         Ok(Some(seg)) => {
                             let mut reg = lock(&self.registry);
                             reg.in_flight.remove(&f.gen);
@@ -942,8 +965,7 @@ impl Drop for SnapshotJob {
 enum Src<'a> {
     Mem {
         m: &'a Memtable,
-        a: &'a [u32],
-        b: &'a [u32],
+        runs: Vec<&'a [u32]>,
     },
     Frozen {
         m: &'a Memtable,
@@ -957,22 +979,21 @@ type Item<'a> = (&'a [u8], ValueRef<'a>, bool);
 impl<'a> Src<'a> {
     fn next(&mut self) -> Option<Item<'a>> {
         match self {
-            Src::Mem { m, a, b } => {
-                let take_a = match (a.first(), b.first()) {
-                    (None, None) => return None,
-                    (Some(_), None) => true,
-                    (None, Some(_)) => false,
-                    (Some(&x), Some(&y)) => m.entry(x).0 < m.entry(y).0,
-                };
-                let id = if take_a {
-                    let id = a[0];
-                    *a = &a[1..];
-                    id
-                } else {
-                    let id = b[0];
-                    *b = &b[1..];
-                    id
-                };
+            Src::Mem { m, runs } => {
+                // A few sorted runs (O(log n)): take the smallest head. Keys are unique within
+                // one memtable, so there are no ties.
+                let mut best: Option<(usize, &'a [u8])> = None;
+                for (ri, r) in runs.iter().enumerate() {
+                    if let Some(&id) = r.first() {
+                        let k = m.entry(id).0;
+                        if best.is_none_or(|(_, bk)| k < bk) {
+                            best = Some((ri, k));
+                        }
+                    }
+                }
+                let (ri, _) = best?;
+                let id = runs[ri][0];
+                runs[ri] = &runs[ri][1..];
                 let (k, v) = m.entry(id);
                 Some((k, v, true))
             }

@@ -293,3 +293,59 @@ fn hot_path_value_state_does_not_allocate() {
     be.set_current_key(&42u64);
     assert_eq!(count.value(&mut be).unwrap(), Some(100));
 }
+
+#[test]
+fn handles_from_cached_ids_see_the_same_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut be = backend(dir.path(), 128);
+    let count = be.value_state::<u64>("count");
+    let list = be.list_state::<u64>("list");
+    let map = be.map_state::<u32, u64>("map");
+    let id = be.state_id("count");
+    assert_eq!(id, count.id());
+    be.set_current_key(&7u64);
+    count.update(&mut be, &41).unwrap();
+    let by_id = weir_state::ValueState::<u64>::from_id(id);
+    assert_eq!(by_id.value(&mut be).unwrap(), Some(41));
+    by_id.update(&mut be, &42).unwrap();
+    assert_eq!(count.value(&mut be).unwrap(), Some(42));
+    let l = weir_state::ListState::<u64>::from_id(list.id());
+    l.add(&mut be, &1).unwrap();
+    list.add(&mut be, &2).unwrap();
+    assert_eq!(l.get(&mut be).unwrap(), vec![1, 2]);
+    let m = weir_state::MapState::<u32, u64>::from_id(map.id());
+    m.put(&mut be, &3, &30).unwrap();
+    assert_eq!(map.entries(&mut be).unwrap(), vec![(3, 30)]);
+    let r = weir_state::ReducingState::<u64, _>::from_id(be.state_id("sum"), |a, b| a + b);
+    r.add(&mut be, 5).unwrap();
+    r.add(&mut be, 6).unwrap();
+    assert_eq!(r.get(&mut be).unwrap().map(|v| v.to_native()), Some(11));
+    let a = weir_state::AggregatingState::from_id(be.state_id("avg"), Avg);
+    a.add(&mut be, &4).unwrap();
+    a.add(&mut be, &8).unwrap();
+    assert_eq!(a.get(&mut be).unwrap(), Some(6.0));
+}
+
+#[test]
+fn list_appends_interleaved_with_scans_stay_ordered() {
+    // The runtime's window pattern: append to list state, read it back, many times.
+    let dir = tempfile::tempdir().unwrap();
+    let mut be = backend(dir.path(), 128);
+    let list = be.list_state::<u64>("buf");
+    be.set_current_key(&1u64);
+    let mut n = 0usize;
+    for i in 0..3000u64 {
+        list.add(&mut be, &i).unwrap();
+        if i % 3 == 0 {
+            let mut seen = 0u64;
+            list.for_each(&mut be, |v| {
+                assert_eq!(v.to_native(), seen);
+                seen += 1;
+            })
+            .unwrap();
+            assert_eq!(seen, i + 1);
+            n += 1;
+        }
+    }
+    assert_eq!(n, 1000);
+}

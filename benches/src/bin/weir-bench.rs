@@ -28,6 +28,9 @@ struct Cli {
     /// Small inputs: a smoke run, not a measurement.
     #[arg(long)]
     quick: bool,
+    /// Run only the benchmarks whose name contains this text.
+    #[arg(long)]
+    only: Option<String>,
 }
 
 fn main() {
@@ -35,6 +38,7 @@ fn main() {
     let opts = Opts {
         json: cli.json,
         quick: cli.quick,
+        only: cli.only,
     };
     let mut rows = Vec::new();
     if matches!(cli.suite, Suite::Runtime | Suite::All) {

@@ -8,21 +8,54 @@ use std::sync::{Arc, Mutex};
 
 use hdrhistogram::Histogram;
 
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use crate::checkpoint::shard::{CompletionListener, ShardCheckpointRef};
+use crate::checkpoint::snapshot::{Part, PartKind};
 use crate::error::{JobError, StartError};
 use crate::graph::{BuildCtx, FailCell};
 use crate::metrics::{bump, new_latency_histogram, OperatorCounters, Registry};
 use crate::operator::{Collector, Event};
 
 mod file;
+mod transactional;
 
 pub use file::FileSinkWriter;
+pub use transactional::{TransactionalFileSink, TransactionalFileWriter};
 
 /// One shard's writer of a sink.
+///
+/// With checkpointing, a writer takes part in two-phase commit: at checkpoint `n`'s barrier
+/// [`SinkWriter::pre_commit`] makes everything written so far durable but not yet visible and
+/// returns a description of it, which the checkpoint stores; when checkpoint `n` is complete
+/// [`SinkWriter::commit`] makes it visible; after a failure, [`SinkWriter::restore`] gets the
+/// description stored in the checkpoint the job restarts from, publishes it (idempotently) and
+/// discards anything written after it. The defaults suit sinks without transactions.
 pub trait SinkWriter<T>: 'static {
     /// Takes one record (and its event timestamp, or `i64::MIN`).
     fn write(&mut self, rec: T, ts: i64) -> std::io::Result<()>;
     /// The input ended: make everything written durable or visible.
     fn finish(&mut self) -> std::io::Result<()>;
+    /// Barrier of checkpoint `checkpoint_id`: prepare what was written since the last
+    /// pre-commit and describe it. Nothing may become visible yet.
+    fn pre_commit(&mut self, checkpoint_id: u64) -> std::io::Result<Vec<u8>> {
+        let _ = checkpoint_id;
+        Ok(Vec::new())
+    }
+    /// Checkpoint `checkpoint_id` is complete: publish what its pre-commit (and every earlier
+    /// one not yet published) prepared.
+    fn commit(&mut self, checkpoint_id: u64) -> std::io::Result<()> {
+        let _ = checkpoint_id;
+        Ok(())
+    }
+    /// The job restarts from checkpoint `checkpoint_id`, whose pre-commit returned `state`:
+    /// publish what it describes if not yet published, and discard anything prepared or
+    /// written after it.
+    fn restore(&mut self, checkpoint_id: u64, state: &[u8]) -> std::io::Result<()> {
+        let _ = (checkpoint_id, state);
+        Ok(())
+    }
 }
 
 /// A sink description, shared by every shard.
@@ -37,22 +70,73 @@ pub trait Sink<T>: Send + Sync + 'static {
     }
 }
 
-/// The operator at the end of a chain.
+/// The operator at the end of a chain: writes records, takes part in checkpoints (pre-commit
+/// at the barrier, commit when the checkpoint completes) and records latency markers.
 pub(crate) struct SinkOp<T> {
     name: String,
     shard: usize,
-    writer: Box<dyn SinkWriter<T>>,
+    writer: Rc<RefCell<Box<dyn SinkWriter<T>>>>,
     fail: FailCell,
     counters: Arc<OperatorCounters>,
     latency: Histogram<u64>,
     registry: Arc<Registry>,
     epoch: std::time::Instant,
     failed: bool,
+    checkpoint: Option<ShardCheckpointRef>,
+}
+
+/// Commits a sink's pre-committed output when a checkpoint completes.
+struct Committer<T> {
+    writer: Rc<RefCell<Box<dyn SinkWriter<T>>>>,
+    fail: FailCell,
+    name: String,
+    shard: usize,
+}
+
+impl<T: 'static> CompletionListener for Committer<T> {
+    fn checkpoint_complete(&self, checkpoint_id: u64) {
+        if let Err(source) = self.writer.borrow_mut().commit(checkpoint_id) {
+            self.fail.fail(JobError::SinkIo {
+                operator: self.name.clone(),
+                shard: self.shard,
+                source,
+            });
+        }
+    }
 }
 
 impl<T: 'static> SinkOp<T> {
-    pub fn new(name: String, writer: Box<dyn SinkWriter<T>>, ctx: &BuildCtx) -> Self {
-        Self {
+    pub fn new(
+        name: String,
+        mut writer: Box<dyn SinkWriter<T>>,
+        ctx: &BuildCtx,
+    ) -> Result<Self, StartError> {
+        let io = |source: std::io::Error| StartError::Sink {
+            operator: name.clone(),
+            shard: ctx.shard,
+            source,
+        };
+        if let Some(r) = &ctx.restore {
+            let parts = r.parts_for_shard(&name, PartKind::Sink, ctx.shard);
+            if parts.is_empty() {
+                writer.restore(r.checkpoint_id, &[]).map_err(io)?;
+            }
+            for p in parts {
+                writer.restore(r.checkpoint_id, &p.bytes).map_err(io)?;
+            }
+        }
+        let writer = Rc::new(RefCell::new(writer));
+        if let Some(c) = &ctx.checkpoint {
+            let mut c = c.borrow_mut();
+            c.register();
+            c.listen(Rc::new(Committer {
+                writer: writer.clone(),
+                fail: ctx.fail.clone(),
+                name: name.clone(),
+                shard: ctx.shard,
+            }));
+        }
+        Ok(Self {
             counters: ctx.metrics.operator(&name, ctx.shard),
             name,
             shard: ctx.shard,
@@ -62,7 +146,8 @@ impl<T: 'static> SinkOp<T> {
             registry: ctx.metrics.clone(),
             epoch: ctx.epoch,
             failed: false,
-        }
+            checkpoint: ctx.checkpoint.clone(),
+        })
     }
 
     fn io_failed(&mut self, source: std::io::Error) {
@@ -73,6 +158,29 @@ impl<T: 'static> SinkOp<T> {
             source,
         });
     }
+
+    fn pre_commit(&mut self, id: u64) {
+        let Some(c) = &self.checkpoint else { return };
+        let t0 = std::time::Instant::now();
+        match self.writer.borrow_mut().pre_commit(id) {
+            Ok(bytes) => {
+                let part = Part {
+                    operator: self.name.clone(),
+                    kind: PartKind::Sink,
+                    bytes,
+                    files: Vec::new(),
+                    logical: Vec::new(),
+                };
+                c.borrow_mut()
+                    .report(id, part, t0.elapsed().as_nanos() as u64);
+            }
+            // The checkpoint fails; the sink's data is still in its in-progress file and a
+            // later checkpoint's pre-commit takes it.
+            Err(e) => c
+                .borrow_mut()
+                .decline(id, format!("sink `{}` pre-commit: {e}", self.name)),
+        }
+    }
 }
 
 impl<T: 'static> Collector<T> for SinkOp<T> {
@@ -82,7 +190,8 @@ impl<T: 'static> Collector<T> for SinkOp<T> {
             return;
         }
         bump(&self.counters.records_in, 1);
-        if let Err(e) = self.writer.write(rec, ts) {
+        let r = self.writer.borrow_mut().write(rec, ts);
+        if let Err(e) = r {
             self.io_failed(e);
         }
     }
@@ -101,11 +210,13 @@ impl<T: 'static> Collector<T> for SinkOp<T> {
                 self.registry.record_latency(&self.latency);
                 self.latency.reset();
                 if !self.failed {
-                    if let Err(e) = self.writer.finish() {
+                    let r = self.writer.borrow_mut().finish();
+                    if let Err(e) = r {
                         self.io_failed(e);
                     }
                 }
             }
+            Event::Barrier(id) => self.pre_commit(id),
             Event::Watermark(_) | Event::Idle(_) => {}
         }
     }
@@ -267,11 +378,11 @@ impl<T: 'static, F: Fn(&T, &mut String) + Send + Sync + 'static> Sink<T> for Fil
         shard: usize,
         _shards: usize,
     ) -> Result<Box<dyn SinkWriter<T>>, StartError> {
-        let w =
-            FileSinkWriter::create(&self.dir, shard).map_err(|source| StartError::StateDir {
-                path: self.dir.clone(),
-                source,
-            })?;
+        let w = FileSinkWriter::create(&self.dir, shard).map_err(|source| StartError::Sink {
+            operator: "file".into(),
+            shard,
+            source,
+        })?;
         Ok(Box::new(FileWriter {
             w,
             format: self.format.clone(),

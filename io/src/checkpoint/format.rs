@@ -1,0 +1,639 @@
+//! The on-disk formats of checkpoint storage: the `_metadata` file and the data files in
+//! `shared/` and `taskowned/`. `docs/checkpoint-format.md` documents every byte; the constants
+//! here are the single source of truth and a test decodes the hex fixture in that document.
+
+use std::collections::BTreeSet;
+use std::path::{Component, Path, PathBuf};
+
+use crate::error::FormatError;
+use crate::frame::{crc32, BLOCK_HEADER_LEN, CHECKSUM_CRC32_IEEE};
+
+/// Magic of a `_metadata` file.
+pub const METADATA_MAGIC: [u8; 8] = *b"WEIRMETA";
+/// The metadata format version this build writes and reads.
+pub const METADATA_VERSION: u16 = 1;
+/// Bytes before the metadata body: magic, version, checksum algorithm, kind, body length.
+pub const METADATA_HEADER_LEN: usize = 16;
+/// Bytes after the metadata body: the CRC-32 of everything before it.
+pub const METADATA_TRAILER_LEN: usize = 4;
+
+/// Magic of a checkpoint data file (an uploaded file or a merged physical file).
+pub const DATA_MAGIC: [u8; 8] = *b"WEIRCKPD";
+/// The data file format version.
+pub const DATA_VERSION: u16 = 1;
+/// Size of a data file's header.
+pub const DATA_HEADER_LEN: usize = 40;
+/// The block kind of data blocks in a data file.
+pub const DATA_BLOCK_KIND: u8 = 1;
+
+/// File kind byte: one uploaded file (an LSM segment) in `shared/`.
+pub(crate) const FILE_KIND_UPLOAD: u8 = 1;
+/// File kind byte: a merged physical file of shared logical files in `shared/`.
+pub(crate) const FILE_KIND_MERGED_SHARED: u8 = 2;
+/// File kind byte: a merged physical file of task-owned logical files in `taskowned/`.
+pub(crate) const FILE_KIND_MERGED_TASKOWNED: u8 = 3;
+
+/// Directory (relative to the job or savepoint directory) of files shared by checkpoints.
+pub const SHARED_DIR: &str = "shared";
+/// Directory of per-checkpoint files (in-flight channel state, operator state).
+pub const TASKOWNED_DIR: &str = "taskowned";
+/// Name of the metadata file inside a checkpoint or savepoint directory.
+pub const METADATA_FILE: &str = "_metadata";
+
+/// Whether a checkpoint is a periodic checkpoint or a self-contained savepoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum CheckpointKind {
+    /// A periodic checkpoint in `<job>/chk-<n>/`, sharing files with other checkpoints.
+    Checkpoint,
+    /// A savepoint: a self-contained directory.
+    Savepoint,
+}
+
+impl CheckpointKind {
+    fn to_byte(self) -> u8 {
+        match self {
+            CheckpointKind::Checkpoint => 1,
+            CheckpointKind::Savepoint => 2,
+        }
+    }
+    fn from_byte(b: u8) -> Option<CheckpointKind> {
+        match b {
+            1 => Some(CheckpointKind::Checkpoint),
+            2 => Some(CheckpointKind::Savepoint),
+            _ => None,
+        }
+    }
+}
+
+/// Where a small file goes when it is merged into a physical file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SmallFileKind {
+    /// Belongs to this checkpoint only (channel state, operator state): `taskowned/`.
+    TaskOwned,
+    /// May be reused by later checkpoints (small segments): `shared/`.
+    Shared,
+}
+
+/// A whole file in `shared/` (an uploaded LSM segment).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FileRef {
+    /// Path relative to the job (or savepoint) directory, e.g. `shared/7-…-seg`.
+    pub path: PathBuf,
+    /// Length of the file's content (the uploaded source file), not of its framing.
+    pub size_bytes: u64,
+    /// CRC-32/IEEE of the content.
+    pub crc32: u32,
+}
+
+/// A logical file: a range of blocks inside a merged physical file.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LogicalFileRef {
+    /// Path of the physical file relative to the job (or savepoint) directory.
+    pub physical: PathBuf,
+    /// Byte offset of the logical file's first block in the physical file.
+    pub offset: u64,
+    /// Length of the logical file's content (not of its framing).
+    pub size_bytes: u64,
+    /// Index of its first block in the physical file (blocks carry their index).
+    pub first_block: u32,
+    /// CRC-32/IEEE of the content.
+    pub crc32: u32,
+}
+
+/// The content of a `_metadata` file: everything needed to verify, restore and garbage-collect
+/// a checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointMetadata {
+    pub job_id: String,
+    pub checkpoint_id: u64,
+    pub kind: CheckpointKind,
+    pub trigger_timestamp_ms: u64,
+    pub completion_timestamp_ms: u64,
+    /// Bytes this checkpoint wrote to storage (framing included): its incremental size.
+    pub new_bytes: u64,
+    /// Whole files the checkpoint uses, sorted.
+    pub files: Vec<FileRef>,
+    /// Logical files the checkpoint uses, sorted.
+    pub logical_files: Vec<LogicalFileRef>,
+    /// Opaque named sections filled by the runtime (state handles, source positions, ...).
+    pub sections: Vec<(String, Vec<u8>)>,
+}
+
+impl CheckpointMetadata {
+    /// The physical files (relative paths) the checkpoint references.
+    pub fn physical_paths(&self) -> BTreeSet<PathBuf> {
+        self.files
+            .iter()
+            .map(|f| f.path.clone())
+            .chain(self.logical_files.iter().map(|l| l.physical.clone()))
+            .collect()
+    }
+
+    /// Total content bytes the checkpoint references (its full state size).
+    pub fn size_bytes(&self) -> u64 {
+        self.files.iter().map(|f| f.size_bytes).sum::<u64>()
+            + self.logical_files.iter().map(|l| l.size_bytes).sum::<u64>()
+    }
+
+    /// The bytes of the section named `name`, if any.
+    pub fn section(&self, name: &str) -> Option<&[u8]> {
+        self.sections
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, b)| b.as_slice())
+    }
+
+    /// Encode as a `_metadata` file. Panics if a string or count exceeds its length field or a
+    /// path is not a valid relative UTF-8 path: both are programmer errors.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut body = Vec::new();
+        body.extend_from_slice(&self.checkpoint_id.to_le_bytes());
+        body.extend_from_slice(&self.trigger_timestamp_ms.to_le_bytes());
+        body.extend_from_slice(&self.completion_timestamp_ms.to_le_bytes());
+        body.extend_from_slice(&self.new_bytes.to_le_bytes());
+        put_str(&mut body, &self.job_id);
+        put_u32(&mut body, self.files.len());
+        for f in &self.files {
+            put_path(&mut body, &f.path);
+            body.extend_from_slice(&f.size_bytes.to_le_bytes());
+            body.extend_from_slice(&f.crc32.to_le_bytes());
+        }
+        put_u32(&mut body, self.logical_files.len());
+        for l in &self.logical_files {
+            put_path(&mut body, &l.physical);
+            body.extend_from_slice(&l.offset.to_le_bytes());
+            body.extend_from_slice(&l.size_bytes.to_le_bytes());
+            body.extend_from_slice(&l.first_block.to_le_bytes());
+            body.extend_from_slice(&l.crc32.to_le_bytes());
+        }
+        put_u32(&mut body, self.sections.len());
+        for (name, bytes) in &self.sections {
+            put_str(&mut body, name);
+            put_u32(&mut body, bytes.len());
+            body.extend_from_slice(bytes);
+        }
+        let mut out = Vec::with_capacity(METADATA_HEADER_LEN + body.len() + METADATA_TRAILER_LEN);
+        out.extend_from_slice(&METADATA_MAGIC);
+        out.extend_from_slice(&METADATA_VERSION.to_le_bytes());
+        out.push(CHECKSUM_CRC32_IEEE);
+        out.push(self.kind.to_byte());
+        put_u32(&mut out, body.len());
+        out.extend_from_slice(&body);
+        let crc = crc32(&[&out]);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    /// Decode and verify a `_metadata` file read from `file`. Every failure is a typed error
+    /// naming `file` and the byte offset; nothing panics on any input.
+    pub fn decode(file: &Path, bytes: &[u8]) -> Result<CheckpointMetadata, FormatError> {
+        let need = |offset: usize, needed: usize| FormatError::Truncated {
+            file: file.to_owned(),
+            offset: offset as u64,
+            needed: needed as u64,
+            available: bytes.len().saturating_sub(offset) as u64,
+        };
+        if bytes.len() < 8 {
+            return Err(need(0, METADATA_HEADER_LEN));
+        }
+        if bytes[..8] != METADATA_MAGIC {
+            return Err(FormatError::BadMagic {
+                file: file.to_owned(),
+                offset: 0,
+                found: le_u64(&bytes[..8]),
+            });
+        }
+        if bytes.len() < METADATA_HEADER_LEN {
+            return Err(need(0, METADATA_HEADER_LEN));
+        }
+        let version = u16::from_le_bytes([bytes[8], bytes[9]]);
+        if version != METADATA_VERSION {
+            return Err(FormatError::UnsupportedVersion {
+                file: file.to_owned(),
+                offset: 8,
+                found: version,
+                supported: METADATA_VERSION,
+            });
+        }
+        if bytes[10] != CHECKSUM_CRC32_IEEE {
+            return Err(FormatError::UnsupportedChecksum {
+                file: file.to_owned(),
+                offset: 10,
+                found: bytes[10],
+            });
+        }
+        let body_len = le_u32(&bytes[12..16]) as usize;
+        let crc_at = METADATA_HEADER_LEN + body_len;
+        if bytes.len() < crc_at + METADATA_TRAILER_LEN {
+            return Err(need(METADATA_HEADER_LEN, body_len + METADATA_TRAILER_LEN));
+        }
+        if bytes.len() > crc_at + METADATA_TRAILER_LEN {
+            return Err(FormatError::Malformed {
+                file: file.to_owned(),
+                offset: (crc_at + METADATA_TRAILER_LEN) as u64,
+                reason: format!(
+                    "{} trailing bytes after the checksum",
+                    bytes.len() - crc_at - METADATA_TRAILER_LEN
+                ),
+            });
+        }
+        let expected = le_u32(&bytes[crc_at..]);
+        let actual = crc32(&[&bytes[..crc_at]]);
+        if expected != actual {
+            return Err(FormatError::ChecksumMismatch {
+                file: file.to_owned(),
+                offset: crc_at as u64,
+                expected,
+                actual,
+            });
+        }
+        // Below this line the CRC matched: errors mean a buggy or foreign writer.
+        let kind = CheckpointKind::from_byte(bytes[11]).ok_or_else(|| FormatError::Malformed {
+            file: file.to_owned(),
+            offset: 11,
+            reason: format!("unknown checkpoint kind {}", bytes[11]),
+        })?;
+        let mut c = Cursor {
+            file,
+            bytes: &bytes[..crc_at],
+            pos: METADATA_HEADER_LEN,
+        };
+        let checkpoint_id = c.u64()?;
+        let trigger_timestamp_ms = c.u64()?;
+        let completion_timestamp_ms = c.u64()?;
+        let new_bytes = c.u64()?;
+        let job_id = c.string()?;
+        let n = c.count(8 + 4)?;
+        let mut files = Vec::with_capacity(n);
+        for _ in 0..n {
+            files.push(FileRef {
+                path: c.rel_path()?,
+                size_bytes: c.u64()?,
+                crc32: c.u32()?,
+            });
+        }
+        let n = c.count(8 + 8 + 4 + 4)?;
+        let mut logical_files = Vec::with_capacity(n);
+        for _ in 0..n {
+            logical_files.push(LogicalFileRef {
+                physical: c.rel_path()?,
+                offset: c.u64()?,
+                size_bytes: c.u64()?,
+                first_block: c.u32()?,
+                crc32: c.u32()?,
+            });
+        }
+        let n = c.count(4)?;
+        let mut sections = Vec::with_capacity(n);
+        for _ in 0..n {
+            let name = c.string()?;
+            let len = c.u32()? as usize;
+            sections.push((name, c.take(len)?.to_vec()));
+        }
+        if c.pos != crc_at {
+            return Err(FormatError::Malformed {
+                file: file.to_owned(),
+                offset: c.pos as u64,
+                reason: format!("{} unparsed bytes before the checksum", crc_at - c.pos),
+            });
+        }
+        Ok(CheckpointMetadata {
+            job_id,
+            checkpoint_id,
+            kind,
+            trigger_timestamp_ms,
+            completion_timestamp_ms,
+            new_bytes,
+            files,
+            logical_files,
+            sections,
+        })
+    }
+}
+
+fn put_u32(out: &mut Vec<u8>, n: usize) {
+    let n = u32::try_from(n).expect("count or length exceeds u32");
+    out.extend_from_slice(&n.to_le_bytes());
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    let n = u16::try_from(s.len()).expect("string longer than 65535 bytes");
+    out.extend_from_slice(&n.to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+fn put_path(out: &mut Vec<u8>, p: &Path) {
+    let s = p.to_str().expect("checkpoint paths are UTF-8");
+    assert!(is_safe_relative(p), "checkpoint path {s} is not relative");
+    put_str(out, s);
+}
+
+fn le_u32(b: &[u8]) -> u32 {
+    u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+fn le_u64(b: &[u8]) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[..8]);
+    u64::from_le_bytes(a)
+}
+
+/// True for a relative path of plain components (no `..`, no root): a path from a foreign
+/// metadata file can then never make GC or a reader touch anything outside the directory.
+pub(crate) fn is_safe_relative(p: &Path) -> bool {
+    p.components().count() > 0 && p.components().all(|c| matches!(c, Component::Normal(_)))
+}
+
+struct Cursor<'a> {
+    file: &'a Path,
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], FormatError> {
+        let available = self.bytes.len() - self.pos;
+        if n > available {
+            return Err(FormatError::Truncated {
+                file: self.file.to_owned(),
+                offset: self.pos as u64,
+                needed: n as u64,
+                available: available as u64,
+            });
+        }
+        let s = &self.bytes[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+    fn u16(&mut self) -> Result<u16, FormatError> {
+        let b = self.take(2)?;
+        Ok(u16::from_le_bytes([b[0], b[1]]))
+    }
+    fn u32(&mut self) -> Result<u32, FormatError> {
+        Ok(le_u32(self.take(4)?))
+    }
+    fn u64(&mut self) -> Result<u64, FormatError> {
+        Ok(le_u64(self.take(8)?))
+    }
+    /// A count of entries of at least `min_entry_bytes` each; rejects counts the remaining
+    /// bytes cannot hold, so a bad count cannot make us allocate a huge vector.
+    fn count(&mut self, min_entry_bytes: usize) -> Result<usize, FormatError> {
+        let at = self.pos;
+        let n = self.u32()? as usize;
+        let remaining = self.bytes.len() - self.pos;
+        if n.saturating_mul(min_entry_bytes) > remaining {
+            return Err(FormatError::Malformed {
+                file: self.file.to_owned(),
+                offset: at as u64,
+                reason: format!("count {n} does not fit in the {remaining} remaining bytes"),
+            });
+        }
+        Ok(n)
+    }
+    fn string(&mut self) -> Result<String, FormatError> {
+        let len = self.u16()? as usize;
+        let at = self.pos;
+        let b = self.take(len)?;
+        String::from_utf8(b.to_vec()).map_err(|_| FormatError::Malformed {
+            file: self.file.to_owned(),
+            offset: at as u64,
+            reason: "string is not UTF-8".into(),
+        })
+    }
+    fn rel_path(&mut self) -> Result<PathBuf, FormatError> {
+        let at = self.pos + 2;
+        let p = PathBuf::from(self.string()?);
+        if !is_safe_relative(&p) {
+            return Err(FormatError::Malformed {
+                file: self.file.to_owned(),
+                offset: at as u64,
+                reason: format!("path {} is not a plain relative path", p.display()),
+            });
+        }
+        Ok(p)
+    }
+}
+
+/// The header of a data file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DataHeader {
+    pub file_kind: u8,
+    pub block_payload_bytes_max: u32,
+    pub file_id: u64,
+    pub checkpoint_id: u64,
+}
+
+impl DataHeader {
+    pub(crate) fn encode(&self) -> [u8; DATA_HEADER_LEN] {
+        let mut h = [0u8; DATA_HEADER_LEN];
+        h[0..8].copy_from_slice(&DATA_MAGIC);
+        h[8..10].copy_from_slice(&DATA_VERSION.to_le_bytes());
+        h[10] = CHECKSUM_CRC32_IEEE;
+        h[11] = self.file_kind;
+        h[12..16].copy_from_slice(&self.block_payload_bytes_max.to_le_bytes());
+        h[16..24].copy_from_slice(&self.file_id.to_le_bytes());
+        h[24..32].copy_from_slice(&self.checkpoint_id.to_le_bytes());
+        let crc = crc32(&[&h[..36]]);
+        h[36..40].copy_from_slice(&crc.to_le_bytes());
+        h
+    }
+
+    /// Decode and check a data file header against what its name promises.
+    pub(crate) fn decode(
+        file: &Path,
+        bytes: &[u8],
+        expect_file_id: u64,
+        expect_checkpoint_id: u64,
+    ) -> Result<DataHeader, FormatError> {
+        if bytes.len() < DATA_HEADER_LEN {
+            return Err(FormatError::Truncated {
+                file: file.to_owned(),
+                offset: 0,
+                needed: DATA_HEADER_LEN as u64,
+                available: bytes.len() as u64,
+            });
+        }
+        if bytes[..8] != DATA_MAGIC {
+            return Err(FormatError::BadMagic {
+                file: file.to_owned(),
+                offset: 0,
+                found: le_u64(&bytes[..8]),
+            });
+        }
+        let version = u16::from_le_bytes([bytes[8], bytes[9]]);
+        if version != DATA_VERSION {
+            return Err(FormatError::UnsupportedVersion {
+                file: file.to_owned(),
+                offset: 8,
+                found: version,
+                supported: DATA_VERSION,
+            });
+        }
+        if bytes[10] != CHECKSUM_CRC32_IEEE {
+            return Err(FormatError::UnsupportedChecksum {
+                file: file.to_owned(),
+                offset: 10,
+                found: bytes[10],
+            });
+        }
+        let expected = le_u32(&bytes[36..40]);
+        let actual = crc32(&[&bytes[..36]]);
+        if expected != actual {
+            return Err(FormatError::ChecksumMismatch {
+                file: file.to_owned(),
+                offset: 0,
+                expected,
+                actual,
+            });
+        }
+        let h = DataHeader {
+            file_kind: bytes[11],
+            block_payload_bytes_max: le_u32(&bytes[12..16]),
+            file_id: le_u64(&bytes[16..24]),
+            checkpoint_id: le_u64(&bytes[24..32]),
+        };
+        for (field, offset, want, got) in [
+            ("file id", 16, expect_file_id, h.file_id),
+            ("checkpoint id", 24, expect_checkpoint_id, h.checkpoint_id),
+        ] {
+            if want != got {
+                return Err(FormatError::Misdirected {
+                    file: file.to_owned(),
+                    offset,
+                    field,
+                    expected: want,
+                    found: got,
+                });
+            }
+        }
+        if h.block_payload_bytes_max == 0 {
+            return Err(FormatError::Malformed {
+                file: file.to_owned(),
+                offset: 12,
+                reason: "block payload size is zero".into(),
+            });
+        }
+        Ok(h)
+    }
+}
+
+/// Number of blocks that hold `size_bytes` of content (an empty file still has one block, so
+/// that every logical file has a header that names it).
+pub(crate) fn block_count(size_bytes: u64, block_payload_bytes_max: u32) -> u64 {
+    size_bytes
+        .div_ceil(u64::from(block_payload_bytes_max))
+        .max(1)
+}
+
+/// On-disk length of `size_bytes` of content framed in blocks.
+pub(crate) fn framed_len(size_bytes: u64, block_payload_bytes_max: u32) -> u64 {
+    size_bytes + block_count(size_bytes, block_payload_bytes_max) * BLOCK_HEADER_LEN as u64
+}
+
+/// The name of a data file: `<checkpoint id>-<file id, 16 hex digits>-<hint>`. The name binds
+/// the file to its header, so a file renamed or copied to the wrong place is caught.
+pub(crate) fn data_file_name(checkpoint_id: u64, file_id: u64, hint: &str) -> String {
+    format!("{checkpoint_id}-{file_id:016x}-{hint}")
+}
+
+/// Parse a data file name into (checkpoint id, file id); `None` for anything else (GC never
+/// touches a file it cannot parse).
+pub(crate) fn parse_data_file_name(name: &str) -> Option<(u64, u64)> {
+    let (ckpt, rest) = name.split_once('-')?;
+    if ckpt.is_empty() || !ckpt.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let id = rest.get(..16)?;
+    if rest.as_bytes().get(16) != Some(&b'-') || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    Some((ckpt.parse().ok()?, u64::from_str_radix(id, 16).ok()?))
+}
+
+/// Keep a name hint short and to a safe alphabet.
+pub(crate) fn sanitize_hint(hint: &str) -> String {
+    let s: String = hint
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.'))
+        .take(48)
+        .collect();
+    if s.is_empty() {
+        "file".into()
+    } else {
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn sample() -> CheckpointMetadata {
+        CheckpointMetadata {
+            job_id: "job".into(),
+            checkpoint_id: 7,
+            kind: CheckpointKind::Checkpoint,
+            trigger_timestamp_ms: 1000,
+            completion_timestamp_ms: 1250,
+            new_bytes: 99,
+            files: vec![FileRef {
+                path: "shared/5-0000000100000001-seg".into(),
+                size_bytes: 10,
+                crc32: 0xdead_beef,
+            }],
+            logical_files: vec![LogicalFileRef {
+                physical: "taskowned/7-0000000100000002-merged".into(),
+                offset: 40,
+                size_bytes: 3,
+                first_block: 0,
+                crc32: 1,
+            }],
+            sections: vec![("sources".into(), vec![1, 2, 3])],
+        }
+    }
+
+    #[test]
+    fn metadata_round_trip_and_every_flip_and_cut_is_an_error() {
+        let m = sample();
+        let b = m.encode();
+        let f = Path::new("m");
+        assert_eq!(CheckpointMetadata::decode(f, &b).unwrap(), m);
+        for i in 0..b.len() {
+            let mut x = b.clone();
+            x[i] ^= 0x10;
+            let e = CheckpointMetadata::decode(f, &x).unwrap_err();
+            assert_eq!(e.file(), f);
+        }
+        for cut in 0..b.len() {
+            assert!(matches!(
+                CheckpointMetadata::decode(f, &b[..cut]),
+                Err(FormatError::Truncated { .. })
+            ));
+        }
+    }
+
+    #[test]
+    fn names_parse_and_reject_foreign() {
+        let n = data_file_name(12, 0xab, "seg");
+        assert_eq!(parse_data_file_name(&n), Some((12, 0xab)));
+        for bad in [
+            "x",
+            "12",
+            "12-zz-a",
+            "-0000000000000001-a",
+            "LOCK",
+            "1-0000000000000001",
+        ] {
+            assert_eq!(parse_data_file_name(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn unsafe_paths_are_rejected() {
+        assert!(is_safe_relative(Path::new("shared/a")));
+        for p in ["/etc/passwd", "../x", "shared/../../x", ""] {
+            assert!(!is_safe_relative(Path::new(p)), "{p}");
+        }
+    }
+}

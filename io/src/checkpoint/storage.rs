@@ -1,0 +1,1059 @@
+//! [`CheckpointStorage`]: the directory layout, pending checkpoints and their writers, commit,
+//! listing, retention and garbage collection, savepoint export.
+//!
+//! Invariants kept here (DESIGN.md section 3):
+//! * A checkpoint is complete iff `chk-<n>/_metadata` exists and verifies. `commit` publishes
+//!   the metadata only after every data file and the directory entries naming them are durable.
+//! * GC deletes a data file only when no retained checkpoint references it, no in-progress
+//!   checkpoint registered it, and the checkpoint that created it is not newer than the newest
+//!   complete one. Metadata goes first (and durably), files after.
+//! * `commit` and `retain` exclude each other (the GC lock), so a reused file cannot vanish
+//!   between the check that it exists and the publication of the metadata naming it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::checkpoint::error::{is_not_found, CheckpointError, VerifyError};
+use crate::checkpoint::format::{
+    data_file_name, parse_data_file_name, sanitize_hint, CheckpointKind, CheckpointMetadata,
+    DataHeader, FileRef, LogicalFileRef, SmallFileKind, DATA_BLOCK_KIND, DATA_HEADER_LEN,
+    FILE_KIND_MERGED_SHARED, FILE_KIND_MERGED_TASKOWNED, FILE_KIND_UPLOAD, METADATA_FILE,
+    SHARED_DIR, TASKOWNED_DIR,
+};
+use crate::checkpoint::read::{read_metadata_file, read_span, verify_files, Span, VerifyReport};
+use crate::error::IoError;
+use crate::frame::{crc32, encode_block, BlockHeader};
+use crate::fs::{publish_file, DirLock, Fs, FsFile};
+
+/// Tunables of checkpoint storage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StorageOptions {
+    /// A merged physical file is rolled when the next logical file would take it past this.
+    pub physical_file_bytes_max: u64,
+    /// Content bytes per framed block (each block carries its own header and CRC).
+    pub block_payload_bytes_max: u32,
+}
+
+impl Default for StorageOptions {
+    fn default() -> Self {
+        StorageOptions {
+            physical_file_bytes_max: 64 << 20,
+            block_payload_bytes_max: 1 << 20,
+        }
+    }
+}
+
+/// Copy and write buffers are at most this large.
+const COPY_CHUNK_BYTES: usize = 4 << 20;
+
+#[derive(Debug, Default)]
+struct Registry {
+    /// In-progress checkpoint id -> relative paths it created or reuses (GC skips them).
+    in_progress: BTreeMap<u64, BTreeSet<PathBuf>>,
+    latest_complete: Option<u64>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    fs: Arc<dyn Fs>,
+    job_id: String,
+    job_dir: PathBuf,
+    options: StorageOptions,
+    read_only: bool,
+    /// Upper 32 bits of every file id this instance makes; the lower 32 count.
+    session: u64,
+    next_file: AtomicU32,
+    registry: Mutex<Registry>,
+    /// Held by `commit` (check reused files, publish) and by `retain` (decide, delete).
+    gc: Mutex<()>,
+    _lock: Option<DirLock>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The protected data stays consistent at every await-free step; a panic elsewhere must not
+    // make the storage unusable.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Shared {
+    fn next_file_id(&self) -> u64 {
+        (self.session << 32) | u64::from(self.next_file.fetch_add(1, Ordering::Relaxed))
+    }
+    fn chk_dir(&self, id: u64) -> PathBuf {
+        self.job_dir.join(format!("chk-{id}"))
+    }
+    fn writable(&self, operation: &'static str) -> Result<(), CheckpointError> {
+        if self.read_only {
+            return Err(CheckpointError::ReadOnly {
+                path: self.job_dir.clone(),
+                operation,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A fresh value per storage instance, so file ids (and names) of two runs never collide.
+fn session_nonce() -> u64 {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let mut z = nanos
+        ^ u64::from(std::process::id()).rotate_left(32)
+        ^ COUNTER
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (z ^ (z >> 31)) & 0xffff_ffff
+}
+
+fn check_name(what: &'static str, s: &str) -> Result<(), CheckpointError> {
+    let ok = !s.is_empty()
+        && s.len() <= 200
+        && s != "."
+        && s != ".."
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(CheckpointError::InvalidArgument {
+            what,
+            reason: format!("{s:?}: use 1 to 200 of [A-Za-z0-9._-]"),
+        })
+    }
+}
+
+/// One `chk-<n>` directory as [`CheckpointStorage::list`] sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointInfo {
+    pub id: u64,
+    /// The `chk-<n>` directory.
+    pub path: PathBuf,
+    /// True iff `_metadata` exists and verifies.
+    pub complete: bool,
+    /// Content bytes the checkpoint references (0 when incomplete).
+    pub size_bytes: u64,
+    /// Bytes the checkpoint itself wrote (its incremental size; 0 when incomplete).
+    pub new_bytes: u64,
+    pub trigger_timestamp_ms: u64,
+    pub completion_timestamp_ms: u64,
+    /// Why the checkpoint is incomplete: no metadata, or the decode error.
+    pub problem: Option<String>,
+}
+
+/// What [`CheckpointStorage::commit`] made durable.
+#[derive(Debug, Clone)]
+pub struct CompletedCheckpoint {
+    pub metadata: CheckpointMetadata,
+    /// The `chk-<n>/_metadata` file.
+    pub metadata_path: PathBuf,
+}
+
+/// What the caller adds to a checkpoint's metadata at commit.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CommitInfo {
+    pub trigger_timestamp_ms: u64,
+    pub completion_timestamp_ms: u64,
+    /// Opaque named sections (per-shard state handles, source positions, channel-state refs,
+    /// sink transactions, metrics).
+    pub sections: Vec<(String, Vec<u8>)>,
+}
+
+/// What [`CheckpointStorage::retain`] removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GcReport {
+    /// Complete checkpoints dropped beyond the retained count.
+    pub dropped_checkpoints: Vec<u64>,
+    /// Incomplete `chk-<n>` directories removed.
+    pub removed_incomplete: Vec<u64>,
+    /// Data files deleted (relative paths).
+    pub deleted_files: Vec<PathBuf>,
+}
+
+/// Checkpoint storage of one job: `<root>/<job-id>/{chk-<n>/_metadata, shared/, taskowned/}`.
+///
+/// Cheap to clone and `Send + Sync`: the coordinator commits and collects garbage while the
+/// shards' background threads write through [`CheckpointWriter`]s.
+#[derive(Debug, Clone)]
+pub struct CheckpointStorage {
+    shared: Arc<Shared>,
+}
+
+impl CheckpointStorage {
+    /// Open (creating the directories) the storage of `job_id` under `root`, with default
+    /// options. Takes an exclusive lock on the job directory.
+    pub fn open(
+        fs: Arc<dyn Fs>,
+        root: &Path,
+        job_id: &str,
+    ) -> Result<CheckpointStorage, CheckpointError> {
+        Self::open_with(fs, root, job_id, StorageOptions::default())
+    }
+
+    /// [`open`](Self::open) with explicit options.
+    pub fn open_with(
+        fs: Arc<dyn Fs>,
+        root: &Path,
+        job_id: &str,
+        options: StorageOptions,
+    ) -> Result<CheckpointStorage, CheckpointError> {
+        check_name("job id", job_id)?;
+        if options.block_payload_bytes_max == 0 || options.physical_file_bytes_max == 0 {
+            return Err(CheckpointError::InvalidArgument {
+                what: "storage options",
+                reason: "sizes must be positive".into(),
+            });
+        }
+        let job_dir = root.join(job_id);
+        for d in [SHARED_DIR, TASKOWNED_DIR] {
+            fs.create_dir_all(&job_dir.join(d))?;
+        }
+        fs.sync_dir(&job_dir)?;
+        fs.sync_dir(root)?;
+        let lock = DirLock::acquire(&job_dir)?;
+        Self::build(fs, job_dir, job_id, options, false, Some(lock))
+    }
+
+    /// Open an existing job directory for listing, reading and verifying only (the `weir`
+    /// tool while a job runs): no lock, no directory creation, no writes.
+    pub fn open_read_only(
+        fs: Arc<dyn Fs>,
+        root: &Path,
+        job_id: &str,
+    ) -> Result<CheckpointStorage, CheckpointError> {
+        check_name("job id", job_id)?;
+        let job_dir = root.join(job_id);
+        fs.list_dir(&job_dir)?;
+        Self::build(fs, job_dir, job_id, StorageOptions::default(), true, None)
+    }
+
+    fn build(
+        fs: Arc<dyn Fs>,
+        job_dir: PathBuf,
+        job_id: &str,
+        options: StorageOptions,
+        read_only: bool,
+        dir_lock: Option<DirLock>,
+    ) -> Result<CheckpointStorage, CheckpointError> {
+        let storage = CheckpointStorage {
+            shared: Arc::new(Shared {
+                fs,
+                job_id: job_id.to_owned(),
+                job_dir,
+                options,
+                read_only,
+                session: session_nonce(),
+                next_file: AtomicU32::new(0),
+                registry: Mutex::new(Registry::default()),
+                gc: Mutex::new(()),
+                _lock: dir_lock,
+            }),
+        };
+        let latest = storage.latest_complete()?.map(|i| i.id);
+        lock(&storage.shared.registry).latest_complete = latest;
+        Ok(storage)
+    }
+
+    /// The job directory.
+    pub fn job_dir(&self) -> &Path {
+        &self.shared.job_dir
+    }
+
+    /// Start checkpoint `checkpoint_id`. Ids must grow: an id not above the newest complete
+    /// checkpoint, or one already in progress, is refused.
+    pub fn begin(&self, checkpoint_id: u64) -> Result<PendingCheckpoint, CheckpointError> {
+        self.shared.writable("begin")?;
+        let mut reg = lock(&self.shared.registry);
+        if let Some(latest) = reg.latest_complete.filter(|&l| checkpoint_id <= l) {
+            return Err(CheckpointError::StaleId {
+                checkpoint_id,
+                latest_complete: latest,
+            });
+        }
+        if reg.in_progress.contains_key(&checkpoint_id) {
+            return Err(CheckpointError::AlreadyInProgress { checkpoint_id });
+        }
+        reg.in_progress.insert(checkpoint_id, BTreeSet::new());
+        drop(reg);
+        Ok(PendingCheckpoint {
+            inner: Arc::new(PendingInner {
+                storage: self.shared.clone(),
+                checkpoint_id,
+                state: Mutex::new(PendingState::default()),
+            }),
+        })
+    }
+
+    /// Make checkpoint `pending` complete: check that every writer finished (each fsynced its
+    /// files), that reused files still exist, fsync the data directories, then publish
+    /// `chk-<n>/_metadata` (temp, fsync, rename, fsync directory). Any failure fails the
+    /// checkpoint; its files become orphans for [`retain`](Self::retain) to delete.
+    pub fn commit(
+        &self,
+        pending: PendingCheckpoint,
+        info: CommitInfo,
+    ) -> Result<CompletedCheckpoint, CheckpointError> {
+        let sh = &self.shared;
+        let id = pending.inner.checkpoint_id;
+        let (files, logical_files, reused, new_bytes) = {
+            let st = lock(&pending.inner.state);
+            st.usable(id)?;
+            if st.open_writers > 0 {
+                return Err(CheckpointError::WritersNotFinished {
+                    checkpoint_id: id,
+                    open_writers: st.open_writers,
+                });
+            }
+            let files: BTreeSet<FileRef> = st.files.iter().cloned().collect();
+            let logical: BTreeSet<LogicalFileRef> = st.logical_files.iter().cloned().collect();
+            (
+                files.into_iter().collect::<Vec<_>>(),
+                logical.into_iter().collect::<Vec<_>>(),
+                st.reused.clone(),
+                st.new_bytes,
+            )
+        };
+        let metadata = CheckpointMetadata {
+            job_id: sh.job_id.clone(),
+            checkpoint_id: id,
+            kind: CheckpointKind::Checkpoint,
+            trigger_timestamp_ms: info.trigger_timestamp_ms,
+            completion_timestamp_ms: info.completion_timestamp_ms,
+            new_bytes,
+            files,
+            logical_files,
+            sections: info.sections,
+        };
+        let bytes = metadata.encode();
+        // Check what we are about to make durable (the pair of the check after reading it).
+        let dir = sh.chk_dir(id);
+        let path = dir.join(METADATA_FILE);
+        assert_eq!(
+            CheckpointMetadata::decode(&path, &bytes).as_ref(),
+            Ok(&metadata),
+            "metadata encoding does not round-trip"
+        );
+        let _gc = lock(&sh.gc);
+        for rel in &reused {
+            match sh.fs.open(&sh.job_dir.join(rel)) {
+                Ok(_) => {}
+                Err(e) if is_not_found(&e) => {
+                    return Err(CheckpointError::MissingReusedFile {
+                        checkpoint_id: id,
+                        path: rel.clone(),
+                    })
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let fail = |e: IoError| {
+            lock(&pending.inner.state).failed = Some(e.to_string());
+            e
+        };
+        // The directory entries of the new data files must be durable before the metadata
+        // that names them.
+        for d in [SHARED_DIR, TASKOWNED_DIR] {
+            sh.fs.sync_dir(&sh.job_dir.join(d)).map_err(fail)?;
+        }
+        sh.fs.create_dir_all(&dir).map_err(fail)?;
+        sh.fs.sync_dir(&sh.job_dir).map_err(fail)?;
+        if let Err(e) = publish_file(&*sh.fs, &path, &bytes) {
+            // Best effort: a failed publish must not look complete to this process. If the
+            // rename happened and a crash later resurrects it, the checkpoint is still whole:
+            // every file it names was durable before the rename.
+            let _ = sh.fs.remove(&path);
+            lock(&pending.inner.state).failed = Some(e.to_string());
+            return Err(e.into());
+        }
+        {
+            // An older checkpoint may complete after a newer one (concurrent checkpoints).
+            let mut reg = lock(&sh.registry);
+            reg.latest_complete = reg.latest_complete.max(Some(id));
+        }
+        Ok(CompletedCheckpoint {
+            metadata,
+            metadata_path: path,
+        })
+    }
+
+    /// Abort `pending`: its writers fail from now on, and the files it created are deleted.
+    pub fn abort(&self, pending: PendingCheckpoint) -> Result<(), CheckpointError> {
+        let written = {
+            let mut st = lock(&pending.inner.state);
+            st.aborted = true;
+            std::mem::take(&mut st.written)
+        };
+        let sh = &self.shared;
+        for rel in written {
+            match sh.fs.remove(&sh.job_dir.join(&rel)) {
+                Ok(()) => {}
+                Err(e) if is_not_found(&e) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Every `chk-<n>` directory, by id; those without a valid `_metadata` are incomplete.
+    pub fn list(&self) -> Result<Vec<CheckpointInfo>, CheckpointError> {
+        Ok(self
+            .scan()?
+            .into_iter()
+            .map(|(id, path, status)| match status {
+                Status::Complete(m) => CheckpointInfo {
+                    id,
+                    path,
+                    complete: true,
+                    size_bytes: m.size_bytes(),
+                    new_bytes: m.new_bytes,
+                    trigger_timestamp_ms: m.trigger_timestamp_ms,
+                    completion_timestamp_ms: m.completion_timestamp_ms,
+                    problem: None,
+                },
+                Status::Missing | Status::Corrupt(_) => CheckpointInfo {
+                    id,
+                    path,
+                    complete: false,
+                    size_bytes: 0,
+                    new_bytes: 0,
+                    trigger_timestamp_ms: 0,
+                    completion_timestamp_ms: 0,
+                    problem: Some(match status {
+                        Status::Corrupt(e) => e,
+                        _ => format!("no {METADATA_FILE}"),
+                    }),
+                },
+            })
+            .collect())
+    }
+
+    /// The newest complete checkpoint.
+    pub fn latest_complete(&self) -> Result<Option<CheckpointInfo>, CheckpointError> {
+        Ok(self.list()?.into_iter().rev().find(|i| i.complete))
+    }
+
+    /// The verified metadata of complete checkpoint `checkpoint_id`.
+    pub fn read_metadata(&self, checkpoint_id: u64) -> Result<CheckpointMetadata, CheckpointError> {
+        let dir = self.shared.chk_dir(checkpoint_id);
+        let m = read_metadata_file(&*self.shared.fs, &dir)?.ok_or_else(|| {
+            CheckpointError::NotFound {
+                checkpoint_id,
+                path: dir.join(METADATA_FILE),
+            }
+        })?;
+        self.check_identity(&dir, &m, checkpoint_id)?;
+        Ok(m)
+    }
+
+    /// A metadata file with a valid CRC in the wrong place (copied, or of another job) is
+    /// misdirected, not complete.
+    fn check_identity(
+        &self,
+        dir: &Path,
+        m: &CheckpointMetadata,
+        checkpoint_id: u64,
+    ) -> Result<(), CheckpointError> {
+        let file = dir.join(METADATA_FILE);
+        let wrong = |field, offset, expected: u64, found: u64| {
+            CheckpointError::Format(crate::FormatError::Misdirected {
+                file: file.clone(),
+                offset,
+                field,
+                expected,
+                found,
+            })
+        };
+        if m.checkpoint_id != checkpoint_id {
+            return Err(wrong("checkpoint id", 16, checkpoint_id, m.checkpoint_id));
+        }
+        if m.kind != CheckpointKind::Checkpoint {
+            return Err(wrong("kind", 11, 1, 2));
+        }
+        if m.job_id != self.shared.job_id {
+            return Err(CheckpointError::Format(crate::FormatError::Malformed {
+                file,
+                offset: 48,
+                reason: format!(
+                    "metadata of job {:?}, expected {:?}",
+                    m.job_id, self.shared.job_id
+                ),
+            }));
+        }
+        Ok(())
+    }
+
+    /// Read a whole file of this job, verified (header, every block, content CRC).
+    pub fn read_file(&self, r: &FileRef) -> Result<Vec<u8>, CheckpointError> {
+        read_span(&*self.shared.fs, &self.shared.job_dir, &Span::of_file(r))
+    }
+
+    /// Read a logical file of this job, verified.
+    pub fn read_logical(&self, r: &LogicalFileRef) -> Result<Vec<u8>, CheckpointError> {
+        read_span(&*self.shared.fs, &self.shared.job_dir, &Span::of_logical(r))
+    }
+
+    /// Check the metadata and every CRC of every file checkpoint `checkpoint_id` uses.
+    pub fn verify(&self, checkpoint_id: u64) -> Result<VerifyReport, VerifyError> {
+        let m = self.read_metadata(checkpoint_id).map_err(|e| match e {
+            CheckpointError::Format(source) => VerifyError::Corrupt {
+                checkpoint_id,
+                source,
+            },
+            CheckpointError::NotFound { path, .. } => VerifyError::NotFound {
+                checkpoint_id,
+                path,
+            },
+            CheckpointError::Io(source) => VerifyError::Io {
+                checkpoint_id,
+                source,
+            },
+            other => VerifyError::Io {
+                checkpoint_id,
+                source: IoError::Os {
+                    op: "verify",
+                    path: self.shared.chk_dir(checkpoint_id),
+                    source: std::io::Error::other(other.to_string()),
+                },
+            },
+        })?;
+        verify_files(&*self.shared.fs, &self.shared.job_dir, &m)
+    }
+
+    fn scan(&self) -> Result<Vec<(u64, PathBuf, Status)>, CheckpointError> {
+        let mut out = Vec::new();
+        for path in self.shared.fs.list_dir(&self.shared.job_dir)? {
+            let Some(id) = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_prefix("chk-"))
+                .and_then(|n| n.parse::<u64>().ok())
+            else {
+                continue;
+            };
+            let status = match self.read_metadata(id) {
+                Ok(m) => Status::Complete(Box::new(m)),
+                Err(CheckpointError::NotFound { .. }) => Status::Missing,
+                Err(CheckpointError::Format(e)) => Status::Corrupt(e.to_string()),
+                Err(e) => return Err(e),
+            };
+            out.push((id, path, status));
+        }
+        out.sort_by_key(|(id, _, _)| *id);
+        Ok(out)
+    }
+
+    /// Keep the newest `keep` complete checkpoints, drop the others (metadata first, durably),
+    /// remove incomplete directories older than the newest complete checkpoint, and delete
+    /// every data file that nothing refers to (see the module docs for the exact rule).
+    pub fn retain(&self, keep: usize) -> Result<GcReport, CheckpointError> {
+        let sh = &self.shared;
+        sh.writable("retain")?;
+        if keep == 0 {
+            return Err(CheckpointError::InvalidArgument {
+                what: "retained checkpoint count",
+                reason: "must be at least 1".into(),
+            });
+        }
+        let _gc = lock(&sh.gc);
+        let (in_progress_ids, mut referenced) = {
+            let reg = lock(&sh.registry);
+            let ids: BTreeSet<u64> = reg.in_progress.keys().copied().collect();
+            let paths: BTreeSet<PathBuf> = reg.in_progress.values().flatten().cloned().collect();
+            (ids, paths)
+        };
+        let scan = self.scan()?;
+        let complete: Vec<(u64, &PathBuf, &CheckpointMetadata)> = scan
+            .iter()
+            .filter_map(|(id, p, s)| match s {
+                Status::Complete(m) => Some((*id, p, &**m)),
+                _ => None,
+            })
+            .collect();
+        let mut report = GcReport::default();
+        let Some(newest) = complete.last().map(|c| c.0) else {
+            return Ok(report);
+        };
+        let split = complete.len().saturating_sub(keep);
+        for (_, _, m) in &complete[split..] {
+            referenced.extend(m.physical_paths());
+        }
+        for &(id, dir, _) in &complete[..split] {
+            sh.fs.remove(&dir.join(METADATA_FILE))?;
+            // The removal must be durable before any file it referenced goes.
+            sh.fs.sync_dir(dir)?;
+            remove_dir_contents(&*sh.fs, dir)?;
+            report.dropped_checkpoints.push(id);
+        }
+        for (id, dir, status) in &scan {
+            if matches!(status, Status::Missing) && *id < newest && !in_progress_ids.contains(id) {
+                remove_dir_contents(&*sh.fs, dir)?;
+                report.removed_incomplete.push(*id);
+            }
+        }
+        sh.fs.sync_dir(&sh.job_dir)?;
+        for d in [SHARED_DIR, TASKOWNED_DIR] {
+            let dir = sh.job_dir.join(d);
+            for path in sh.fs.list_dir(&dir)? {
+                let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+                    continue;
+                };
+                let Some((creator, _)) = parse_data_file_name(name) else {
+                    continue;
+                };
+                let rel = Path::new(d).join(name);
+                if creator > newest
+                    || in_progress_ids.contains(&creator)
+                    || referenced.contains(&rel)
+                {
+                    continue;
+                }
+                match sh.fs.remove(&path) {
+                    Ok(()) => report.deleted_files.push(rel),
+                    Err(e) if is_not_found(&e) => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            sh.fs.sync_dir(&dir)?;
+        }
+        Ok(report)
+    }
+
+    /// Export complete checkpoint `checkpoint_id` as a self-contained savepoint in
+    /// `<savepoint_root>/<name>`: every file it needs is copied under the same relative path,
+    /// verified, made durable, and the metadata (kind savepoint) is published last.
+    pub fn export_savepoint(
+        &self,
+        checkpoint_id: u64,
+        savepoint_root: &Path,
+        name: &str,
+    ) -> Result<PathBuf, CheckpointError> {
+        check_name("savepoint name", name)?;
+        let sh = &self.shared;
+        let target = savepoint_root.join(name);
+        if target.exists() {
+            return Err(CheckpointError::AlreadyExists { path: target });
+        }
+        self.verify(checkpoint_id)?;
+        let mut metadata = self.read_metadata(checkpoint_id)?;
+        metadata.kind = CheckpointKind::Savepoint;
+        for d in [SHARED_DIR, TASKOWNED_DIR] {
+            sh.fs.create_dir_all(&target.join(d))?;
+        }
+        for rel in metadata.physical_paths() {
+            copy_file(&*sh.fs, &sh.job_dir.join(&rel), &target.join(&rel))?;
+        }
+        // The copies are verbatim: check them before the metadata makes them a savepoint.
+        verify_files(&*sh.fs, &target, &metadata)?;
+        for d in [SHARED_DIR, TASKOWNED_DIR] {
+            sh.fs.sync_dir(&target.join(d))?;
+        }
+        sh.fs.sync_dir(&target)?;
+        sh.fs.sync_dir(savepoint_root)?;
+        publish_file(&*sh.fs, &target.join(METADATA_FILE), &metadata.encode())?;
+        Ok(target)
+    }
+}
+
+enum Status {
+    Complete(Box<CheckpointMetadata>),
+    Missing,
+    Corrupt(String),
+}
+
+/// Remove the files in `dir` and then `dir` itself.
+fn remove_dir_contents(fs: &dyn Fs, dir: &Path) -> Result<(), CheckpointError> {
+    for p in fs.list_dir(dir)? {
+        fs.remove(&p)?;
+    }
+    // `Fs` has no directory removal yet; an empty directory left behind by a crash here is
+    // listed as incomplete and removed by the next `retain`.
+    std::fs::remove_dir(dir).map_err(|e| IoError::Os {
+        op: "remove dir",
+        path: dir.to_owned(),
+        source: e,
+    })?;
+    Ok(())
+}
+
+fn copy_file(fs: &dyn Fs, from: &Path, to: &Path) -> Result<(), CheckpointError> {
+    let src = fs.open(from)?;
+    let len = src.len()?;
+    let mut dst = fs.create(to)?;
+    let mut buf = vec![0u8; COPY_CHUNK_BYTES.min(len as usize)];
+    let mut at = 0u64;
+    while at < len {
+        let n = ((len - at) as usize).min(buf.len());
+        src.read_at(at, &mut buf[..n])?;
+        dst.write_at(at, &buf[..n])?;
+        at += n as u64;
+    }
+    dst.sync()?;
+    Ok(())
+}
+
+#[derive(Debug, Default)]
+struct PendingState {
+    /// Data files created (relative paths), for abort.
+    written: Vec<PathBuf>,
+    /// Files reused from earlier checkpoints (relative paths), checked at commit.
+    reused: Vec<PathBuf>,
+    files: Vec<FileRef>,
+    logical_files: Vec<LogicalFileRef>,
+    new_bytes: u64,
+    open_writers: usize,
+    aborted: bool,
+    failed: Option<String>,
+}
+
+impl PendingState {
+    fn usable(&self, checkpoint_id: u64) -> Result<(), CheckpointError> {
+        if self.aborted {
+            return Err(CheckpointError::Aborted { checkpoint_id });
+        }
+        if let Some(reason) = &self.failed {
+            return Err(CheckpointError::Failed {
+                checkpoint_id,
+                reason: reason.clone(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+struct PendingInner {
+    storage: Arc<Shared>,
+    checkpoint_id: u64,
+    state: Mutex<PendingState>,
+}
+
+impl Drop for PendingInner {
+    fn drop(&mut self) {
+        // Committed, aborted or abandoned: GC may judge its files from now on.
+        lock(&self.storage.registry)
+            .in_progress
+            .remove(&self.checkpoint_id);
+    }
+}
+
+impl PendingInner {
+    /// Register a path before creating (or reusing) it, so GC never sees it unregistered.
+    fn register(&self, rel: &Path, created: bool) -> Result<(), CheckpointError> {
+        let mut st = lock(&self.state);
+        st.usable(self.checkpoint_id)?;
+        lock(&self.storage.registry)
+            .in_progress
+            .entry(self.checkpoint_id)
+            .or_default()
+            .insert(rel.to_owned());
+        if created {
+            st.written.push(rel.to_owned());
+        } else {
+            st.reused.push(rel.to_owned());
+        }
+        Ok(())
+    }
+
+    fn fail<E: std::fmt::Display>(&self, e: E) -> E {
+        let mut st = lock(&self.state);
+        if st.failed.is_none() {
+            st.failed = Some(e.to_string());
+        }
+        e
+    }
+}
+
+/// A checkpoint being written. Hand one [`CheckpointWriter`] to each shard's background thread
+/// ([`writer`](Self::writer)); then [`CheckpointStorage::commit`] or
+/// [`CheckpointStorage::abort`] it. `Send + Sync`.
+#[derive(Debug)]
+pub struct PendingCheckpoint {
+    inner: Arc<PendingInner>,
+}
+
+impl PendingCheckpoint {
+    /// The checkpoint id.
+    pub fn checkpoint_id(&self) -> u64 {
+        self.inner.checkpoint_id
+    }
+
+    /// A new writer with its own merged physical files. Each writer must be
+    /// [`finish`](CheckpointWriter::finish)ed before commit.
+    pub fn writer(&self) -> CheckpointWriter {
+        lock(&self.inner.state).open_writers += 1;
+        CheckpointWriter {
+            inner: self.inner.clone(),
+            physical: [None, None],
+            unsynced: Vec::new(),
+            finished: false,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Physical {
+    file: Box<dyn FsFile>,
+    rel: PathBuf,
+    file_id: u64,
+    end: u64,
+    next_block: u32,
+}
+
+/// Writes the files of one shard for one checkpoint. Owned by one thread (`Send`); several
+/// writers of one checkpoint work in parallel, each with its own physical files.
+#[derive(Debug)]
+pub struct CheckpointWriter {
+    inner: Arc<PendingInner>,
+    /// Current merged physical file per [`SmallFileKind`] (task-owned, shared).
+    physical: [Option<Physical>; 2],
+    /// Files written and not yet fsynced (rolled physical files, uploads).
+    unsynced: Vec<Box<dyn FsFile>>,
+    finished: bool,
+}
+
+/// What a writer wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WriterStats {
+    pub files_synced: usize,
+}
+
+impl CheckpointWriter {
+    /// Copy the immutable local file `src` (an LSM segment) into `shared/`, framed in
+    /// checksummed blocks, and return its reference. Not yet durable: see [`finish`](Self::finish).
+    pub fn upload_shared(
+        &mut self,
+        src: &Path,
+        name_hint: &str,
+    ) -> Result<FileRef, CheckpointError> {
+        let r = self.upload_inner(src, name_hint);
+        r.map_err(|e| self.inner.fail(e))
+    }
+
+    fn upload_inner(&mut self, src: &Path, name_hint: &str) -> Result<FileRef, CheckpointError> {
+        let sh = self.inner.storage.clone();
+        let source = sh.fs.map_readonly(src)?;
+        let mut p =
+            self.create_physical(FILE_KIND_UPLOAD, SHARED_DIR, &sanitize_hint(name_hint))?;
+        let (_, _, crc) = Self::append(&mut p, &source, sh.options.block_payload_bytes_max)?;
+        let r = FileRef {
+            path: p.rel.clone(),
+            size_bytes: source.len() as u64,
+            crc32: crc,
+        };
+        // The header was counted when the file was created.
+        let written = p.end - DATA_HEADER_LEN as u64;
+        self.unsynced.push(p.file);
+        let mut st = lock(&self.inner.state);
+        st.new_bytes += written;
+        st.files.push(r.clone());
+        Ok(r)
+    }
+
+    /// Reference a whole file uploaded by an earlier, still retained checkpoint instead of
+    /// uploading it again (incremental checkpoints). Reuse only references of the latest
+    /// complete checkpoint; commit fails if the file is gone.
+    pub fn reuse_shared(&mut self, r: &FileRef) -> Result<(), CheckpointError> {
+        self.check_reuse(&r.path)?;
+        self.inner.register(&r.path, false)?;
+        lock(&self.inner.state).files.push(r.clone());
+        Ok(())
+    }
+
+    /// Reference a logical file in a shared merged file of an earlier, retained checkpoint.
+    pub fn reuse_logical(&mut self, r: &LogicalFileRef) -> Result<(), CheckpointError> {
+        self.check_reuse(&r.physical)?;
+        if !r.physical.starts_with(SHARED_DIR) {
+            return Err(CheckpointError::InvalidArgument {
+                what: "reused logical file",
+                reason: format!("{} is task-owned, not shared", r.physical.display()),
+            });
+        }
+        self.inner.register(&r.physical, false)?;
+        lock(&self.inner.state).logical_files.push(r.clone());
+        Ok(())
+    }
+
+    fn check_reuse(&self, rel: &Path) -> Result<(), CheckpointError> {
+        if !crate::checkpoint::format::is_safe_relative(rel) {
+            return Err(CheckpointError::InvalidArgument {
+                what: "reused file",
+                reason: format!("{} is not a relative path", rel.display()),
+            });
+        }
+        Ok(())
+    }
+
+    /// Append `bytes` as a logical file to this writer's current merged physical file of
+    /// `kind` (rolling to a new one at the size limit). Not yet durable: see
+    /// [`finish`](Self::finish).
+    pub fn write_small(
+        &mut self,
+        bytes: &[u8],
+        kind: SmallFileKind,
+    ) -> Result<LogicalFileRef, CheckpointError> {
+        let r = self.write_small_inner(bytes, kind);
+        r.map_err(|e| self.inner.fail(e))
+    }
+
+    fn write_small_inner(
+        &mut self,
+        bytes: &[u8],
+        kind: SmallFileKind,
+    ) -> Result<LogicalFileRef, CheckpointError> {
+        let opts = self.inner.storage.options;
+        let (slot, file_kind, dir) = match kind {
+            SmallFileKind::TaskOwned => (0, FILE_KIND_MERGED_TASKOWNED, TASKOWNED_DIR),
+            SmallFileKind::Shared => (1, FILE_KIND_MERGED_SHARED, SHARED_DIR),
+        };
+        let framed =
+            crate::checkpoint::format::framed_len(bytes.len() as u64, opts.block_payload_bytes_max);
+        let roll = self.physical[slot].as_ref().is_some_and(|p| {
+            p.end > DATA_HEADER_LEN as u64 && p.end + framed > opts.physical_file_bytes_max
+        });
+        if roll {
+            if let Some(p) = self.physical[slot].take() {
+                self.unsynced.push(p.file);
+            }
+        }
+        if self.physical[slot].is_none() {
+            self.physical[slot] = Some(self.create_physical(file_kind, dir, "merged")?);
+        }
+        let Some(p) = self.physical[slot].as_mut() else {
+            unreachable!("physical file was just created")
+        };
+        let before = p.end;
+        let (offset, first_block, crc) = Self::append(p, bytes, opts.block_payload_bytes_max)?;
+        let r = LogicalFileRef {
+            physical: p.rel.clone(),
+            offset,
+            size_bytes: bytes.len() as u64,
+            first_block,
+            crc32: crc,
+        };
+        let written = p.end - before;
+        let mut st = lock(&self.inner.state);
+        st.new_bytes += written;
+        st.logical_files.push(r.clone());
+        Ok(r)
+    }
+
+    fn create_physical(
+        &mut self,
+        file_kind: u8,
+        dir: &str,
+        hint: &str,
+    ) -> Result<Physical, CheckpointError> {
+        let sh = &self.inner.storage;
+        let file_id = sh.next_file_id();
+        let rel = Path::new(dir).join(data_file_name(self.inner.checkpoint_id, file_id, hint));
+        self.inner.register(&rel, true)?;
+        let mut file = sh.fs.create(&sh.job_dir.join(&rel))?;
+        let header = DataHeader {
+            file_kind,
+            block_payload_bytes_max: sh.options.block_payload_bytes_max,
+            file_id,
+            checkpoint_id: self.inner.checkpoint_id,
+        };
+        file.write_at(0, &header.encode())?;
+        lock(&self.inner.state).new_bytes += DATA_HEADER_LEN as u64;
+        Ok(Physical {
+            file,
+            rel,
+            file_id,
+            end: DATA_HEADER_LEN as u64,
+            next_block: 0,
+        })
+    }
+
+    /// Frame `bytes` in blocks at the end of `p`. Returns (offset, first block, content CRC).
+    fn append(
+        p: &mut Physical,
+        bytes: &[u8],
+        block_max: u32,
+    ) -> Result<(u64, u32, u32), CheckpointError> {
+        let offset = p.end;
+        let first_block = p.next_block;
+        let mut buf = Vec::with_capacity(COPY_CHUNK_BYTES.min(bytes.len() + 64));
+        let mut chunks: Vec<&[u8]> = bytes.chunks(block_max as usize).collect();
+        if chunks.is_empty() {
+            chunks.push(&[]);
+        }
+        for chunk in chunks {
+            let header = BlockHeader {
+                file_id: p.file_id,
+                block_index: p.next_block,
+                kind: DATA_BLOCK_KIND,
+                payload_len: chunk.len() as u32,
+            };
+            encode_block(&mut buf, header, chunk);
+            p.next_block =
+                p.next_block
+                    .checked_add(1)
+                    .ok_or_else(|| CheckpointError::InvalidArgument {
+                        what: "physical file",
+                        reason: "more than u32::MAX blocks".into(),
+                    })?;
+            if buf.len() >= COPY_CHUNK_BYTES {
+                p.file.write_at(p.end, &buf)?;
+                p.end += buf.len() as u64;
+                buf.clear();
+            }
+        }
+        if !buf.is_empty() {
+            p.file.write_at(p.end, &buf)?;
+            p.end += buf.len() as u64;
+        }
+        Ok((offset, first_block, crc32(&[bytes])))
+    }
+
+    /// fsync every file this writer wrote (on the calling thread, so shards sync in
+    /// parallel) and hand them to the checkpoint. A failed fsync fails the checkpoint: the
+    /// data may be gone and retrying would prove nothing.
+    pub fn finish(mut self) -> Result<WriterStats, CheckpointError> {
+        let r = self.finish_inner();
+        self.finished = true;
+        let mut st = lock(&self.inner.state);
+        st.open_writers -= 1;
+        if let Err(e) = &r {
+            if st.failed.is_none() {
+                st.failed = Some(e.to_string());
+            }
+        }
+        r
+    }
+
+    fn finish_inner(&mut self) -> Result<WriterStats, CheckpointError> {
+        lock(&self.inner.state).usable(self.inner.checkpoint_id)?;
+        let mut files = std::mem::take(&mut self.unsynced);
+        files.extend(
+            self.physical
+                .iter_mut()
+                .filter_map(|p| p.take())
+                .map(|p| p.file),
+        );
+        for f in &mut files {
+            f.sync()?;
+        }
+        Ok(WriterStats {
+            files_synced: files.len(),
+        })
+    }
+}
+
+impl Drop for CheckpointWriter {
+    fn drop(&mut self) {
+        if !self.finished {
+            let mut st = lock(&self.inner.state);
+            st.open_writers -= 1;
+            if st.failed.is_none() {
+                st.failed = Some("a writer was dropped without finish".into());
+            }
+        }
+    }
+}

@@ -1,0 +1,753 @@
+//! Checkpoint storage: round trip, incremental reuse, crash at every step, corruption,
+//! retention and GC, savepoints, and the documented metadata fixture.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use weir_io::{
+    CheckpointError, CheckpointKind, CheckpointMetadata, CheckpointStorage, CommitInfo,
+    CompletedCheckpoint, FaultConfig, FaultyFs, FileRef, FormatError, Fs, LogicalFileRef,
+    Savepoint, SmallFileKind, StdFs, StorageOptions, VerifyError, DATA_HEADER_LEN, METADATA_FILE,
+};
+
+/// Small blocks and physical files, so multi-block files and rolling are exercised.
+const OPTS: StorageOptions = StorageOptions {
+    physical_file_bytes_max: 8_000,
+    block_payload_bytes_max: 1_000,
+};
+const BLOCK_HEADER: u64 = 24;
+
+fn bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// A local "segment" file to upload.
+fn segment(dir: &Path, name: &str, len: usize, seed: u64) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let p = dir.join(name);
+    std::fs::write(&p, bytes(len, seed)).unwrap();
+    p
+}
+
+fn open(fs: Arc<dyn Fs>, root: &Path) -> CheckpointStorage {
+    CheckpointStorage::open_with(fs, root, "job", OPTS).unwrap()
+}
+
+fn info(id: u64) -> CommitInfo {
+    CommitInfo {
+        trigger_timestamp_ms: 1000 * id,
+        completion_timestamp_ms: 1000 * id + 7,
+        sections: vec![("sources".into(), format!("offset={id}").into_bytes())],
+    }
+}
+
+/// Data files on disk (relative to the job dir) with their sizes.
+fn data_files(job: &Path) -> Vec<(PathBuf, u64)> {
+    let mut out = Vec::new();
+    for d in ["shared", "taskowned"] {
+        for e in std::fs::read_dir(job.join(d)).unwrap() {
+            let e = e.unwrap();
+            out.push((
+                Path::new(d).join(e.file_name()),
+                e.metadata().unwrap().len(),
+            ));
+        }
+    }
+    out.sort();
+    out
+}
+
+fn created_by(job: &Path, id: u64) -> Vec<(PathBuf, u64)> {
+    data_files(job)
+        .into_iter()
+        .filter(|(p, _)| {
+            p.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with(&format!("{id}-"))
+        })
+        .collect()
+}
+
+fn read_all_refs(st: &CheckpointStorage, m: &CheckpointMetadata) {
+    for f in &m.files {
+        assert_eq!(st.read_file(f).unwrap().len() as u64, f.size_bytes);
+    }
+    for l in &m.logical_files {
+        assert_eq!(st.read_logical(l).unwrap().len() as u64, l.size_bytes);
+    }
+}
+
+#[test]
+fn round_trip_and_incremental_reuse() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, local) = (tmp.path().join("ckpt"), tmp.path().join("local"));
+    let st = open(Arc::new(StdFs), &root);
+    let job = st.job_dir().to_owned();
+
+    let s1 = segment(&local, "s1", 5_000, 1);
+    let s2 = segment(&local, "s2", 3_000, 2);
+    let p = st.begin(1).unwrap();
+    let mut w = p.writer();
+    let f1 = w.upload_shared(&s1, "seg-1").unwrap();
+    let f2 = w.upload_shared(&s2, "seg-2").unwrap();
+    let mut small: Vec<(LogicalFileRef, Vec<u8>)> = Vec::new();
+    for i in 0..20u64 {
+        let b = bytes((i as usize * 97) % 2_500, 100 + i);
+        let kind = if i % 5 == 0 {
+            SmallFileKind::Shared
+        } else {
+            SmallFileKind::TaskOwned
+        };
+        small.push((w.write_small(&b, kind).unwrap(), b));
+    }
+    w.finish().unwrap();
+    let c1 = st.commit(p, info(1)).unwrap();
+
+    // Listing, metadata, and every byte read back verified.
+    let list = st.list().unwrap();
+    assert_eq!(list.len(), 1);
+    assert!(list[0].complete && list[0].id == 1);
+    assert_eq!(list[0].size_bytes, c1.metadata.size_bytes());
+    let m1 = st.read_metadata(1).unwrap();
+    assert_eq!(m1, c1.metadata);
+    assert_eq!(m1.section("sources"), Some(&b"offset=1"[..]));
+    assert_eq!(st.read_file(&f1).unwrap(), std::fs::read(&s1).unwrap());
+    assert_eq!(st.read_file(&f2).unwrap(), std::fs::read(&s2).unwrap());
+    for (r, b) in &small {
+        assert_eq!(&st.read_logical(r).unwrap(), b);
+        let dir = if r.physical.starts_with("taskowned") {
+            "taskowned"
+        } else {
+            "shared"
+        };
+        assert!(r.physical.starts_with(dir));
+    }
+    let physical: BTreeSet<_> = small.iter().map(|(r, _)| r.physical.clone()).collect();
+    assert!(
+        physical.len() >= 4,
+        "merged files must roll at the limit: {physical:?}"
+    );
+    assert!(
+        physical.len() < small.len(),
+        "small files must be merged: {physical:?}"
+    );
+    let report = st.verify(1).unwrap();
+    assert_eq!((report.files, report.logical_files), (2, 20));
+    // new_bytes is exactly what landed on disk.
+    let on_disk: u64 = data_files(&job).iter().map(|(_, n)| n).sum();
+    assert_eq!(c1.metadata.new_bytes, on_disk);
+
+    // Checkpoint 2, two writers on two threads: reuse both segments, upload one new one.
+    let s3 = segment(&local, "s3", 1_500, 3);
+    let p = st.begin(2).unwrap();
+    let (mut wa, mut wb) = (p.writer(), p.writer());
+    let (f3, l) = std::thread::scope(|s| {
+        let a = s.spawn(|| {
+            wa.reuse_shared(&f1).unwrap();
+            wa.reuse_shared(&f2).unwrap();
+            let f3 = wa.upload_shared(&s3, "seg-3").unwrap();
+            wa.finish().unwrap();
+            f3
+        });
+        let b = s.spawn(|| {
+            let l = wb
+                .write_small(b"in-flight", SmallFileKind::TaskOwned)
+                .unwrap();
+            wb.finish().unwrap();
+            l
+        });
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    let c2 = st.commit(p, info(2)).unwrap();
+    let new2 = created_by(&job, 2);
+    assert_eq!(new2.len(), 2, "only the new segment and one merged file");
+    let expect_new = (DATA_HEADER_LEN as u64 + 1_500 + 2 * BLOCK_HEADER)
+        + (DATA_HEADER_LEN as u64 + 9 + BLOCK_HEADER);
+    assert_eq!(c2.metadata.new_bytes, expect_new);
+    assert_eq!(new2.iter().map(|(_, n)| n).sum::<u64>(), expect_new);
+    assert_eq!(created_by(&job, 1).len(), data_files(&job).len() - 2);
+    let m2 = st.read_metadata(2).unwrap();
+    assert_eq!(m2.files, {
+        let mut v = vec![f1.clone(), f2.clone(), f3.clone()];
+        v.sort();
+        v
+    });
+    assert_eq!(m2.logical_files, vec![l.clone()]);
+    assert_eq!(st.read_logical(&l).unwrap(), b"in-flight");
+    st.verify(2).unwrap();
+    assert_eq!(st.latest_complete().unwrap().unwrap().id, 2);
+    assert!(matches!(
+        st.begin(2),
+        Err(CheckpointError::StaleId {
+            checkpoint_id: 2,
+            latest_complete: 2
+        })
+    ));
+}
+
+#[test]
+fn commit_refuses_unfinished_or_failed_writers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let st = open(Arc::new(StdFs), &tmp.path().join("c"));
+    let p = st.begin(1).unwrap();
+    let w = p.writer();
+    let p2 = st.begin(2).unwrap();
+    assert!(matches!(
+        st.begin(2),
+        Err(CheckpointError::AlreadyInProgress { .. })
+    ));
+    drop(w); // a writer dropped without finish fails its checkpoint
+    assert!(matches!(
+        st.commit(p, info(1)),
+        Err(CheckpointError::Failed { .. })
+    ));
+    let w2 = p2.writer();
+    let p2_commit = st.commit(p2, info(2));
+    assert!(matches!(
+        p2_commit,
+        Err(CheckpointError::WritersNotFinished {
+            open_writers: 1,
+            ..
+        })
+    ));
+    drop(w2);
+    assert!(st.latest_complete().unwrap().is_none());
+}
+
+/// Write checkpoint `id`: reuse the shared files of `prev`, upload a new segment, write small
+/// files of both kinds; commit.
+fn write_checkpoint(
+    st: &CheckpointStorage,
+    id: u64,
+    local: &Path,
+    prev: Option<&CheckpointMetadata>,
+) -> Result<CompletedCheckpoint, CheckpointError> {
+    let seg = segment(local, &format!("seg{id}"), 2_100, id);
+    let p = st.begin(id)?;
+    let mut w = p.writer();
+    if let Some(prev) = prev {
+        for f in &prev.files {
+            w.reuse_shared(f)?;
+        }
+    }
+    w.upload_shared(&seg, "seg")?;
+    for i in 0..3 {
+        w.write_small(&bytes(1_500, id * 10 + i), SmallFileKind::TaskOwned)?;
+    }
+    w.write_small(b"small shared", SmallFileKind::Shared)?;
+    w.finish()?;
+    st.commit(p, info(id))
+}
+
+#[test]
+fn crash_at_every_step_leaves_old_or_new_checkpoint() {
+    // Count the steps of checkpoint 2 without faults.
+    let steps = {
+        let tmp = tempfile::tempdir().unwrap();
+        let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+        let c1 = write_checkpoint(&open(Arc::new(StdFs), &root), 1, &local, None).unwrap();
+        let fs = FaultyFs::new(FaultConfig::default());
+        write_checkpoint(
+            &open(Arc::new(fs.clone()), &root),
+            2,
+            &local,
+            Some(&c1.metadata),
+        )
+        .unwrap();
+        fs.steps()
+    };
+    assert!(steps > 10, "{steps}");
+    let mut outcomes = [0usize; 2];
+    for step in 0..=steps {
+        for kind in 0..3u64 {
+            let seed = step * 3 + kind;
+            let tmp = tempfile::tempdir().unwrap();
+            let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+            let c1 = write_checkpoint(&open(Arc::new(StdFs), &root), 1, &local, None).unwrap();
+            // step == steps: no fault, then a power cut after commit returned.
+            let at = (step < steps).then_some(step);
+            let fs = FaultyFs::new(FaultConfig {
+                seed,
+                tear_write_at_step: at.filter(|_| kind == 0),
+                fail_sync_at_step: at.filter(|_| kind == 1),
+                fail_rename_at_step: at.filter(|_| kind == 2),
+                ..FaultConfig::default()
+            });
+            let r = {
+                let st = open(Arc::new(fs.clone()), &root);
+                write_checkpoint(&st, 2, &local, Some(&c1.metadata))
+            };
+            fs.crash().unwrap();
+
+            let st = open(Arc::new(StdFs), &root);
+            let msg = format!("seed {seed} (step {step}, kind {kind}), commit {r:?}");
+            st.verify(1)
+                .unwrap_or_else(|e| panic!("{msg}: old checkpoint broken: {e}"));
+            read_all_refs(&st, &st.read_metadata(1).unwrap());
+            let latest = st.latest_complete().unwrap().unwrap().id;
+            if r.is_ok() {
+                assert_eq!(latest, 2, "{msg}: a committed checkpoint was lost");
+                st.verify(2).unwrap_or_else(|e| panic!("{msg}: {e}"));
+                outcomes[1] += 1;
+            } else {
+                assert_eq!(latest, 1, "{msg}: a failed checkpoint is complete");
+                assert!(
+                    st.list().unwrap().iter().all(|i| i.id != 2 || !i.complete),
+                    "{msg}"
+                );
+                outcomes[0] += 1;
+            }
+            // The next checkpoint and GC remove every orphan the failed attempt left.
+            let base = st.read_metadata(latest).unwrap();
+            let c3 = write_checkpoint(&st, 3, &local, Some(&base)).unwrap();
+            st.retain(1).unwrap();
+            let referenced = c3.metadata.physical_paths();
+            let on_disk: BTreeSet<PathBuf> = data_files(st.job_dir())
+                .into_iter()
+                .map(|(p, _)| p)
+                .collect();
+            assert_eq!(on_disk, referenced, "{msg}: orphans left behind");
+            st.verify(3).unwrap_or_else(|e| panic!("{msg}: {e}"));
+        }
+    }
+    assert!(outcomes[0] > 0 && outcomes[1] > 0, "{outcomes:?}");
+}
+
+fn expect_corrupt(r: Result<weir_io::VerifyReport, VerifyError>) -> FormatError {
+    match r {
+        Err(VerifyError::Corrupt { source, .. }) => source,
+        other => panic!("expected corruption, got {other:?}"),
+    }
+}
+
+fn expect_format<T: std::fmt::Debug>(r: Result<T, CheckpointError>) -> FormatError {
+    match r {
+        Err(CheckpointError::Format(e)) => e,
+        other => panic!("expected a format error, got {other:?}"),
+    }
+}
+
+#[test]
+fn corruption_names_file_and_offset() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+    let st = open(Arc::new(StdFs), &root);
+    let job = st.job_dir().to_owned();
+    let c1 = write_checkpoint(&st, 1, &local, None).unwrap();
+    let m = c1.metadata;
+    let meta_path = job.join("chk-1").join(METADATA_FILE);
+    let good_meta = std::fs::read(&meta_path).unwrap();
+
+    // A flipped byte in the metadata: caught by its CRC, named at the CRC's offset.
+    FaultyFs::flip_bit(&meta_path, 30, 2).unwrap();
+    let e = expect_corrupt(st.verify(1));
+    assert_eq!(e.file(), meta_path);
+    assert!(
+        matches!(e, FormatError::ChecksumMismatch { offset, .. } if offset == good_meta.len() as u64 - 4)
+    );
+    assert!(!st.list().unwrap()[0].complete);
+    assert!(st.latest_complete().unwrap().is_none());
+    std::fs::write(&meta_path, &good_meta).unwrap();
+    st.verify(1).unwrap();
+
+    // A flipped byte in the second block of an uploaded file.
+    let f: &FileRef = &m.files[0];
+    let fpath = job.join(&f.path);
+    let block1 = DATA_HEADER_LEN as u64 + BLOCK_HEADER + 1_000;
+    FaultyFs::flip_bit(&fpath, block1 + BLOCK_HEADER + 5, 0).unwrap();
+    let e = expect_format(st.read_file(f));
+    assert!(
+        matches!(&e, FormatError::ChecksumMismatch { file, offset, .. } if *file == fpath && *offset == block1),
+        "{e}"
+    );
+    let e = expect_corrupt(st.verify(1));
+    assert_eq!((e.file(), e.offset()), (fpath.as_path(), block1));
+    FaultyFs::flip_bit(&fpath, block1 + BLOCK_HEADER + 5, 0).unwrap();
+
+    // A flipped byte in one logical file of a merged physical file: that one fails, its
+    // neighbour in the same physical file still reads.
+    let (l1, l2) = m
+        .logical_files
+        .iter()
+        .zip(m.logical_files.iter().skip(1))
+        .find(|(a, b)| a.physical == b.physical)
+        .expect("two logical files share a physical file");
+    let ppath = job.join(&l2.physical);
+    FaultyFs::flip_bit(&ppath, l2.offset + BLOCK_HEADER + 3, 7).unwrap();
+    let e = expect_format(st.read_logical(l2));
+    assert_eq!((e.file(), e.offset()), (ppath.as_path(), l2.offset));
+    st.read_logical(l1).unwrap();
+    let e = expect_corrupt(st.verify(1));
+    assert_eq!((e.file(), e.offset()), (ppath.as_path(), l2.offset));
+    FaultyFs::flip_bit(&ppath, l2.offset + BLOCK_HEADER + 3, 7).unwrap();
+    st.verify(1).unwrap();
+
+    // Truncated metadata and data file.
+    std::fs::write(&meta_path, &good_meta[..good_meta.len() - 9]).unwrap();
+    assert!(matches!(
+        expect_corrupt(st.verify(1)),
+        FormatError::Truncated { .. }
+    ));
+    std::fs::write(&meta_path, &good_meta).unwrap();
+    let good_file = std::fs::read(&fpath).unwrap();
+    std::fs::write(&fpath, &good_file[..good_file.len() / 2]).unwrap();
+    let e = expect_format(st.read_file(f));
+    assert!(
+        matches!(&e, FormatError::Truncated { file, .. } if *file == fpath),
+        "{e}"
+    );
+
+    // Foreign files.
+    std::fs::write(&fpath, b"#!/bin/sh\necho not a checkpoint file at all\n").unwrap();
+    let e = expect_format(st.read_file(f));
+    assert!(
+        matches!(&e, FormatError::BadMagic { file, offset: 0, .. } if *file == fpath),
+        "{e}"
+    );
+    std::fs::write(&meta_path, b"{\"json\": true}").unwrap();
+    assert!(matches!(
+        expect_format(st.read_metadata(1)),
+        FormatError::BadMagic { .. }
+    ));
+    // A future version is refused by version, not by checksum.
+    let mut v2 = good_meta.clone();
+    v2[8] = 2;
+    std::fs::write(&meta_path, &v2).unwrap();
+    assert!(matches!(
+        expect_format(st.read_metadata(1)),
+        FormatError::UnsupportedVersion { found: 2, .. }
+    ));
+    std::fs::write(&meta_path, &good_meta).unwrap();
+
+    // A valid data file in the wrong place (misdirected): caught by its header.
+    let other = job.join(&m.logical_files[0].physical);
+    std::fs::write(&fpath, std::fs::read(&other).unwrap()).unwrap();
+    let e = expect_format(st.read_file(f));
+    assert!(
+        matches!(&e, FormatError::Misdirected { file, .. } if *file == fpath),
+        "{e}"
+    );
+    std::fs::write(&fpath, &good_file).unwrap();
+    st.verify(1).unwrap();
+
+    // Every single-byte truncation of the metadata is a typed error, never a panic.
+    for cut in 0..good_meta.len() {
+        CheckpointMetadata::decode(&meta_path, &good_meta[..cut]).unwrap_err();
+    }
+}
+
+#[test]
+fn bit_flip_while_writing_is_caught_by_verify() {
+    // Steps 0..: header write of the upload, its block writes, ... flip a bit in each write.
+    for step in 0..6u64 {
+        let tmp = tempfile::tempdir().unwrap();
+        let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+        let fs = FaultyFs::new(FaultConfig {
+            seed: step,
+            flip_bit_at_step: Some(step + 2), // steps 0 and 1 are open's directory syncs
+            ..FaultConfig::default()
+        });
+        let st = open(Arc::new(fs.clone()), &root);
+        write_checkpoint(&st, 1, &local, None).unwrap();
+        let e = expect_corrupt(st.verify(1));
+        assert!(
+            e.file().starts_with(st.job_dir()),
+            "seed {}: {e}",
+            fs.seed()
+        );
+    }
+}
+
+#[test]
+fn retention_keeps_referenced_and_deletes_the_rest() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+    let st = open(Arc::new(StdFs), &root);
+    let job = st.job_dir().to_owned();
+    let c1 = write_checkpoint(&st, 1, &local, None).unwrap();
+    let c2 = write_checkpoint(&st, 2, &local, Some(&c1.metadata)).unwrap();
+
+    // Checkpoint 3 is abandoned (the process "crashed" mid-way): its files are orphans.
+    {
+        let p = st.begin(3).unwrap();
+        let mut w = p.writer();
+        w.upload_shared(&segment(&local, "x", 100, 9), "x").unwrap();
+        w.write_small(b"lost", SmallFileKind::TaskOwned).unwrap();
+        w.finish().unwrap();
+    }
+    let orphans3 = created_by(&job, 3);
+    assert_eq!(orphans3.len(), 2);
+    let c4 = write_checkpoint(&st, 4, &local, Some(&c2.metadata)).unwrap();
+
+    // Checkpoint 6 is aborted: its files go at once.
+    let p6 = st.begin(6).unwrap();
+    let mut w = p6.writer();
+    w.write_small(b"aborted", SmallFileKind::TaskOwned).unwrap();
+    assert_eq!(created_by(&job, 6).len(), 1);
+    drop(w);
+    st.abort(p6).unwrap();
+    assert!(created_by(&job, 6).is_empty());
+
+    // Checkpoint 5 is in progress during GC: its files (new and reused) must survive.
+    let p5 = st.begin(5).unwrap();
+    let mut w5 = p5.writer();
+    for f in &c4.metadata.files {
+        w5.reuse_shared(f).unwrap();
+    }
+    let l5 = w5
+        .write_small(b"in progress", SmallFileKind::TaskOwned)
+        .unwrap();
+    let in_progress5 = created_by(&job, 5);
+
+    let r = st.retain(2).unwrap();
+    assert_eq!(r.dropped_checkpoints, vec![1]);
+    assert!(!job.join("chk-1").exists());
+    let on_disk: BTreeSet<PathBuf> = data_files(&job).into_iter().map(|(p, _)| p).collect();
+    let mut expect: BTreeSet<PathBuf> = c2.metadata.physical_paths();
+    expect.extend(c4.metadata.physical_paths());
+    expect.extend(in_progress5.iter().map(|(p, _)| p.clone()));
+    assert_eq!(on_disk, expect);
+    for (p, _) in &orphans3 {
+        assert!(r.deleted_files.contains(p), "orphan {p:?} kept");
+    }
+    let only1: Vec<_> = c1
+        .metadata
+        .physical_paths()
+        .into_iter()
+        .filter(|p| !expect.contains(p))
+        .collect();
+    assert!(!only1.is_empty());
+    for p in &only1 {
+        assert!(
+            r.deleted_files.contains(p),
+            "{p:?} of dropped checkpoint 1 kept"
+        );
+    }
+    st.verify(2).unwrap();
+    st.verify(4).unwrap();
+    read_all_refs(&st, &c2.metadata);
+
+    let r = st.retain(1).unwrap();
+    assert_eq!(r.dropped_checkpoints, vec![2]);
+    let on_disk: BTreeSet<PathBuf> = data_files(&job).into_iter().map(|(p, _)| p).collect();
+    let mut expect = c4.metadata.physical_paths();
+    expect.extend(in_progress5.iter().map(|(p, _)| p.clone()));
+    assert_eq!(on_disk, expect);
+    st.verify(4).unwrap();
+    assert_eq!(
+        st.list().unwrap().iter().map(|i| i.id).collect::<Vec<_>>(),
+        vec![4]
+    );
+
+    // Checkpoint 5 completes; then 4's own files go, the reused ones stay.
+    w5.finish().unwrap();
+    let c5 = st.commit(p5, info(5)).unwrap();
+    assert_eq!(st.read_logical(&l5).unwrap(), b"in progress");
+    st.retain(1).unwrap();
+    let on_disk: BTreeSet<PathBuf> = data_files(&job).into_iter().map(|(p, _)| p).collect();
+    assert_eq!(on_disk, c5.metadata.physical_paths());
+    st.verify(5).unwrap();
+    assert!(st.retain(0).is_err());
+}
+
+#[test]
+fn gc_spares_an_older_checkpoint_still_in_progress() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+    let st = open(Arc::new(StdFs), &root);
+    let job = st.job_dir().to_owned();
+    let c1 = write_checkpoint(&st, 1, &local, None).unwrap();
+    // Checkpoint 2 is slow: it reuses checkpoint 1's segment and writes its own files while
+    // checkpoint 3 completes and GC drops checkpoint 1.
+    let p2 = st.begin(2).unwrap();
+    let mut w2 = p2.writer();
+    w2.reuse_shared(&c1.metadata.files[0]).unwrap();
+    let l2 = w2.write_small(b"slow", SmallFileKind::TaskOwned).unwrap();
+    let c3 = write_checkpoint(&st, 3, &local, None).unwrap();
+    let r = st.retain(1).unwrap();
+    assert_eq!(r.dropped_checkpoints, vec![1]);
+    assert!(job.join(&c1.metadata.files[0].path).exists(), "reused by 2");
+    assert!(job.join(&l2.physical).exists(), "created by 2");
+    assert!(r
+        .deleted_files
+        .iter()
+        .all(|p| c1.metadata.physical_paths().contains(p)));
+    w2.finish().unwrap();
+    st.commit(p2, info(2)).unwrap();
+    st.verify(2).unwrap();
+    st.verify(3).unwrap();
+    assert_eq!(st.latest_complete().unwrap().unwrap().id, 3);
+    assert!(matches!(st.begin(3), Err(CheckpointError::StaleId { .. })));
+    // Once 2 is no longer in progress, keeping one checkpoint drops it and its files.
+    st.retain(1).unwrap();
+    let on_disk: BTreeSet<PathBuf> = data_files(&job).into_iter().map(|(p, _)| p).collect();
+    assert_eq!(on_disk, c3.metadata.physical_paths());
+}
+
+#[test]
+fn commit_fails_when_a_reused_file_is_gone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+    let st = open(Arc::new(StdFs), &root);
+    let c1 = write_checkpoint(&st, 1, &local, None).unwrap();
+    let p = st.begin(2).unwrap();
+    let mut w = p.writer();
+    w.reuse_shared(&c1.metadata.files[0]).unwrap();
+    w.finish().unwrap();
+    std::fs::remove_file(st.job_dir().join(&c1.metadata.files[0].path)).unwrap();
+    assert!(matches!(
+        st.commit(p, info(2)),
+        Err(CheckpointError::MissingReusedFile { .. })
+    ));
+    assert_eq!(st.latest_complete().unwrap().unwrap().id, 1);
+}
+
+#[test]
+fn savepoint_is_self_contained() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+    let sp_root = tmp.path().join("savepoints");
+    let fs: Arc<dyn Fs> = Arc::new(StdFs);
+    let st = open(fs.clone(), &root);
+    let c1 = write_checkpoint(&st, 1, &local, None).unwrap();
+    let c2 = write_checkpoint(&st, 2, &local, Some(&c1.metadata)).unwrap();
+    let contents: Vec<Vec<u8>> = c2
+        .metadata
+        .files
+        .iter()
+        .map(|f| st.read_file(f).unwrap())
+        .chain(
+            c2.metadata
+                .logical_files
+                .iter()
+                .map(|l| st.read_logical(l).unwrap()),
+        )
+        .collect();
+    let dir = st.export_savepoint(2, &sp_root, "before-upgrade").unwrap();
+    assert!(matches!(
+        st.export_savepoint(2, &sp_root, "before-upgrade"),
+        Err(CheckpointError::AlreadyExists { .. })
+    ));
+    assert!(st.export_savepoint(2, &sp_root, "../escape").is_err());
+    let job = st.job_dir().to_owned();
+    drop(st);
+    std::fs::remove_dir_all(&job).unwrap();
+
+    let sp = Savepoint::open(fs.clone(), &dir).unwrap();
+    assert_eq!(sp.metadata().kind, CheckpointKind::Savepoint);
+    assert_eq!(sp.metadata().checkpoint_id, 2);
+    assert_eq!(sp.metadata().files, c2.metadata.files);
+    let r = sp.verify().unwrap();
+    assert_eq!(r.files, c2.metadata.files.len());
+    let again: Vec<Vec<u8>> = sp
+        .metadata()
+        .files
+        .iter()
+        .map(|f| sp.read_file(f).unwrap())
+        .chain(
+            sp.metadata()
+                .logical_files
+                .iter()
+                .map(|l| sp.read_logical(l).unwrap()),
+        )
+        .collect();
+    assert_eq!(again, contents);
+
+    // A corrupt savepoint file is named.
+    let f = &sp.metadata().files[0];
+    FaultyFs::flip_bit(&dir.join(&f.path), DATA_HEADER_LEN as u64 + 30, 1).unwrap();
+    let e = sp.verify().unwrap_err();
+    assert_eq!(e.format_error().unwrap().file(), dir.join(&f.path));
+}
+
+/// The hex fixture in docs/checkpoint-format.md decodes to the documented values, and the
+/// encoder reproduces it byte for byte.
+#[test]
+fn doc_fixture_decodes() {
+    let doc = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/checkpoint-format.md"),
+    )
+    .unwrap();
+    let start = doc
+        .find("<!-- fixture:metadata -->")
+        .expect("fixture marker");
+    let block = &doc[start..];
+    let block = &block[block.find("```text").unwrap() + 7..];
+    let block = &block[..block.find("```").unwrap()];
+    let mut fixture = Vec::new();
+    for line in block.lines() {
+        // "0000: 57 45 ..." : offset column, then bytes.
+        let Some((_, hex)) = line.split_once(':') else {
+            continue;
+        };
+        for b in hex.split_whitespace() {
+            fixture.push(u8::from_str_radix(b, 16).unwrap());
+        }
+    }
+    let m = CheckpointMetadata::decode(Path::new("fixture"), &fixture).unwrap();
+    let expect = CheckpointMetadata {
+        job_id: "job-a".into(),
+        checkpoint_id: 3,
+        kind: CheckpointKind::Checkpoint,
+        trigger_timestamp_ms: 1_700_000_000_000,
+        completion_timestamp_ms: 1_700_000_000_250,
+        new_bytes: 1234,
+        files: vec![FileRef {
+            path: "shared/2-00000001000000aa-seg".into(),
+            size_bytes: 4096,
+            crc32: 0x1122_3344,
+        }],
+        logical_files: vec![LogicalFileRef {
+            physical: "taskowned/3-00000001000000ab-merged".into(),
+            offset: 40,
+            size_bytes: 5,
+            first_block: 0,
+            crc32: 0x5566_7788,
+        }],
+        sections: vec![("src".into(), vec![1, 2])],
+    };
+    assert_eq!(m, expect);
+    assert_eq!(expect.encode(), fixture);
+}
+
+#[test]
+fn thread_safety_of_the_api() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+    send_sync::<CheckpointStorage>();
+    send_sync::<weir_io::PendingCheckpoint>();
+    send::<weir_io::CheckpointWriter>();
+}
+
+/// The production file system: the same round trip through io_uring (skipped where the
+/// sandbox forbids io_uring, with a message).
+#[test]
+fn round_trip_through_uring() {
+    let fs = match weir_io::UringFs::new() {
+        Ok(fs) => fs,
+        Err(e) => {
+            eprintln!("skipping: {e}");
+            return;
+        }
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+    let st = open(Arc::new(fs), &root);
+    let c1 = write_checkpoint(&st, 1, &local, None).unwrap();
+    let c2 = write_checkpoint(&st, 2, &local, Some(&c1.metadata)).unwrap();
+    st.verify(2).unwrap();
+    read_all_refs(&st, &c2.metadata);
+    st.retain(1).unwrap();
+    st.verify(2).unwrap();
+}

@@ -1,0 +1,379 @@
+//! The checkpoint coordinator (Flink's CheckpointCoordinator), on a thread of its own.
+//!
+//! It triggers checkpoints (periodically, manually, and once after every source finished),
+//! collects every shard's acknowledgement, declines and timeouts, writes the metadata durably
+//! through the checkpoint store — only then is a checkpoint complete — and publishes the
+//! newest complete id, which shards poll to commit sinks and release old snapshots.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::shard::{Ack, Shared};
+use super::snapshot::{
+    encode, shard_section, JobSnapshot, ShardSnapshot, JOB_SECTION, SECTIONS_VERSION,
+};
+
+/// Figures of one checkpoint (Flink's per-checkpoint statistics).
+#[derive(Clone, Debug, Default)]
+pub struct CheckpointStats {
+    pub checkpoint_id: u64,
+    /// Milliseconds since the epoch.
+    pub trigger_timestamp_ms: u64,
+    pub duration_ms: u64,
+    /// Summed over shards: time participants spent in their synchronous part.
+    pub sync_duration_ns: u64,
+    /// The longest background part of a shard.
+    pub async_duration_ns: u64,
+    /// The longest barrier alignment of an exchange input.
+    pub alignment_duration_ns: u64,
+    /// Time from the trigger until the first shard acknowledged.
+    pub start_delay_ns: u64,
+    pub persisted_inflight_bytes: u64,
+    /// Bytes this checkpoint wrote (incremental size).
+    pub size_bytes: u64,
+    /// Bytes of every file it references.
+    pub full_size_bytes: u64,
+    /// Per shard, the time from trigger to its acknowledgement.
+    pub ack_ns: Vec<u64>,
+    /// `None` when complete; the reason otherwise.
+    pub failure: Option<String>,
+}
+
+/// The job's checkpoint metrics, with Flink's names.
+#[derive(Clone, Debug, Default)]
+pub struct CheckpointMetrics {
+    pub number_of_completed_checkpoints: u64,
+    pub number_of_failed_checkpoints: u64,
+    pub number_of_in_progress_checkpoints: u64,
+    pub last_checkpoint_duration_ms: u64,
+    pub last_checkpoint_size: u64,
+    pub last_checkpoint_full_size: u64,
+    /// When the job last restored from a checkpoint (ms since the epoch), if it did.
+    pub last_checkpoint_restore_timestamp: Option<u64>,
+    /// Id of the newest complete checkpoint.
+    pub last_completed_checkpoint_id: Option<u64>,
+    /// The most recent checkpoints, newest last.
+    pub history: Vec<CheckpointStats>,
+}
+
+const HISTORY: usize = 32;
+
+struct Pending {
+    trigger: Instant,
+    trigger_ms: u64,
+    snapshots: Vec<Option<ShardSnapshot>>,
+    stats: CheckpointStats,
+    acked: usize,
+}
+
+/// Requests to the coordinator from the job handle.
+#[derive(Default)]
+pub(crate) struct Requests {
+    pub manual: std::sync::atomic::AtomicU64,
+}
+
+pub(crate) struct Coordinator {
+    shared: Arc<Shared>,
+    shards: usize,
+    max_parallelism: u16,
+    rx: mpsc::Receiver<Ack>,
+    pending: BTreeMap<u64, Pending>,
+    next_id: u64,
+    last_completion: Option<Instant>,
+    next_periodic: Instant,
+    consecutive_failures: u32,
+    manual_seen: u64,
+    requests: Arc<Requests>,
+    pub metrics: Arc<Mutex<CheckpointMetrics>>,
+    /// Set when checkpoint failures exceed the tolerable number: the job must fail.
+    pub failure: Arc<Mutex<Option<String>>>,
+}
+
+pub(crate) fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Coordinator {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        shared: Arc<Shared>,
+        shards: usize,
+        max_parallelism: u16,
+        rx: mpsc::Receiver<Ack>,
+        first_id: u64,
+        requests: Arc<Requests>,
+        metrics: Arc<Mutex<CheckpointMetrics>>,
+        failure: Arc<Mutex<Option<String>>>,
+    ) -> Self {
+        let interval = shared
+            .config
+            .interval
+            .unwrap_or(Duration::from_secs(3600 * 24 * 365));
+        let manual_seen = requests.manual.load(Ordering::Acquire);
+        Self {
+            shared,
+            shards,
+            max_parallelism,
+            rx,
+            pending: BTreeMap::new(),
+            next_id: first_id,
+            last_completion: None,
+            next_periodic: Instant::now() + interval,
+            consecutive_failures: 0,
+            manual_seen,
+            requests,
+            metrics,
+            failure,
+        }
+    }
+
+    /// Runs until the job stops.
+    pub fn run(mut self) {
+        loop {
+            if self.shared.stopping.load(Ordering::Acquire) {
+                for (id, _) in std::mem::take(&mut self.pending) {
+                    self.shared.store.abort(id);
+                }
+                return;
+            }
+            match self.rx.recv_timeout(Duration::from_millis(5)) {
+                Ok(ack) => self.on_ack(ack),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            }
+            self.check_timeouts();
+            self.maybe_trigger();
+        }
+    }
+
+    fn ready(&self) -> bool {
+        self.shared.shards_ready.load(Ordering::Acquire) >= self.shards
+    }
+
+    fn maybe_trigger(&mut self) {
+        if !self.ready() || self.pending.len() >= self.shared.config.max_concurrent {
+            return;
+        }
+        let now = Instant::now();
+        let sources_done = {
+            let total = self.shared.sources_total.load(Ordering::Acquire);
+            total > 0 && self.shared.sources_finished.load(Ordering::Acquire) >= total
+        };
+        if sources_done
+            && self.shared.final_id.load(Ordering::Acquire) == 0
+            && self.pending.is_empty()
+        {
+            // Every source read its input to the end: take the checkpoint that commits the
+            // job's last output. Sources end their streams once it completes.
+            let id = self.trigger(now);
+            if let Some(id) = id {
+                self.shared.final_id.store(id, Ordering::Release);
+            }
+            return;
+        }
+        if sources_done {
+            return;
+        }
+        let paused = self
+            .last_completion
+            .is_some_and(|t| now.duration_since(t) < self.shared.config.min_pause);
+        let manual = self.requests.manual.load(Ordering::Acquire);
+        if manual > self.manual_seen {
+            self.manual_seen = manual;
+            self.trigger(now);
+            return;
+        }
+        if self.shared.config.interval.is_some() && now >= self.next_periodic && !paused {
+            self.trigger(now);
+        }
+    }
+
+    fn trigger(&mut self, now: Instant) -> Option<u64> {
+        let id = self.next_id;
+        self.next_id += 1;
+        if let Some(i) = self.shared.config.interval {
+            self.next_periodic = now + i;
+        }
+        if let Err(e) = self.shared.store.begin(id) {
+            self.fail_checkpoint(id, format!("could not begin: {e}"));
+            return None;
+        }
+        self.pending.insert(
+            id,
+            Pending {
+                trigger: now,
+                trigger_ms: now_ms(),
+                snapshots: vec![None; self.shards],
+                stats: CheckpointStats {
+                    checkpoint_id: id,
+                    trigger_timestamp_ms: now_ms(),
+                    ack_ns: vec![0; self.shards],
+                    ..Default::default()
+                },
+                acked: 0,
+            },
+        );
+        self.update_in_progress();
+        tracing::debug!("ckpt {id} triggered");
+        self.shared.requested.fetch_max(id, Ordering::AcqRel);
+        Some(id)
+    }
+
+    fn update_in_progress(&self) {
+        let mut m = self.metrics.lock().unwrap_or_else(|p| p.into_inner());
+        m.number_of_in_progress_checkpoints = self.pending.len() as u64;
+    }
+
+    fn on_ack(&mut self, ack: Ack) {
+        match ack {
+            Ack::Decline {
+                shard,
+                checkpoint_id,
+                reason,
+            } => {
+                if self.pending.remove(&checkpoint_id).is_some() {
+                    self.shared.store.abort(checkpoint_id);
+                    self.fail_checkpoint(
+                        checkpoint_id,
+                        format!("declined by shard {shard}: {reason}"),
+                    );
+                }
+            }
+            Ack::Done {
+                shard,
+                checkpoint_id,
+                snapshot,
+                sync_ns,
+                async_ns,
+                alignment_ns,
+                persisted_inflight_bytes,
+            } => {
+                // Late or duplicate acknowledgements of aborted or completed checkpoints.
+                let Some(p) = self.pending.get_mut(&checkpoint_id) else {
+                    return;
+                };
+                if shard >= self.shards || p.snapshots[shard].is_some() {
+                    return;
+                }
+                let since = p.trigger.elapsed().as_nanos() as u64;
+                if p.acked == 0 {
+                    p.stats.start_delay_ns = since;
+                }
+                p.stats.ack_ns[shard] = since;
+                p.stats.sync_duration_ns += sync_ns;
+                p.stats.async_duration_ns = p.stats.async_duration_ns.max(async_ns);
+                p.stats.alignment_duration_ns = p.stats.alignment_duration_ns.max(alignment_ns);
+                p.stats.persisted_inflight_bytes += persisted_inflight_bytes;
+                p.snapshots[shard] = Some(snapshot);
+                p.acked += 1;
+                if p.acked == self.shards {
+                    if let Some(p) = self.pending.remove(&checkpoint_id) {
+                        self.complete(checkpoint_id, p);
+                    }
+                }
+            }
+        }
+    }
+
+    fn complete(&mut self, id: u64, mut p: Pending) {
+        tracing::debug!("ckpt {id} all acked");
+        let job = JobSnapshot {
+            shards: self.shards as u32,
+            max_parallelism: self.max_parallelism,
+            format_version: SECTIONS_VERSION,
+        };
+        let mut sections = vec![(JOB_SECTION.to_string(), encode(&job))];
+        for (s, snap) in p.snapshots.iter().enumerate() {
+            let Some(snap) = snap else { continue };
+            sections.push((shard_section(s), encode(snap)));
+        }
+        // The storage tracked every file the shards' writers uploaded or reused.
+        match self.shared.store.commit(id, p.trigger_ms, sections) {
+            Ok(info) => {
+                // Durable: only now is the checkpoint complete and may anyone be told.
+                self.shared.completed.fetch_max(id, Ordering::AcqRel);
+                self.last_completion = Some(Instant::now());
+                self.consecutive_failures = 0;
+                p.stats.duration_ms = p.trigger.elapsed().as_millis() as u64;
+                p.stats.size_bytes = info.new_bytes;
+                p.stats.full_size_bytes = info.full_bytes;
+                {
+                    let mut m = self.metrics.lock().unwrap_or_else(|p| p.into_inner());
+                    m.number_of_completed_checkpoints += 1;
+                    m.last_checkpoint_duration_ms = p.stats.duration_ms;
+                    m.last_checkpoint_size = info.new_bytes;
+                    m.last_checkpoint_full_size = info.full_bytes;
+                    m.last_completed_checkpoint_id = Some(id);
+                    push_history(&mut m.history, p.stats);
+                }
+                self.update_in_progress();
+                if let Err(e) = self.shared.store.retain(self.shared.config.retained) {
+                    tracing::warn!("checkpoint retention after {id} failed: {e}");
+                }
+            }
+            Err(e) => {
+                self.shared.store.abort(id);
+                self.fail_checkpoint(id, format!("writing metadata failed: {e}"));
+            }
+        }
+    }
+
+    fn check_timeouts(&mut self) {
+        let timeout = self.shared.config.timeout;
+        let expired: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.trigger.elapsed() > timeout)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            self.pending.remove(&id);
+            self.shared.store.abort(id);
+            self.fail_checkpoint(id, format!("expired after {timeout:?}"));
+        }
+    }
+
+    fn fail_checkpoint(&mut self, id: u64, reason: String) {
+        tracing::debug!("ckpt {id} failed: {reason}");
+        tracing::warn!("checkpoint {id} failed: {reason}");
+        self.shared.aborted.fetch_max(id, Ordering::AcqRel);
+        self.consecutive_failures += 1;
+        {
+            let mut m = self.metrics.lock().unwrap_or_else(|p| p.into_inner());
+            m.number_of_failed_checkpoints += 1;
+            push_history(
+                &mut m.history,
+                CheckpointStats {
+                    checkpoint_id: id,
+                    failure: Some(reason.clone()),
+                    ..Default::default()
+                },
+            );
+        }
+        self.update_in_progress();
+        // A failed final checkpoint is retried: the sources wait for one to complete.
+        if self.shared.final_id.load(Ordering::Acquire) == id {
+            self.shared.final_id.store(0, Ordering::Release);
+        }
+        if self.consecutive_failures > self.shared.config.tolerable_failures {
+            let mut f = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+            f.get_or_insert_with(|| {
+                format!(
+                    "{} consecutive checkpoint failures exceed the tolerable {} (last: checkpoint {id}: {reason})",
+                    self.consecutive_failures, self.shared.config.tolerable_failures
+                )
+            });
+        }
+    }
+}
+
+fn push_history(h: &mut Vec<CheckpointStats>, s: CheckpointStats) {
+    h.push(s);
+    if h.len() > HISTORY {
+        h.remove(0);
+    }
+}

@@ -1,0 +1,98 @@
+//! What a job restores from: a complete checkpoint's metadata, decoded and validated, and a
+//! reader of the files it references.
+
+use std::sync::Arc;
+
+use super::snapshot::{
+    decode_job, decode_shard, shard_section, FileRefData, LogicalRefData, Part, PartKind,
+    ShardSnapshot, JOB_SECTION,
+};
+
+/// Reads files of one checkpoint (or savepoint), verifying every CRC before returning a byte.
+pub(crate) trait CheckpointReader: Send + Sync {
+    fn read_file(&self, f: &FileRefData) -> Result<Vec<u8>, String>;
+    fn read_logical(&self, f: &LogicalRefData) -> Result<Vec<u8>, String>;
+}
+
+/// A decoded checkpoint to restore from.
+pub(crate) struct RestoreState {
+    pub checkpoint_id: u64,
+    pub shards: Vec<ShardSnapshot>,
+    pub reader: Arc<dyn CheckpointReader>,
+    /// The shard this restore state is handed to and the job's shard count now.
+    pub new_shards: usize,
+}
+
+impl RestoreState {
+    /// Decodes the runtime's sections of a checkpoint's metadata.
+    pub fn decode(
+        checkpoint_id: u64,
+        sections: &[(String, Vec<u8>)],
+        reader: Arc<dyn CheckpointReader>,
+        new_shards: usize,
+        max_parallelism: u16,
+    ) -> Result<Self, String> {
+        let find = |name: &str| {
+            sections
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, b)| b.as_slice())
+        };
+        let job =
+            decode_job(find(JOB_SECTION).ok_or_else(|| {
+                format!("checkpoint {checkpoint_id} has no section {JOB_SECTION}")
+            })?)
+            .map_err(|e| format!("checkpoint {checkpoint_id}, section {JOB_SECTION}: {e}"))?;
+        if job.max_parallelism != max_parallelism {
+            return Err(format!(
+                "checkpoint {checkpoint_id} was taken with max parallelism {}, the job has {max_parallelism}: key groups would not match",
+                job.max_parallelism
+            ));
+        }
+        let mut shards = Vec::with_capacity(job.shards as usize);
+        for s in 0..job.shards as usize {
+            let name = shard_section(s);
+            let bytes = find(&name)
+                .ok_or_else(|| format!("checkpoint {checkpoint_id} has no section {name}"))?;
+            shards.push(
+                decode_shard(bytes)
+                    .map_err(|e| format!("checkpoint {checkpoint_id}, section {name}: {e}"))?,
+            );
+        }
+        Ok(Self {
+            checkpoint_id,
+            shards,
+            reader,
+            new_shards,
+        })
+    }
+
+    /// Every part of `operator` of `kind`, with the old shard that wrote it.
+    pub fn parts<'a>(
+        &'a self,
+        operator: &'a str,
+        kind: PartKind,
+    ) -> impl Iterator<Item = (usize, &'a Part)> + 'a {
+        self.shards.iter().enumerate().flat_map(move |(s, snap)| {
+            snap.parts
+                .iter()
+                .filter(move |p| p.kind == kind && p.operator == operator)
+                .map(move |p| (s, p))
+        })
+    }
+
+    /// The parts of `operator` that new shard `shard` takes over for state that is not keyed
+    /// (sources, sinks, watermarks): the same shard index, or, after a rescale, old shards
+    /// `shard, shard + new_shards, ..`.
+    pub fn parts_for_shard<'a>(
+        &'a self,
+        operator: &'a str,
+        kind: PartKind,
+        shard: usize,
+    ) -> Vec<&'a Part> {
+        self.parts(operator, kind)
+            .filter(|(s, _)| s % self.new_shards == shard)
+            .map(|(_, p)| p)
+            .collect()
+    }
+}

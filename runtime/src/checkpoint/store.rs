@@ -1,0 +1,220 @@
+//! The runtime's view of checkpoint storage: the few operations the coordinator and the
+//! shards' background threads use, over [`weir_io::CheckpointStorage`].
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use weir_io::{
+    CheckpointStorage, CheckpointWriter, CommitInfo as IoCommitInfo, FileRef, LogicalFileRef,
+    PendingCheckpoint, Savepoint, SmallFileKind,
+};
+
+use super::restore::CheckpointReader;
+use super::snapshot::{FileRefData, LogicalRefData};
+
+/// What committing a checkpoint wrote.
+pub(crate) struct CommitInfo {
+    pub new_bytes: u64,
+    pub full_bytes: u64,
+}
+
+pub(crate) trait CheckpointStore: Send + Sync {
+    fn begin(&self, id: u64) -> Result<(), String>;
+    /// Copies an immutable local file into shared storage for checkpoint `id`.
+    fn upload_shared(&self, id: u64, shard: usize, src: &Path) -> Result<FileRefData, String>;
+    /// Checkpoint `id` references a shared file an earlier checkpoint uploaded.
+    fn reuse_shared(&self, id: u64, shard: usize, f: &FileRefData) -> Result<(), String>;
+    /// Appends a small file to the shard's merged task-owned file of checkpoint `id`.
+    fn write_small(&self, id: u64, shard: usize, bytes: &[u8]) -> Result<LogicalRefData, String>;
+    /// Makes checkpoint `id` complete: every file synced, then the metadata durable.
+    fn commit(
+        &self,
+        id: u64,
+        trigger_ms: u64,
+        sections: Vec<(String, Vec<u8>)>,
+    ) -> Result<CommitInfo, String>;
+    fn abort(&self, id: u64);
+    fn retain(&self, keep: usize) -> Result<(), String>;
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub(crate) fn to_ref(f: &FileRefData) -> FileRef {
+    FileRef {
+        path: PathBuf::from(&f.path),
+        size_bytes: f.size_bytes,
+        crc32: f.crc32,
+    }
+}
+
+fn from_ref(f: &FileRef) -> FileRefData {
+    FileRefData {
+        path: f.path.to_string_lossy().into_owned(),
+        size_bytes: f.size_bytes,
+        crc32: f.crc32,
+    }
+}
+
+pub(crate) fn to_logical(f: &LogicalRefData) -> LogicalFileRef {
+    LogicalFileRef {
+        physical: PathBuf::from(&f.physical),
+        offset: f.offset,
+        size_bytes: f.size_bytes,
+        first_block: f.first_block,
+        crc32: f.crc32,
+    }
+}
+
+/// Checkpoint storage on the local file system.
+pub(crate) struct IoCheckpointStore {
+    pub storage: CheckpointStorage,
+    pending: Mutex<HashMap<u64, PendingCheckpoint>>,
+    /// One writer per (checkpoint, shard) for small files, so that they merge into few
+    /// physical files.
+    small: Mutex<HashMap<(u64, usize), CheckpointWriter>>,
+}
+
+impl IoCheckpointStore {
+    pub fn new(storage: CheckpointStorage) -> Self {
+        Self {
+            storage,
+            pending: Mutex::new(HashMap::new()),
+            small: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn writer(&self, id: u64) -> Result<CheckpointWriter, String> {
+        lock(&self.pending)
+            .get(&id)
+            .map(|p| p.writer())
+            .ok_or_else(|| format!("checkpoint {id} is not in progress"))
+    }
+}
+
+impl CheckpointStore for IoCheckpointStore {
+    fn begin(&self, id: u64) -> Result<(), String> {
+        let p = self.storage.begin(id).map_err(|e| e.to_string())?;
+        lock(&self.pending).insert(id, p);
+        Ok(())
+    }
+
+    fn upload_shared(&self, id: u64, shard: usize, src: &Path) -> Result<FileRefData, String> {
+        let mut w = self.writer(id)?;
+        let hint = format!(
+            "s{shard}-{}",
+            src.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        );
+        let r = w.upload_shared(src, &hint).map_err(|e| e.to_string())?;
+        w.finish().map_err(|e| e.to_string())?;
+        Ok(from_ref(&r))
+    }
+
+    fn reuse_shared(&self, id: u64, _shard: usize, f: &FileRefData) -> Result<(), String> {
+        let mut w = self.writer(id)?;
+        w.reuse_shared(&to_ref(f)).map_err(|e| e.to_string())?;
+        w.finish().map_err(|e| e.to_string())?;
+        Ok(())
+    }
+
+    fn write_small(&self, id: u64, shard: usize, bytes: &[u8]) -> Result<LogicalRefData, String> {
+        let taken = lock(&self.small).remove(&(id, shard));
+        let mut w = match taken {
+            Some(w) => w,
+            None => self.writer(id)?,
+        };
+        let r = w
+            .write_small(bytes, SmallFileKind::TaskOwned)
+            .map_err(|e| e.to_string())?;
+        lock(&self.small).insert((id, shard), w);
+        Ok(LogicalRefData {
+            physical: r.physical.to_string_lossy().into_owned(),
+            offset: r.offset,
+            size_bytes: r.size_bytes,
+            first_block: r.first_block,
+            crc32: r.crc32,
+        })
+    }
+
+    fn commit(
+        &self,
+        id: u64,
+        trigger_ms: u64,
+        sections: Vec<(String, Vec<u8>)>,
+    ) -> Result<CommitInfo, String> {
+        let writers: Vec<CheckpointWriter> = {
+            let mut small = lock(&self.small);
+            let keys: Vec<(u64, usize)> = small.keys().filter(|(c, _)| *c == id).copied().collect();
+            keys.into_iter().filter_map(|k| small.remove(&k)).collect()
+        };
+        for w in writers {
+            w.finish().map_err(|e| e.to_string())?;
+        }
+        let pending = lock(&self.pending)
+            .remove(&id)
+            .ok_or_else(|| format!("checkpoint {id} is not in progress"))?;
+        let done = self
+            .storage
+            .commit(
+                pending,
+                IoCommitInfo {
+                    trigger_timestamp_ms: trigger_ms,
+                    completion_timestamp_ms: super::coordinator::now_ms(),
+                    sections,
+                },
+            )
+            .map_err(|e| e.to_string())?;
+        Ok(CommitInfo {
+            new_bytes: done.metadata.new_bytes,
+            full_bytes: done.metadata.size_bytes(),
+        })
+    }
+
+    fn abort(&self, id: u64) {
+        lock(&self.small).retain(|(c, _), _| *c != id);
+        if let Some(p) = lock(&self.pending).remove(&id) {
+            if let Err(e) = self.storage.abort(p) {
+                tracing::warn!("aborting checkpoint {id}: {e}");
+            }
+        }
+    }
+
+    fn retain(&self, keep: usize) -> Result<(), String> {
+        self.storage
+            .retain(keep)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// Reads a complete checkpoint of a job's storage.
+pub(crate) struct StorageReader(pub CheckpointStorage);
+
+impl CheckpointReader for StorageReader {
+    fn read_file(&self, f: &FileRefData) -> Result<Vec<u8>, String> {
+        self.0.read_file(&to_ref(f)).map_err(|e| e.to_string())
+    }
+    fn read_logical(&self, f: &LogicalRefData) -> Result<Vec<u8>, String> {
+        self.0
+            .read_logical(&to_logical(f))
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// Reads a savepoint directory.
+pub(crate) struct SavepointReader(pub Savepoint);
+
+impl CheckpointReader for SavepointReader {
+    fn read_file(&self, f: &FileRefData) -> Result<Vec<u8>, String> {
+        self.0.read_file(&to_ref(f)).map_err(|e| e.to_string())
+    }
+    fn read_logical(&self, f: &LogicalRefData) -> Result<Vec<u8>, String> {
+        self.0
+            .read_logical(&to_logical(f))
+            .map_err(|e| e.to_string())
+    }
+}

@@ -1,0 +1,1401 @@
+//! An exactly-once file sink: two-phase commit over hidden part files, as Flink's FileSink
+//! does it. The protocol (file names, states, the pre-commit description format and what
+//! happens at each crash point) is documented in `docs/file-sink.md`.
+//!
+//! Per shard `s` the writer appends lines to a hidden in-progress file
+//! `.part-<s>-<seq>.inprogress`. At checkpoint `n`'s barrier it fsyncs it and renames it to the
+//! still hidden `.part-<s>-<seq>.pending-<n>`; when checkpoint `n` is complete it renames it to
+//! the visible `part-<s>-<seq>.csv`. Readers only ever see complete files, renamed atomically.
+
+use std::collections::HashSet;
+use std::fmt::Display;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use weir_io::{crc32, Fs, FsFile, IoError, StdFs, CHECKSUM_CRC32_IEEE};
+
+use super::{Sink, SinkWriter};
+use crate::error::StartError;
+
+/// Default size past which a part file is closed and a new one started: 128 MiB.
+pub const DEFAULT_PART_SIZE_BYTES: u64 = 128 << 20;
+
+/// Write buffer size: one system call per 64 KiB of output rather than per line.
+const WRITE_BUFFER_BYTES: usize = 64 * 1024;
+
+/// Magic of a pre-commit description ("weir transactional sink").
+const STATE_MAGIC: [u8; 4] = *b"WTXS";
+/// Version of the pre-commit description format.
+const STATE_VERSION: u8 = 1;
+/// Bytes before the first entry.
+const STATE_HEADER_LEN: usize = 32;
+/// Bytes of the trailing CRC.
+const STATE_TRAILER_LEN: usize = 4;
+/// Smallest possible entry (two one-byte names), used to bound the entry count before
+/// allocating.
+const STATE_MIN_ENTRY_LEN: usize = 8 + 8 + 8 + 4 + 2 + 1 + 2 + 1;
+
+/// An exactly-once file sink: one line per record, in part files that become visible only when
+/// the checkpoint that covers them is complete (or, without checkpointing, when input ends).
+///
+/// Per shard `s`, lines go to a hidden `.part-<s>-<seq>.inprogress` file; checkpoint `n`'s
+/// pre-commit fsyncs it and renames it to the hidden `.part-<s>-<seq>.pending-<n>`; the commit
+/// of `n` renames it to the visible `part-<s>-<seq>.csv`. `docs/file-sink.md` describes the
+/// protocol, the crash cases and the pre-commit description format.
+pub struct TransactionalFileSink<F> {
+    dir: PathBuf,
+    format: Arc<F>,
+    part_size: u64,
+    fs: Arc<dyn Fs>,
+}
+
+impl<F> TransactionalFileSink<F> {
+    /// A sink writing into `dir` (created if missing); `format` renders one record as one line
+    /// (without the line break).
+    pub fn new(dir: impl Into<PathBuf>, format: F) -> Self {
+        Self {
+            dir: dir.into(),
+            format: Arc::new(format),
+            part_size: DEFAULT_PART_SIZE_BYTES,
+            fs: Arc::new(StdFs),
+        }
+    }
+
+    /// Start a new part file once the current one holds at least `n` bytes (default
+    /// 128 MiB). A part may exceed `n` by at most one line. `0` counts as 1.
+    pub fn with_part_size_bytes(mut self, n: u64) -> Self {
+        self.part_size = n.max(1);
+        self
+    }
+
+    /// Use another file-system implementation (for example `weir_io::FaultyFs` in crash tests).
+    pub fn with_fs(mut self, fs: Arc<dyn Fs>) -> Self {
+        self.fs = fs;
+        self
+    }
+}
+
+impl<T: 'static, F: Fn(&T, &mut String) + Send + Sync + 'static> Sink<T>
+    for TransactionalFileSink<F>
+{
+    fn create_writer(
+        &self,
+        shard: usize,
+        _shards: usize,
+    ) -> Result<Box<dyn SinkWriter<T>>, StartError> {
+        let w = TransactionalFileWriter::open(self.fs.clone(), &self.dir, shard, self.part_size)
+            .map_err(|source| StartError::StateDir {
+                path: self.dir.clone(),
+                source,
+            })?;
+        Ok(Box::new(FormattedWriter {
+            w,
+            format: self.format.clone(),
+            line: String::new(),
+        }))
+    }
+
+    fn name(&self) -> &str {
+        "transactional-file"
+    }
+}
+
+/// Renders records with the sink's format and hands the lines to the writer.
+struct FormattedWriter<F> {
+    w: TransactionalFileWriter,
+    format: Arc<F>,
+    line: String,
+}
+
+impl<T: 'static, F: Fn(&T, &mut String) + Send + Sync + 'static> SinkWriter<T>
+    for FormattedWriter<F>
+{
+    fn write(&mut self, rec: T, _ts: i64) -> io::Result<()> {
+        self.line.clear();
+        (self.format)(&rec, &mut self.line);
+        self.w.write_line(&self.line)
+    }
+    fn finish(&mut self) -> io::Result<()> {
+        self.w.finish()
+    }
+    fn pre_commit(&mut self, checkpoint_id: u64) -> io::Result<Vec<u8>> {
+        self.w.pre_commit(checkpoint_id)
+    }
+    fn commit(&mut self, checkpoint_id: u64) -> io::Result<()> {
+        self.w.commit(checkpoint_id)
+    }
+    fn restore(&mut self, checkpoint_id: u64, state: &[u8]) -> io::Result<()> {
+        self.w.restore(checkpoint_id, state)
+    }
+}
+
+/// The hidden, still growing part file.
+#[derive(Debug)]
+struct InProgress {
+    file: Box<dyn FsFile>,
+    path: PathBuf,
+    seq: u64,
+    /// Bytes already written to the file (the buffer comes after them).
+    written: u64,
+    buf: Vec<u8>,
+}
+
+/// A closed in-progress file: fsynced, its size and CRC known, not yet pre-committed.
+#[derive(Debug)]
+struct Sealed {
+    path: PathBuf,
+    seq: u64,
+    size: u64,
+    crc: u32,
+}
+
+/// A pre-committed file waiting for its checkpoint to complete. Its names derive from
+/// `(shard, seq, checkpoint)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PendingFile {
+    seq: u64,
+    /// The checkpoint whose pre-commit prepared it.
+    checkpoint: u64,
+    size: u64,
+    crc: u32,
+}
+
+/// A decoded pre-commit description.
+#[derive(Debug, PartialEq, Eq)]
+struct State {
+    checkpoint: u64,
+    shard: u32,
+    next_seq: u64,
+    files: Vec<PendingFile>,
+}
+
+/// What a file name in the output directory says about the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Final,
+    InProgress,
+    Pending(u64),
+}
+
+fn inprogress_name(shard: u32, seq: u64) -> String {
+    format!(".part-{shard}-{seq}.inprogress")
+}
+
+fn pending_name(shard: u32, seq: u64, checkpoint: u64) -> String {
+    format!(".part-{shard}-{seq}.pending-{checkpoint}")
+}
+
+fn final_name(shard: u32, seq: u64) -> String {
+    format!("part-{shard}-{seq}.csv")
+}
+
+fn name_of(shard: u32, seq: u64, kind: Kind) -> String {
+    match kind {
+        Kind::Final => final_name(shard, seq),
+        Kind::InProgress => inprogress_name(shard, seq),
+        Kind::Pending(n) => pending_name(shard, seq, n),
+    }
+}
+
+/// Parses one of this sink's file names into `(shard, seq, kind)`; anything else (other
+/// files, the plain file sink's `part-<s>.csv`) is `None`.
+fn parse_name(name: &str) -> Option<(u32, u64, Kind)> {
+    let (body, kind) = if let Some(rest) = name.strip_prefix(".part-") {
+        if let Some(body) = rest.strip_suffix(".inprogress") {
+            (body, Kind::InProgress)
+        } else {
+            let (body, n) = rest.rsplit_once(".pending-")?;
+            (body, Kind::Pending(n.parse().ok()?))
+        }
+    } else {
+        (
+            name.strip_prefix("part-")?.strip_suffix(".csv")?,
+            Kind::Final,
+        )
+    };
+    let (shard, seq) = body.split_once('-')?;
+    let (shard, seq) = (shard.parse().ok()?, seq.parse().ok()?);
+    // Only canonical spellings ("+1" or "01" parse too): a name must round-trip.
+    (name_of(shard, seq, kind) == name).then_some((shard, seq, kind))
+}
+
+/// Turns a `weir_io` error into an `io::Error` of the same kind, keeping its message (which
+/// names the operation and the path).
+fn to_io(e: IoError) -> io::Error {
+    let kind = match &e {
+        IoError::Os { source, .. } => source.kind(),
+        _ => io::ErrorKind::Other,
+    };
+    io::Error::new(kind, e)
+}
+
+fn invalid_state(msg: impl Display) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("transactional file sink state: {msg}"),
+    )
+}
+
+/// The length of `path`, or `None` if it does not exist.
+fn file_len(fs: &dyn Fs, path: &Path) -> io::Result<Option<u64>> {
+    match fs.open(path) {
+        Ok(f) => f.len().map(Some).map_err(to_io),
+        Err(IoError::Os { source, .. }) if source.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(to_io(e)),
+    }
+}
+
+/// CRC-32 of a sealed file's whole content.
+fn file_crc(fs: &dyn Fs, path: &Path) -> io::Result<(u64, u32)> {
+    let map = fs.map_readonly(path).map_err(to_io)?;
+    Ok((map.len() as u64, crc32(&[&map])))
+}
+
+/// One shard's writer of a [`TransactionalFileSink`], line by line (the protocol is described
+/// there and in `docs/file-sink.md`).
+///
+/// After any I/O failure the writer refuses further work until [`restore`](Self::restore):
+/// a failed fsync may have lost data that a retry would not notice (PLATFORM.md, Durability).
+#[derive(Debug)]
+pub struct TransactionalFileWriter {
+    fs: Arc<dyn Fs>,
+    dir: PathBuf,
+    shard: u32,
+    part_size: u64,
+    /// Sequence number of the next part file; never goes down.
+    next_seq: u64,
+    current: Option<InProgress>,
+    sealed: Vec<Sealed>,
+    pending: Vec<PendingFile>,
+    /// Why the writer can no longer be trusted, after a failed operation.
+    poisoned: Option<String>,
+    /// Whether a restore handed this writer the description written by a writer of its own
+    /// shard index: only then may it delete its index's unlisted pending files of checkpoints
+    /// up to the restored one (otherwise another shard may still have to publish them).
+    own_state_restored: bool,
+}
+
+impl TransactionalFileWriter {
+    /// Creates `dir` if needed and prepares shard `shard`'s writer. The first part file's
+    /// sequence number follows every one of this shard's files already in `dir`.
+    pub fn open(fs: Arc<dyn Fs>, dir: &Path, shard: usize, part_size: u64) -> io::Result<Self> {
+        let shard = u32::try_from(shard).map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("shard index {shard} does not fit the part file names (u32)"),
+            )
+        })?;
+        fs.create_dir_all(dir).map_err(to_io)?;
+        let mut w = Self {
+            fs,
+            dir: dir.to_owned(),
+            shard,
+            part_size: part_size.max(1),
+            next_seq: 0,
+            current: None,
+            sealed: Vec::new(),
+            pending: Vec::new(),
+            poisoned: None,
+            own_state_restored: false,
+        };
+        for (_, seq, _) in w.own_files()? {
+            w.next_seq = w.next_seq.max(seq + 1);
+        }
+        Ok(w)
+    }
+
+    /// The output directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Appends `line` and a '\n' to the in-progress file (created on first use), and rolls to
+    /// a new part file once this one reaches the part size.
+    pub fn write_line(&mut self, line: &str) -> io::Result<()> {
+        self.guard(|w| w.write_line_inner(line))
+    }
+
+    /// Prepares checkpoint `checkpoint_id`: makes everything written since the last pre-commit
+    /// durable under hidden pending names and returns the description of every file not yet
+    /// committed (the bytes to store in the checkpoint).
+    pub fn pre_commit(&mut self, checkpoint_id: u64) -> io::Result<Vec<u8>> {
+        self.guard(|w| w.pre_commit_inner(checkpoint_id))
+    }
+
+    /// Checkpoint `checkpoint_id` is complete: publishes every file prepared at or before it.
+    /// Idempotent.
+    pub fn commit(&mut self, checkpoint_id: u64) -> io::Result<()> {
+        self.guard(|w| w.commit_inner(checkpoint_id))
+    }
+
+    /// The job restarts from checkpoint `checkpoint_id`, for which a writer's
+    /// [`pre_commit`](Self::pre_commit) returned `state` (empty: no description). Publishes the
+    /// files `state` lists (whichever shard wrote them) unless already published, then deletes
+    /// this shard's hidden files holding output from after the checkpoint. May be called more
+    /// than once (one call per description handed to this shard).
+    pub fn restore(&mut self, checkpoint_id: u64, state: &[u8]) -> io::Result<()> {
+        // A restore starts over: whatever this writer held is either listed in `state` or is
+        // output from after the checkpoint, which cleanup deletes.
+        self.poisoned = None;
+        self.current = None;
+        self.sealed.clear();
+        self.pending.clear();
+        self.guard(|w| w.restore_inner(checkpoint_id, state))
+    }
+
+    /// The input ended without a final checkpoint: makes everything written since the last
+    /// pre-commit durable and visible at once. Files already pre-committed stay for
+    /// [`commit`](Self::commit). With nothing written, no I/O at all.
+    pub fn finish(&mut self) -> io::Result<()> {
+        self.guard(Self::finish_inner)
+    }
+
+    /// Runs `op` unless the writer is poisoned, and poisons it if `op` fails.
+    fn guard<R>(&mut self, op: impl FnOnce(&mut Self) -> io::Result<R>) -> io::Result<R> {
+        if let Some(why) = &self.poisoned {
+            return Err(io::Error::other(format!(
+                "transactional file sink {} shard {}: an earlier operation failed ({why}); \
+                 the job must restore from a checkpoint",
+                self.dir.display(),
+                self.shard
+            )));
+        }
+        let r = op(self);
+        if let Err(e) = &r {
+            self.poisoned = Some(e.to_string());
+        }
+        r
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// This shard's files in the directory: `(path, seq, kind)`.
+    fn own_files(&self) -> io::Result<Vec<(PathBuf, u64, Kind)>> {
+        let mut out = Vec::new();
+        for path in self.fs.list_dir(&self.dir).map_err(to_io)? {
+            let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+                continue;
+            };
+            if let Some((shard, seq, kind)) = parse_name(name) {
+                if shard == self.shard {
+                    out.push((path, seq, kind));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn sync_dir(&self) -> io::Result<()> {
+        self.fs.sync_dir(&self.dir).map_err(to_io)
+    }
+
+    fn write_line_inner(&mut self, line: &str) -> io::Result<()> {
+        if self.current.is_none() {
+            let seq = self.next_seq;
+            let path = self.path(&inprogress_name(self.shard, seq));
+            // `create` fails if the file exists: a name is never reused silently.
+            let file = self.fs.create(&path).map_err(to_io)?;
+            self.next_seq = seq + 1;
+            self.current = Some(InProgress {
+                file,
+                path,
+                seq,
+                written: 0,
+                buf: Vec::with_capacity(WRITE_BUFFER_BYTES),
+            });
+        }
+        let mut full = false;
+        if let Some(cur) = &mut self.current {
+            cur.buf.extend_from_slice(line.as_bytes());
+            cur.buf.push(b'\n');
+            if cur.buf.len() >= WRITE_BUFFER_BYTES {
+                flush(cur)?;
+            }
+            full = cur.written + cur.buf.len() as u64 >= self.part_size;
+        }
+        if full {
+            self.seal_current()?;
+        }
+        Ok(())
+    }
+
+    /// Closes the in-progress file (if any): write out the buffer, fsync, compute the CRC.
+    fn seal_current(&mut self) -> io::Result<()> {
+        let Some(mut cur) = self.current.take() else {
+            return Ok(());
+        };
+        flush(&mut cur)?;
+        cur.file.sync().map_err(to_io)?;
+        let (size, crc) = file_crc(&*self.fs, &cur.path)?;
+        if size != cur.written {
+            return Err(io::Error::other(format!(
+                "{}: {size} bytes after fsync, {} written",
+                cur.path.display(),
+                cur.written
+            )));
+        }
+        self.sealed.push(Sealed {
+            path: cur.path,
+            seq: cur.seq,
+            size,
+            crc,
+        });
+        Ok(())
+    }
+
+    fn pre_commit_inner(&mut self, checkpoint: u64) -> io::Result<Vec<u8>> {
+        self.seal_current()?;
+        if !self.sealed.is_empty() {
+            for s in std::mem::take(&mut self.sealed) {
+                let to = self.path(&pending_name(self.shard, s.seq, checkpoint));
+                self.fs.rename(&s.path, &to).map_err(to_io)?;
+                self.pending.push(PendingFile {
+                    seq: s.seq,
+                    checkpoint,
+                    size: s.size,
+                    crc: s.crc,
+                });
+            }
+            self.sync_dir()?;
+        }
+        Ok(encode_state(&State {
+            checkpoint,
+            shard: self.shard,
+            next_seq: self.next_seq,
+            files: self.pending.clone(),
+        }))
+    }
+
+    fn commit_inner(&mut self, checkpoint: u64) -> io::Result<()> {
+        let mut renamed = false;
+        while let Some(i) = self.pending.iter().position(|p| p.checkpoint <= checkpoint) {
+            let p = &self.pending[i];
+            let from = self.path(&pending_name(self.shard, p.seq, p.checkpoint));
+            let to = self.path(&final_name(self.shard, p.seq));
+            self.fs.rename(&from, &to).map_err(to_io)?;
+            self.pending.remove(i);
+            renamed = true;
+        }
+        if renamed {
+            self.sync_dir()?;
+        }
+        Ok(())
+    }
+
+    fn restore_inner(&mut self, checkpoint: u64, bytes: &[u8]) -> io::Result<()> {
+        let mut changed = false;
+        if !bytes.is_empty() {
+            let state = decode_state(bytes)?;
+            if state.checkpoint != checkpoint {
+                return Err(invalid_state(format!(
+                    "describes checkpoint {}, but the job restores checkpoint {checkpoint}",
+                    state.checkpoint
+                )));
+            }
+            for f in &state.files {
+                changed |= self.publish_restored(state.shard, f, checkpoint)?;
+            }
+            if state.shard == self.shard {
+                self.own_state_restored = true;
+                self.next_seq = self.next_seq.max(state.next_seq);
+            }
+        }
+        // Cleanup: only this shard index's hidden files. In-progress files and files pending
+        // for a later checkpoint hold output from after the checkpoint, which will be produced
+        // again. Pending files of this or an earlier checkpoint that are still hidden were not
+        // listed (listed ones are published now): garbage, but only certain once this shard's
+        // own description was seen; before, another shard may still have to publish them.
+        for (path, seq, kind) in self.own_files()? {
+            self.next_seq = self.next_seq.max(seq + 1);
+            let delete = match kind {
+                Kind::Final => false,
+                Kind::InProgress => true,
+                Kind::Pending(n) => n > checkpoint || self.own_state_restored,
+            };
+            if delete {
+                self.fs.remove(&path).map_err(to_io)?;
+                changed = true;
+            }
+        }
+        if changed {
+            self.sync_dir()?;
+        }
+        Ok(())
+    }
+
+    /// Publishes one file listed by a restored description; `Ok(true)` if it renamed it.
+    fn publish_restored(&self, shard: u32, f: &PendingFile, checkpoint: u64) -> io::Result<bool> {
+        let hidden = self.path(&pending_name(shard, f.seq, f.checkpoint));
+        let visible = self.path(&final_name(shard, f.seq));
+        if let Some(len) = file_len(&*self.fs, &hidden)? {
+            // Check the bytes before making them visible: a pending file that does not match
+            // its description must not be published.
+            let (size, crc) = file_crc(&*self.fs, &hidden)?;
+            if len != f.size || size != f.size || crc != f.crc {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "{}: checkpoint {checkpoint} recorded {} bytes with CRC {:#010x}, \
+                         the file has {size} bytes with CRC {crc:#010x}",
+                        hidden.display(),
+                        f.size,
+                        f.crc
+                    ),
+                ));
+            }
+            self.fs.rename(&hidden, &visible).map_err(to_io)?;
+            return Ok(true);
+        }
+        match file_len(&*self.fs, &visible)? {
+            // Published before the crash.
+            Some(len) if len == f.size => Ok(false),
+            Some(len) => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "{}: checkpoint {checkpoint} recorded {} bytes, the published file has {len}",
+                    visible.display(),
+                    f.size
+                ),
+            )),
+            None => Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!(
+                    "checkpoint {checkpoint} refers to output file {} that is gone: neither \
+                     pending {} nor published {} exists",
+                    final_name(shard, f.seq),
+                    hidden.display(),
+                    visible.display()
+                ),
+            )),
+        }
+    }
+
+    fn finish_inner(&mut self) -> io::Result<()> {
+        self.seal_current()?;
+        if self.sealed.is_empty() {
+            return Ok(());
+        }
+        for s in std::mem::take(&mut self.sealed) {
+            let to = self.path(&final_name(self.shard, s.seq));
+            self.fs.rename(&s.path, &to).map_err(to_io)?;
+        }
+        self.sync_dir()
+    }
+}
+
+/// Writes out the buffer of the in-progress file.
+fn flush(cur: &mut InProgress) -> io::Result<()> {
+    if !cur.buf.is_empty() {
+        cur.file.write_at(cur.written, &cur.buf).map_err(to_io)?;
+        cur.written += cur.buf.len() as u64;
+        cur.buf.clear();
+    }
+    Ok(())
+}
+
+/// Encodes a pre-commit description (format in `docs/file-sink.md`).
+fn encode_state(s: &State) -> Vec<u8> {
+    let mut out = Vec::with_capacity(STATE_HEADER_LEN + 64 * s.files.len() + STATE_TRAILER_LEN);
+    out.extend_from_slice(&STATE_MAGIC);
+    out.push(STATE_VERSION);
+    out.push(CHECKSUM_CRC32_IEEE);
+    out.extend_from_slice(&[0, 0]);
+    out.extend_from_slice(&s.checkpoint.to_le_bytes());
+    out.extend_from_slice(&s.shard.to_le_bytes());
+    // The count fits: a writer cannot have 2^32 files pending.
+    out.extend_from_slice(&(s.files.len() as u32).to_le_bytes());
+    out.extend_from_slice(&s.next_seq.to_le_bytes());
+    for f in &s.files {
+        out.extend_from_slice(&f.seq.to_le_bytes());
+        out.extend_from_slice(&f.checkpoint.to_le_bytes());
+        out.extend_from_slice(&f.size.to_le_bytes());
+        out.extend_from_slice(&f.crc.to_le_bytes());
+        for name in [
+            pending_name(s.shard, f.seq, f.checkpoint),
+            final_name(s.shard, f.seq),
+        ] {
+            // Names are short ASCII: well below u16::MAX.
+            out.extend_from_slice(&(name.len() as u16).to_le_bytes());
+            out.extend_from_slice(name.as_bytes());
+        }
+    }
+    let crc = crc32(&[&out]);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// Reads fields from a description, naming the offset and field when bytes are missing.
+struct Reader<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize, what: &str) -> io::Result<&'a [u8]> {
+        let left = self.bytes.len() - self.pos;
+        if left < n {
+            return Err(invalid_state(format!(
+                "truncated at offset {} reading {what}: need {n} bytes, {left} left",
+                self.pos
+            )));
+        }
+        let s = &self.bytes[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+
+    fn array<const N: usize>(&mut self, what: &str) -> io::Result<[u8; N]> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N, what)?);
+        Ok(a)
+    }
+
+    fn u16(&mut self, what: &str) -> io::Result<u16> {
+        Ok(u16::from_le_bytes(self.array(what)?))
+    }
+    fn u32(&mut self, what: &str) -> io::Result<u32> {
+        Ok(u32::from_le_bytes(self.array(what)?))
+    }
+    fn u64(&mut self, what: &str) -> io::Result<u64> {
+        Ok(u64::from_le_bytes(self.array(what)?))
+    }
+
+    /// A length-prefixed name that must equal `expected`.
+    fn name(&mut self, what: &str, expected: &str) -> io::Result<()> {
+        let at = self.pos;
+        let len = self.u16(what)? as usize;
+        let raw = self.take(len, what)?;
+        if raw != expected.as_bytes() {
+            return Err(invalid_state(format!(
+                "{what} at offset {at} is {:?}, expected {expected:?}",
+                String::from_utf8_lossy(raw)
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Decodes and validates a pre-commit description. Every defect is an `InvalidData` error
+/// saying what is wrong and where.
+fn decode_state(bytes: &[u8]) -> io::Result<State> {
+    let mut r = Reader { bytes, pos: 0 };
+    let magic = r.array::<4>("magic")?;
+    if magic != STATE_MAGIC {
+        return Err(invalid_state(format!(
+            "bad magic {magic:02x?}, expected {STATE_MAGIC:02x?} (not a transactional file sink \
+             state)"
+        )));
+    }
+    let [version, algo, _, _] = r.array::<4>("version")?;
+    if version != STATE_VERSION {
+        return Err(invalid_state(format!(
+            "unsupported version {version} (supported: {STATE_VERSION})"
+        )));
+    }
+    if algo != CHECKSUM_CRC32_IEEE {
+        return Err(invalid_state(format!(
+            "unknown checksum algorithm {algo} (supported: {CHECKSUM_CRC32_IEEE})"
+        )));
+    }
+    if bytes.len() < STATE_HEADER_LEN + STATE_TRAILER_LEN {
+        return Err(invalid_state(format!(
+            "truncated: {} bytes, a description has at least {}",
+            bytes.len(),
+            STATE_HEADER_LEN + STATE_TRAILER_LEN
+        )));
+    }
+    // Check the CRC before trusting any field it covers.
+    let body_len = bytes.len() - STATE_TRAILER_LEN;
+    let mut stored = [0u8; 4];
+    stored.copy_from_slice(&bytes[body_len..]);
+    let stored = u32::from_le_bytes(stored);
+    let actual = crc32(&[&bytes[..body_len]]);
+    if stored != actual {
+        return Err(invalid_state(format!(
+            "checksum mismatch over {body_len} bytes: stored {stored:#010x}, computed \
+             {actual:#010x}"
+        )));
+    }
+    let mut r = Reader {
+        bytes: &bytes[..body_len],
+        pos: r.pos,
+    };
+    let checkpoint = r.u64("checkpoint id")?;
+    let shard = r.u32("shard")?;
+    let count = r.u32("file count")? as usize;
+    let next_seq = r.u64("next sequence number")?;
+    let room = (body_len - STATE_HEADER_LEN) / STATE_MIN_ENTRY_LEN;
+    if count > room {
+        return Err(invalid_state(format!(
+            "file count {count} cannot fit in {} bytes",
+            body_len - STATE_HEADER_LEN
+        )));
+    }
+    let mut files = Vec::with_capacity(count);
+    let mut seqs = HashSet::with_capacity(count);
+    for i in 0..count {
+        let at = r.pos;
+        let f = PendingFile {
+            seq: r.u64("file sequence number")?,
+            checkpoint: r.u64("file checkpoint id")?,
+            size: r.u64("file size")?,
+            crc: r.u32("file CRC")?,
+        };
+        r.name("pending name", &pending_name(shard, f.seq, f.checkpoint))?;
+        r.name("final name", &final_name(shard, f.seq))?;
+        if f.checkpoint > checkpoint {
+            return Err(invalid_state(format!(
+                "file {i} at offset {at} was prepared by checkpoint {}, after this checkpoint \
+                 {checkpoint}",
+                f.checkpoint
+            )));
+        }
+        if f.seq >= next_seq {
+            return Err(invalid_state(format!(
+                "file {i} at offset {at} has sequence number {}, not below the next one \
+                 {next_seq}",
+                f.seq
+            )));
+        }
+        if !seqs.insert(f.seq) {
+            return Err(invalid_state(format!(
+                "file {i} at offset {at} repeats sequence number {}",
+                f.seq
+            )));
+        }
+        files.push(f);
+    }
+    if r.pos != body_len {
+        return Err(invalid_state(format!(
+            "{} unexpected bytes after the last file at offset {}",
+            body_len - r.pos,
+            r.pos
+        )));
+    }
+    Ok(State {
+        checkpoint,
+        shard,
+        next_seq,
+        files,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use weir_io::{FaultConfig, FaultyFs};
+
+    type Fmt = fn(&String, &mut String);
+
+    fn sink(dir: &Path) -> TransactionalFileSink<Fmt> {
+        let format: Fmt = |rec, out| out.push_str(rec);
+        TransactionalFileSink::new(dir, format)
+    }
+
+    fn writer(sink: &TransactionalFileSink<Fmt>, shard: usize) -> Box<dyn SinkWriter<String>> {
+        match Sink::<String>::create_writer(sink, shard, 2) {
+            Ok(w) => w,
+            Err(e) => panic!("create writer: {e}"),
+        }
+    }
+
+    fn write_all(w: &mut dyn SinkWriter<String>, lines: &[String]) {
+        for l in lines {
+            w.write(l.clone(), 0).expect("write");
+        }
+    }
+
+    fn lines(prefix: &str, range: std::ops::Range<usize>) -> Vec<String> {
+        range.map(|i| format!("{prefix}-{i}")).collect()
+    }
+
+    /// Visible files' names, sorted.
+    fn visible(dir: &Path) -> Vec<String> {
+        names(dir)
+            .into_iter()
+            .filter(|n| !n.starts_with('.'))
+            .collect()
+    }
+
+    fn hidden(dir: &Path) -> Vec<String> {
+        names(dir)
+            .into_iter()
+            .filter(|n| n.starts_with('.'))
+            .collect()
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .expect("read dir")
+            .map(|e| {
+                e.expect("dir entry")
+                    .file_name()
+                    .into_string()
+                    .expect("utf-8")
+            })
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Every visible line, files in (shard, seq) order.
+    fn visible_lines(dir: &Path) -> Vec<String> {
+        let mut files: Vec<(u32, u64, String)> = visible(dir)
+            .into_iter()
+            .map(|n| {
+                let (s, q, k) = parse_name(&n).expect("only our files");
+                assert_eq!(k, Kind::Final);
+                (s, q, n)
+            })
+            .collect();
+        files.sort();
+        let mut out = Vec::new();
+        for (_, _, n) in files {
+            let text = std::fs::read_to_string(dir.join(&n)).expect("read part");
+            assert!(text.ends_with('\n'), "{n} ends mid-line");
+            out.extend(text.lines().map(str::to_owned));
+        }
+        out
+    }
+
+    #[test]
+    fn names_round_trip_and_foreign_names_are_ignored() {
+        for kind in [Kind::Final, Kind::InProgress, Kind::Pending(7)] {
+            let n = name_of(3, 41, kind);
+            assert_eq!(parse_name(&n), Some((3, 41, kind)));
+        }
+        for n in [
+            "part-0.csv",
+            "part-01-2.csv",
+            "part-+1-2.csv",
+            ".part-1-2.pending-",
+            ".part-1-2.tmp",
+            "x",
+        ] {
+            assert_eq!(parse_name(n), None, "{n}");
+        }
+    }
+
+    #[test]
+    fn commit_publishes_exactly_what_was_prepared() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let dir = tmp.path().join("out");
+        let s = sink(&dir);
+        let mut w = writer(&s, 0);
+        let a = lines("a", 0..100);
+        write_all(&mut *w, &a);
+        let st1 = w.pre_commit(1).expect("pre-commit 1");
+        assert!(visible(&dir).is_empty(), "nothing visible before commit");
+        assert_eq!(hidden(&dir), vec![".part-0-0.pending-1".to_owned()]);
+        let d1 = decode_state(&st1).expect("decode");
+        assert_eq!((d1.checkpoint, d1.shard, d1.files.len()), (1, 0, 1));
+        w.commit(1).expect("commit 1");
+        assert_eq!(visible_lines(&dir), a);
+        assert!(hidden(&dir).is_empty());
+
+        // Two checkpoints before one commit: the later commit publishes both.
+        let b = lines("b", 0..10);
+        let c = lines("c", 0..10);
+        write_all(&mut *w, &b);
+        let st2 = w.pre_commit(2).expect("pre-commit 2");
+        write_all(&mut *w, &c);
+        let st3 = w.pre_commit(3).expect("pre-commit 3");
+        assert_eq!(decode_state(&st2).expect("decode").files.len(), 1);
+        assert_eq!(
+            decode_state(&st3).expect("decode").files.len(),
+            2,
+            "checkpoint 3 lists checkpoint 2's uncommitted file too"
+        );
+        assert_eq!(visible_lines(&dir), a);
+        // Committing 2 must not publish what 3 prepared.
+        w.commit(2).expect("commit 2");
+        assert_eq!(visible_lines(&dir), [a.clone(), b.clone()].concat());
+        w.commit(3).expect("commit 3");
+        w.commit(3).expect("commit is idempotent");
+        w.commit(1).expect("an older commit is a no-op");
+        let all: Vec<String> = [a, b, c].concat();
+        assert_eq!(visible_lines(&dir), all);
+
+        // Nothing written: no new file, an empty list.
+        let before = names(&dir);
+        let st4 = w.pre_commit(4).expect("pre-commit 4");
+        assert!(decode_state(&st4).expect("decode").files.is_empty());
+        w.commit(4).expect("commit 4");
+        assert_eq!(names(&dir), before);
+        assert_eq!(visible_lines(&dir), all);
+    }
+
+    #[test]
+    fn rolls_to_a_new_part_past_the_size() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let s = sink(tmp.path()).with_part_size_bytes(20);
+        let mut w = writer(&s, 1);
+        let a: Vec<String> = (0..25).map(|i| format!("l{i:04}")).collect(); // 6 bytes a line
+        write_all(&mut *w, &a);
+        let st = decode_state(&w.pre_commit(1).expect("pre-commit")).expect("decode");
+        // A part is closed at its 4th line (24 >= 20 bytes); the last holds the 25th line.
+        assert_eq!(st.files.len(), 7);
+        assert!(st.files.iter().all(|f| f.size == 24 || f.size == 6));
+        assert!(visible(tmp.path()).is_empty());
+        w.commit(1).expect("commit");
+        assert_eq!(visible(tmp.path()).len(), 7);
+        for n in visible(tmp.path()) {
+            let len = std::fs::metadata(tmp.path().join(&n)).expect("stat").len();
+            assert!(len <= 24, "{n} has {len} bytes");
+        }
+        assert_eq!(visible_lines(tmp.path()), a);
+    }
+
+    #[test]
+    fn large_output_goes_through_the_buffer_intact() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let s = sink(tmp.path()).with_part_size_bytes(300_000);
+        let mut w = writer(&s, 0);
+        let a: Vec<String> = (0..2000).map(|i| format!("{i:0>299}")).collect();
+        write_all(&mut *w, &a);
+        w.pre_commit(1).expect("pre-commit");
+        w.commit(1).expect("commit");
+        assert_eq!(visible_lines(tmp.path()), a);
+        assert_eq!(visible(tmp.path()).len(), 2);
+    }
+
+    /// The crash scenario of the brief, with the plain file system (nothing undone: every
+    /// hidden file stays behind) and with a simulated power cut (unsynced data lost).
+    #[test]
+    fn restore_after_a_crash_publishes_checkpoint_output_exactly_once() {
+        for power_cut in [false, true] {
+            let tmp = tempfile::tempdir().expect("temp dir");
+            let dir = tmp.path().to_owned();
+            let faulty = FaultyFs::new(FaultConfig::default());
+            let s = sink(&dir).with_part_size_bytes(64).with_fs(if power_cut {
+                Arc::new(faulty.clone())
+            } else {
+                Arc::new(StdFs)
+            });
+            let a = lines("a", 0..20);
+            let b = lines("b", 0..20);
+            let c = lines("c", 0..20);
+            let mut w = writer(&s, 0);
+            write_all(&mut *w, &a);
+            let st1 = w.pre_commit(1).expect("pre-commit 1");
+            write_all(&mut *w, &b);
+            let _st2 = w.pre_commit(2).expect("pre-commit 2");
+            write_all(&mut *w, &c);
+            // Now a rolled but not pre-committed part and a buffered in-progress one exist.
+            drop(w);
+            if power_cut {
+                faulty.crash().expect("crash");
+            }
+            // Every name that survived the crash (pending of checkpoint 2 included, which
+            // restore deletes) must never be used again.
+            let before: HashSet<u64> = names(&dir)
+                .iter()
+                .filter_map(|n| parse_name(n).map(|(_, q, _)| q))
+                .collect();
+            assert!(!hidden(&dir).is_empty());
+            assert!(visible(&dir).is_empty());
+
+            let mut w = writer(&s, 0);
+            w.restore(1, &st1).expect("restore 1");
+            assert_eq!(visible_lines(&dir), a, "power cut {power_cut}");
+            assert!(
+                hidden(&dir).is_empty(),
+                "after-checkpoint output is gone: {:?}",
+                hidden(&dir)
+            );
+            // Restoring again (a retried recovery) changes nothing.
+            w.restore(1, &st1).expect("restore again");
+            assert_eq!(visible_lines(&dir), a);
+
+            // Continue: new names never collide with any earlier one.
+            let d = lines("d", 0..20);
+            write_all(&mut *w, &d);
+            let st3 = decode_state(&w.pre_commit(3).expect("pre-commit 3")).expect("decode");
+            for f in &st3.files {
+                assert!(!before.contains(&f.seq), "seq {} reused", f.seq);
+            }
+            w.commit(3).expect("commit 3");
+            assert_eq!(visible_lines(&dir), [a.clone(), d].concat());
+            assert!(hidden(&dir).is_empty());
+        }
+    }
+
+    #[test]
+    fn a_new_process_continues_sequence_numbers_from_the_directory() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let s = sink(tmp.path());
+        let mut w = writer(&s, 0);
+        write_all(&mut *w, &lines("a", 0..3));
+        w.finish().expect("finish");
+        drop(w);
+        // No restore (a job without checkpoints, started again): the next file is seq 1.
+        let mut w = writer(&s, 0);
+        write_all(&mut *w, &lines("b", 0..3));
+        w.finish().expect("finish");
+        assert_eq!(
+            visible(tmp.path()),
+            vec!["part-0-0.csv".to_owned(), "part-0-1.csv".to_owned()]
+        );
+        assert_eq!(
+            visible_lines(tmp.path()),
+            [lines("a", 0..3), lines("b", 0..3)].concat()
+        );
+    }
+
+    #[test]
+    fn restore_after_the_commit_already_happened_is_idempotent() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let s = sink(tmp.path());
+        let mut w = writer(&s, 0);
+        let a = lines("a", 0..5);
+        write_all(&mut *w, &a);
+        let st1 = w.pre_commit(1).expect("pre-commit");
+        w.commit(1).expect("commit");
+        drop(w);
+        let mut w = writer(&s, 0);
+        w.restore(1, &st1)
+            .expect("restore: final exists with the recorded size");
+        w.restore(1, &st1).expect("twice");
+        assert_eq!(visible_lines(tmp.path()), a);
+        assert!(hidden(tmp.path()).is_empty());
+    }
+
+    #[test]
+    fn restore_fails_naming_a_vanished_or_altered_file() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let s = sink(tmp.path());
+        let mut w = writer(&s, 0);
+        write_all(&mut *w, &lines("a", 0..5));
+        let st1 = w.pre_commit(1).expect("pre-commit");
+        drop(w);
+        let pending = tmp.path().join(".part-0-0.pending-1");
+
+        // Corrupted pending file: not published.
+        let mut bytes = std::fs::read(&pending).expect("read");
+        bytes[0] ^= 1;
+        std::fs::write(&pending, &bytes).expect("corrupt");
+        let mut w = writer(&s, 0);
+        let err = w.restore(1, &st1).expect_err("CRC mismatch");
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        assert!(err.to_string().contains(".part-0-0.pending-1"), "{err}");
+        assert!(visible(tmp.path()).is_empty());
+        // The failed writer refuses work until a restore succeeds.
+        assert!(w.write("x".to_owned(), 0).is_err());
+
+        // Gone altogether.
+        std::fs::remove_file(&pending).expect("remove");
+        let mut w = writer(&s, 0);
+        let err = w.restore(1, &st1).expect_err("vanished");
+        assert_eq!(err.kind(), io::ErrorKind::NotFound);
+        let msg = err.to_string();
+        assert!(
+            msg.contains("part-0-0.csv") && msg.contains(".part-0-0.pending-1"),
+            "{msg}"
+        );
+
+        // Published, but with another size.
+        std::fs::write(tmp.path().join("part-0-0.csv"), "short\n").expect("write");
+        let err = w.restore(1, &st1).expect_err("wrong size");
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        assert!(err.to_string().contains("part-0-0.csv"), "{err}");
+    }
+
+    #[test]
+    fn corrupt_or_truncated_state_is_invalid_data() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let s = sink(tmp.path()).with_part_size_bytes(1);
+        let mut w = writer(&s, 0);
+        write_all(&mut *w, &lines("a", 0..4));
+        let st = w.pre_commit(1).expect("pre-commit");
+        assert_eq!(decode_state(&st).expect("decode").files.len(), 4);
+        drop(w);
+        let check = |bytes: &[u8], what: &str| {
+            let err = decode_state(bytes).expect_err(what);
+            assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{what}: {err}");
+            let mut w = writer(&s, 0);
+            let err = w.restore(1, bytes).expect_err(what);
+            assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{what}: {err}");
+        };
+        for len in 1..st.len() {
+            check(&st[..len], &format!("truncated to {len}"));
+        }
+        for bit in 0..st.len() * 8 {
+            let mut b = st.clone();
+            b[bit / 8] ^= 1 << (bit % 8);
+            check(&b, &format!("bit {bit} flipped"));
+        }
+        let mut longer = st.clone();
+        longer.push(0);
+        check(&longer, "trailing byte");
+        check(b"garbage!", "garbage");
+
+        // Consistent CRC but wrong content: each rule is checked.
+        let good = decode_state(&st).expect("decode");
+        let reencode = |f: &dyn Fn(&mut State)| {
+            let mut s2 = State {
+                checkpoint: good.checkpoint,
+                shard: good.shard,
+                next_seq: good.next_seq,
+                files: good.files.clone(),
+            };
+            f(&mut s2);
+            encode_state(&s2)
+        };
+        check(&reencode(&|s| s.next_seq = 2), "seq not below next_seq");
+        check(
+            &reencode(&|s| s.files[1].seq = s.files[0].seq),
+            "repeated seq",
+        );
+        check(&reencode(&|s| s.files[0].checkpoint = 2), "from the future");
+        let mut bad_name = st.clone();
+        let at = STATE_HEADER_LEN + 28 + 2 + 1; // first byte after ".", inside "part"
+        bad_name[at] = b'/';
+        let body = bad_name.len() - 4;
+        let crc = crc32(&[&bad_name[..body]]);
+        bad_name[body..].copy_from_slice(&crc.to_le_bytes());
+        let err = decode_state(&bad_name).expect_err("name");
+        assert!(err.to_string().contains("pending name"), "{err}");
+        // A description of another checkpoint than the one restored.
+        let mut w = writer(&s, 0);
+        let err = w.restore(2, &st).expect_err("checkpoint mismatch");
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        // The intact state still restores.
+        let mut w = writer(&s, 0);
+        w.restore(1, &st).expect("restore");
+        assert_eq!(visible_lines(tmp.path()), lines("a", 0..4));
+    }
+
+    #[test]
+    fn finish_without_checkpoints_publishes_everything() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let s = sink(tmp.path()).with_part_size_bytes(50);
+        let mut w = writer(&s, 2);
+        let a = lines("a", 0..30);
+        write_all(&mut *w, &a);
+        assert!(visible(tmp.path()).is_empty());
+        w.finish().expect("finish");
+        assert_eq!(visible_lines(tmp.path()), a);
+        assert!(hidden(tmp.path()).is_empty());
+        let before = names(tmp.path());
+        w.finish().expect("finish again");
+        assert_eq!(names(tmp.path()), before);
+    }
+
+    #[test]
+    fn finish_after_a_completed_checkpoint_is_a_no_op() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        // A file system that fails the next fsync: finish must not touch anything.
+        let faulty = FaultyFs::new(FaultConfig::default());
+        let s = sink(tmp.path()).with_fs(Arc::new(faulty.clone()));
+        let mut w = writer(&s, 0);
+        let a = lines("a", 0..5);
+        write_all(&mut *w, &a);
+        w.pre_commit(1).expect("pre-commit");
+        w.commit(1).expect("commit");
+        let (names_before, steps) = (names(tmp.path()), faulty.steps());
+        w.finish().expect("finish");
+        assert_eq!(faulty.steps(), steps, "finish did I/O");
+        assert_eq!(names(tmp.path()), names_before);
+        assert_eq!(visible_lines(tmp.path()), a);
+    }
+
+    #[test]
+    fn finish_leaves_pre_committed_files_to_their_commit() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let s = sink(tmp.path());
+        let mut w = writer(&s, 0);
+        write_all(&mut *w, &lines("a", 0..5));
+        w.pre_commit(1).expect("pre-commit");
+        w.finish().expect("finish");
+        assert!(
+            visible(tmp.path()).is_empty(),
+            "checkpoint 1 not complete yet"
+        );
+        w.commit(1).expect("commit");
+        assert_eq!(visible_lines(tmp.path()), lines("a", 0..5));
+    }
+
+    #[test]
+    fn a_failed_fsync_fails_the_checkpoint_and_is_never_retried() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let probe = FaultyFs::new(FaultConfig::default());
+        // First run without faults to learn the step of pre-commit 2's fsync.
+        let steps_before_pre_commit_2 = {
+            let d = tmp.path().join("probe");
+            let s = sink(&d).with_fs(Arc::new(probe.clone()));
+            let mut w = writer(&s, 0);
+            write_all(&mut *w, &lines("a", 0..5));
+            w.pre_commit(1).expect("pre-commit");
+            w.commit(1).expect("commit");
+            write_all(&mut *w, &lines("b", 0..5));
+            probe.steps()
+        };
+        // Steps of pre-commit 2: write the buffer, then fsync.
+        let faulty = FaultyFs::new(FaultConfig {
+            fail_sync_at_step: Some(steps_before_pre_commit_2 + 1),
+            ..FaultConfig::default()
+        });
+        let dir = tmp.path().join("out");
+        let s = sink(&dir).with_fs(Arc::new(faulty.clone()));
+        let mut w = writer(&s, 0);
+        write_all(&mut *w, &lines("a", 0..5));
+        let st1 = w.pre_commit(1).expect("pre-commit 1");
+        w.commit(1).expect("commit 1");
+        write_all(&mut *w, &lines("b", 0..5));
+        let err = w.pre_commit(2).expect_err("fsync fails");
+        assert!(err.to_string().contains("fsync"), "{err}");
+        assert!(w.pre_commit(3).is_err(), "no retry after a failed fsync");
+        assert!(w.write("c".to_owned(), 0).is_err());
+        assert!(w.finish().is_err());
+        drop(w);
+        faulty.crash().expect("crash");
+        let mut w = writer(&s, 0);
+        w.restore(1, &st1).expect("restore");
+        assert_eq!(visible_lines(&dir), lines("a", 0..5));
+        assert!(hidden(&dir).is_empty());
+        write_all(&mut *w, &lines("b", 0..5));
+        w.pre_commit(2).expect("pre-commit 2 again");
+        w.commit(2).expect("commit 2");
+        assert_eq!(
+            visible_lines(&dir),
+            [lines("a", 0..5), lines("b", 0..5)].concat()
+        );
+    }
+
+    /// Power cut or failed operation at every step of a two-checkpoint run; afterwards the job
+    /// restores from the last checkpoint whose pre-commit succeeded, and the visible output is
+    /// exactly that checkpoint's lines.
+    #[test]
+    fn exactly_once_across_a_failure_at_every_step() {
+        let batches = [lines("a", 0..12), lines("b", 0..12), lines("c", 0..12)];
+        // A clean run first: how many steps there are to fail at.
+        let total = failure_case(u64::MAX, 3, &batches);
+        assert!(total > 20, "{total} steps");
+        for step in 0..=total {
+            for kind in 0..4 {
+                failure_case(step, kind, &batches);
+            }
+        }
+    }
+
+    /// Runs three checkpoints with a fault of `kind` at `step` (0: torn write, 1: failed
+    /// fsync, 2: failed rename, 3: power cut once `step` steps are taken), crashes, restores
+    /// the newest checkpoint whose pre-commit succeeded and checks the visible output is
+    /// exactly the lines up to it. Returns the steps taken before the crash.
+    fn failure_case(step: u64, kind: u64, batches: &[Vec<String>; 3]) -> u64 {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let dir = tmp.path().to_owned();
+        let faulty = FaultyFs::new(FaultConfig {
+            seed: step.wrapping_mul(4) + kind,
+            tear_write_at_step: (kind == 0).then_some(step),
+            fail_sync_at_step: (kind == 1).then_some(step),
+            fail_rename_at_step: (kind == 2).then_some(step),
+            ..FaultConfig::default()
+        });
+        let s = sink(&dir)
+            .with_part_size_bytes(40)
+            .with_fs(Arc::new(faulty.clone()));
+        let mut w = writer(&s, 0);
+        // (checkpoint, its state, lines up to it), for completed pre-commits.
+        let mut prepared: Vec<(u64, Vec<u8>, Vec<String>)> = Vec::new();
+        let mut committed = 0u64;
+        let mut expected: Vec<String> = Vec::new();
+        let cut = |faulty: &FaultyFs| kind == 3 && faulty.steps() >= step;
+        let run = (|| -> io::Result<()> {
+            for (n, batch) in (1u64..).zip(batches.iter()) {
+                for l in batch {
+                    if cut(&faulty) {
+                        return Ok(());
+                    }
+                    w.write(l.clone(), 0)?;
+                }
+                expected.extend(batch.iter().cloned());
+                let st = w.pre_commit(n)?;
+                prepared.push((n, st, expected.clone()));
+                if cut(&faulty) {
+                    return Ok(());
+                }
+                w.commit(n)?;
+                committed = n;
+            }
+            Ok(())
+        })();
+        // A failed run is the point of the test; what matters is the restore below.
+        if let Err(e) = run {
+            eprintln!("step {step} kind {kind}: run failed as injected: {e}");
+        }
+        let steps = faulty.steps();
+        drop(w);
+        faulty.crash().expect("crash");
+        // The coordinator restores the newest checkpoint that completed (its pre-commit
+        // succeeded); commits after it may or may not have happened.
+        let Some((n, st, want)) = prepared.last() else {
+            assert!(visible(&dir).is_empty(), "step {step} kind {kind}");
+            return steps;
+        };
+        assert!(committed <= *n);
+        let mut w = writer(&s, 0);
+        w.restore(*n, st)
+            .unwrap_or_else(|e| panic!("step {step} kind {kind}: restore: {e}"));
+        assert_eq!(&visible_lines(&dir), want, "step {step} kind {kind}");
+        assert!(hidden(&dir).is_empty(), "step {step} kind {kind}");
+        if step == u64::MAX {
+            assert_eq!(want.len(), 36, "the clean run prepares everything");
+        }
+        steps
+    }
+
+    #[test]
+    fn rescaled_restore_publishes_other_shards_and_cleans_only_its_own() {
+        for order in [[0usize, 1], [1, 0]] {
+            let tmp = tempfile::tempdir().expect("temp dir");
+            let dir = tmp.path().to_owned();
+            let s = sink(&dir);
+            let mut w0 = writer(&s, 0);
+            let mut w1 = writer(&s, 1);
+            write_all(&mut *w0, &lines("s0", 0..5));
+            write_all(&mut *w1, &lines("s1", 0..5));
+            let states = [
+                w0.pre_commit(1).expect("pre-commit"),
+                w1.pre_commit(1).expect("pre-commit"),
+            ];
+            write_all(&mut *w0, &lines("late0", 0..2));
+            write_all(&mut *w1, &lines("late1", 0..2));
+            w0.pre_commit(2).expect("pre-commit 2");
+            w1.pre_commit(2).expect("pre-commit 2");
+            drop((w0, w1));
+
+            // One shard now: it gets both descriptions.
+            let mut w = writer(&s, 0);
+            for i in order {
+                w.restore(1, &states[i]).expect("restore");
+            }
+            assert_eq!(
+                visible_lines(&dir),
+                [lines("s0", 0..5), lines("s1", 0..5)].concat()
+            );
+            // Shard 0's after-checkpoint file is gone; shard 1's is not shard 0's to delete.
+            assert_eq!(hidden(&dir), vec![".part-1-1.pending-2".to_owned()]);
+        }
+    }
+
+    #[test]
+    fn restore_without_a_description_still_cleans_up() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let s = sink(tmp.path());
+        let mut w = writer(&s, 0);
+        write_all(&mut *w, &lines("a", 0..3));
+        w.pre_commit(5).expect("pre-commit");
+        write_all(&mut *w, &lines("b", 0..3));
+        w.finish().expect("finish"); // publishes b only
+        write_all(&mut *w, &lines("c", 0..3));
+        drop(w);
+        let mut w = writer(&s, 0);
+        w.restore(4, &[]).expect("restore");
+        assert!(hidden(tmp.path()).is_empty(), "{:?}", hidden(tmp.path()));
+        assert_eq!(visible_lines(tmp.path()), lines("b", 0..3));
+    }
+}

@@ -1,0 +1,274 @@
+//! Checkpoints and recovery: state after a restore equals the state at the barrier, under
+//! repeated injected failures, in exactly-once and at-least-once modes.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use weir_runtime::checkpoint::{CheckpointConfig, CheckpointMode, RestartStrategy};
+use weir_runtime::{FnProcess, Job, JobConfig, KeyedContext, Pinning, RestoreFrom};
+
+const KEYS: u64 = 50;
+
+fn ck(dir: &std::path::Path, mode: CheckpointMode) -> CheckpointConfig {
+    ck_with(dir, mode, false, Duration::ZERO)
+}
+
+fn ck_with(
+    dir: &std::path::Path,
+    mode: CheckpointMode,
+    unaligned: bool,
+    aligned_timeout: Duration,
+) -> CheckpointConfig {
+    CheckpointConfig::new(dir, "verify")
+        .with_unaligned(unaligned)
+        .with_aligned_timeout(aligned_timeout)
+        .with_interval(Duration::from_millis(20))
+        .with_mode(mode)
+        .with_retained(2)
+        .with_restart(RestartStrategy::FixedDelay {
+            attempts: 10,
+            delay: Duration::from_millis(10),
+        })
+}
+
+struct Outcome {
+    /// Highest sequence number seen per key (replays may show one twice; max is idempotent).
+    max_seq: HashMap<u64, u64>,
+    /// Records whose sequence number did not follow the key's state: lost or duplicated state.
+    violations: u64,
+    restarts: u64,
+    completed: u64,
+    /// In-flight bytes unaligned checkpoints persisted, over the retained history.
+    inflight_bytes: u64,
+}
+
+/// Each record carries a per-key sequence number; a keyed operator checks that every record
+/// continues its key's sequence in state. After a restore, the state is the state at the
+/// barrier and the source rewinds to its position at the barrier, so in exactly-once mode
+/// the check never fails, however many times the job fails. The test injects each failure
+/// only after a new checkpoint completed, so every restart restores real state.
+fn run_verification(mode: CheckpointMode, shards: usize, n: u64, failures: u32) -> Outcome {
+    run_verification_with(mode, false, Duration::ZERO, false, shards, n, failures)
+}
+
+fn run_verification_with(
+    mode: CheckpointMode,
+    unaligned: bool,
+    aligned_timeout: Duration,
+    slow_sink: bool,
+    shards: usize,
+    n: u64,
+    failures: u32,
+) -> Outcome {
+    let dir = tempfile::tempdir().expect("tmp");
+    let fail_now = Arc::new(AtomicBool::new(false));
+    let violations = Arc::new(AtomicU64::new(0));
+    let max_seq: Arc<Mutex<HashMap<u64, u64>>> = Arc::default();
+    let job = Job::new(
+        JobConfig::new()
+            .with_shards(shards)
+            .with_pinning(Pinning::Never)
+            .with_ring_capacity_bytes(64 << 10)
+            .with_checkpointing(ck_with(dir.path(), mode, unaligned, aligned_timeout)),
+    );
+    let (f2, v2, m2) = (fail_now.clone(), violations.clone(), max_seq.clone());
+    // Every key belongs to one source shard, so that its records arrive in order.
+    let per_shard = KEYS / shards as u64;
+    job.from_iter(move |shard, shards| {
+        (0..n / shards as u64).map(move |t| {
+            (
+                shard as u64 + shards as u64 * (t % per_shard),
+                t / per_shard,
+            )
+        })
+    })
+    .uid("gen")
+    .map(move |r: (u64, u64)| {
+        if f2.swap(false, Ordering::AcqRel) {
+            panic!("injected failure");
+        }
+        // Slow enough that checkpoints complete while the job runs.
+        if (r.1 * KEYS + r.0).is_multiple_of(200) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        r
+    })
+    .key_by(|r: &(u64, u64)| r.0)
+    .process(FnProcess::new(
+        move |(k, seq): (u64, u64), ctx: &mut KeyedContext<'_, u64, (u64, u64)>| {
+            let expected = ctx.value::<u64>("next").unwrap_or(0);
+            if seq != expected {
+                v2.fetch_add(1, Ordering::Relaxed);
+            }
+            ctx.set_value("next", &(seq + 1));
+            ctx.emit((k, seq));
+        },
+    ))
+    .uid("verify")
+    .for_each(move |(k, seq): (u64, u64)| {
+        if slow_sink && seq.is_multiple_of(16) {
+            // A slow sink: the rings fill up and barriers queue behind data.
+            std::thread::sleep(Duration::from_micros(300));
+        }
+        let mut m = m2.lock().unwrap_or_else(|p| p.into_inner());
+        let e = m.entry(k).or_insert(0);
+        *e = (*e).max(seq);
+    });
+    let handle = job.start().expect("start");
+    let mut seen = 0;
+    for i in 0..failures {
+        // Wait for a checkpoint newer than the last restore, then fail.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while handle.checkpoint_metrics().number_of_completed_checkpoints <= seen {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no checkpoint completed"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        seen = handle.checkpoint_metrics().number_of_completed_checkpoints;
+        fail_now.store(true, Ordering::Release);
+        while handle.restarts() <= u64::from(i) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the job did not restart"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    let summary = handle
+        .wait()
+        .expect("the job recovers from every injected failure");
+    let max_seq = max_seq.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    Outcome {
+        max_seq,
+        violations: violations.load(Ordering::Relaxed),
+        restarts: summary.restarts,
+        completed: summary.checkpoints.number_of_completed_checkpoints,
+        inflight_bytes: summary
+            .checkpoints
+            .history
+            .iter()
+            .map(|h| h.persisted_inflight_bytes)
+            .sum(),
+    }
+}
+
+fn assert_complete(o: &Outcome, n: u64, shards: u64) {
+    let per_shard = KEYS / shards;
+    assert_eq!(o.max_seq.len() as u64, per_shard * shards);
+    for (k, last) in &o.max_seq {
+        assert_eq!(
+            *last,
+            (n / shards - 1) / per_shard,
+            "key {k} reached its last sequence number"
+        );
+    }
+}
+
+#[test]
+fn exactly_once_state_survives_repeated_failures() {
+    let n = 150_000;
+    let o = run_verification(CheckpointMode::ExactlyOnce, 3, n, 3);
+    assert_eq!(o.restarts, 3, "three injected failures, three restarts");
+    assert!(
+        o.completed >= 4,
+        "checkpoints completed between the failures: {}",
+        o.completed
+    );
+    assert_eq!(o.violations, 0, "no record lost or counted twice in state");
+    assert_complete(&o, n, 3);
+}
+
+#[test]
+fn at_least_once_loses_nothing() {
+    let n = 60_000;
+    let o = run_verification(CheckpointMode::AtLeastOnce, 2, n, 1);
+    assert_eq!(o.restarts, 1);
+    assert_complete(&o, n, 2);
+}
+
+#[test]
+fn a_finished_job_commits_a_final_checkpoint_and_restore_latest_resumes() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let run = |restore: Option<RestoreFrom>, n: u64| {
+        let mut c = JobConfig::new()
+            .with_shards(2)
+            .with_pinning(Pinning::Never)
+            .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce));
+        if let Some(r) = restore {
+            c = c.with_restore(r);
+        }
+        let job = Job::new(c);
+        let out = job
+            .from_iter(move |shard, shards| (0..n).filter(move |i| *i as usize % shards == shard))
+            .key_by(|x: &u64| x % 7)
+            .reduce(|a, b| a + b)
+            .uid("sum")
+            .collect();
+        let s = job.run().expect("job");
+        (s, out.take())
+    };
+    let (s, out) = run(None, 1000);
+    assert_eq!(out.len(), 1000);
+    assert!(
+        s.checkpoints.number_of_completed_checkpoints >= 1,
+        "the final checkpoint completed"
+    );
+    let last = s.checkpoints.last_completed_checkpoint_id.expect("an id");
+    // Restoring the final checkpoint of a finished bounded job replays nothing.
+    let (s2, out2) = run(Some(RestoreFrom::Latest), 1000);
+    assert!(
+        out2.is_empty(),
+        "everything was already processed: {} records",
+        out2.len()
+    );
+    assert!(
+        s2.checkpoints.last_completed_checkpoint_id.expect("an id") > last,
+        "ids keep increasing"
+    );
+}
+
+#[test]
+fn unaligned_checkpoints_under_backpressure_are_exactly_once() {
+    let n = 90_000;
+    let o = run_verification_with(
+        CheckpointMode::ExactlyOnce,
+        true,
+        Duration::ZERO,
+        true,
+        3,
+        n,
+        2,
+    );
+    assert_eq!(o.restarts, 2);
+    assert!(o.completed >= 3, "checkpoints completed: {}", o.completed);
+    assert!(
+        o.inflight_bytes > 0,
+        "the barriers overtook queued records and persisted them"
+    );
+    assert_eq!(
+        o.violations, 0,
+        "replayed channel state restores every overtaken record once"
+    );
+    assert_complete(&o, n, 3);
+}
+
+#[test]
+fn alignment_timeout_turns_aligned_checkpoints_unaligned() {
+    let n = 90_000;
+    let o = run_verification_with(
+        CheckpointMode::ExactlyOnce,
+        true,
+        Duration::from_millis(1),
+        true,
+        2,
+        n,
+        2,
+    );
+    assert_eq!(o.restarts, 2);
+    assert_eq!(o.violations, 0);
+    assert_complete(&o, n, 2);
+}

@@ -1,0 +1,375 @@
+//! The `weir` command's contracts: outputs compared with sequential computations, error lines
+//! and exit codes (0 success, 1 job or input failure, 2 usage).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn weir(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(args)
+        .output()
+        .expect("weir runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Every line of every part file of `dir`.
+fn output_lines(dir: &Path) -> Vec<String> {
+    let mut lines = Vec::new();
+    for e in std::fs::read_dir(dir).expect("output dir") {
+        let p = e.expect("entry").path();
+        let name = p
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_string();
+        if name.starts_with("part-") {
+            lines.extend(
+                std::fs::read_to_string(&p)
+                    .expect("part")
+                    .lines()
+                    .map(String::from),
+            );
+        }
+    }
+    lines
+}
+
+fn records(n: u64, keys: u64) -> Vec<(String, i64, i64)> {
+    (0..n)
+        .map(|i| {
+            let r = i.wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(17);
+            let key = format!("k{}", r % keys);
+            let value = (r >> 24) as i64 % 2000 - 1000;
+            // Event time mostly increasing with some disorder under 2 s.
+            let ts = 1_700_000_000_000 + i as i64 * 7 - (r % 1500) as i64;
+            (key, value, ts)
+        })
+        .collect()
+}
+
+fn write_csv(path: &Path, recs: &[(String, i64, i64)]) {
+    let mut s = String::from("user,amount,ts\n");
+    for (k, v, t) in recs {
+        s.push_str(&format!("{k},{v},{t}\n"));
+    }
+    std::fs::write(path, s).expect("write csv");
+}
+
+fn write_jsonl(path: &Path, recs: &[(String, i64, i64)]) {
+    let mut s = String::new();
+    for (k, v, t) in recs {
+        s.push_str(&format!(
+            "{{\"user\":\"{k}\",\"amount\":{v},\"ts\":{t},\"other\":[1,2]}}\n"
+        ));
+    }
+    std::fs::write(path, s).expect("write jsonl");
+}
+
+/// The running sums per key, in input order, as a sorted multiset of lines per key.
+fn running_sums(recs: &[(String, i64, i64)]) -> BTreeMap<String, Vec<i64>> {
+    let mut sums: HashMap<&str, i64> = HashMap::new();
+    let mut out: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for (k, v, _) in recs {
+        let s = sums.entry(k).or_default();
+        *s += v;
+        out.entry(k.clone()).or_default().push(*s);
+    }
+    out
+}
+
+fn parse_sums(lines: &[String]) -> BTreeMap<String, Vec<i64>> {
+    let mut out: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for l in lines {
+        let (k, s) = l.rsplit_once(',').expect("key,sum");
+        out.entry(k.to_string())
+            .or_default()
+            .push(s.parse().expect("sum"));
+    }
+    out
+}
+
+#[test]
+fn keyed_sum_csv_and_jsonl_on_four_shards_match_sequential() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let recs = records(30_000, 101);
+    // A directory of files, read in name order.
+    let input = dir.path().join("in");
+    std::fs::create_dir(&input).expect("mkdir");
+    write_csv(&input.join("a.csv"), &recs[..10_000]);
+    write_csv(&input.join("b.csv"), &recs[10_000..]);
+    let out = dir.path().join("out");
+    let o = weir(&[
+        "run",
+        "keyed-sum",
+        "--input",
+        input.to_str().expect("utf8"),
+        "--format",
+        "csv",
+        "--key",
+        "user",
+        "--value",
+        "amount",
+        "--output",
+        out.to_str().expect("utf8"),
+        "--shards",
+        "4",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // Per key, the sums appear in input order within the key's part file.
+    assert_eq!(parse_sums(&output_lines(&out)), running_sums(&recs));
+
+    let jl = dir.path().join("in.jsonl");
+    write_jsonl(&jl, &recs);
+    let out2 = dir.path().join("out2");
+    let o = weir(&[
+        "run",
+        "keyed-sum",
+        "--input",
+        jl.to_str().expect("utf8"),
+        "--format",
+        "jsonl",
+        "--key",
+        "user",
+        "--value",
+        "amount",
+        "--output",
+        out2.to_str().expect("utf8"),
+        "--shards",
+        "3",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(parse_sums(&output_lines(&out2)), running_sums(&recs));
+}
+
+#[test]
+fn window_count_matches_sequential_windows() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let recs = records(20_000, 13);
+    let input = dir.path().join("in.csv");
+    write_csv(&input, &recs);
+    let out = dir.path().join("out");
+    // Disorder is under 1.5 s and the bound is 2 s: no record is late, so the counts are exact.
+    let o = weir(&[
+        "run",
+        "window-count",
+        "--input",
+        input.to_str().expect("utf8"),
+        "--format",
+        "csv",
+        "--key",
+        "user",
+        "--timestamp",
+        "ts",
+        "--window",
+        "10s",
+        "--out-of-orderness",
+        "2s",
+        "--output",
+        out.to_str().expect("utf8"),
+        "--shards",
+        "4",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mut got = output_lines(&out);
+    got.sort();
+    let mut counts: BTreeMap<(i64, String), u64> = BTreeMap::new();
+    for (k, _, t) in &recs {
+        *counts
+            .entry((t - t.rem_euclid(10_000), k.clone()))
+            .or_default() += 1;
+    }
+    let mut want: Vec<String> = counts
+        .iter()
+        .map(|((w, k), n)| format!("{w},{k},{n}"))
+        .collect();
+    want.sort();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn malformed_lines_follow_the_error_policy() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let input = dir.path().join("in.csv");
+    std::fs::write(&input, "user,amount\na,1\nb,notanumber\na,2\nc\n").expect("write");
+    let out = dir.path().join("out");
+    let (i, o) = (input.to_str().expect("utf8"), out.to_str().expect("utf8"));
+
+    let r = weir(&[
+        "run",
+        "keyed-sum",
+        "--input",
+        i,
+        "--format",
+        "csv",
+        "--key",
+        "user",
+        "--value",
+        "amount",
+        "--output",
+        o,
+    ]);
+    assert_eq!(r.status.code(), Some(1));
+    let e = stderr(&r);
+    assert!(
+        e.contains("in.csv:3") && e.contains("notanumber"),
+        "names file and line: {e}"
+    );
+    assert_eq!(
+        e.lines().filter(|l| l.starts_with("error:")).count(),
+        1,
+        "one error line: {e}"
+    );
+
+    let r = weir(&[
+        "run",
+        "keyed-sum",
+        "--input",
+        i,
+        "--format",
+        "csv",
+        "--key",
+        "user",
+        "--value",
+        "amount",
+        "--output",
+        o,
+        "--on-error",
+        "skip",
+    ]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let mut got = output_lines(&out);
+    got.sort();
+    assert_eq!(got, vec!["a,1", "a,3"]);
+    assert!(stderr(&r).contains("2 skipped"), "{}", stderr(&r));
+
+    let dl = dir.path().join("dead/letters.jsonl");
+    let r = weir(&[
+        "run",
+        "keyed-sum",
+        "--input",
+        i,
+        "--format",
+        "csv",
+        "--key",
+        "user",
+        "--value",
+        "amount",
+        "--output",
+        o,
+        "--on-error",
+        &format!("dead-letter={}", dl.display()),
+    ]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let letters = std::fs::read_to_string(&dl).expect("dead letters");
+    let rows: Vec<serde_json::Value> = letters
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json"))
+        .collect();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0]["line"], 3);
+    assert_eq!(rows[0]["raw"], "b,notanumber");
+    assert_eq!(rows[1]["line"], 5);
+}
+
+#[test]
+fn errors_name_what_and_where_with_the_right_exit_code() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let input = dir.path().join("in.csv");
+    std::fs::write(&input, "user,amount\na,1\n").expect("write");
+    let out = dir.path().join("out");
+    let (i, o) = (input.to_str().expect("utf8"), out.to_str().expect("utf8"));
+
+    let r = weir(&[
+        "run",
+        "keyed-sum",
+        "--input",
+        i,
+        "--format",
+        "csv",
+        "--key",
+        "nope",
+        "--value",
+        "amount",
+        "--output",
+        o,
+    ]);
+    assert_eq!(r.status.code(), Some(1));
+    assert!(
+        stderr(&r).contains("unknown column `nope`"),
+        "{}",
+        stderr(&r)
+    );
+
+    let missing = dir.path().join("missing.csv");
+    let r = weir(&[
+        "run",
+        "keyed-sum",
+        "--input",
+        missing.to_str().expect("utf8"),
+        "--format",
+        "csv",
+        "--key",
+        "user",
+        "--value",
+        "amount",
+        "--output",
+        o,
+    ]);
+    assert_eq!(r.status.code(), Some(1));
+    assert!(stderr(&r).contains("missing.csv"), "{}", stderr(&r));
+
+    let r = weir(&[
+        "run",
+        "keyed-sum",
+        "--input",
+        i,
+        "--format",
+        "xml",
+        "--key",
+        "user",
+        "--value",
+        "amount",
+        "--output",
+        o,
+    ]);
+    assert_eq!(
+        r.status.code(),
+        Some(2),
+        "a bad flag value is a usage error"
+    );
+    let r = weir(&[
+        "run",
+        "window-count",
+        "--input",
+        i,
+        "--format",
+        "csv",
+        "--key",
+        "user",
+        "--timestamp",
+        "amount",
+        "--window",
+        "ten",
+        "--output",
+        o,
+    ]);
+    assert_eq!(r.status.code(), Some(2));
+    let r = weir(&["run", "nope"]);
+    assert_eq!(r.status.code(), Some(2));
+    assert!(!stderr(&r).contains("panicked"));
+}
+
+#[test]
+fn demo_runs_and_reports_its_summary() {
+    let r = weir(&[
+        "run", "demo", "--events", "200000", "--shards", "4", "--keys", "1000",
+    ]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let out = String::from_utf8_lossy(&r.stdout);
+    assert!(out.contains("bids generated         200000"), "{out}");
+    assert!(out.contains("bids counted in windows 200000"), "{out}");
+}
