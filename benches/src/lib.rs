@@ -4,6 +4,7 @@
 //! Every figure is reported per wall second and per CPU second of the threads doing the work
 //! (this machine is shared and noisy), beside a baseline measured in the same run.
 
+pub mod checkpoint;
 pub mod report;
 pub mod ring;
 pub mod runtime;

@@ -46,6 +46,8 @@ pub fn run(a: &DemoArgs) -> Result<(), String> {
     if let Some(n) = a.shards {
         config = config.with_shards(n);
     }
+    let config = crate::apply_checkpointing(config, &a.checkpoint, "demo")?;
+    let checkpointing = a.checkpoint.checkpoint_dir.is_some();
     let keys = a.keys.max(1);
     let gen = GeneratorSource::new(Some(a.events), a.seed, move |i: u64, r: u64| Bid {
         auction: r % keys,
@@ -91,8 +93,19 @@ pub fn run(a: &DemoArgs) -> Result<(), String> {
             .map(|(n, l)| format!("{:.1}M/s", (n - l) as f64 / dt / 1e6))
             .collect();
         let total: u64 = now.iter().sum();
+        let ck = if checkpointing {
+            let c = handle.checkpoint_metrics();
+            format!(
+                "  checkpoints {} ({} ms, {} B)",
+                c.number_of_completed_checkpoints,
+                c.last_checkpoint_duration_ms,
+                c.last_checkpoint_size
+            )
+        } else {
+            String::new()
+        };
         eprint!(
-            "\r  {:>5.1}s  {:>11} bids  {:>7.2}M records/s  per shard [{}]  windows {:>8}   ",
+            "\r  {:>5.1}s  {:>11} bids  {:>7.2}M records/s  per shard [{}]  windows {:>8}{ck}   ",
             started.elapsed().as_secs_f64(),
             total,
             (total - last.1.iter().sum::<u64>()) as f64 / dt / 1e6,
@@ -124,7 +137,10 @@ pub fn run(a: &DemoArgs) -> Result<(), String> {
         m.latency.max_ns as f64 / 1e3,
         m.latency.samples
     );
-    if n != read {
+    if checkpointing {
+        println!("{}", crate::jobs::checkpoint_summary(&summary.checkpoints));
+    }
+    if n != read && summary.restarts == 0 {
         return Err(format!(
             "counted {n} bids in windows but generated {read}: records were lost or duplicated"
         ));

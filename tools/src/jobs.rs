@@ -8,12 +8,48 @@ use weir_runtime::{Job, JobConfig, WatermarkStrategy, WindowAssigner};
 
 use crate::{Format, InputArgs, KeyedSumArgs, Policy, WindowCountArgs};
 
-fn config(input: &InputArgs) -> JobConfig {
+fn config(input: &InputArgs, job: &str) -> Result<JobConfig, String> {
     let mut c = JobConfig::new();
     if let Some(n) = input.shards {
         c = c.with_shards(n);
     }
-    c
+    crate::apply_checkpointing(c, &input.checkpoint, job)
+}
+
+/// Ends a stream of output lines: exactly once through the two-phase-commit file sink when the
+/// job checkpoints, else a plain file sink (after removing an earlier run's part files).
+fn write_output<T: weir_runtime::Data>(
+    stream: weir_runtime::Stream<T>,
+    input: &InputArgs,
+    format: impl Fn(&T, &mut String) + Send + Sync + 'static,
+) -> Result<(), String> {
+    if input.checkpoint.checkpoint_dir.is_some() {
+        // Committed output of earlier runs stays: restore publishes or discards what was
+        // pending, and the job continues where its checkpoint left off.
+        stream.sink(weir_runtime::sink::TransactionalFileSink::new(
+            input.output.clone(),
+            format,
+        ));
+    } else {
+        prepare_output(&input.output)?;
+        stream.write_lines(input.output.clone(), format);
+    }
+    Ok(())
+}
+
+/// One line about the job's checkpoints, for the summary.
+pub fn checkpoint_summary(c: &weir_runtime::checkpoint::CheckpointMetrics) -> String {
+    format!(
+        "checkpoints: {} completed, {} failed, last {} ms, {} bytes ({} full){}",
+        c.number_of_completed_checkpoints,
+        c.number_of_failed_checkpoints,
+        c.last_checkpoint_duration_ms,
+        c.last_checkpoint_size,
+        c.last_checkpoint_full_size,
+        c.last_checkpoint_restore_timestamp
+            .map(|t| format!(", restored at {t}"))
+            .unwrap_or_default()
+    )
 }
 
 fn format(f: Format) -> FileFormat {
@@ -54,7 +90,6 @@ fn parse_int(field: &str, column: &str) -> Result<i64, String> {
 }
 
 pub fn keyed_sum(a: &KeyedSumArgs) -> Result<(), String> {
-    prepare_output(&a.input.output)?;
     let value_col = a.value.clone();
     let source = FileSource::new(
         a.input.input.clone(),
@@ -64,14 +99,20 @@ pub fn keyed_sum(a: &KeyedSumArgs) -> Result<(), String> {
     )
     .error_policy(policy(&a.input.on_error));
     let skipped = source.skipped();
-    let job = Job::new(config(&a.input));
-    job.source(source)
+    let job = Job::new(config(&a.input, "keyed-sum")?);
+    let sums = job
+        .source(source)
+        .uid("input")
         .key_by(|(k, _): &(String, i64)| k.clone())
         .reduce(|(k, a), (_, b)| (k, a.saturating_add(b)))
-        .uid("keyed-sum")
-        .write_lines(a.input.output.clone(), |(k, s), line| {
+        .uid("keyed-sum");
+    write_output(
+        sums,
+        &a.input,
+        |(k, s): &(String, i64), line: &mut String| {
             let _ = write!(line, "{},{}", csv_field(k), s);
-        });
+        },
+    )?;
     let summary = job.run().map_err(|e| e.to_string())?;
     eprintln!(
         "keyed-sum: {} records in, {} skipped, {} shards, {:.2}s",
@@ -80,11 +121,13 @@ pub fn keyed_sum(a: &KeyedSumArgs) -> Result<(), String> {
         summary.shards,
         summary.metrics.elapsed.as_secs_f64()
     );
+    if a.input.checkpoint.checkpoint_dir.is_some() {
+        eprintln!("{}", checkpoint_summary(&summary.checkpoints));
+    }
     Ok(())
 }
 
 pub fn window_count(a: &WindowCountArgs) -> Result<(), String> {
-    prepare_output(&a.input.output)?;
     let ts_col = a.timestamp.clone();
     let source = FileSource::new(
         a.input.input.clone(),
@@ -94,8 +137,10 @@ pub fn window_count(a: &WindowCountArgs) -> Result<(), String> {
     )
     .error_policy(policy(&a.input.on_error));
     let skipped = source.skipped();
-    let job = Job::new(config(&a.input));
-    job.source(source)
+    let job = Job::new(config(&a.input, "window-count")?);
+    let counts = job
+        .source(source)
+        .uid("input")
         .assign_timestamps(WatermarkStrategy::bounded_out_of_orderness(
             a.out_of_orderness,
             |r: &(String, i64)| r.1,
@@ -103,10 +148,14 @@ pub fn window_count(a: &WindowCountArgs) -> Result<(), String> {
         .key_by(|(k, _): &(String, i64)| k.clone())
         .window(WindowAssigner::tumbling(a.window))
         .count_with(|k, w, n| (w.start, k.clone(), n))
-        .uid("window-count")
-        .write_lines(a.input.output.clone(), |(start, k, n), line| {
+        .uid("window-count");
+    write_output(
+        counts,
+        &a.input,
+        |(start, k, n): &(i64, String, u64), line: &mut String| {
             let _ = write!(line, "{start},{},{n}", csv_field(k));
-        });
+        },
+    )?;
     let summary = job.run().map_err(|e| e.to_string())?;
     let m = &summary.metrics;
     eprintln!(
@@ -121,6 +170,9 @@ pub fn window_count(a: &WindowCountArgs) -> Result<(), String> {
         m.records_out("window-count"),
         m.elapsed.as_secs_f64()
     );
+    if a.input.checkpoint.checkpoint_dir.is_some() {
+        eprintln!("{}", checkpoint_summary(&summary.checkpoints));
+    }
     Ok(())
 }
 

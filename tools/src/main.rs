@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+mod checkpoints;
 mod demo;
 mod jobs;
 
@@ -28,6 +29,57 @@ enum Command {
     /// Run a built-in job.
     #[command(subcommand)]
     Run(RunCommand),
+    /// List and verify checkpoints.
+    #[command(subcommand)]
+    Checkpoints(CheckpointsCommand),
+}
+
+#[derive(Subcommand)]
+enum CheckpointsCommand {
+    /// List the checkpoints under DIR (a checkpoint directory or one job's directory in it).
+    List(checkpoints::ListArgs),
+    /// Check every CRC of every file a checkpoint uses; exit 3 on corruption.
+    Verify(checkpoints::VerifyArgs),
+}
+
+/// Checkpointing of `weir run` jobs.
+#[derive(Args, Clone, Debug, Default)]
+pub struct CheckpointArgs {
+    /// Checkpoint into DIR/<job-id>; with it, --output is written exactly once (two-phase
+    /// commit) and a failed job restarts from its latest checkpoint.
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Interval between checkpoints.
+    #[arg(long, value_parser = parse_duration_ms, default_value = "1s")]
+    pub checkpoint_interval: i64,
+    #[arg(long, value_enum, default_value = "exactly-once")]
+    pub mode: ModeArg,
+    /// Barriers overtake in-flight data, which is stored with the checkpoint.
+    #[arg(long)]
+    pub unaligned: bool,
+    /// With --unaligned: align for this long first, then turn unaligned.
+    #[arg(long, value_parser = parse_duration_ms)]
+    pub aligned_timeout: Option<i64>,
+    /// Restore from `latest` (the newest complete checkpoint in --checkpoint-dir; none: start
+    /// from the beginning) or from a checkpoint or savepoint directory.
+    #[arg(long)]
+    pub restore: Option<String>,
+    /// Let restore fall back to an older checkpoint even where that may duplicate output.
+    #[arg(long)]
+    pub allow_fallback: bool,
+    /// The job's name in the checkpoint directory (default: the job's kind).
+    #[arg(long)]
+    pub job_id: Option<String>,
+    /// Complete checkpoints to keep.
+    #[arg(long, default_value_t = 1)]
+    pub retained: usize,
+}
+
+#[derive(Clone, Copy, Debug, Default, ValueEnum)]
+pub enum ModeArg {
+    #[default]
+    ExactlyOnce,
+    AtLeastOnce,
 }
 
 #[derive(Subcommand)]
@@ -61,9 +113,11 @@ pub struct InputArgs {
     /// Number of shards (default: one per core).
     #[arg(long)]
     pub shards: Option<usize>,
-    /// Directory for the output CSV files (`part-<shard>.csv`).
+    /// Directory for the output CSV files (`part-*.csv`).
     #[arg(long)]
     pub output: PathBuf,
+    #[command(flatten)]
+    pub checkpoint: CheckpointArgs,
 }
 
 #[derive(Clone, Debug)]
@@ -82,6 +136,44 @@ fn parse_policy(s: &str) -> Result<Policy, String> {
             _ => Err(format!("`{s}` is not one of fail, skip, dead-letter=PATH")),
         },
     }
+}
+
+/// Applies the checkpoint flags to a job configuration.
+pub fn apply_checkpointing(
+    c: weir_runtime::JobConfig,
+    a: &CheckpointArgs,
+    default_job_id: &str,
+) -> Result<weir_runtime::JobConfig, String> {
+    use weir_runtime::checkpoint::{CheckpointConfig, CheckpointMode};
+    let Some(dir) = &a.checkpoint_dir else {
+        if a.restore.as_deref() == Some("latest") {
+            return Err("--restore latest needs --checkpoint-dir".into());
+        }
+        return Ok(match &a.restore {
+            Some(p) => c.with_restore(weir_runtime::RestoreFrom::Path(p.into())),
+            None => c,
+        });
+    };
+    let mut ck = CheckpointConfig::new(dir, a.job_id.as_deref().unwrap_or(default_job_id))
+        .with_interval(Duration::from_millis(a.checkpoint_interval.max(1) as u64))
+        .with_mode(match a.mode {
+            ModeArg::ExactlyOnce => CheckpointMode::ExactlyOnce,
+            ModeArg::AtLeastOnce => CheckpointMode::AtLeastOnce,
+        })
+        .with_unaligned(a.unaligned)
+        .with_retained(a.retained);
+    if let Some(t) = a.aligned_timeout {
+        ck = ck.with_aligned_timeout(Duration::from_millis(t.max(0) as u64));
+    }
+    let mut c = c
+        .with_checkpointing(ck)
+        .with_allow_fallback(a.allow_fallback);
+    match a.restore.as_deref() {
+        None => {}
+        Some("latest") => c = c.with_restore(weir_runtime::RestoreFrom::Latest),
+        Some(p) => c = c.with_restore(weir_runtime::RestoreFrom::Path(p.into())),
+    }
+    Ok(c)
 }
 
 fn parse_duration_ms(s: &str) -> Result<i64, String> {
@@ -131,6 +223,8 @@ pub struct DemoArgs {
     /// Distinct auctions (keys).
     #[arg(long, default_value_t = 100_000)]
     pub keys: u64,
+    #[command(flatten)]
+    pub checkpoint: CheckpointArgs,
 }
 
 fn main() -> ExitCode {
@@ -139,6 +233,15 @@ fn main() -> ExitCode {
         Command::Run(RunCommand::KeyedSum(a)) => jobs::keyed_sum(&a),
         Command::Run(RunCommand::WindowCount(a)) => jobs::window_count(&a),
         Command::Run(RunCommand::Demo(a)) => demo::run(&a),
+        Command::Checkpoints(CheckpointsCommand::List(a)) => checkpoints::list(&a),
+        Command::Checkpoints(CheckpointsCommand::Verify(a)) => match checkpoints::verify(&a) {
+            Ok(()) => Ok(()),
+            Err(checkpoints::VerifyFailed::Corrupt(msg)) => {
+                eprintln!("error: {msg}");
+                return ExitCode::from(3);
+            }
+            Err(checkpoints::VerifyFailed::Other(msg)) => Err(msg),
+        },
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -373,3 +373,189 @@ fn demo_runs_and_reports_its_summary() {
     assert!(out.contains("bids generated         200000"), "{out}");
     assert!(out.contains("bids counted in windows 200000"), "{out}");
 }
+
+/// Part files of a transactional sink in commit order: by shard, then sequence number.
+fn committed_lines(dir: &Path) -> Vec<String> {
+    let mut parts: Vec<(u64, u64, std::path::PathBuf)> = Vec::new();
+    for e in std::fs::read_dir(dir).expect("output dir") {
+        let p = e.expect("entry").path();
+        let name = p
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_string();
+        if let Some(rest) = name
+            .strip_prefix("part-")
+            .and_then(|r| r.strip_suffix(".csv"))
+        {
+            let mut it = rest
+                .split('-')
+                .map(|x| x.parse::<u64>().expect("part name"));
+            let (s, q) = (it.next().expect("shard"), it.next().unwrap_or(0));
+            parts.push((s, q, p));
+        }
+    }
+    parts.sort();
+    let mut lines = Vec::new();
+    for (_, _, p) in parts {
+        lines.extend(
+            std::fs::read_to_string(&p)
+                .expect("part")
+                .lines()
+                .map(String::from),
+        );
+    }
+    lines
+}
+
+/// Kills `weir run keyed-sum` with SIGKILL again and again, restarting it each time with
+/// `--restore latest`, then lets it finish: the committed output holds every running sum
+/// exactly once, in input order per key.
+#[test]
+fn kill_loop_with_restore_latest_commits_every_result_exactly_once() {
+    let kills: u32 = std::env::var("WEIR_KILL_LOOPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4);
+    let dir = tempfile::tempdir().expect("tmp");
+    let recs = records(400_000, 997);
+    let input = dir.path().join("in.csv");
+    write_csv(&input, &recs);
+    let (out, ck) = (dir.path().join("out"), dir.path().join("ckpt"));
+    let args = [
+        "run",
+        "keyed-sum",
+        "--input",
+        input.to_str().expect("utf8"),
+        "--format",
+        "csv",
+        "--key",
+        "user",
+        "--value",
+        "amount",
+        "--output",
+        out.to_str().expect("utf8"),
+        "--shards",
+        "2",
+        "--checkpoint-dir",
+        ck.to_str().expect("utf8"),
+        "--checkpoint-interval",
+        "50ms",
+        "--restore",
+        "latest",
+    ];
+    let mut rng = 0x2545_F491_4F6C_DD1Du64;
+    for _ in 0..kills {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_weir"))
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn");
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        std::thread::sleep(std::time::Duration::from_millis(150 + rng % 400));
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let o = weir(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("restoring from checkpoint"),
+        "the killed runs left checkpoints: {}",
+        stderr(&o)
+    );
+    let got = parse_sums(&committed_lines(&out));
+    let want = running_sums(&recs);
+    for (k, sums) in &want {
+        assert_eq!(
+            got.get(k),
+            Some(sums),
+            "key {k}: every running sum exactly once, in order"
+        );
+    }
+    assert_eq!(got.len(), want.len());
+    // No hidden leftovers are visible to readers, and the checkpoint verifies.
+    let v = weir(&["checkpoints", "verify", ck.to_str().expect("utf8")]);
+    assert!(v.status.success(), "{}", stderr(&v));
+}
+
+#[test]
+fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let recs = records(20_000, 31);
+    let input = dir.path().join("in.jsonl");
+    write_jsonl(&input, &recs);
+    let (out, ck) = (dir.path().join("out"), dir.path().join("ckpt"));
+    let r = weir(&[
+        "run",
+        "keyed-sum",
+        "--input",
+        input.to_str().expect("utf8"),
+        "--format",
+        "jsonl",
+        "--key",
+        "user",
+        "--value",
+        "amount",
+        "--output",
+        out.to_str().expect("utf8"),
+        "--checkpoint-dir",
+        ck.to_str().expect("utf8"),
+        "--checkpoint-interval",
+        "20ms",
+    ]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert_eq!(parse_sums(&committed_lines(&out)), running_sums(&recs));
+    let l = weir(&["checkpoints", "list", ck.to_str().expect("utf8")]);
+    assert!(l.status.success());
+    let listing = String::from_utf8_lossy(&l.stdout);
+    assert!(
+        listing.contains("keyed-sum") && listing.contains("complete"),
+        "{listing}"
+    );
+    let v = weir(&["checkpoints", "verify", ck.to_str().expect("utf8")]);
+    assert!(v.status.success(), "{}", stderr(&v));
+    // Flip a byte of a state file the checkpoint uses.
+    let shared = ck.join("keyed-sum").join("shared");
+    let f = std::fs::read_dir(&shared)
+        .expect("shared")
+        .flatten()
+        .next()
+        .expect("a shared file")
+        .path();
+    let mut bytes = std::fs::read(&f).expect("read");
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x5a;
+    std::fs::write(&f, bytes).expect("write");
+    let v = weir(&["checkpoints", "verify", ck.to_str().expect("utf8")]);
+    assert_eq!(v.status.code(), Some(3), "{}", stderr(&v));
+    let e = stderr(&v);
+    let name = f.file_name().and_then(|n| n.to_str()).expect("name");
+    assert!(
+        e.contains(name) && e.contains("offset"),
+        "names file and offset: {e}"
+    );
+    // A restore from the corrupt checkpoint stops with that error, not a wrong answer.
+    let r = weir(&[
+        "run",
+        "keyed-sum",
+        "--input",
+        input.to_str().expect("utf8"),
+        "--format",
+        "jsonl",
+        "--key",
+        "user",
+        "--value",
+        "amount",
+        "--output",
+        out.to_str().expect("utf8"),
+        "--checkpoint-dir",
+        ck.to_str().expect("utf8"),
+        "--restore",
+        "latest",
+    ]);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    assert!(stderr(&r).contains(name), "{}", stderr(&r));
+}

@@ -10,6 +10,8 @@ enum Suite {
     Runtime,
     /// The LSM store: updates, gets, bloom filters, segment writes, snapshots.
     State,
+    /// Checkpoints: overhead, duration, unaligned under backpressure, recovery.
+    Checkpoint,
     /// Every suite.
     All,
 }
@@ -46,6 +48,9 @@ fn main() {
     }
     if matches!(cli.suite, Suite::State | Suite::All) {
         rows.extend(weir_benches::state::run(&opts));
+    }
+    if matches!(cli.suite, Suite::Checkpoint | Suite::All) {
+        rows.extend(weir_benches::checkpoint::run(&opts));
     }
     if opts.json {
         print_json(&rows);

@@ -1,0 +1,886 @@
+//! Checkpoint benchmarks: what checkpointing costs a running job, how long checkpoints take,
+//! how they behave under backpressure, and how long a job takes to recover.
+//!
+//! * `checkpoint_overhead_keyed_100ms`: the keyed count job (generator -> key_by -> keyed count
+//!   -> sink, two shards, 1 M keys) with a checkpoint every 100 ms beside the same job without
+//!   checkpointing, interleaved in the same run. `ratio` = with / without per CPU second.
+//!   Per-record latency (records carry their creation time) is measured at half the peak rate
+//!   just measured, with and without checkpoints; the row's p50..max are the run with them.
+//! * `checkpoint_duration_<S>MiB_1pct`: a keyed state of S MiB (1 KiB values), 1% of its keys
+//!   updated per checkpoint interval. p50/p99 are checkpoint durations (trigger to durable
+//!   metadata); per_wall/per_cpu are updates processed per second. For this row `baseline` is
+//!   the state's size: `baseline_per_cpu_sec` holds `full_size_bytes` and `ratio` is bytes
+//!   written per checkpoint / state bytes (incremental checkpoints: about 0.01 plus overhead).
+//! * `checkpoint_unaligned_backpressure_10pct`: a sink throttled to 10% of the job's unthrottled
+//!   rate. p50/p99 are unaligned checkpoint durations under that backpressure; `ratio` = their
+//!   p50 / the p50 of unaligned checkpoints of the same job at the same rate without
+//!   backpressure (source throttled instead of the sink). Aligned durations are in `extra`.
+//! * `checkpoint_recovery_<S>MiB`: in the same job as the duration bench, made unthrottled, a
+//!   map panics on demand. p50/max are the time from the injected failure to throughput back at
+//!   >= 90% of before; `extra` splits it into restore (failure to the first record processed
+//!   after the restart) and replay (from there to >= 90%). per_wall/per_cpu: the first window
+//!   at >= 90%; baseline: before the failure.
+//!
+//! Durations come from `CheckpointStats::duration_ms` (millisecond resolution); `ack_*` extras
+//! give trigger-to-last-shard-acknowledgement in nanoseconds. The state size of the full run is
+//! 1 GiB unless `WEIR_BENCH_CKPT_STATE_MIB` says otherwise.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use weir_runtime::checkpoint::{CheckpointConfig, CheckpointMetrics, RestartStrategy};
+use weir_runtime::sink::{Sink, SinkWriter};
+use weir_runtime::source::{
+    splitmix64, GeneratorSource, Source, SourceError, SourcePoll, SourceReader,
+};
+use weir_runtime::{FnProcess, Job, JobConfig, JobHandle, KeyedContext, StartError};
+
+use crate::runtime::process_cpu_ns;
+use crate::{BenchResult, Opts};
+
+const SHARDS: usize = 2;
+/// Bytes of each keyed value in the large-state benchmarks.
+const VALUE_LEN: usize = 1024;
+
+fn config() -> JobConfig {
+    JobConfig::new()
+        .with_shards(SHARDS)
+        .with_batch_records(4096)
+        .with_latency_marker_interval_ms(0)
+}
+
+fn ck(dir: &Path, interval: Duration) -> CheckpointConfig {
+    CheckpointConfig::new(dir, "bench")
+        .with_interval(interval)
+        // A slow checkpoint is a figure here, not a reason to fail the job.
+        .with_tolerable_failures(1000)
+        .with_restart(RestartStrategy::None)
+}
+
+fn new_hist() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("constant bounds are valid")
+}
+
+/// The `q` quantile (nearest rank) of `v`; 0 when empty.
+fn quantile(v: &[u64], q: f64) -> u64 {
+    if v.is_empty() {
+        return 0;
+    }
+    let mut s = v.to_vec();
+    s.sort_unstable();
+    let rank = ((q * s.len() as f64).ceil() as usize).clamp(1, s.len());
+    s[rank - 1]
+}
+
+fn median_f(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[s.len() / 2]
+}
+
+/// Wall and CPU clocks at one instant, to turn counter deltas into rates.
+#[derive(Clone, Copy)]
+struct Clock {
+    wall: Instant,
+    cpu_ns: u64,
+    count: u64,
+}
+
+impl Clock {
+    fn now(count: &AtomicU64) -> Self {
+        Self {
+            wall: Instant::now(),
+            cpu_ns: process_cpu_ns(),
+            count: count.load(Ordering::Relaxed),
+        }
+    }
+    /// (records per wall second, records per CPU second) since `self`.
+    fn rates_to(&self, later: &Clock) -> (f64, f64) {
+        let n = later.count.saturating_sub(self.count) as f64;
+        let wall = later.wall.duration_since(self.wall).as_nanos().max(1) as f64;
+        let cpu = later.cpu_ns.saturating_sub(self.cpu_ns).max(1) as f64;
+        (n * 1e9 / wall, n * 1e9 / cpu)
+    }
+}
+
+/// Polls `cond` every `every` until it holds or `limit` passed; returns whether it held.
+fn wait_for(limit: Duration, every: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(every);
+    }
+}
+
+/// Completed checkpoints with ids in `from..=to` from the metrics' history.
+fn completed_between(
+    m: &CheckpointMetrics,
+    from: u64,
+    to: u64,
+) -> Vec<weir_runtime::checkpoint::CheckpointStats> {
+    m.history
+        .iter()
+        .filter(|s| s.failure.is_none() && (from..=to).contains(&s.checkpoint_id))
+        .cloned()
+        .collect()
+}
+
+fn last_completed(h: &JobHandle) -> u64 {
+    h.checkpoint_metrics()
+        .last_completed_checkpoint_id
+        .unwrap_or(0)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sinks
+
+/// Counts every record into a shared counter at once, so that a watcher sees progress live
+/// (and across restarts); optionally throttled to a rate per writer.
+struct LiveCountSink {
+    count: Arc<AtomicU64>,
+    rate_per_writer: Option<u64>,
+}
+
+struct LiveCountWriter {
+    count: Arc<AtomicU64>,
+    rate: Option<u64>,
+    started: Option<Instant>,
+    written: u64,
+}
+
+impl<T: 'static> SinkWriter<T> for LiveCountWriter {
+    #[inline]
+    fn write(&mut self, _rec: T, _ts: i64) -> std::io::Result<()> {
+        self.count.fetch_add(1, Ordering::Relaxed);
+        if let Some(rate) = self.rate {
+            self.written += 1;
+            let started = *self.started.get_or_insert_with(Instant::now);
+            let due = Duration::from_nanos(self.written.saturating_mul(1_000_000_000) / rate);
+            let ahead = due.saturating_sub(started.elapsed());
+            // Sleep in slices of at least 200 us: a sleep per record would cost more than the
+            // throttle is meant to take. Blocking the shard is the point: it backs up the rings.
+            if ahead > Duration::from_micros(200) {
+                std::thread::sleep(ahead);
+            }
+        }
+        Ok(())
+    }
+    fn finish(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<T: 'static> Sink<T> for LiveCountSink {
+    fn create_writer(&self, _: usize, _: usize) -> Result<Box<dyn SinkWriter<T>>, StartError> {
+        Ok(Box::new(LiveCountWriter {
+            count: self.count.clone(),
+            rate: self.rate_per_writer,
+            started: None,
+            written: 0,
+        }))
+    }
+}
+
+/// Records each record's age (its second field is its creation time since `epoch`).
+struct LatencySink {
+    epoch: Instant,
+    out: Arc<Mutex<Histogram<u64>>>,
+}
+
+struct LatencyWriter {
+    epoch: Instant,
+    h: Histogram<u64>,
+    out: Arc<Mutex<Histogram<u64>>>,
+}
+
+impl SinkWriter<(u64, u64)> for LatencyWriter {
+    fn write(&mut self, rec: (u64, u64), _ts: i64) -> std::io::Result<()> {
+        let now = self.epoch.elapsed().as_nanos() as u64;
+        let _ = self.h.record(now.saturating_sub(rec.1).max(1));
+        Ok(())
+    }
+    fn finish(&mut self) -> std::io::Result<()> {
+        let _ = self
+            .out
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .add(&self.h);
+        Ok(())
+    }
+}
+
+impl Sink<(u64, u64)> for LatencySink {
+    fn create_writer(
+        &self,
+        _: usize,
+        _: usize,
+    ) -> Result<Box<dyn SinkWriter<(u64, u64)>>, StartError> {
+        Ok(Box::new(LatencyWriter {
+            epoch: self.epoch,
+            h: new_hist(),
+            out: self.out.clone(),
+        }))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Overhead
+
+struct KeyedRun {
+    records: u64,
+    wall_ns: u64,
+    cpu_ns: u64,
+    hist: Histogram<u64>,
+    completed: u64,
+}
+
+impl KeyedRun {
+    fn per_wall(&self) -> f64 {
+        self.records as f64 * 1e9 / self.wall_ns.max(1) as f64
+    }
+    fn per_cpu(&self) -> f64 {
+        self.records as f64 * 1e9 / self.cpu_ns.max(1) as f64
+    }
+}
+
+/// The keyed count job of the runtime suite, optionally checkpointing every `interval`.
+fn keyed_run(
+    n: u64,
+    keys: u64,
+    rate_per_shard: Option<u64>,
+    interval: Option<Duration>,
+) -> KeyedRun {
+    let dir = tempfile::tempdir().expect("checkpoint temp dir");
+    let epoch = Instant::now();
+    let mut gen = GeneratorSource::new(Some(n), 3, move |_i: u64, r: u64| {
+        (r % keys, epoch.elapsed().as_nanos() as u64)
+    });
+    if let Some(rate) = rate_per_shard {
+        gen = gen.with_rate_per_shard(rate);
+    }
+    let mut cfg = config();
+    if let Some(i) = interval {
+        cfg = cfg.with_checkpointing(ck(dir.path(), i));
+    }
+    let hist = Arc::new(Mutex::new(new_hist()));
+    let job = Job::new(cfg);
+    job.source(gen)
+        .uid("gen")
+        .key_by(|(k, _)| *k)
+        .process(FnProcess::new(
+            move |rec: (u64, u64), ctx: &mut KeyedContext<'_, u64, (u64, u64)>| {
+                let n = ctx.value::<u64>("count").unwrap_or(0) + 1;
+                ctx.set_value("count", &n);
+                ctx.emit((n, rec.1));
+            },
+        ))
+        .uid("count")
+        .sink(LatencySink {
+            epoch,
+            out: hist.clone(),
+        });
+    let (w0, c0) = (Instant::now(), process_cpu_ns());
+    let summary = job.run().expect("keyed job");
+    let (wall_ns, cpu_ns) = (w0.elapsed().as_nanos() as u64, process_cpu_ns() - c0);
+    let hist = hist.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    KeyedRun {
+        records: hist.len(),
+        wall_ns,
+        cpu_ns,
+        hist,
+        completed: summary.checkpoints.number_of_completed_checkpoints,
+    }
+}
+
+fn overhead(opts: &Opts) -> BenchResult {
+    let reps = if opts.quick { 1 } else { 3 };
+    let n = if opts.quick { 2_000_000 } else { 20_000_000 };
+    let keys = 1_000_000;
+    let interval = Duration::from_millis(100);
+    keyed_run(n / 10, keys, None, None); // warm up page faults and code
+    let (mut with, mut without) = (Vec::new(), Vec::new());
+    // Interleaved, so that both see the same neighbours.
+    for _ in 0..reps {
+        without.push(keyed_run(n, keys, None, None));
+        with.push(keyed_run(n, keys, None, Some(interval)));
+    }
+    let med =
+        |v: &[KeyedRun], f: fn(&KeyedRun) -> f64| median_f(&v.iter().map(f).collect::<Vec<_>>());
+    let (with_cpu, without_cpu) = (
+        med(&with, KeyedRun::per_cpu),
+        med(&without, KeyedRun::per_cpu),
+    );
+    let mut extra = Vec::new();
+    for (i, (w, o)) in with.iter().zip(&without).enumerate() {
+        extra.push((format!("run{i}_with_per_cpu_sec"), w.per_cpu()));
+        extra.push((format!("run{i}_with_per_wall_sec"), w.per_wall()));
+        extra.push((format!("run{i}_without_per_cpu_sec"), o.per_cpu()));
+        extra.push((format!("run{i}_without_per_wall_sec"), o.per_wall()));
+        extra.push((format!("run{i}_ratio_per_cpu"), w.per_cpu() / o.per_cpu()));
+        extra.push((format!("run{i}_with_checkpoints"), w.completed as f64));
+        // At full speed a record's age is mostly the queue in front of it.
+        extra.push((
+            format!("run{i}_saturated_p99_ns_with"),
+            w.hist.value_at_quantile(0.99) as f64,
+        ));
+        extra.push((
+            format!("run{i}_saturated_p99_ns_without"),
+            o.hist.value_at_quantile(0.99) as f64,
+        ));
+    }
+    extra.push((
+        "ratio_per_wall".into(),
+        med(&with, KeyedRun::per_wall) / med(&without, KeyedRun::per_wall),
+    ));
+    // Latency at half the peak rate without checkpoints, split over the shards' generators.
+    let peak = med(&without, KeyedRun::per_wall);
+    let rate = (peak / 2.0 / SHARDS as f64).max(1000.0) as u64;
+    let secs = if opts.quick { 1 } else { 4 };
+    let ln = rate * SHARDS as u64 * secs;
+    let lat_without = keyed_run(ln, keys, Some(rate), None);
+    let lat_with = keyed_run(ln, keys, Some(rate), Some(interval));
+    for (name, r) in [("without", &lat_without), ("with", &lat_with)] {
+        for (q, qn) in [(0.5, "p50"), (0.99, "p99"), (0.999, "p999")] {
+            extra.push((
+                format!("latency_{qn}_ns_{name}"),
+                r.hist.value_at_quantile(q) as f64,
+            ));
+        }
+        extra.push((format!("latency_max_ns_{name}"), r.hist.max() as f64));
+    }
+    extra.push(("latency_offered_rate".into(), (rate * SHARDS as u64) as f64));
+    extra.push(("latency_run_checkpoints".into(), lat_with.completed as f64));
+    BenchResult {
+        bench: "checkpoint_overhead_keyed_100ms".into(),
+        per_wall_sec: med(&with, KeyedRun::per_wall),
+        per_cpu_sec: with_cpu,
+        baseline: "keyed_count_no_checkpoints".into(),
+        baseline_per_cpu_sec: without_cpu,
+        ratio: with_cpu / without_cpu.max(1e-9),
+        p50_ns: Some(lat_with.hist.value_at_quantile(0.5)),
+        p99_ns: Some(lat_with.hist.value_at_quantile(0.99)),
+        p999_ns: Some(lat_with.hist.value_at_quantile(0.999)),
+        max_ns: Some(lat_with.hist.max()),
+        extra,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Large state: duration and recovery
+
+/// Fills `keys` keys once, then updates random keys, at `rate` per shard and second (0: as fast
+/// as the job takes them). Replayable: record `i` is always the same, the position is `i`.
+struct StateSource {
+    keys: u64,
+    rate: Arc<AtomicU64>,
+}
+
+struct StateReader {
+    next: u64,
+    step: u64,
+    keys: u64,
+    rate: Arc<AtomicU64>,
+    tokens: f64,
+    last: Option<Instant>,
+}
+
+impl SourceReader<(u64, u64)> for StateReader {
+    fn poll(&mut self, out: &mut Vec<(u64, u64)>, max: usize) -> Result<SourcePoll, SourceError> {
+        let mut budget = max;
+        let rate = self.rate.load(Ordering::Relaxed);
+        if self.next >= self.keys && rate > 0 {
+            // A token bucket holding at most 10 ms of records: updates arrive evenly.
+            let now = Instant::now();
+            let dt = self
+                .last
+                .map_or(0.0, |l| now.duration_since(l).as_secs_f64());
+            self.last = Some(now);
+            self.tokens = (self.tokens + dt * rate as f64).min((rate as f64 / 100.0).max(1.0));
+            budget = budget.min(self.tokens as usize);
+            if budget == 0 {
+                return Ok(SourcePoll::Idle);
+            }
+            self.tokens -= budget as f64;
+        }
+        for _ in 0..budget {
+            let i = self.next;
+            let key = if i < self.keys {
+                i
+            } else {
+                splitmix64(7, i) % self.keys
+            };
+            out.push((key, i));
+            self.next += self.step;
+        }
+        Ok(SourcePoll::Ready)
+    }
+
+    fn position(&self) -> Vec<u8> {
+        self.next.to_le_bytes().to_vec()
+    }
+
+    fn seek(&mut self, position: &[u8]) -> Result<(), SourceError> {
+        self.next = <[u8; 8]>::try_from(position)
+            .map(u64::from_le_bytes)
+            .map_err(|_| SourceError::BadPosition(format!("{} bytes", position.len())))?;
+        self.last = None;
+        self.tokens = 0.0;
+        Ok(())
+    }
+}
+
+impl Source<(u64, u64)> for StateSource {
+    fn create_reader(
+        &self,
+        shard: usize,
+        shards: usize,
+    ) -> Result<Box<dyn SourceReader<(u64, u64)>>, SourceError> {
+        Ok(Box::new(StateReader {
+            next: shard as u64,
+            step: shards as u64,
+            keys: self.keys,
+            rate: self.rate.clone(),
+            tokens: 0.0,
+            last: None,
+        }))
+    }
+    fn name(&self) -> &str {
+        "state-gen"
+    }
+}
+
+fn state_bytes(opts: &Opts) -> u64 {
+    let mib = if opts.quick {
+        16
+    } else {
+        std::env::var("WEIR_BENCH_CKPT_STATE_MIB")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(1024)
+    };
+    mib << 20
+}
+
+fn large_state(opts: &Opts) -> Vec<BenchResult> {
+    let bytes = state_bytes(opts);
+    let mib = bytes >> 20;
+    let keys = bytes / VALUE_LEN as u64;
+    let interval = Duration::from_millis(if opts.quick { 200 } else { 500 });
+    // 1% of the keys per interval, split over the shards' readers.
+    let update_rate = ((keys / 100) as f64 / interval.as_secs_f64() / SHARDS as f64).max(1.0);
+    let rate = Arc::new(AtomicU64::new(update_rate as u64));
+    let count = Arc::new(AtomicU64::new(0));
+    let fail = Arc::new(AtomicBool::new(false));
+    let dir = tempfile::tempdir().expect("checkpoint temp dir");
+    let cfg = config().with_checkpointing(ck(dir.path(), interval).with_restart(
+        RestartStrategy::FixedDelay {
+            attempts: 1000,
+            // No delay: the figure is the engine's restore, not a back-off policy.
+            delay: Duration::ZERO,
+        },
+    ));
+    let job = Job::new(cfg);
+    let f2 = fail.clone();
+    job.source(StateSource {
+        keys,
+        rate: rate.clone(),
+    })
+    .uid("state-gen")
+    .map(move |r: (u64, u64)| {
+        // Load first: a swap per record would bounce the flag's cache line between shards.
+        if f2.load(Ordering::Relaxed) && f2.swap(false, Ordering::AcqRel) {
+            panic!("injected failure (checkpoint benchmark)");
+        }
+        r
+    })
+    .key_by(|r: &(u64, u64)| r.0)
+    .process(FnProcess::new(
+        move |(k, i): (u64, u64), ctx: &mut KeyedContext<'_, u64, (u64, u64)>| {
+            let mut v = vec![(k as u8) | 1; VALUE_LEN];
+            v[..8].copy_from_slice(&i.to_le_bytes());
+            ctx.set_value("v", &v);
+            ctx.emit((k, i));
+        },
+    ))
+    .uid("state")
+    .sink(LiveCountSink {
+        count: count.clone(),
+        rate_per_writer: None,
+    });
+    let t0 = Instant::now();
+    let handle = job.start().expect("start large-state job");
+    let limit = Duration::from_secs(if opts.quick { 30 } else { 600 });
+    let tick = Duration::from_millis(1);
+    let filled = wait_for(limit, tick, || count.load(Ordering::Relaxed) >= keys);
+    let fill_ns = t0.elapsed().as_nanos() as u64;
+    let mut rows = Vec::new();
+    if !filled {
+        eprintln!("checkpoint bench: the {mib} MiB state did not fill within {limit:?}");
+        return rows;
+    }
+    // The checkpoint after the one in progress holds the whole state: wait for it.
+    let at_fill = last_completed(&handle);
+    let t_full = Instant::now();
+    wait_for(limit, tick, || last_completed(&handle) >= at_fill + 2);
+    let first_full_ns = t_full.elapsed().as_nanos() as u64;
+
+    // Duration: checkpoints while 1% of the keys change per interval.
+    let samples = if opts.quick { 6 } else { 20 };
+    let id0 = last_completed(&handle);
+    let c0 = Clock::now(&count);
+    wait_for(interval * (samples as u32 * 4), tick, || {
+        last_completed(&handle) >= id0 + samples
+    });
+    let c1 = Clock::now(&count);
+    let m = handle.checkpoint_metrics();
+    let stats = completed_between(&m, id0 + 1, id0 + samples);
+    let durs: Vec<u64> = stats.iter().map(|s| s.duration_ms * 1_000_000).collect();
+    let acks: Vec<u64> = stats
+        .iter()
+        .map(|s| s.ack_ns.iter().copied().max().unwrap_or(0))
+        .collect();
+    let sizes: Vec<u64> = stats.iter().map(|s| s.size_bytes).collect();
+    let full = stats.iter().map(|s| s.full_size_bytes).max().unwrap_or(0);
+    let size_med = quantile(&sizes, 0.5);
+    let changed_per_interval = (keys / 100) * VALUE_LEN as u64;
+    let (per_wall, per_cpu) = c0.rates_to(&c1);
+    let mut extra = vec![
+        ("state_bytes_target".into(), bytes as f64),
+        ("state_keys".into(), keys as f64),
+        ("value_bytes".into(), VALUE_LEN as f64),
+        ("interval_ms".into(), interval.as_millis() as f64),
+        ("full_size_bytes".into(), full as f64),
+        ("bytes_per_checkpoint_p50".into(), size_med as f64),
+        (
+            "bytes_per_checkpoint_max".into(),
+            quantile(&sizes, 1.0) as f64,
+        ),
+        (
+            "changed_value_bytes_per_interval".into(),
+            changed_per_interval as f64,
+        ),
+        (
+            "bytes_per_checkpoint_over_changed".into(),
+            size_med as f64 / changed_per_interval.max(1) as f64,
+        ),
+        ("ack_p50_ns".into(), quantile(&acks, 0.5) as f64),
+        ("ack_p99_ns".into(), quantile(&acks, 0.99) as f64),
+        ("checkpoints_measured".into(), stats.len() as f64),
+        ("fill_ns".into(), fill_ns as f64),
+        (
+            "fill_records_per_sec".into(),
+            keys as f64 * 1e9 / fill_ns.max(1) as f64,
+        ),
+        ("first_full_checkpoint_wait_ns".into(), first_full_ns as f64),
+    ];
+    for (i, s) in stats.iter().enumerate() {
+        extra.push((format!("ckpt{i}_duration_ms"), s.duration_ms as f64));
+        extra.push((format!("ckpt{i}_size_bytes"), s.size_bytes as f64));
+    }
+    extra.push((
+        "failed_checkpoints".into(),
+        m.number_of_failed_checkpoints as f64,
+    ));
+    rows.push(BenchResult {
+        bench: format!("checkpoint_duration_{mib}MiB_1pct"),
+        per_wall_sec: per_wall,
+        per_cpu_sec: per_cpu,
+        baseline: "full_size_bytes".into(),
+        baseline_per_cpu_sec: full as f64,
+        ratio: size_med as f64 / full.max(1) as f64,
+        p50_ns: Some(quantile(&durs, 0.5)),
+        p99_ns: Some(quantile(&durs, 0.99)),
+        p999_ns: None,
+        max_ns: Some(quantile(&durs, 1.0)),
+        extra,
+    });
+
+    // Recovery: the same job, now as fast as it goes, failed on purpose.
+    rate.store(0, Ordering::Relaxed);
+    let failures: u64 = if opts.quick { 2 } else { 3 };
+    let window = Duration::from_millis(if opts.quick { 50 } else { 100 });
+    let measure = Duration::from_millis(if opts.quick { 500 } else { 2000 });
+    std::thread::sleep(measure / 2); // let the memtables and rings settle at the new rate
+    let mut runs: Vec<[f64; 9]> = Vec::new();
+    for f in 0..failures {
+        // Fail only after a checkpoint of this attempt completed: every restore is real.
+        let seen = last_completed(&handle);
+        wait_for(limit, tick, || last_completed(&handle) > seen);
+        let b0 = Clock::now(&count);
+        std::thread::sleep(measure);
+        let b1 = Clock::now(&count);
+        let (before_wall, before_cpu) = b0.rates_to(&b1);
+        let fail_epoch_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let t_fail = Instant::now();
+        fail.store(true, Ordering::Release);
+        let tiny = Duration::from_micros(100);
+        if !wait_for(limit, tiny, || handle.restarts() > f) {
+            eprintln!("checkpoint bench: no restart after injected failure {f}");
+            break;
+        }
+        let restart_ns = t_fail.elapsed().as_nanos() as u64;
+        let at_restart = count.load(Ordering::Relaxed);
+        wait_for(limit, tiny, || count.load(Ordering::Relaxed) > at_restart);
+        let first_ns = t_fail.elapsed().as_nanos() as u64;
+        // Replay: windows until one runs at >= 90% of the rate before the failure.
+        let mut w = Clock::now(&count);
+        let mut after = (f64::NAN, f64::NAN);
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            std::thread::sleep(window);
+            let w2 = Clock::now(&count);
+            let r = w.rates_to(&w2);
+            w = w2;
+            if r.0 >= 0.9 * before_wall {
+                after = r;
+                break;
+            }
+        }
+        let full_ns = w.wall.duration_since(t_fail).as_nanos() as u64;
+        // The supervisor stamps the restore (ms since the epoch) once it decoded the checkpoint.
+        let restore_ts = handle
+            .checkpoint_metrics()
+            .last_checkpoint_restore_timestamp
+            .map_or(f64::NAN, |t| t.saturating_sub(fail_epoch_ms) as f64 * 1e6);
+        runs.push([
+            first_ns as f64,
+            full_ns.saturating_sub(first_ns) as f64,
+            full_ns as f64,
+            before_wall,
+            before_cpu,
+            after.0,
+            after.1,
+            restart_ns as f64,
+            restore_ts,
+        ]);
+    }
+    let col = |j: usize| runs.iter().map(|r| r[j]).collect::<Vec<_>>();
+    let totals: Vec<u64> = runs.iter().map(|r| r[2] as u64).collect();
+    let mut extra = vec![
+        ("state_bytes".into(), full as f64),
+        ("restore_ns_p50".into(), median_f(&col(0))),
+        ("replay_ns_p50".into(), median_f(&col(1))),
+        ("restart_decided_ns_p50".into(), median_f(&col(7))),
+        ("before_per_wall_sec".into(), median_f(&col(3))),
+        ("window_ms".into(), window.as_millis() as f64),
+        ("restart_delay_ms".into(), 0.0),
+        ("restarts".into(), handle.restarts() as f64),
+    ];
+    for (i, r) in runs.iter().enumerate() {
+        for (j, name) in [
+            "restore_ns",
+            "replay_ns",
+            "total_ns",
+            "before_per_wall_sec",
+            "before_per_cpu_sec",
+            "after_per_wall_sec",
+            "after_per_cpu_sec",
+            "restart_decided_ns",
+            "restore_timestamp_after_failure_ns",
+        ]
+        .iter()
+        .enumerate()
+        {
+            extra.push((format!("run{i}_{name}"), r[j]));
+        }
+    }
+    let before_cpu = median_f(&col(4));
+    let after_cpu = median_f(&col(6));
+    rows.push(BenchResult {
+        bench: format!("checkpoint_recovery_{mib}MiB"),
+        per_wall_sec: median_f(&col(5)),
+        per_cpu_sec: after_cpu,
+        baseline: "before_failure".into(),
+        baseline_per_cpu_sec: before_cpu,
+        ratio: after_cpu / before_cpu,
+        p50_ns: Some(quantile(&totals, 0.5)),
+        p99_ns: Some(quantile(&totals, 0.99)),
+        p999_ns: None,
+        max_ns: Some(quantile(&totals, 1.0)),
+        extra,
+    });
+    handle.cancel();
+    let _ = handle.wait();
+    rows
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backpressure
+
+struct BpRun {
+    per_wall: f64,
+    per_cpu: f64,
+    durs: Vec<u64>,
+    acks: Vec<u64>,
+    align: Vec<u64>,
+    inflight: Vec<u64>,
+    failed: u64,
+}
+
+/// The keyed count job for `run`, unbounded, with the source or the sink throttled.
+fn bp_run(
+    run: Duration,
+    interval: Option<Duration>,
+    unaligned: bool,
+    source_rate_per_shard: Option<u64>,
+    sink_rate_per_writer: Option<u64>,
+) -> BpRun {
+    let keys = 100_000;
+    let dir = tempfile::tempdir().expect("checkpoint temp dir");
+    let count = Arc::new(AtomicU64::new(0));
+    let mut gen = GeneratorSource::new(None, 5, move |i: u64, r: u64| (r % keys, i));
+    if let Some(r) = source_rate_per_shard {
+        gen = gen.with_rate_per_shard(r);
+    }
+    let mut cfg = config();
+    if let Some(i) = interval {
+        cfg = cfg.with_checkpointing(ck(dir.path(), i).with_unaligned(unaligned));
+    }
+    let job = Job::new(cfg);
+    job.source(gen)
+        .uid("gen")
+        .key_by(|(k, _)| *k)
+        .process(FnProcess::new(
+            move |rec: (u64, u64), ctx: &mut KeyedContext<'_, u64, (u64, u64)>| {
+                let n = ctx.value::<u64>("count").unwrap_or(0) + 1;
+                ctx.set_value("count", &n);
+                ctx.emit((n, rec.1));
+            },
+        ))
+        .uid("count")
+        .sink(LiveCountSink {
+            count: count.clone(),
+            rate_per_writer: sink_rate_per_writer,
+        });
+    let handle = job.start().expect("start backpressure job");
+    // Skip the start: rings filling and the first checkpoint are not the steady state.
+    std::thread::sleep(run / 5);
+    let id0 = last_completed(&handle);
+    let c0 = Clock::now(&count);
+    std::thread::sleep(run);
+    let c1 = Clock::now(&count);
+    let id1 = last_completed(&handle);
+    let m = handle.checkpoint_metrics();
+    handle.cancel();
+    let _ = handle.wait();
+    let stats = completed_between(&m, id0 + 1, id1);
+    let (per_wall, per_cpu) = c0.rates_to(&c1);
+    BpRun {
+        per_wall,
+        per_cpu,
+        durs: stats.iter().map(|s| s.duration_ms * 1_000_000).collect(),
+        acks: stats
+            .iter()
+            .map(|s| s.ack_ns.iter().copied().max().unwrap_or(0))
+            .collect(),
+        align: stats.iter().map(|s| s.alignment_duration_ns).collect(),
+        inflight: stats.iter().map(|s| s.persisted_inflight_bytes).collect(),
+        failed: m.number_of_failed_checkpoints,
+    }
+}
+
+fn backpressure(opts: &Opts) -> BenchResult {
+    let reps = if opts.quick { 1 } else { 2 };
+    let run = Duration::from_millis(if opts.quick { 1500 } else { 6000 });
+    let interval = Duration::from_millis(200);
+    // The job's own unthrottled rate, without checkpoints.
+    let free = bp_run(run / 2, None, false, None, None);
+    let tenth = (free.per_wall * 0.1 / SHARDS as f64).max(100.0) as u64;
+    let (mut unloaded, mut loaded, mut aligned) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..reps {
+        // Same rate with the source throttled: no backpressure.
+        unloaded.push(bp_run(run, Some(interval), true, Some(tenth), None));
+        loaded.push(bp_run(run, Some(interval), true, None, Some(tenth)));
+        aligned.push(bp_run(run, Some(interval), false, None, Some(tenth)));
+    }
+    let pool = |v: &[BpRun], f: fn(&BpRun) -> &Vec<u64>| -> Vec<u64> {
+        v.iter().flat_map(|r| f(r).iter().copied()).collect()
+    };
+    let (ul, ll, al) = (
+        pool(&unloaded, |r| &r.durs),
+        pool(&loaded, |r| &r.durs),
+        pool(&aligned, |r| &r.durs),
+    );
+    let mut extra = vec![
+        ("unthrottled_per_wall_sec".into(), free.per_wall),
+        ("unthrottled_per_cpu_sec".into(), free.per_cpu),
+        ("throttle_rate_total".into(), (tenth * SHARDS as u64) as f64),
+        ("interval_ms".into(), interval.as_millis() as f64),
+    ];
+    for (name, runs, d) in [
+        ("unaligned_unloaded", &unloaded, &ul),
+        ("unaligned_loaded", &loaded, &ll),
+        ("aligned_loaded", &aligned, &al),
+    ] {
+        let acks = pool(runs, |r| &r.acks);
+        let align = pool(runs, |r| &r.align);
+        let inflight = pool(runs, |r| &r.inflight);
+        extra.push((format!("{name}_p50_ns"), quantile(d, 0.5) as f64));
+        extra.push((format!("{name}_p99_ns"), quantile(d, 0.99) as f64));
+        extra.push((format!("{name}_ack_p50_ns"), quantile(&acks, 0.5) as f64));
+        extra.push((format!("{name}_ack_p99_ns"), quantile(&acks, 0.99) as f64));
+        extra.push((
+            format!("{name}_alignment_p50_ns"),
+            quantile(&align, 0.5) as f64,
+        ));
+        extra.push((
+            format!("{name}_inflight_bytes_p50"),
+            quantile(&inflight, 0.5) as f64,
+        ));
+        extra.push((format!("{name}_checkpoints"), d.len() as f64));
+        for (i, r) in runs.iter().enumerate() {
+            extra.push((format!("{name}_run{i}_per_wall_sec"), r.per_wall));
+            extra.push((format!("{name}_run{i}_per_cpu_sec"), r.per_cpu));
+            extra.push((
+                format!("{name}_run{i}_p50_ns"),
+                quantile(&r.durs, 0.5) as f64,
+            ));
+            extra.push((format!("{name}_run{i}_failed"), r.failed as f64));
+        }
+    }
+    let ack_ratio = quantile(&pool(&loaded, |r| &r.acks), 0.5) as f64
+        / quantile(&pool(&unloaded, |r| &r.acks), 0.5).max(1) as f64;
+    extra.push(("ack_p50_ratio_loaded_over_unloaded".into(), ack_ratio));
+    // Millisecond durations: a 0 ms unloaded median counts as 1 ms, not as a division by zero.
+    let ratio = quantile(&ll, 0.5) as f64 / quantile(&ul, 0.5).max(1_000_000) as f64;
+    BenchResult {
+        bench: "checkpoint_unaligned_backpressure_10pct".into(),
+        per_wall_sec: median_f(&loaded.iter().map(|r| r.per_wall).collect::<Vec<_>>()),
+        per_cpu_sec: median_f(&loaded.iter().map(|r| r.per_cpu).collect::<Vec<_>>()),
+        baseline: "unaligned_unloaded_same_rate".into(),
+        baseline_per_cpu_sec: median_f(&unloaded.iter().map(|r| r.per_cpu).collect::<Vec<_>>()),
+        ratio,
+        p50_ns: Some(quantile(&ll, 0.5)),
+        p99_ns: Some(quantile(&ll, 0.99)),
+        p999_ns: None,
+        max_ns: Some(quantile(&ll, 1.0)),
+        extra,
+    }
+}
+
+pub fn run(opts: &Opts) -> Vec<BenchResult> {
+    let mut rows = Vec::new();
+    if opts.wants("checkpoint_overhead") {
+        rows.push(overhead(opts));
+    }
+    if opts.wants("checkpoint_unaligned_backpressure") {
+        rows.push(backpressure(opts));
+    }
+    if opts.wants("checkpoint_duration") || opts.wants("checkpoint_recovery") {
+        rows.extend(large_state(opts));
+    }
+    rows
+}
