@@ -10,7 +10,6 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
-use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Instant;
@@ -298,11 +297,6 @@ impl ShardState {
                 }
             }
         }
-        if let Some(c) = &inner.checkpoint {
-            // Files uploaded by an aborted checkpoint are deleted with it: upload again.
-            let aborted = c.borrow().shared.aborted.load(Ordering::Acquire);
-            inner.uploaded.retain(|_, (_, by)| *by != aborted);
-        }
         if m.maintenance_in_flight {
             return Ok(());
         }
@@ -343,6 +337,14 @@ impl ShardState {
         let store = ckpt.borrow().shared.store.clone();
         let shard = inner.shard;
         let operator = inner.operator.clone();
+        // Reuse only files of complete checkpoints: an aborted checkpoint's files are deleted
+        // with it, and a complete one keeps its files while a retained checkpoint (the newest
+        // always references every live segment) refers to them.
+        {
+            let c = ckpt.borrow();
+            let ids = c.shared.completed_ids.lock().unwrap_or_else(|p| p.into_inner());
+            inner.uploaded.retain(|_, (_, by)| ids.contains(by));
+        }
         let known: HashMap<u64, FileRefData> = inner
             .uploaded
             .iter()

@@ -527,6 +527,7 @@ fn run_attempt(
                 config: c.clone(),
                 requested: AtomicU64::new(first - 1),
                 completed: AtomicU64::new(first - 1),
+                completed_ids: Mutex::new(Default::default()),
                 aborted: AtomicU64::new(0),
                 sources_total: AtomicUsize::new(0),
                 sources_finished: AtomicUsize::new(0),

@@ -1,13 +1,17 @@
-//! The memtable: a hash index over an arena of key and value bytes, sorted only when needed.
+//! The memtable: a hash index over an arena of records, sorted only when needed.
 //!
 //! Why a hash index and not a sorted map: the keyed-count path updates the same keys again and
-//! again; a hash probe plus an in-place overwrite of a same-size value costs one cache miss,
-//! where a sorted insert costs a tree walk per record (measured in `benches/src/state.rs`,
-//! `memtable_hash_vs_btree`). Order is produced lazily: new keys are appended to an unsorted
-//! tail; a scan sorts the tail and merges it into the sorted run when it grows; a frozen
-//! memtable is sorted once, by the first scan or by its flush.
+//! again; a hash probe plus an in-place overwrite of a same-size value costs about one cache
+//! miss, where a sorted insert costs a tree walk per record (measured in
+//! `benches/src/state.rs`, `memtable_hash_vs_btree`). Order is produced lazily: new keys are
+//! appended to an unsorted tail; a scan sorts the tail and merges it into the sorted runs; a
+//! frozen memtable is sorted once, by the first scan or by its flush.
 //!
-//! Values start 16-byte aligned in the arena so rkyv can read them in place.
+//! A record is one arena allocation: a 16-byte header (expiry, value length, key length,
+//! flags, spare value capacity), the key, and the value at the next multiple of 16, so rkyv
+//! reads values in place. The hash slot points at the record directly: a lookup touches the
+//! control bytes, the slot and the record, and nothing else (the entry table, id -> record, is
+//! only read by scans).
 
 use std::sync::OnceLock;
 
@@ -22,8 +26,24 @@ const CHUNK_BYTES_MIN: usize = 4096;
 /// Expiry value meaning "never expires".
 pub(crate) const NO_EXPIRY: u64 = u64::MAX;
 
-#[derive(Debug, Clone, Copy)]
-struct Loc {
+/// Record header: `expire_at_ms u64 | value length u32 | key length u16 | flags u8 | spare
+/// u8`. Value capacity is `round16(value length) + 16 * spare`.
+const REC_HEADER: usize = 16;
+const R_EXPIRE: usize = 0;
+const R_VAL_LEN: usize = 8;
+const R_KEY_LEN: usize = 12;
+const R_FLAGS: usize = 14;
+const R_SPARE: usize = 15;
+const REC_TOMBSTONE: u8 = 1;
+
+#[inline]
+fn round16(n: usize) -> usize {
+    n.div_ceil(16) * 16
+}
+
+/// Where a record lives: arena chunk and byte offset (a multiple of 16).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Loc {
     chunk: u32,
     off: u32,
 }
@@ -43,7 +63,7 @@ struct Arena {
 impl Arena {
     #[inline]
     fn alloc(&mut self, len: usize) -> Loc {
-        let len16 = len.div_ceil(16) * 16;
+        let len16 = round16(len);
         let fits = self
             .chunks
             .get(self.cur)
@@ -89,47 +109,119 @@ impl Arena {
         self.bytes = self.chunks.first().map_or(0, |c| c.len() * 16);
     }
 
-    fn chunk_bytes(c: &[u128]) -> &[u8] {
+    #[inline]
+    fn chunk(&self, loc: Loc) -> &[u8] {
+        let c = &self.chunks[loc.chunk as usize];
         // SAFETY: u128 has no padding and every bit pattern of u8 is valid; the byte view covers
         // exactly the same allocation, and alignment of u8 is 1.
-        unsafe { std::slice::from_raw_parts(c.as_ptr().cast::<u8>(), c.len() * 16) }
+        let all = unsafe { std::slice::from_raw_parts(c.as_ptr().cast::<u8>(), c.len() * 16) };
+        &all[loc.off as usize..]
     }
 
-    fn chunk_bytes_mut(c: &mut [u128]) -> &mut [u8] {
-        // SAFETY: as in `chunk_bytes`; the unique borrow of the chunk is carried over.
-        unsafe { std::slice::from_raw_parts_mut(c.as_mut_ptr().cast::<u8>(), c.len() * 16) }
+    #[inline]
+    fn chunk_mut(&mut self, loc: Loc) -> &mut [u8] {
+        let c = &mut self.chunks[loc.chunk as usize];
+        // SAFETY: as in `chunk`; the unique borrow of the chunk is carried over.
+        let all =
+            unsafe { std::slice::from_raw_parts_mut(c.as_mut_ptr().cast::<u8>(), c.len() * 16) };
+        &mut all[loc.off as usize..]
     }
 
-    fn get(&self, loc: Loc, len: usize) -> &[u8] {
-        let c = Self::chunk_bytes(&self.chunks[loc.chunk as usize]);
-        &c[loc.off as usize..loc.off as usize + len]
+    /// The key of the record at `loc`.
+    #[inline]
+    fn key(&self, loc: Loc) -> &[u8] {
+        let r = self.chunk(loc);
+        let klen = usize::from(u16::from_le_bytes([r[R_KEY_LEN], r[R_KEY_LEN + 1]]));
+        &r[REC_HEADER..REC_HEADER + klen]
     }
 
-    fn get_mut(&mut self, loc: Loc, len: usize) -> &mut [u8] {
-        let c = Self::chunk_bytes_mut(&mut self.chunks[loc.chunk as usize]);
-        &mut c[loc.off as usize..loc.off as usize + len]
+    /// Key and value of the record at `loc`.
+    #[inline]
+    fn record(&self, loc: Loc) -> (&[u8], ValueRef<'_>) {
+        let r = self.chunk(loc);
+        let h: &[u8; REC_HEADER] = r[..REC_HEADER].try_into().expect("header");
+        let klen = usize::from(u16::from_le_bytes([h[R_KEY_LEN], h[R_KEY_LEN + 1]]));
+        let vlen = u32::from_le_bytes([
+            h[R_VAL_LEN],
+            h[R_VAL_LEN + 1],
+            h[R_VAL_LEN + 2],
+            h[R_VAL_LEN + 3],
+        ]) as usize;
+        let expire_at_ms = u64::from_le_bytes([
+            h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7],
+        ]);
+        let v = REC_HEADER + round16(klen);
+        (
+            &r[REC_HEADER..REC_HEADER + klen],
+            ValueRef {
+                bytes: &r[v..v + vlen],
+                expire_at_ms,
+                tombstone: h[R_FLAGS] & REC_TOMBSTONE != 0,
+            },
+        )
+    }
+
+    /// Value capacity of the record at `loc`.
+    #[inline]
+    fn capacity(&self, loc: Loc) -> usize {
+        let r = self.chunk(loc);
+        let vlen = u32::from_le_bytes([
+            r[R_VAL_LEN],
+            r[R_VAL_LEN + 1],
+            r[R_VAL_LEN + 2],
+            r[R_VAL_LEN + 3],
+        ]) as usize;
+        round16(vlen) + 16 * usize::from(r[R_SPARE])
+    }
+
+    /// Overwrite the value of the record at `loc`; the caller checked it fits. Returns the
+    /// previous value length.
+    #[inline]
+    fn overwrite(&mut self, loc: Loc, value: &[u8], expire_at_ms: u64, tombstone: bool) -> usize {
+        let cap = self.capacity(loc);
+        debug_assert!(value.len() <= cap);
+        let r = self.chunk_mut(loc);
+        let klen = usize::from(u16::from_le_bytes([r[R_KEY_LEN], r[R_KEY_LEN + 1]]));
+        let old = u32::from_le_bytes([
+            r[R_VAL_LEN],
+            r[R_VAL_LEN + 1],
+            r[R_VAL_LEN + 2],
+            r[R_VAL_LEN + 3],
+        ]) as usize;
+        r[R_EXPIRE..R_EXPIRE + 8].copy_from_slice(&expire_at_ms.to_le_bytes());
+        r[R_VAL_LEN..R_VAL_LEN + 4].copy_from_slice(&(value.len() as u32).to_le_bytes());
+        r[R_FLAGS] = u8::from(tombstone) * REC_TOMBSTONE;
+        r[R_SPARE] = ((cap - round16(value.len())) / 16).min(255) as u8;
+        let v = REC_HEADER + round16(klen);
+        r[v..v + value.len()].copy_from_slice(value);
+        old
+    }
+
+    /// Allocate and fill a new record.
+    fn new_record(&mut self, key: &[u8], value: &[u8], expire_at_ms: u64, tombstone: bool) -> Loc {
+        let key16 = round16(key.len());
+        let loc = self.alloc(REC_HEADER + key16 + round16(value.len()));
+        let r = self.chunk_mut(loc);
+        r[R_EXPIRE..R_EXPIRE + 8].copy_from_slice(&expire_at_ms.to_le_bytes());
+        r[R_VAL_LEN..R_VAL_LEN + 4].copy_from_slice(&(value.len() as u32).to_le_bytes());
+        r[R_KEY_LEN..R_KEY_LEN + 2].copy_from_slice(&(key.len() as u16).to_le_bytes());
+        r[R_FLAGS] = u8::from(tombstone) * REC_TOMBSTONE;
+        r[R_SPARE] = 0;
+        r[REC_HEADER..REC_HEADER + key.len()].copy_from_slice(key);
+        let v = REC_HEADER + key16;
+        r[v..v + value.len()].copy_from_slice(value);
+        loc
     }
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Entry {
-    expire_at_ms: u64,
-    key: Loc,
-    val: Loc,
-    val_len: u32,
-    /// Value slot capacity in bytes (a multiple of 16).
-    val_cap: u32,
-    key_len: u16,
-    tombstone: bool,
-}
-
-/// A hash index slot: entry id and the low 32 bits of the key's xxh3 hash. Keeping the hash in
-/// the slot means a probe rejects other keys without touching the entry table, and growing the
-/// table never reads the entries (no cache miss per entry on a resize).
+/// A hash index slot: the record, its entry id and the low 32 bits of the key's xxh3 hash.
+/// Keeping the hash in the slot means a probe rejects other keys without touching any record,
+/// and growing the table never reads the records.
 #[derive(Debug, Clone, Copy)]
 struct Slot {
-    id: u32,
     h32: u32,
+    id: u32,
+    loc: Loc,
 }
 
 /// The table hash of a slot: both halves from the same 32 bits, so that hashbrown's bucket
@@ -147,6 +239,15 @@ pub(crate) struct ValueRef<'a> {
     pub tombstone: bool,
 }
 
+/// Where a key was found in the mutable memtable: valid while the memtable's
+/// [`Memtable::epoch`] is unchanged (a record moves only when its value outgrows it, which
+/// changes the epoch; freezing replaces the memtable, whose epoch is unique).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct MemHint {
+    epoch: u64,
+    loc: Loc,
+}
+
 /// Largest number of sorted runs kept before the smallest ones are merged; with the size rule
 /// in [`Memtable::prepare_scan`] there are O(log n) runs anyway, this only caps pathological
 /// cases.
@@ -155,14 +256,17 @@ const MAX_RUNS: usize = 24;
 #[derive(Debug, Default)]
 pub(crate) struct Memtable {
     arena: Arena,
-    entries: Vec<Entry>,
+    /// Entry id -> record (ids are insertion order; scans and sorting use them).
+    entries: Vec<Loc>,
     index: HashTable<Slot>,
     /// Sorted runs of entry ids, oldest (largest) first; each run is more than twice the size
     /// of the next one, so there are O(log n) of them and every id is merged O(log n) times.
     runs: Vec<Vec<u32>>,
     /// Ids appended since the last [`Memtable::prepare_scan`], unsorted.
     fresh: Vec<u32>,
-    value_bytes: usize,
+    /// Unique per memtable incarnation (set by the store) in the high 32 bits; the low bits
+    /// count record moves. See [`MemHint`].
+    epoch: u64,
 }
 
 /// The first 16 key bytes, zero padded, as a big-endian integer: comparing two of them orders
@@ -197,6 +301,11 @@ impl Memtable {
         self.entries.is_empty()
     }
 
+    /// Give this memtable a new incarnation number (hints taken before are invalid).
+    pub fn set_incarnation(&mut self, n: u64) {
+        self.epoch = n << 32;
+    }
+
     /// Memory in use, for the budget: arena chunks in use, entry table, hash index (at
     /// hashbrown's 7/8 load) and order vectors (every id is in exactly one run or `fresh`).
     /// Capacity a recycled memtable keeps beyond that is not counted: it is bounded by what
@@ -205,7 +314,7 @@ impl Memtable {
     pub fn approx_bytes(&self) -> usize {
         let n = self.entries.len();
         self.arena.bytes
-            + n * (std::mem::size_of::<Entry>() + 4)
+            + n * (std::mem::size_of::<Loc>() + 4)
             + (n + n / 7) * (std::mem::size_of::<Slot>() + 1)
     }
 
@@ -217,29 +326,24 @@ impl Memtable {
         self.index.clear();
         self.runs.clear();
         self.fresh.clear();
-        self.value_bytes = 0;
+        self.epoch = self.epoch.wrapping_add(1);
     }
 
     #[inline]
-    fn key_of(&self, e: &Entry) -> &[u8] {
-        self.arena.get(e.key, usize::from(e.key_len))
-    }
-
-    #[inline]
-    fn find(&self, key: &[u8], hash: u64) -> Option<u32> {
+    fn find(&self, key: &[u8], hash: u64) -> Option<Loc> {
         let h32 = hash as u32;
+        let arena = &self.arena;
         self.index
-            .find(table_hash(h32), |s| {
-                s.h32 == h32 && self.key_of(&self.entries[s.id as usize]) == key
-            })
-            .map(|s| s.id)
+            .find(table_hash(h32), |s| s.h32 == h32 && arena.key(s.loc) == key)
+            .map(|s| s.loc)
     }
 
     pub fn put(&mut self, key: &[u8], value: &[u8], expire_at_ms: u64, tombstone: bool) {
         self.put_hashed(key, xxh3_64(key), value, expire_at_ms, tombstone);
     }
 
-    /// [`Self::put`] with `hash = xxh3_64(key)` computed by the caller.
+    /// [`Self::put`] with `hash = xxh3_64(key)` computed by the caller. Returns where the
+    /// record is now.
     pub fn put_hashed(
         &mut self,
         key: &[u8],
@@ -247,80 +351,103 @@ impl Memtable {
         value: &[u8],
         expire_at_ms: u64,
         tombstone: bool,
-    ) {
+    ) -> MemHint {
         debug_assert!(key.len() <= usize::from(u16::MAX));
-        match self.find(key, hash) {
-            Some(i) => {
-                let Memtable { arena, entries, .. } = self;
-                let e = &mut entries[i as usize];
-                if value.len() > e.val_cap as usize {
-                    e.val = arena.alloc(value.len());
-                    e.val_cap = value.len().div_ceil(16) as u32 * 16;
+        let h32 = hash as u32;
+        let Memtable {
+            arena,
+            entries,
+            index,
+            fresh,
+            epoch,
+            ..
+        } = self;
+        let found = {
+            let a = &*arena;
+            index.find_mut(table_hash(h32), |s| s.h32 == h32 && a.key(s.loc) == key)
+        };
+        match found {
+            Some(slot) => {
+                if value.len() <= arena.capacity(slot.loc) {
+                    arena.overwrite(slot.loc, value, expire_at_ms, tombstone);
+                } else {
+                    // The value outgrew its record: move the record (hints become stale).
+                    let loc = arena.new_record(key, value, expire_at_ms, tombstone);
+                    slot.loc = loc;
+                    entries[slot.id as usize] = loc;
+                    *epoch = epoch.wrapping_add(1);
                 }
-                self.value_bytes = self.value_bytes + value.len() - e.val_len as usize;
-                e.val_len = value.len() as u32;
-                e.expire_at_ms = expire_at_ms;
-                e.tombstone = tombstone;
-                let (val, len) = (e.val, e.val_len as usize);
-                arena.get_mut(val, len).copy_from_slice(value);
+                MemHint {
+                    epoch: *epoch,
+                    loc: slot.loc,
+                }
             }
             None => {
-                // Key and value in one allocation: the value starts at the next multiple of 16.
-                let key16 = key.len().div_ceil(16) * 16;
-                let val_cap = value.len().div_ceil(16) * 16;
-                let k = self.arena.alloc(key16 + val_cap);
-                let v = Loc {
-                    chunk: k.chunk,
-                    off: k.off + key16 as u32,
-                };
-                {
-                    let slot = self.arena.get_mut(k, key16 + value.len());
-                    slot[..key.len()].copy_from_slice(key);
-                    slot[key16..].copy_from_slice(value);
-                }
-                let idx = self.entries.len() as u32;
-                self.entries.push(Entry {
-                    expire_at_ms,
-                    key: k,
-                    val: v,
-                    key_len: key.len() as u16,
-                    val_len: value.len() as u32,
-                    val_cap: val_cap as u32,
-                    tombstone,
+                let loc = arena.new_record(key, value, expire_at_ms, tombstone);
+                let id = entries.len() as u32;
+                entries.push(loc);
+                index.insert_unique(table_hash(h32), Slot { h32, id, loc }, |s| {
+                    table_hash(s.h32)
                 });
-                let h32 = hash as u32;
-                self.index
-                    .insert_unique(table_hash(h32), Slot { id: idx, h32 }, |s| {
-                        table_hash(s.h32)
-                    });
-                self.fresh.push(idx);
-                self.value_bytes += value.len() + key.len();
+                fresh.push(id);
+                MemHint { epoch: *epoch, loc }
             }
         }
+    }
+
+    /// Overwrite the value of the record `hint` points at, if the hint is current and the
+    /// value fits; false otherwise (the caller then uses [`Self::put_hashed`]). The caller
+    /// guarantees the hint was taken for the same key.
+    #[inline]
+    pub fn overwrite_hinted(
+        &mut self,
+        hint: MemHint,
+        value: &[u8],
+        expire_at_ms: u64,
+        tombstone: bool,
+    ) -> bool {
+        if hint.epoch != self.epoch || value.len() > self.arena.capacity(hint.loc) {
+            return false;
+        }
+        self.arena
+            .overwrite(hint.loc, value, expire_at_ms, tombstone);
+        true
     }
 
     pub fn get_hashed(&self, key: &[u8], hash: u64) -> Option<ValueRef<'_>> {
-        self.find(key, hash).map(|i| self.value_at(i))
+        self.find(key, hash).map(|loc| self.arena.record(loc).1)
     }
 
+    /// [`Self::get_hashed`], also returning where the record is (for
+    /// [`Self::overwrite_hinted`]).
     #[inline]
-    fn value_at(&self, i: u32) -> ValueRef<'_> {
-        let e = &self.entries[i as usize];
-        ValueRef {
-            bytes: self.arena.get(e.val, e.val_len as usize),
-            expire_at_ms: e.expire_at_ms,
-            tombstone: e.tombstone,
-        }
+    pub fn get_hinted(&self, key: &[u8], hash: u64) -> Option<(ValueRef<'_>, MemHint)> {
+        self.find(key, hash).map(|loc| {
+            (
+                self.arena.record(loc).1,
+                MemHint {
+                    epoch: self.epoch,
+                    loc,
+                },
+            )
+        })
     }
 
+    /// Key and value of entry id `i`.
     #[inline]
     pub fn entry(&self, i: u32) -> (&[u8], ValueRef<'_>) {
-        (self.key_of(&self.entries[i as usize]), self.value_at(i))
+        self.arena.record(self.entries[i as usize])
+    }
+
+    /// Key and value of the record at `loc` (from [`Frozen::order`]).
+    #[inline]
+    pub fn record(&self, loc: Loc) -> (&[u8], ValueRef<'_>) {
+        self.arena.record(loc)
     }
 
     #[inline]
     fn key_at(&self, i: u32) -> &[u8] {
-        self.key_of(&self.entries[i as usize])
+        self.arena.key(self.entries[i as usize])
     }
 
     /// Sort ids by key: on (16-byte key prefix, id) pairs, so that most comparisons are one
@@ -387,20 +514,47 @@ impl Memtable {
         self.runs.iter().map(Vec::as_slice).collect()
     }
 
-    /// All ids in key order (used once per frozen memtable).
-    fn full_order(&self) -> Vec<u32> {
-        let mut fresh = self.fresh.clone();
-        self.sort_ids(&mut fresh);
-        let mut acc = fresh;
-        for r in self.runs.iter().rev() {
-            acc = self.merge_ids(r, &acc);
-        }
-        acc
+    /// Every record in key order (used once per frozen memtable). Sorts (16-byte prefix,
+    /// record) pairs taken straight from the entry table, so the result addresses records
+    /// without the entry table, and a flush reads each record once, in a predictable order.
+    fn full_order(&self) -> Vec<Loc> {
+        let mut keyed: Vec<(u128, Loc)> = self
+            .entries
+            .iter()
+            .map(|&loc| (key_prefix(self.arena.key(loc)), loc))
+            .collect();
+        keyed.sort_unstable_by(|a, b| {
+            a.0.cmp(&b.0)
+                .then_with(|| self.arena.key(a.1).cmp(self.arena.key(b.1)))
+        });
+        keyed.into_iter().map(|(_, loc)| loc).collect()
     }
 
     /// Index of the first id in sorted run `ids` whose key is >= `key`.
     pub fn lower_bound(&self, ids: &[u32], key: &[u8]) -> usize {
         ids.partition_point(|&i| self.key_at(i) < key)
+    }
+
+    /// Index of the first record in sorted `locs` whose key is >= `key`.
+    pub fn lower_bound_locs(&self, locs: &[Loc], key: &[u8]) -> usize {
+        locs.partition_point(|&l| self.arena.key(l) < key)
+    }
+
+    /// Hint the CPU to load the record at `loc` (flushes read records in sorted order, which
+    /// is random in the arena: loading a few ahead overlaps the misses).
+    #[inline]
+    pub fn prefetch(&self, loc: Loc) {
+        let r = self.arena.chunk(loc);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a prefetch is only a hint: it never faults and has no visible effect; the
+        // pointer is in bounds of a live chunk anyway.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                r.as_ptr().cast::<i8>(),
+            );
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = r;
     }
 }
 
@@ -409,8 +563,11 @@ impl Memtable {
 pub(crate) struct Frozen {
     pub mem: Memtable,
     pub gen: u64,
-    order: OnceLock<Vec<u32>>,
+    order: OnceLock<Vec<Loc>>,
 }
+
+/// How many records ahead an ordered walk over a frozen memtable prefetches.
+const PREFETCH_AHEAD: usize = 8;
 
 impl Frozen {
     pub fn new(mem: Memtable, gen: u64) -> Frozen {
@@ -421,9 +578,20 @@ impl Frozen {
         }
     }
 
-    /// Entry ids in key order, computed once.
-    pub fn order(&self) -> &[u32] {
+    /// Records in key order, computed once.
+    pub fn order(&self) -> &[Loc] {
         self.order.get_or_init(|| self.mem.full_order())
+    }
+
+    /// Every entry in key order, prefetching records a few ahead.
+    pub fn entries(&self) -> impl Iterator<Item = (&[u8], ValueRef<'_>)> + '_ {
+        let order = self.order();
+        order.iter().enumerate().map(move |(i, &loc)| {
+            if let Some(&ahead) = order.get(i + PREFETCH_AHEAD) {
+                self.mem.prefetch(ahead);
+            }
+            self.mem.record(loc)
+        })
     }
 }
 
@@ -476,9 +644,8 @@ mod tests {
         }
         let f = Frozen::new(m, 1);
         let keys: Vec<Vec<u8>> = f
-            .order()
-            .iter()
-            .map(|&i| f.mem.entry(i).0.to_vec())
+            .entries()
+            .map(|(k, _)| k.to_vec())
             .collect();
         assert_eq!(keys, model.into_iter().collect::<Vec<_>>());
     }
@@ -509,9 +676,8 @@ mod tests {
         }
         let f = Frozen::new(m, 1);
         let keys: Vec<Vec<u8>> = f
-            .order()
-            .iter()
-            .map(|&i| f.mem.entry(i).0.to_vec())
+            .entries()
+            .map(|(k, _)| k.to_vec())
             .collect();
         assert_eq!(keys, model.into_iter().collect::<Vec<_>>());
     }
@@ -527,9 +693,8 @@ mod tests {
         }
         let f = Frozen::new(m, 1);
         let keys: Vec<Vec<u8>> = f
-            .order()
-            .iter()
-            .map(|&i| f.mem.entry(i).0.to_vec())
+            .entries()
+            .map(|(k, _)| k.to_vec())
             .collect();
         let mut want = keys.clone();
         want.sort();

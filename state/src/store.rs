@@ -37,7 +37,7 @@ use xxhash_rust::xxh3::xxh3_64;
 use crate::error::StateError;
 use crate::handle::{SegmentRef, SnapshotHandle};
 use crate::key::{KeyGroupRange, DEFAULT_MAX_PARALLELISM};
-use crate::memtable::{Frozen, Memtable, ValueRef, NO_EXPIRY};
+use crate::memtable::{Frozen, Loc, MemHint, Memtable, ValueRef, NO_EXPIRY};
 use crate::segment::{Probe, Segment, SegmentIter, SegmentWriter, WriterOptions};
 
 /// Store configuration. Every bound is named.
@@ -370,6 +370,38 @@ impl Store {
         self.maybe_freeze();
     }
 
+    /// [`Store::put`] with `hash = xxh3_64(key)` computed by the caller and, optionally, a
+    /// hint from [`Store::get_hinted`] for this same key: if the hint is still current and the
+    /// value fits the record, the value is overwritten in place without a lookup. Returns a
+    /// hint for the next put of this key (None if the put froze the memtable).
+    pub(crate) fn put_hinted(
+        &mut self,
+        key: &[u8],
+        hash: u64,
+        value: &[u8],
+        hint: Option<MemHint>,
+    ) -> Option<MemHint> {
+        debug_assert_eq!(hash, xxh3_64(key));
+        assert!(
+            key.len() >= 2 && key.len() <= usize::from(u16::MAX),
+            "key length {}",
+            key.len()
+        );
+        let exp = self.expiry_for(key);
+        if let Some(h) = hint {
+            if self.mem.overwrite_hinted(h, value, exp, false) {
+                // The memtable's size did not change: no freeze is due.
+                return Some(h);
+            }
+        }
+        let h = self.mem.put_hashed(key, hash, value, exp, false);
+        if self.mem.approx_bytes() >= self.config.memtable_budget_bytes {
+            self.freeze();
+            return None;
+        }
+        Some(h)
+    }
+
     /// Delete (writes a tombstone).
     pub fn delete(&mut self, key: &[u8]) {
         assert!(
@@ -396,6 +428,8 @@ impl Store {
             Some(m) => m,
             None => Memtable::with_budget(self.config.memtable_budget_bytes),
         };
+        let mut fresh = fresh;
+        fresh.set_incarnation(self.next_gen);
         let mem = std::mem::replace(&mut self.mem, fresh);
         self.frozen.push(Arc::new(Frozen::new(mem, self.next_gen)));
         self.next_gen += 1;
@@ -413,11 +447,23 @@ impl Store {
 
     /// Point lookup.
     pub fn get(&self, key: &[u8]) -> Option<Found<'_>> {
-        self.gets.set(self.gets.get() + 1);
-        let hash = xxh3_64(key);
-        if let Some(v) = self.mem.get_hashed(key, hash) {
-            return self.visible(v, true);
+        self.get_hinted(key, xxh3_64(key)).0
+    }
+
+    /// [`Store::get`] with `hash = xxh3_64(key)` computed by the caller; also returns where
+    /// the key is in the mutable memtable, if it is there (for [`Store::put_hinted`]).
+    pub(crate) fn get_hinted(&self, key: &[u8], hash: u64) -> (Option<Found<'_>>, Option<MemHint>) {
+        debug_assert_eq!(hash, xxh3_64(key));
+        if let Some((v, hint)) = self.mem.get_hinted(key, hash) {
+            self.gets.set(self.gets.get() + 1);
+            return (self.visible(v, true), Some(hint));
         }
+        (self.get_cold(key, hash), None)
+    }
+
+    /// The part of a lookup after the mutable memtable.
+    fn get_cold(&self, key: &[u8], hash: u64) -> Option<Found<'_>> {
+        self.gets.set(self.gets.get() + 1);
         for f in self.frozen.iter().rev() {
             if let Some(v) = f.mem.get_hashed(key, hash) {
                 return self.visible(v, true);
@@ -446,11 +492,11 @@ impl Store {
             .collect();
         srcs.push(Src::Mem { m: &self.mem, runs });
         for f in self.frozen.iter().rev() {
-            let ids = f.order();
-            let i = f.mem.lower_bound(ids, start);
+            let locs = f.order();
+            let i = f.mem.lower_bound_locs(locs, start);
             srcs.push(Src::Frozen {
                 m: &f.mem,
-                ids: &ids[i..],
+                locs: &locs[i..],
             });
         }
         for s in self.segments.iter().rev() {
@@ -791,7 +837,7 @@ pub struct FlushDone {
 impl FlushJob {
     pub fn run(self) -> FlushDone {
         let f = &self.frozen;
-        let entries = f.order().iter().map(|&i| f.mem.entry(i));
+        let entries = f.entries();
         FlushDone {
             gen: f.gen,
             result: self.ctx.write_segment(self.id, f.mem.len() as u64, entries),
@@ -907,7 +953,7 @@ impl SnapshotJob {
                     if result.is_err() {
                         continue;
                     }
-                    let entries = f.order().iter().map(|&i| f.mem.entry(i));
+                    let entries = f.entries();
                     match self.ctx.write_segment(id, f.mem.len() as u64, entries) {
                         Ok(Some(seg)) => {
                             let mut reg = lock(&self.registry);
@@ -969,7 +1015,7 @@ enum Src<'a> {
     },
     Frozen {
         m: &'a Memtable,
-        ids: &'a [u32],
+        locs: &'a [Loc],
     },
     Seg(SegmentIter<'a>),
 }
@@ -997,10 +1043,10 @@ impl<'a> Src<'a> {
                 let (k, v) = m.entry(id);
                 Some((k, v, true))
             }
-            Src::Frozen { m, ids } => {
-                let (&id, rest) = ids.split_first()?;
-                *ids = rest;
-                let (k, v) = m.entry(id);
+            Src::Frozen { m, locs } => {
+                let (&loc, rest) = locs.split_first()?;
+                *locs = rest;
+                let (k, v) = m.record(loc);
                 Some((k, v, true))
             }
             Src::Seg(it) => it.next().map(|(k, v)| (k, v, false)),

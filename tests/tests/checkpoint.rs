@@ -272,3 +272,104 @@ fn alignment_timeout_turns_aligned_checkpoints_unaligned() {
     assert_eq!(o.violations, 0);
     assert_complete(&o, n, 2);
 }
+
+/// A sink whose pre-commit fails (declines) or stalls for its first few checkpoints.
+struct FlakySink {
+    declines: Arc<AtomicU64>,
+    stalls: Arc<AtomicU64>,
+    stall: Duration,
+}
+
+struct FlakyWriter {
+    declines: Arc<AtomicU64>,
+    stalls: Arc<AtomicU64>,
+    stall: Duration,
+}
+
+impl weir_runtime::sink::SinkWriter<u64> for FlakyWriter {
+    fn write(&mut self, _rec: u64, _ts: i64) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn finish(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn pre_commit(&mut self, _id: u64) -> std::io::Result<Vec<u8>> {
+        if self.declines.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1)).is_ok() {
+            return Err(std::io::Error::other("injected pre-commit failure"));
+        }
+        if self.stalls.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1)).is_ok() {
+            std::thread::sleep(self.stall);
+        }
+        Ok(Vec::new())
+    }
+}
+
+impl weir_runtime::sink::Sink<u64> for FlakySink {
+    fn create_writer(&self, _: usize, _: usize) -> Result<Box<dyn weir_runtime::sink::SinkWriter<u64>>, weir_runtime::StartError> {
+        Ok(Box::new(FlakyWriter {
+            declines: self.declines.clone(),
+            stalls: self.stalls.clone(),
+            stall: self.stall,
+        }))
+    }
+}
+
+fn flaky_job(
+    dir: &std::path::Path,
+    declines: u64,
+    stalls: u64,
+    tolerable: u32,
+    timeout: Duration,
+) -> Result<weir_runtime::JobSummary, weir_runtime::JobError> {
+    let c = CheckpointConfig::new(dir, "flaky")
+        .with_interval(Duration::from_millis(10))
+        .with_timeout(timeout)
+        .with_tolerable_failures(tolerable)
+        .with_restart(RestartStrategy::None);
+    let job = Job::new(JobConfig::new().with_shards(2).with_pinning(Pinning::Never).with_checkpointing(c));
+    job.from_iter(|_, _| (0..400u64).inspect(|_| std::thread::sleep(Duration::from_micros(500))))
+        .key_by(|x: &u64| *x % 5)
+        .reduce(|a, b| a + b)
+        .uid("sum")
+        .sink(FlakySink {
+            declines: Arc::new(AtomicU64::new(declines)),
+            stalls: Arc::new(AtomicU64::new(stalls)),
+            stall: Duration::from_millis(300),
+        });
+    job.run()
+}
+
+#[test]
+fn declined_checkpoints_within_the_tolerable_number_do_not_fail_the_job() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let s = flaky_job(dir.path(), 2, 0, 5, Duration::from_secs(10)).expect("tolerated");
+    assert!(s.checkpoints.number_of_failed_checkpoints >= 1, "{:?}", s.checkpoints);
+    assert!(s.checkpoints.number_of_completed_checkpoints >= 1);
+    let declined = s
+        .checkpoints
+        .history
+        .iter()
+        .filter_map(|h| h.failure.as_deref())
+        .any(|f| f.contains("declined") && f.contains("injected pre-commit failure"));
+    assert!(declined, "{:?}", s.checkpoints.history);
+}
+
+#[test]
+fn more_declines_than_tolerable_fail_the_job() {
+    let dir = tempfile::tempdir().expect("tmp");
+    match flaky_job(dir.path(), 100, 0, 1, Duration::from_secs(10)) {
+        Err(weir_runtime::JobError::CheckpointFailures { reason }) => {
+            assert!(reason.contains("exceed the tolerable 1"), "{reason}")
+        }
+        other => panic!("expected a checkpoint failure, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_checkpoint_that_outlives_its_timeout_is_aborted_and_counted() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let s = flaky_job(dir.path(), 0, 1, 5, Duration::from_millis(100)).expect("tolerated");
+    let expired = s.checkpoints.history.iter().filter_map(|h| h.failure.as_deref()).any(|f| f.contains("expired"));
+    assert!(expired, "{:?}", s.checkpoints.history);
+    assert!(s.checkpoints.number_of_completed_checkpoints >= 1, "later checkpoints complete");
+}

@@ -295,6 +295,13 @@ impl Coordinator {
         match self.shared.store.commit(id, p.trigger_ms, sections) {
             Ok(info) => {
                 // Durable: only now is the checkpoint complete and may anyone be told.
+                {
+                    let mut ids = self.shared.completed_ids.lock().unwrap_or_else(|p| p.into_inner());
+                    ids.push_back(id);
+                    if ids.len() > 64 {
+                        ids.pop_front();
+                    }
+                }
                 self.shared.completed.fetch_max(id, Ordering::AcqRel);
                 self.last_completion = Some(Instant::now());
                 self.consecutive_failures = 0;

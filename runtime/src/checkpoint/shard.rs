@@ -36,6 +36,9 @@ pub(crate) struct Shared {
     pub requested: AtomicU64,
     /// The newest complete checkpoint.
     pub completed: AtomicU64,
+    /// Recently completed checkpoint ids (an aborted checkpoint's files are deleted, so only
+    /// files of these may be reused by later checkpoints).
+    pub completed_ids: std::sync::Mutex<std::collections::VecDeque<u64>>,
     /// The newest aborted checkpoint (participants drop what they hold for it).
     pub aborted: AtomicU64,
     /// Source heads of the job, and how many of them read their input to the end.
