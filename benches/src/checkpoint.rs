@@ -305,7 +305,7 @@ fn keyed_run(
 
 fn overhead(opts: &Opts) -> BenchResult {
     let reps = if opts.quick { 1 } else { 3 };
-    let n = if opts.quick { 2_000_000 } else { 20_000_000 };
+    let n = if opts.quick { 2_000_000 } else { 6_000_000 };
     let keys = 1_000_000;
     let interval = Duration::from_millis(100);
     keyed_run(n / 10, keys, None, None); // warm up page faults and code

@@ -25,10 +25,10 @@ use crate::graph::BuildCtx;
 
 pub use weir_state::StateError;
 
-/// A registered state: its full name (operator uid and state name). The store derives the
-/// state's id from it.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct StateId(pub Rc<str>);
+/// A registered state (operator uid and state name), by the id the store derived from its
+/// name: typed handles are built from it without hashing the name per access.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StateId(pub u16);
 
 enum Output {
     Maintenance(JobDone),
@@ -172,7 +172,7 @@ impl ShardState {
                         // Verified (CRC) before a byte is used: invariant 4.
                         let bytes = r.reader.read_file(f).map_err(err)?;
                         let path =
-                            local.join(format!("{:016x}-{}.wseg", seg.segment_id, h.checkpoint_id));
+                            local.join(format!("{}-{:016x}.wseg", handles.len(), seg.segment_id));
                         std::fs::write(&path, &bytes)
                             .map_err(|e| err(format!("{}: {e}", path.display())))?;
                         seg.path = path;
@@ -342,7 +342,11 @@ impl ShardState {
         // always references every live segment) refers to them.
         {
             let c = ckpt.borrow();
-            let ids = c.shared.completed_ids.lock().unwrap_or_else(|p| p.into_inner());
+            let ids = c
+                .shared
+                .completed_ids
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             inner.uploaded.retain(|_, (_, by)| ids.contains(by));
         }
         let known: HashMap<u64, FileRefData> = inner
@@ -434,8 +438,7 @@ impl ShardState {
     /// The id of state `name` (an operator's uid and the state's name).
     pub(crate) fn state_id(&self, name: &str) -> StateId {
         // Registering checks that no two names share an id.
-        let _ = self.inner.borrow_mut().be.value_state::<u8>(name);
-        StateId(Rc::from(name))
+        StateId(self.inner.borrow_mut().be.state_id(name))
     }
 
     pub(crate) fn value_get<V: Data>(
@@ -445,7 +448,9 @@ impl ShardState {
         key: &[u8],
         ns: &[u8],
     ) -> Result<Option<V>, StateError> {
-        self.with(kg, key, ns, |be| be.value_state::<V>(&id.0).value(be))
+        self.with(kg, key, ns, |be| {
+            weir_state::ValueState::<V>::from_id(id.0).value(be)
+        })
     }
 
     pub(crate) fn value_put<V: Data>(
@@ -456,7 +461,9 @@ impl ShardState {
         ns: &[u8],
         v: &V,
     ) -> Result<(), StateError> {
-        self.with(kg, key, ns, |be| be.value_state::<V>(&id.0).update(be, v))
+        self.with(kg, key, ns, |be| {
+            weir_state::ValueState::<V>::from_id(id.0).update(be, v)
+        })
     }
 
     pub(crate) fn delete(
@@ -467,7 +474,7 @@ impl ShardState {
         ns: &[u8],
     ) -> Result<(), StateError> {
         self.with(kg, key, ns, |be| {
-            be.value_state::<u8>(&id.0).clear(be);
+            weir_state::ValueState::<u8>::from_id(id.0).clear(be);
             Ok(())
         })
     }
@@ -480,7 +487,7 @@ impl ShardState {
         ns: &[u8],
     ) -> Result<(), StateError> {
         self.with(kg, key, ns, |be| {
-            be.list_state::<u8>(&id.0).clear(be);
+            weir_state::ListState::<u8>::from_id(id.0).clear(be);
             Ok(())
         })
     }
@@ -493,7 +500,9 @@ impl ShardState {
         ns: &[u8],
         v: &V,
     ) -> Result<(), StateError> {
-        self.with(kg, key, ns, |be| be.list_state::<V>(&id.0).add(be, v))
+        self.with(kg, key, ns, |be| {
+            weir_state::ListState::<V>::from_id(id.0).add(be, v)
+        })
     }
 
     pub(crate) fn list_get<V: Data>(
@@ -503,6 +512,8 @@ impl ShardState {
         key: &[u8],
         ns: &[u8],
     ) -> Result<Vec<V>, StateError> {
-        self.with(kg, key, ns, |be| be.list_state::<V>(&id.0).get(be))
+        self.with(kg, key, ns, |be| {
+            weir_state::ListState::<V>::from_id(id.0).get(be)
+        })
     }
 }

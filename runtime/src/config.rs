@@ -36,6 +36,10 @@ pub struct JobConfig {
     pub auto_watermark_interval_ms: u64,
     /// How often sources emit a latency marker (0: never).
     pub latency_marker_interval_ms: u64,
+    /// The longest a shard with nothing to do sleeps before it looks again. Latency of a
+    /// record arriving at an idle shard is bounded by it; 0 never sleeps (lowest latency, a
+    /// busy core).
+    pub idle_sleep_max_us: u64,
     /// Checkpointing; `None`: no checkpoints and no restarts.
     pub checkpoint: Option<crate::checkpoint::CheckpointConfig>,
     /// What the job restores from when it starts.
@@ -69,6 +73,7 @@ impl Default for JobConfig {
             memtable_budget_bytes: 64 << 20,
             auto_watermark_interval_ms: 200,
             latency_marker_interval_ms: 100,
+            idle_sleep_max_us: 200,
             checkpoint: None,
             restore: None,
             allow_fallback: false,
@@ -124,6 +129,11 @@ impl JobConfig {
 
     pub fn with_latency_marker_interval_ms(mut self, ms: u64) -> Self {
         self.latency_marker_interval_ms = ms;
+        self
+    }
+
+    pub fn with_idle_sleep_max_us(mut self, us: u64) -> Self {
+        self.idle_sleep_max_us = us;
         self
     }
 

@@ -384,10 +384,10 @@ impl OpState {
             .iter()
             .find(|(n, _)| std::ptr::eq(*n, name) || *n == name)
         {
-            return id.clone();
+            return *id;
         }
         let id = self.state.state_id(&format!("{}/{}", self.name, name));
-        self.ids.push((name, id.clone()));
+        self.ids.push((name, id));
         id
     }
 }

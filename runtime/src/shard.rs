@@ -28,8 +28,6 @@ use crate::error::{JobError, StartError};
 use crate::graph::{BuildCtx, FailCell, Gate, Graph, HeadStatus, Root};
 use crate::metrics::{JobMetrics, Registry};
 
-/// The longest a shard sleeps when it has nothing to do.
-const IDLE_SLEEP_MAX: Duration = Duration::from_millis(1);
 /// Rounds without progress before a shard starts sleeping.
 const IDLE_SPIN_ROUNDS: u32 = 64;
 
@@ -688,7 +686,8 @@ async fn run_loop(mut ctx: BuildCtx, cancel: &AtomicBool) -> Result<(), JobError
     let mut heads = std::mem::take(&mut ctx.heads);
     let mut done = vec![false; heads.len()];
     let mut idle_rounds = 0u32;
-    let mut sleep = Duration::from_micros(10);
+    let sleep_max = Duration::from_micros(ctx.config.idle_sleep_max_us);
+    let mut sleep = Duration::from_micros(10).min(sleep_max);
     loop {
         if cancel.load(Ordering::Acquire) {
             return Err(JobError::Cancelled);
@@ -738,16 +737,16 @@ async fn run_loop(mut ctx: BuildCtx, cancel: &AtomicBool) -> Result<(), JobError
         }
         if progress {
             idle_rounds = 0;
-            sleep = Duration::from_micros(10);
+            sleep = Duration::from_micros(10).min(sleep_max);
             glommio::yield_if_needed().await;
         } else {
             idle_rounds += 1;
-            if idle_rounds < IDLE_SPIN_ROUNDS {
+            if idle_rounds < IDLE_SPIN_ROUNDS || sleep_max.is_zero() {
                 std::hint::spin_loop();
                 glommio::executor().yield_now().await;
             } else {
                 glommio::timer::sleep(sleep).await;
-                sleep = (sleep * 2).min(IDLE_SLEEP_MAX);
+                sleep = (sleep * 2).min(sleep_max);
             }
         }
     }

@@ -31,13 +31,14 @@ use std::marker::PhantomData;
 use rkyv::api::high::{HighDeserializer, HighSerializer, HighValidator};
 use rkyv::bytecheck::CheckBytes;
 use rkyv::rancor;
-use rkyv::ser::allocator::ArenaHandle;
+use rkyv::ser::allocator::{Arena, ArenaHandle};
 use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::StateError;
 use crate::key::{encode_state_key, key_group_for, KeyCodec, KeyGroup, KeyGroupRange};
+use crate::memtable::MemHint;
 use crate::store::{Found, SnapshotJob, Store};
 
 /// State id reserved for timers.
@@ -88,9 +89,27 @@ pub struct KeyedBackend {
     key: Vec<u8>,
     ns: Vec<u8>,
     kbuf: Vec<u8>,
+    /// The state id whose plain key (no suffix) `kbuf` holds for the current key and
+    /// namespace, with its hash; `None` when `kbuf` holds anything else.
+    kbuf_state: Option<u16>,
+    kbuf_hash: u64,
+    /// Where `kbuf`'s key sits in the mutable memtable, if known (see [`Store::put_hinted`]).
+    hint: Option<MemHint>,
     vbuf: AlignedVec,
+    /// Scratch space of the rkyv serializer, reused (no thread-local lookup per value).
+    ser_arena: SerArena,
     names: std::collections::HashMap<u16, String>,
     timers: [BTreeSet<Timer>; 2],
+}
+
+/// rkyv's serializer arena, with a `Debug` that prints nothing of interest.
+#[derive(Default)]
+struct SerArena(Arena);
+
+impl std::fmt::Debug for SerArena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SerArena")
+    }
 }
 
 fn ser_err(state_id: u16, e: rancor::Error) -> StateError {
@@ -150,7 +169,11 @@ impl KeyedBackend {
             key: Vec::new(),
             ns: Vec::new(),
             kbuf: Vec::new(),
+            kbuf_state: None,
+            kbuf_hash: 0,
+            hint: None,
             vbuf: AlignedVec::new(),
+            ser_arena: SerArena::default(),
             names: Default::default(),
             timers,
         }
@@ -161,6 +184,8 @@ impl KeyedBackend {
     }
 
     pub fn store_mut(&mut self) -> &mut Store {
+        // The caller may change anything, even replace the store: forget cached positions.
+        self.invalidate_key();
         &mut self.store
     }
 
@@ -179,6 +204,7 @@ impl KeyedBackend {
 
     /// Set the current key; its key group is computed from its encoding.
     pub fn set_current_key<K: KeyCodec + ?Sized>(&mut self, key: &K) {
+        self.invalidate_key();
         self.key.clear();
         key.encode_key(&mut self.key);
         self.key_group = key_group_for(&self.key, self.max_parallelism);
@@ -190,6 +216,10 @@ impl KeyedBackend {
 
     /// Set the current key from its encoding and known key group (the runtime computed it).
     pub fn set_current_key_bytes(&mut self, key_group: KeyGroup, key_bytes: &[u8]) {
+        if key_group == self.key_group && key_bytes == self.key.as_slice() {
+            return;
+        }
+        self.invalidate_key();
         self.key.clear();
         self.key.extend_from_slice(key_bytes);
         self.key_group = key_group;
@@ -205,12 +235,17 @@ impl KeyedBackend {
 
     /// Scope state and timers to a namespace (a window); empty = none.
     pub fn set_namespace(&mut self, ns: &[u8]) {
+        if ns == self.ns.as_slice() {
+            return;
+        }
+        self.invalidate_key();
         self.ns.clear();
         self.ns.extend_from_slice(ns);
     }
 
     /// Encode a typed namespace with [`KeyCodec`].
     pub fn set_namespace_of<N: KeyCodec + ?Sized>(&mut self, ns: &N) {
+        self.invalidate_key();
         self.ns.clear();
         ns.encode_key(&mut self.ns);
     }
@@ -283,8 +318,66 @@ impl KeyedBackend {
         }
     }
 
+    /// Forget the cached store key, its hash and memtable position.
+    #[inline]
+    fn invalidate_key(&mut self) {
+        self.kbuf_state = None;
+        self.hint = None;
+    }
+
+    /// The store key of value-like state `state_id` for the current key and namespace in
+    /// `kbuf`, and its hash in `kbuf_hash`; reused while key, namespace and state are the same
+    /// (a `value()` then `update()` of one record builds and hashes the key once).
+    #[inline]
+    fn value_key(&mut self, state_id: u16) {
+        if self.kbuf_state == Some(state_id) {
+            return;
+        }
+        self.build_key(state_id);
+        self.kbuf_hash = xxh3_64(&self.kbuf);
+        self.kbuf_state = Some(state_id);
+    }
+
+    /// Look up the value key built by [`Self::value_key`], remembering its memtable position.
+    #[inline]
+    fn get_value(&mut self) -> Option<Found<'_>> {
+        let (found, hint) = self.store.get_hinted(&self.kbuf, self.kbuf_hash);
+        self.hint = hint;
+        found
+    }
+
+    /// Serialize `v` into the reused aligned buffer with the reused arena.
+    #[inline]
+    fn serialize<V: StateValue>(&mut self, state_id: u16, v: &V) -> Result<(), StateError> {
+        let mut buf = std::mem::take(&mut self.vbuf);
+        buf.clear();
+        let r = rkyv::api::high::to_bytes_in_with_alloc::<_, _, rancor::Error>(
+            v,
+            buf,
+            self.ser_arena.0.acquire(),
+        );
+        match r {
+            Ok(buf) => {
+                self.vbuf = buf;
+                Ok(())
+            }
+            Err(e) => Err(ser_err(state_id, e)),
+        }
+    }
+
+    /// Store `v` under the value key built by [`Self::value_key`], in place when possible.
+    #[inline]
+    fn put_value_hinted<V: StateValue>(&mut self, state_id: u16, v: &V) -> Result<(), StateError> {
+        self.serialize(state_id, v)?;
+        self.hint = self
+            .store
+            .put_hinted(&self.kbuf, self.kbuf_hash, &self.vbuf, self.hint);
+        Ok(())
+    }
+
     /// Build the store key prefix of `state_id` for the current key and namespace in `kbuf`.
     fn build_key(&mut self, state_id: u16) {
+        self.invalidate_key();
         self.kbuf.clear();
         encode_state_key(
             &mut self.kbuf,
@@ -296,12 +389,8 @@ impl KeyedBackend {
     }
 
     fn put_value<V: StateValue>(&mut self, state_id: u16, v: &V) -> Result<(), StateError> {
-        let mut buf = std::mem::take(&mut self.vbuf);
-        buf.clear();
-        let buf = rkyv::api::high::to_bytes_in::<_, rancor::Error>(v, buf)
-            .map_err(|e| ser_err(state_id, e))?;
-        self.store.put(&self.kbuf, &buf);
-        self.vbuf = buf;
+        self.serialize(state_id, v)?;
+        self.store.put(&self.kbuf, &self.vbuf);
         Ok(())
     }
 
@@ -449,8 +538,8 @@ impl<V: StateValue> ValueState<V> {
 
     /// The archived value of the current key, if any.
     pub fn get<'a>(&self, be: &'a mut KeyedBackend) -> Result<Option<&'a V::Archived>, StateError> {
-        be.build_key(self.id);
-        match be.store.get(&be.kbuf) {
+        be.value_key(self.id);
+        match be.get_value() {
             Some(f) => access::<V>(self.id, f).map(Some),
             None => Ok(None),
         }
@@ -464,9 +553,25 @@ impl<V: StateValue> ValueState<V> {
         }
     }
 
+    /// Set the value of the current key. After a [`Self::get`] or [`Self::value`] of the same
+    /// key and namespace, the key is neither rebuilt nor hashed nor looked up again: a value
+    /// of the same archived size is overwritten in place.
     pub fn update(&self, be: &mut KeyedBackend, v: &V) -> Result<(), StateError> {
-        be.build_key(self.id);
-        be.put_value(self.id, v)
+        be.value_key(self.id);
+        be.put_value_hinted(self.id, v)
+    }
+
+    /// Read-modify-write of the current key's value with one lookup: `f` gets the archived
+    /// value (`None` if absent) and returns the new value, which is stored (in place when it
+    /// has the same archived size). The keyed-count path is
+    /// `count.update_with(be, |old| old.map_or(0, |n| n.to_native()) + 1)`.
+    pub fn update_with(
+        &self,
+        be: &mut KeyedBackend,
+        f: impl FnOnce(Option<&V::Archived>) -> V,
+    ) -> Result<(), StateError> {
+        let next = f(self.get(be)?);
+        self.update(be, &next)
     }
 
     pub fn clear(&self, be: &mut KeyedBackend) {

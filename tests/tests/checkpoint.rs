@@ -294,10 +294,18 @@ impl weir_runtime::sink::SinkWriter<u64> for FlakyWriter {
         Ok(())
     }
     fn pre_commit(&mut self, _id: u64) -> std::io::Result<Vec<u8>> {
-        if self.declines.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1)).is_ok() {
+        if self
+            .declines
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok()
+        {
             return Err(std::io::Error::other("injected pre-commit failure"));
         }
-        if self.stalls.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1)).is_ok() {
+        if self
+            .stalls
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok()
+        {
             std::thread::sleep(self.stall);
         }
         Ok(Vec::new())
@@ -305,7 +313,11 @@ impl weir_runtime::sink::SinkWriter<u64> for FlakyWriter {
 }
 
 impl weir_runtime::sink::Sink<u64> for FlakySink {
-    fn create_writer(&self, _: usize, _: usize) -> Result<Box<dyn weir_runtime::sink::SinkWriter<u64>>, weir_runtime::StartError> {
+    fn create_writer(
+        &self,
+        _: usize,
+        _: usize,
+    ) -> Result<Box<dyn weir_runtime::sink::SinkWriter<u64>>, weir_runtime::StartError> {
         Ok(Box::new(FlakyWriter {
             declines: self.declines.clone(),
             stalls: self.stalls.clone(),
@@ -326,7 +338,12 @@ fn flaky_job(
         .with_timeout(timeout)
         .with_tolerable_failures(tolerable)
         .with_restart(RestartStrategy::None);
-    let job = Job::new(JobConfig::new().with_shards(2).with_pinning(Pinning::Never).with_checkpointing(c));
+    let job = Job::new(
+        JobConfig::new()
+            .with_shards(2)
+            .with_pinning(Pinning::Never)
+            .with_checkpointing(c),
+    );
     job.from_iter(|_, _| (0..400u64).inspect(|_| std::thread::sleep(Duration::from_micros(500))))
         .key_by(|x: &u64| *x % 5)
         .reduce(|a, b| a + b)
@@ -343,7 +360,11 @@ fn flaky_job(
 fn declined_checkpoints_within_the_tolerable_number_do_not_fail_the_job() {
     let dir = tempfile::tempdir().expect("tmp");
     let s = flaky_job(dir.path(), 2, 0, 5, Duration::from_secs(10)).expect("tolerated");
-    assert!(s.checkpoints.number_of_failed_checkpoints >= 1, "{:?}", s.checkpoints);
+    assert!(
+        s.checkpoints.number_of_failed_checkpoints >= 1,
+        "{:?}",
+        s.checkpoints
+    );
     assert!(s.checkpoints.number_of_completed_checkpoints >= 1);
     let declined = s
         .checkpoints
@@ -369,7 +390,95 @@ fn more_declines_than_tolerable_fail_the_job() {
 fn a_checkpoint_that_outlives_its_timeout_is_aborted_and_counted() {
     let dir = tempfile::tempdir().expect("tmp");
     let s = flaky_job(dir.path(), 0, 1, 5, Duration::from_millis(100)).expect("tolerated");
-    let expired = s.checkpoints.history.iter().filter_map(|h| h.failure.as_deref()).any(|f| f.contains("expired"));
+    let expired = s
+        .checkpoints
+        .history
+        .iter()
+        .filter_map(|h| h.failure.as_deref())
+        .any(|f| f.contains("expired"));
     assert!(expired, "{:?}", s.checkpoints.history);
-    assert!(s.checkpoints.number_of_completed_checkpoints >= 1, "later checkpoints complete");
+    assert!(
+        s.checkpoints.number_of_completed_checkpoints >= 1,
+        "later checkpoints complete"
+    );
+}
+
+/// A job checkpoints on 2 shards and is cancelled; the same job restored onto 3 shards
+/// continues from the checkpoint: every key's state moved with its key group, so every sum it
+/// emits equals the sequential running sum at that record, and it ends at the key's total.
+#[test]
+fn restore_onto_another_number_of_shards_keeps_keyed_state() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let n = 200_000u64;
+    let data: Vec<(u64, i64, u64)> = (0..n)
+        .map(|i| (i * 7919 % 101, (i % 13) as i64 - 6, i))
+        .collect();
+    let mut expected: HashMap<u64, i64> = HashMap::new();
+    let mut at: HashMap<u64, i64> = HashMap::new();
+    for (k, v, i) in &data {
+        let s = expected.entry(*k).or_default();
+        *s += v;
+        at.insert(*i, *s);
+    }
+    let run = |shards: usize, restore: bool, slow: bool| {
+        let mut c = JobConfig::new()
+            .with_shards(shards)
+            .with_pinning(Pinning::Never)
+            .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce));
+        if restore {
+            c = c.with_restore(RestoreFrom::Latest);
+        }
+        let job = Job::new(c);
+        let out = job
+            .from_vec(data.clone())
+            .uid("input")
+            .inspect(move |r: &(u64, i64, u64)| {
+                if slow && r.2.is_multiple_of(500) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            })
+            .key_by(|r| r.0)
+            .reduce(|a, b| (a.0, a.1 + b.1, b.2))
+            .uid("sum")
+            .collect();
+        (job.start().expect("start"), out)
+    };
+    let (h, _) = run(2, false, true);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while h.checkpoint_metrics().number_of_completed_checkpoints < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no checkpoint completed"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    h.cancel();
+    assert!(matches!(h.wait(), Err(weir_runtime::JobError::Cancelled)));
+    let (h, out) = run(3, true, false);
+    h.wait().expect("restored job");
+    let got = out.take();
+    assert!(
+        !got.is_empty() && (got.len() as u64) < n,
+        "resumed mid-way: {} records",
+        got.len()
+    );
+    let mut last: HashMap<u64, (u64, i64)> = HashMap::new();
+    for (k, sum, i) in &got {
+        assert_eq!(
+            Some(sum),
+            at.get(i),
+            "key {k} at record {i}: state restored across the rescale"
+        );
+        let e = last.entry(*k).or_insert((*i, *sum));
+        if *i >= e.0 {
+            *e = (*i, *sum);
+        }
+    }
+    for (k, total) in &expected {
+        assert_eq!(
+            last.get(k).map(|l| l.1),
+            Some(*total),
+            "key {k} ends at its total"
+        );
+    }
 }

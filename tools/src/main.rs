@@ -25,7 +25,10 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
-#[expect(clippy::large_enum_variant, reason = "parsed once at startup; boxing buys nothing")]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "parsed once at startup; boxing buys nothing"
+)]
 enum Command {
     /// Run a built-in job.
     #[command(subcommand)]

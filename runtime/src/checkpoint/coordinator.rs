@@ -296,7 +296,11 @@ impl Coordinator {
             Ok(info) => {
                 // Durable: only now is the checkpoint complete and may anyone be told.
                 {
-                    let mut ids = self.shared.completed_ids.lock().unwrap_or_else(|p| p.into_inner());
+                    let mut ids = self
+                        .shared
+                        .completed_ids
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner());
                     ids.push_back(id);
                     if ids.len() > 64 {
                         ids.pop_front();
