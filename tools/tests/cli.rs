@@ -559,3 +559,16 @@ fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
     assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
     assert!(stderr(&r).contains(name), "{}", stderr(&r));
 }
+
+#[test]
+fn a_too_small_memlock_limit_is_a_clear_error_with_a_hint() {
+    let o = Command::new("bash")
+        .arg("-c")
+        .arg(format!("ulimit -l 64 && exec {} run demo --events 1000", env!("CARGO_BIN_EXE_weir")))
+        .output()
+        .expect("bash");
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains("RLIMIT_MEMLOCK") && e.contains("hint"), "{e}");
+    assert!(!e.contains("panicked"), "{e}");
+}
