@@ -17,9 +17,9 @@
 //!   backpressure (source throttled instead of the sink). Aligned durations are in `extra`.
 //! * `checkpoint_recovery_<S>MiB`: in the same job as the duration bench, made unthrottled, a
 //!   map panics on demand. p50/max are the time from the injected failure to throughput back at
-//!   >= 90% of before; `extra` splits it into restore (failure to the first record processed
-//!   after the restart) and replay (from there to >= 90%). per_wall/per_cpu: the first window
-//!   at >= 90%; baseline: before the failure.
+//!   at least 90% of before; `extra` splits it into restore (failure to the first record processed
+//!   after the restart) and replay (from there to at least 90%). per_wall/per_cpu: the first window
+//!   at at least 90%; baseline: before the failure.
 //!
 //! Durations come from `CheckpointStats::duration_ms` (millisecond resolution); `ack_*` extras
 //! give trigger-to-last-shard-acknowledgement in nanoseconds. The state size of the full run is
@@ -270,6 +270,10 @@ fn keyed_run(
         gen = gen.with_rate_per_shard(rate);
     }
     let mut cfg = config();
+    if rate_per_shard.is_some() {
+        // Latency runs: shards poll instead of sleeping when idle, as the runtime suite's.
+        cfg = cfg.with_idle_sleep_max_us(0);
+    }
     if let Some(i) = interval {
         cfg = cfg.with_checkpointing(ck(dir.path(), i));
     }
