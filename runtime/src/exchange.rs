@@ -211,7 +211,8 @@ impl WriterState {
                 match p.writer(want.min(p.max_frame_bytes())) {
                     Ok(Some(mut w)) => match w.push_with(header, |buf| fill(buf).ok_or(())) {
                         Ok(()) => {
-                            w.commit();
+                            // Published in a batch when the head flushes its chain.
+                            w.commit_deferred();
                             return;
                         }
                         Err(PushWithError::Payload(())) | Err(PushWithError::NoSpace) => {
@@ -351,6 +352,9 @@ struct WriterFlush(Rc<RefCell<WriterState>>);
 impl Flush for WriterFlush {
     fn flush(&self) -> bool {
         let mut s = self.0.borrow_mut();
+        for p in &mut s.producers {
+            p.publish();
+        }
         let drained = s.drain_spill();
         if drained && s.closed {
             for p in &mut s.producers {

@@ -397,4 +397,13 @@ impl<'a> FrameWriter<'a> {
         self.region.commit(n);
         n
     }
+
+    /// Commits every frame written without publishing it yet: the producer's next
+    /// [`crate::Producer::publish`] makes a whole batch visible at once. Returns the bytes.
+    #[inline]
+    pub fn commit_deferred(self) -> usize {
+        let n = self.pos;
+        self.region.commit_deferred(n);
+        n
+    }
 }

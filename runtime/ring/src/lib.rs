@@ -55,7 +55,7 @@
 //!
 //! | field | stored by | store | loaded by | load |
 //! | --- | --- | --- | --- | --- |
-//! | `tail` (committed write position) | producer, on commit | Release | consumer, when its cached tail is used up; `peek_range`, `is_closed` | Acquire |
+//! | `tail` (published write position) | producer, on commit or `publish` | Release | consumer, when its cached tail is used up; `peek_range`, `is_closed` | Acquire |
 //! | `head` (released read position) | consumer, on release and when skipping a wrap | Release | producer, when its cached head shows too little room | Acquire |
 //! | `closed` | producer, on close/drop | Release | consumer, `is_closed` | Acquire |
 //! | announcement seqlock (`seq`, `barrier`, `position`) | producer | odd seq Relaxed + Release fence, fields Relaxed, even seq Release | consumer | seq Acquire, fields Relaxed, Acquire fence, seq Relaxed |
@@ -68,6 +68,10 @@
 //!   (the `ReadRegion` borrow ends in `release`), then stores `head + n` with Release. The
 //!   producer writes only below `cached_head + C`, where `cached_head` came from an Acquire load
 //!   of `head`, so every read of those bytes happens-before their overwrite.
+//! * **Deferred commits.** `commit_deferred` advances only the producer's private tail; the
+//!   bytes become visible at the next `publish` (also done by `commit`, `announce` and `close`),
+//!   whose single Release store covers every frame committed before it. Nothing else changes:
+//!   the consumer still reads only below a tail it loaded with Acquire.
 //! * **Caching.** Each side keeps a private copy of the other's position, refreshed only when
 //!   it shows too little (room for the producer, data for the consumer). A stale copy is never
 //!   ahead of the real value, so it can only under-estimate; the hot paths touch the other
@@ -76,8 +80,8 @@
 //! * **Close.** `closed` is stored with Release after the last tail store; `is_closed` loads it
 //!   with Acquire and then the tail, so it sees the final tail and reports closed only when
 //!   everything was released.
-//! * **Announcements.** A seqlock with one writer. The position announced is at most the
-//!   committed tail, and the seq Release store comes after that tail store in program order, so
+//! * **Announcements.** A seqlock with one writer. `announce` publishes first, so the position
+//!   announced is at most the published tail, and the seq Release store comes after that tail store in program order, so
 //!   a consumer that reads the announcement (seq Acquire) then loads a tail of at least the
 //!   position: [`Consumer::peek_range`] up to it is always valid. Only the latest announcement
 //!   is kept; barrier frames still travel in-band and ids grow.

@@ -254,7 +254,7 @@ fn announcements() {
 #[test]
 #[should_panic(expected = "announced after barrier")]
 fn announcement_ids_must_grow() {
-    let (p, _c) = ring(4096);
+    let (mut p, _c) = ring(4096);
     p.announce(3, 0);
     p.announce(3, 0);
 }
@@ -262,7 +262,7 @@ fn announcement_ids_must_grow() {
 #[test]
 #[should_panic(expected = "beyond write position")]
 fn announcement_beyond_the_write_position_panics() {
-    let (p, _c) = ring(4096);
+    let (mut p, _c) = ring(4096);
     p.announce(1, 16);
 }
 
@@ -393,4 +393,36 @@ fn committing_raw_bytes_that_are_not_frames_is_caught_in_debug_builds() {
     r.as_mut_slice()[..16].copy_from_slice(&weir_ring::Header::record(0, 0).encode(0));
     r.as_mut_slice()[4] = weir_ring::KIND_WRAP;
     r.commit(16);
+}
+
+#[test]
+fn deferred_commits_become_visible_only_when_published() {
+    let (mut p, mut c) = ring(4096);
+    for i in 0..3u8 {
+        let mut w = p.writer(32).expect("fits").expect("room");
+        w.push(Header::record(0, i64::from(i)), &[i; 8])
+            .expect("room");
+        w.commit_deferred();
+    }
+    assert!(c.read().is_none(), "nothing published yet");
+    p.publish();
+    let r = c.read().expect("published");
+    assert_eq!(r.frames().map(|f| f.ts).collect::<Vec<_>>(), vec![0, 1, 2]);
+    r.release_all();
+    // An announcement publishes what it points at.
+    let mut w = p.writer(32).expect("fits").expect("room");
+    w.push(Header::record(0, 9), &[9; 8]).expect("room");
+    w.commit_deferred();
+    let pos = p.write_position();
+    p.announce(1, pos);
+    assert_eq!(c.announcement(), Some((1, pos)));
+    let (a, b) = c.peek_range(pos);
+    assert_eq!(a.len() + b.len(), 32);
+    // Closing publishes too.
+    let mut w = p.writer(32).expect("fits").expect("room");
+    w.push(Header::record(0, 10), &[1; 8]).expect("room");
+    w.commit_deferred();
+    p.close();
+    let r = c.read().expect("published at close");
+    assert_eq!(r.frames().count(), 2);
 }
