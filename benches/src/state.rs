@@ -592,6 +592,18 @@ fn hot_path(fs: &Arc<dyn Fs>, dir: &Path, opts: &Opts) -> BenchResult {
             count.update(&mut be, &(n + 1)).expect("update");
         }
     });
+    // The same updates through `update_with` (one call, one lookup).
+    let mut rng = Rng(9);
+    let t_with = timed(|| {
+        for _ in 0..ops {
+            let i = (rng.next() % n_keys) as usize;
+            be.set_current_key_bytes(kgs[i], &keys[i]);
+            be.set_namespace(&[]);
+            ValueState::<u64>::from_id(id)
+                .update_with(&mut be, |old| old.map_or(0, |n| n.to_native()) + 1)
+                .expect("update_with");
+        }
+    });
     let mut map: hashbrown::HashMap<[u8; 8], u64, hashbrown::DefaultHashBuilder> =
         hashbrown::HashMap::with_capacity_and_hasher(n_keys as usize, Default::default());
     for k in &keys {
@@ -616,6 +628,10 @@ fn hot_path(fs: &Arc<dyn Fs>, dir: &Path, opts: &Opts) -> BenchResult {
     );
     r.extra = vec![
         ("ns_per_op_cpu".into(), t.cpu_ns as f64 / ops as f64),
+        (
+            "update_with_ns_per_op_cpu".into(),
+            t_with.cpu_ns as f64 / ops as f64,
+        ),
         (
             "baseline_ns_per_op_cpu".into(),
             base.cpu_ns as f64 / ops as f64,

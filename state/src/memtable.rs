@@ -48,29 +48,6 @@ pub(crate) struct Loc {
     off: u32,
 }
 
-/// Ask the kernel to back the 2 MiB-aligned part of a fresh chunk with transparent huge
-/// pages: random probes of a large memtable otherwise pay a TLB miss (a nested page walk on a
-/// VM) on top of the cache miss. Best effort: an error only means small pages.
-fn advise_huge_pages(chunk: &[u128]) {
-    const HUGE: usize = 2 << 20;
-    let start = chunk.as_ptr() as usize;
-    let end = start + chunk.len() * 16;
-    let a = start.next_multiple_of(HUGE);
-    if a + HUGE > end {
-        return;
-    }
-    let len = (end - a) / HUGE * HUGE;
-    #[cfg(target_os = "linux")]
-    // SAFETY: `a..a + len` lies inside the chunk's live allocation, which stays mapped for
-    // the call; MADV_HUGEPAGE changes no contents and no permissions, only how pages are
-    // backed.
-    unsafe {
-        libc::madvise(a as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = len;
-}
-
 #[derive(Debug, Default)]
 struct Arena {
     // u128 elements make every chunk 16-byte aligned.
@@ -112,9 +89,7 @@ impl Arena {
         let spare_fits = self.chunks.get(next).is_some_and(|c| c.len() * 16 >= len16);
         if !spare_fits {
             let n = len16.max(self.chunk_bytes) / 16;
-            let chunk = vec![0u128; n].into_boxed_slice();
-            advise_huge_pages(&chunk);
-            self.chunks.push(chunk);
+            self.chunks.push(vec![0u128; n].into_boxed_slice());
             // Chunks after `cur` are unused spares: moving one does not move any data in use.
             let last = self.chunks.len() - 1;
             self.chunks.swap(next, last);
@@ -639,6 +614,44 @@ mod tests {
         assert_eq!((v.bytes, v.expire_at_ms), (&[7u8; 40][..], 5));
         m.put(b"k1", b"", NO_EXPIRY, true);
         assert!(m.get_hashed(b"k1", xxh3_64(b"k1")).unwrap().tombstone);
+        assert_eq!(m.len(), 1);
+    }
+
+    #[test]
+    fn hints_go_stale_when_the_record_moves_or_the_memtable_is_reused() {
+        let mut m = Memtable::new();
+        m.set_incarnation(3);
+        let h = xxh3_64(b"k");
+        let hint = m.put_hashed(b"k", h, &[1; 8], NO_EXPIRY, false);
+        assert_eq!(m.get_hinted(b"k", h).map(|(_, x)| x), Some(hint));
+        assert!(
+            m.overwrite_hinted(hint, &[2; 16], NO_EXPIRY, false),
+            "fits its slot"
+        );
+        assert_eq!(m.get_hashed(b"k", h).unwrap().bytes, &[2; 16]);
+        assert!(
+            !m.overwrite_hinted(hint, &[3; 17], NO_EXPIRY, false),
+            "does not fit"
+        );
+        // The record moves: the old hint is stale, even for values that would fit.
+        let moved = m.put_hashed(b"k", h, &[4; 40], NO_EXPIRY, false);
+        assert_ne!(moved, hint);
+        assert!(!m.overwrite_hinted(hint, &[5; 1], NO_EXPIRY, false));
+        assert_eq!(m.get_hashed(b"k", h).unwrap().bytes, &[4; 40]);
+        // Shrinking keeps the capacity: growing back stays in place.
+        assert!(m.overwrite_hinted(moved, &[6; 1], 9, true));
+        let v = m.get_hashed(b"k", h).unwrap();
+        assert_eq!(
+            (v.bytes, v.expire_at_ms, v.tombstone),
+            (&[6u8][..], 9, true)
+        );
+        assert!(m.overwrite_hinted(moved, &[7; 48], NO_EXPIRY, false));
+        assert_eq!(m.get_hashed(b"k", h).unwrap().bytes, &[7; 48]);
+        m.recycle();
+        assert!(!m.overwrite_hinted(moved, &[8; 1], NO_EXPIRY, false));
+        let again = m.put_hashed(b"k", h, &[9; 8], NO_EXPIRY, false);
+        m.set_incarnation(4);
+        assert!(!m.overwrite_hinted(again, &[8; 1], NO_EXPIRY, false));
         assert_eq!(m.len(), 1);
     }
 

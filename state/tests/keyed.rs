@@ -349,3 +349,104 @@ fn list_appends_interleaved_with_scans_stay_ordered() {
     }
     assert_eq!(n, 1000);
 }
+
+/// `update_with` and `value()` then `update()` reuse the cached key, its hash and the record's
+/// memtable position; a model check over key, namespace and state switches, values that grow
+/// (the record moves), clears, freezes (small budget), flushes and snapshots.
+#[test]
+fn cached_key_and_position_stay_correct_under_moves_freezes_and_switches() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut be = backend(dir.path(), 128);
+    let count = be.value_state::<u64>("count");
+    let text = be.value_state::<String>("text");
+    let mut model: std::collections::HashMap<(u64, u8, u8), String> = Default::default();
+    let mut x = 0x1234_5678_9abc_def0u64;
+    let mut rnd = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    for step in 0..60_000u64 {
+        let r = rnd();
+        let key = r % 500;
+        let ns = ((r >> 20) % 3) as u8;
+        be.set_current_key(&key);
+        be.set_namespace(&[ns][..usize::from(ns > 0)]);
+        match (r >> 32) % 8 {
+            0..=3 => {
+                count
+                    .update_with(&mut be, |old| old.map_or(0, |n| n.to_native()) + 1)
+                    .unwrap();
+                let e = model.entry((key, ns, 0)).or_insert_with(|| "0".into());
+                *e = (e.parse::<u64>().unwrap() + 1).to_string();
+            }
+            4 | 5 => {
+                // Grows by one character each time: values outgrow their record.
+                let old = text.value(&mut be).unwrap().unwrap_or_default();
+                let next = format!("{old}{}", step % 10);
+                let next = if next.len() > 300 {
+                    String::new()
+                } else {
+                    next
+                };
+                text.update(&mut be, &next).unwrap();
+                model.insert((key, ns, 1), next);
+            }
+            6 => {
+                count.clear(&mut be);
+                model.remove(&(key, ns, 0));
+            }
+            _ => {
+                let want = model.get(&(key, ns, 0)).map(|s| s.parse::<u64>().unwrap());
+                assert_eq!(count.value(&mut be).unwrap(), want, "step {step}");
+                let want = model.get(&(key, ns, 1)).cloned();
+                assert_eq!(text.value(&mut be).unwrap(), want, "step {step}");
+            }
+        }
+        if step % 7919 == 0 {
+            be.store_mut().run_pending_maintenance().unwrap();
+        }
+        if step % 20_011 == 0 {
+            let job = be.snapshot(step);
+            job.run().unwrap();
+        }
+    }
+    be.store_mut().flush_and_compact_all().unwrap();
+    for ((key, ns, which), v) in &model {
+        be.set_current_key(key);
+        be.set_namespace(&[*ns][..usize::from(*ns > 0)]);
+        if *which == 0 {
+            assert_eq!(count.value(&mut be).unwrap(), Some(v.parse().unwrap()));
+        } else {
+            assert_eq!(text.value(&mut be).unwrap().as_ref(), Some(v));
+        }
+    }
+    assert!(
+        be.store().metrics().flushes > 0,
+        "the test must cross freezes"
+    );
+}
+
+#[test]
+fn update_with_is_the_allocation_free_keyed_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut be = backend(dir.path(), 128);
+    let count = be.value_state::<u64>("count");
+    for k in 0..100u64 {
+        be.set_current_key_bytes(k as u16 % 128, &k.to_be_bytes());
+        count.update(&mut be, &0).unwrap();
+    }
+    let before = ALLOCS.with(Cell::get);
+    for i in 0..10_000u64 {
+        let k = i % 100;
+        be.set_current_key_bytes(k as u16 % 128, &k.to_be_bytes());
+        be.set_namespace(&[]);
+        count
+            .update_with(&mut be, |old| old.map_or(0, |n| n.to_native()) + 1)
+            .unwrap();
+    }
+    assert_eq!(ALLOCS.with(Cell::get) - before, 0, "update_with allocated");
+    be.set_current_key_bytes(42, &42u64.to_be_bytes());
+    assert_eq!(count.value(&mut be).unwrap(), Some(100));
+}

@@ -132,23 +132,40 @@ fn sliding_and_session_windows_on_four_shards_match_sequential() {
 
 #[test]
 fn a_slow_sink_backpressures_without_loss_or_unbounded_buffering() {
+    use weir_runtime::KeyCodec;
     let seen = Arc::new(AtomicU64::new(0));
     let s2 = seen.clone();
+    // The keys shard 1 owns: only their records are slow, so shard 0's source outruns
+    // shard 1 and the ring between them fills (a shard whose own sink is slow slows its own
+    // source down with it, which is no backpressure).
+    let slow: Vec<bool> = (0..7u64)
+        .map(|k| {
+            let mut b = Vec::new();
+            k.encode_key(&mut b);
+            weir_runtime::shard_for_key_group(weir_state::key_group_for(&b, 128), 128, 2) == 1
+        })
+        .collect();
+    assert!(slow.iter().any(|s| *s), "some key lives on shard 1");
     // Small rings and batches: the slow sink fills them quickly.
     let job = Job::new(
         config(2)
             .with_ring_capacity_bytes(64 << 10)
             .with_batch_records(64),
     );
-    job.from_iter(|shard, _| (0..20_000u64).map(move |i| (i % 7, i * 2 + shard as u64)))
-        .key_by(|r| r.0)
-        .reduce(|a, b| (a.0, a.1.max(b.1)))
-        .uid("max")
-        .for_each(move |_r| {
-            if s2.fetch_add(1, Ordering::Relaxed).is_multiple_of(64) {
-                std::thread::sleep(std::time::Duration::from_micros(200));
-            }
-        });
+    job.from_iter(|shard, _| {
+        let n = if shard == 0 { 40_000u64 } else { 0 };
+        (0..n).map(|i| (i % 7, i * 2))
+    })
+    .key_by(|r| r.0)
+    .reduce(|a, b| (a.0, a.1.max(b.1)))
+    .uid("max")
+    .for_each(move |r: (u64, u64)| {
+        if slow[r.0 as usize] && s2.fetch_add(1, Ordering::Relaxed).is_multiple_of(16) {
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        } else if !slow[r.0 as usize] {
+            s2.fetch_add(1, Ordering::Relaxed);
+        }
+    });
     let handle = job.start().expect("start");
     let summary = handle.wait().expect("job");
     assert_eq!(

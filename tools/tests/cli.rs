@@ -564,7 +564,10 @@ fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
 fn a_too_small_memlock_limit_is_a_clear_error_with_a_hint() {
     let o = Command::new("bash")
         .arg("-c")
-        .arg(format!("ulimit -l 64 && exec {} run demo --events 1000", env!("CARGO_BIN_EXE_weir")))
+        .arg(format!(
+            "ulimit -l 64 && exec {} run demo --events 1000",
+            env!("CARGO_BIN_EXE_weir")
+        ))
         .output()
         .expect("bash");
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
