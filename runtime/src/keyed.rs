@@ -436,108 +436,76 @@ impl<K: Clone, O: 'static> KeyedContext<'_, K, O> {
         self.out.collect(rec, ts);
     }
 
-    /// The current key's value of state `name`.
-    pub fn value<V: Data>(&mut self, name: &'static str) -> Option<V> {
+    /// Runs one state access for the current key and namespace; a failure (corrupt bytes, an
+    /// I/O error of the store) fails the job with the state's name, and the access yields
+    /// `None`.
+    fn access<R>(
+        &mut self,
+        name: &'static str,
+        doing: &str,
+        f: impl FnOnce(
+            &ShardState,
+            &StateId,
+            u16,
+            &[u8],
+            &[u8],
+        ) -> Result<R, crate::backend::StateError>,
+    ) -> Option<R> {
         let id = self.op.id(name);
         let op = &mut *self.op;
-        match op
-            .state
-            .value_get::<V>(&id, op.key_group, &op.key_bytes, self.namespace)
-        {
-            Ok(v) => v,
+        match f(&op.state, &id, op.key_group, &op.key_bytes, self.namespace) {
+            Ok(r) => Some(r),
             Err(e) => {
                 op.fail.fail(crate::JobError::Operator {
                     operator: op.name.clone(),
                     shard: op.shard,
-                    message: format!("reading state `{name}`: {e}"),
+                    message: format!("{doing} state `{name}`: {e}"),
                 });
                 None
             }
         }
     }
 
+    /// The current key's value of state `name`.
+    pub fn value<V: Data>(&mut self, name: &'static str) -> Option<V> {
+        self.access(name, "reading", |s, id, kg, k, ns| {
+            s.value_get::<V>(id, kg, k, ns)
+        })
+        .flatten()
+    }
+
     /// Sets the current key's value of state `name`.
     pub fn set_value<V: Data>(&mut self, name: &'static str, v: &V) {
-        let id = self.op.id(name);
-        let op = &mut *self.op;
-        if let Err(e) = op
-            .state
-            .value_put(&id, op.key_group, &op.key_bytes, self.namespace, v)
-        {
-            op.fail.fail(crate::JobError::Operator {
-                operator: op.name.clone(),
-                shard: op.shard,
-                message: format!("writing state `{name}`: {e}"),
-            });
-        }
+        self.access(name, "writing", |s, id, kg, k, ns| {
+            s.value_put(id, kg, k, ns, v)
+        });
     }
 
     /// Clears the current key's value of state `name`.
     pub fn clear_value(&mut self, name: &'static str) {
-        let id = self.op.id(name);
-        let op = &mut *self.op;
-        if let Err(e) = op
-            .state
-            .delete(&id, op.key_group, &op.key_bytes, self.namespace)
-        {
-            op.fail.fail(crate::JobError::Operator {
-                operator: op.name.clone(),
-                shard: op.shard,
-                message: format!("clearing state `{name}`: {e}"),
-            });
-        }
+        self.access(name, "clearing", |s, id, kg, k, ns| s.delete(id, kg, k, ns));
     }
 
     /// Clears the current key's list state `name`.
     pub fn clear_list(&mut self, name: &'static str) {
-        let id = self.op.id(name);
-        let op = &mut *self.op;
-        if let Err(e) = op
-            .state
-            .list_clear(&id, op.key_group, &op.key_bytes, self.namespace)
-        {
-            op.fail.fail(crate::JobError::Operator {
-                operator: op.name.clone(),
-                shard: op.shard,
-                message: format!("clearing state `{name}`: {e}"),
-            });
-        }
+        self.access(name, "clearing", |s, id, kg, k, ns| {
+            s.list_clear(id, kg, k, ns)
+        });
     }
 
     /// Appends to the current key's list state `name` without reading it.
     pub fn append<V: Data>(&mut self, name: &'static str, v: &V) {
-        let id = self.op.id(name);
-        let op = &mut *self.op;
-        if let Err(e) = op
-            .state
-            .list_append(&id, op.key_group, &op.key_bytes, self.namespace, v)
-        {
-            op.fail.fail(crate::JobError::Operator {
-                operator: op.name.clone(),
-                shard: op.shard,
-                message: format!("appending to state `{name}`: {e}"),
-            });
-        }
+        self.access(name, "appending to", |s, id, kg, k, ns| {
+            s.list_append(id, kg, k, ns, v)
+        });
     }
 
     /// The current key's list state `name`.
     pub fn list<V: Data>(&mut self, name: &'static str) -> Vec<V> {
-        let id = self.op.id(name);
-        let op = &mut *self.op;
-        match op
-            .state
-            .list_get::<V>(&id, op.key_group, &op.key_bytes, self.namespace)
-        {
-            Ok(v) => v,
-            Err(e) => {
-                op.fail.fail(crate::JobError::Operator {
-                    operator: op.name.clone(),
-                    shard: op.shard,
-                    message: format!("reading state `{name}`: {e}"),
-                });
-                Vec::new()
-            }
-        }
+        self.access(name, "reading", |s, id, kg, k, ns| {
+            s.list_get::<V>(id, kg, k, ns)
+        })
+        .unwrap_or_default()
     }
 
     /// Registers a timer for the current key at `ts` on `domain`'s clock. Registering the same

@@ -394,18 +394,8 @@ where
         };
         let mut merged = w;
         let mut absorbed = Vec::new();
-        sessions.retain(|&(s, e)| {
-            let o = Window { start: s, end: e };
-            if o.intersects(&merged) {
-                absorbed.push(o);
-                merged.start = merged.start.min(s);
-                merged.end = merged.end.max(e);
-                false
-            } else {
-                true
-            }
-        });
-        // A window absorbed later may have widened `merged` into windows kept earlier.
+        // Repeat until nothing more intersects: absorbing one window can widen `merged` into
+        // a window that was kept in an earlier pass.
         loop {
             let before = absorbed.len();
             sessions.retain(|&(s, e)| {
