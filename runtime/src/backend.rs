@@ -217,6 +217,7 @@ impl ShardState {
         let thread = std::thread::Builder::new()
             .name(format!("weir-maint-{shard}"))
             .spawn(move || {
+                background_priority();
                 while let Ok(job) = jrx.recv() {
                     if dtx.send(job()).is_err() {
                         break;
@@ -515,5 +516,17 @@ impl ShardState {
         self.with(kg, key, ns, |be| {
             weir_state::ListState::<V>::from_id(id.0).get(be)
         })
+    }
+}
+
+/// Lowers the calling thread's scheduling priority: background state work (flushes,
+/// compactions, snapshot uploads, channel state) yields the cores to the shards when both
+/// want them, so it adds less to processing latency (DESIGN invariant 5: bounded shares).
+pub(crate) fn background_priority() {
+    // SAFETY: gettid has no preconditions; setpriority on our own thread id only changes this
+    // thread's nice value, and raising it needs no privilege. A failure leaves it unchanged.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        let _ = libc::setpriority(libc::PRIO_PROCESS, tid, 10);
     }
 }

@@ -227,6 +227,7 @@ impl Channels {
         let spawned = std::thread::Builder::new()
             .name(format!("weir-chan-{shard}"))
             .spawn(move || {
+                crate::backend::background_priority();
                 let t0 = Instant::now();
                 let r = (|| {
                     let mut part = ChannelPart::default();
