@@ -38,7 +38,7 @@ use weir_runtime::source::{
 };
 use weir_runtime::{FnProcess, Job, JobConfig, JobHandle, KeyedContext, StartError};
 
-use crate::runtime::process_cpu_ns;
+use crate::runtime::{new_hist, process_cpu_ns, LatencySink};
 use crate::{BenchResult, Opts};
 
 const SHARDS: usize = 2;
@@ -58,10 +58,6 @@ fn ck(dir: &Path, interval: Duration) -> CheckpointConfig {
         // A slow checkpoint is a figure here, not a reason to fail the job.
         .with_tolerable_failures(1000)
         .with_restart(RestartStrategy::None)
-}
-
-fn new_hist() -> Histogram<u64> {
-    Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("constant bounds are valid")
 }
 
 /// The `q` quantile (nearest rank) of `v`; 0 when empty.
@@ -193,50 +189,6 @@ impl<T: 'static> Sink<T> for LiveCountSink {
 }
 
 /// Records each record's age (its second field is its creation time since `epoch`).
-struct LatencySink {
-    epoch: Instant,
-    out: Arc<Mutex<Histogram<u64>>>,
-}
-
-struct LatencyWriter {
-    epoch: Instant,
-    h: Histogram<u64>,
-    out: Arc<Mutex<Histogram<u64>>>,
-}
-
-impl SinkWriter<(u64, u64)> for LatencyWriter {
-    fn write(&mut self, rec: (u64, u64), _ts: i64) -> std::io::Result<()> {
-        let now = self.epoch.elapsed().as_nanos() as u64;
-        let _ = self.h.record(now.saturating_sub(rec.1).max(1));
-        Ok(())
-    }
-    fn finish(&mut self) -> std::io::Result<()> {
-        let _ = self
-            .out
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .add(&self.h);
-        Ok(())
-    }
-}
-
-impl Sink<(u64, u64)> for LatencySink {
-    fn create_writer(
-        &self,
-        _: usize,
-        _: usize,
-    ) -> Result<Box<dyn SinkWriter<(u64, u64)>>, StartError> {
-        Ok(Box::new(LatencyWriter {
-            epoch: self.epoch,
-            h: new_hist(),
-            out: self.out.clone(),
-        }))
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Overhead
-
 struct KeyedRun {
     records: u64,
     wall_ns: u64,
@@ -293,6 +245,7 @@ fn keyed_run(
         .sink(LatencySink {
             epoch,
             out: hist.clone(),
+            count: Arc::default(),
         });
     let (w0, c0) = (Instant::now(), process_cpu_ns());
     let summary = job.run().expect("keyed job");

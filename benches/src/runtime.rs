@@ -217,10 +217,12 @@ impl<T: 'static> Sink<T> for CountSink {
     }
 }
 
-struct LatencySink {
-    epoch: Instant,
-    out: Arc<Mutex<Histogram<u64>>>,
-    count: Arc<std::sync::atomic::AtomicU64>,
+/// Records each record's age (its second field: creation time in ns since `epoch`) into a
+/// per-shard histogram, merged into `out` at the end; counts the records into `count`.
+pub(crate) struct LatencySink {
+    pub epoch: Instant,
+    pub out: Arc<Mutex<Histogram<u64>>>,
+    pub count: Arc<std::sync::atomic::AtomicU64>,
 }
 
 struct LatencyWriter {
@@ -263,7 +265,7 @@ impl Sink<(u64, u64)> for LatencySink {
     }
 }
 
-fn new_hist() -> Histogram<u64> {
+pub(crate) fn new_hist() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("constant bounds are valid")
 }
 
