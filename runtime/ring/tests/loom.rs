@@ -125,3 +125,39 @@ fn announcement_makes_the_range_up_to_it_readable() {
         drop(producer.join().unwrap());
     });
 }
+
+/// Two frames committed separately but published together: the consumer sees neither or both
+/// (one Release store covers both), and every byte of each.
+#[test]
+fn deferred_commits_publish_together() {
+    model(|| {
+        let (mut p, mut c) = ring(64);
+        let producer = thread::spawn(move || {
+            let mut w = p.writer(16).unwrap().expect("empty ring");
+            w.push(Header::record(0, 1), &[3; 4]).unwrap();
+            w.commit_deferred();
+            let mut w = p.writer(16).unwrap().expect("room");
+            w.push(Header::record(0, 2), &[4; 4]).unwrap();
+            w.commit_deferred();
+            p.publish();
+            p.close();
+        });
+        let mut seen = Vec::new();
+        loop {
+            if let Some(r) = c.read() {
+                let frames: Vec<_> = r.frames().map(|f| (f.ts, f.payload.to_vec())).collect();
+                if seen.is_empty() {
+                    assert_eq!(frames.len(), 2, "both frames are published at once");
+                }
+                seen.extend(frames);
+                r.release_all();
+            } else if c.is_closed() {
+                break;
+            } else {
+                thread::yield_now();
+            }
+        }
+        producer.join().unwrap();
+        assert_eq!(seen, vec![(1, vec![3; 4]), (2, vec![4; 4])]);
+    });
+}
