@@ -153,8 +153,16 @@ fn keyed_job(
 ) -> u64 {
     let count = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let epoch = Instant::now();
-    let mut gen = GeneratorSource::new(Some(n), 3, move |_i: u64, r: u64| {
-        (r % keys, epoch.elapsed().as_nanos() as u64)
+    // Records carry their creation time only when latency is measured: a clock read per
+    // record is a cost of the measurement, not of the job.
+    let stamp = latency.is_some();
+    let mut gen = GeneratorSource::new(Some(n), 3, move |i: u64, r: u64| {
+        let t = if stamp {
+            epoch.elapsed().as_nanos() as u64
+        } else {
+            i
+        };
+        (r % keys, t)
     });
     if let Some(rate) = rate_per_shard {
         gen = gen.with_rate_per_shard(rate);
