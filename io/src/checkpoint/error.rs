@@ -85,6 +85,37 @@ pub enum VerifyError {
 }
 
 impl VerifyError {
+    /// What a failure to read checkpoint `checkpoint_id` (at `path`) means for verification:
+    /// bytes that do not decode are corruption; anything else could not be read.
+    pub(crate) fn from_read(
+        checkpoint_id: u64,
+        path: &std::path::Path,
+        e: CheckpointError,
+    ) -> Self {
+        match e {
+            CheckpointError::Format(source) => VerifyError::Corrupt {
+                checkpoint_id,
+                source,
+            },
+            CheckpointError::NotFound { path, .. } => VerifyError::NotFound {
+                checkpoint_id,
+                path,
+            },
+            CheckpointError::Io(source) => VerifyError::Io {
+                checkpoint_id,
+                source,
+            },
+            other => VerifyError::Io {
+                checkpoint_id,
+                source: IoError::Os {
+                    op: "verify",
+                    path: path.to_owned(),
+                    source: std::io::Error::other(other.to_string()),
+                },
+            },
+        }
+    }
+
     /// The file and offset of a corruption, if that is what failed.
     pub fn format_error(&self) -> Option<&FormatError> {
         match self {

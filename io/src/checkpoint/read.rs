@@ -173,24 +173,7 @@ pub(crate) fn verify_files(
     meta: &CheckpointMetadata,
 ) -> Result<VerifyReport, VerifyError> {
     let checkpoint_id = meta.checkpoint_id;
-    let wrap = |e: CheckpointError| match e {
-        CheckpointError::Format(source) => VerifyError::Corrupt {
-            checkpoint_id,
-            source,
-        },
-        CheckpointError::Io(source) => VerifyError::Io {
-            checkpoint_id,
-            source,
-        },
-        other => VerifyError::Io {
-            checkpoint_id,
-            source: IoError::Os {
-                op: "verify",
-                path: base.to_owned(),
-                source: std::io::Error::other(other.to_string()),
-            },
-        },
-    };
+    let wrap = |e: CheckpointError| VerifyError::from_read(checkpoint_id, base, e);
     let mut report = VerifyReport {
         checkpoint_id,
         ..VerifyReport::default()

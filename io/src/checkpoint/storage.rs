@@ -500,28 +500,10 @@ impl CheckpointStorage {
 
     /// Check the metadata and every CRC of every file checkpoint `checkpoint_id` uses.
     pub fn verify(&self, checkpoint_id: u64) -> Result<VerifyReport, VerifyError> {
-        let m = self.read_metadata(checkpoint_id).map_err(|e| match e {
-            CheckpointError::Format(source) => VerifyError::Corrupt {
-                checkpoint_id,
-                source,
-            },
-            CheckpointError::NotFound { path, .. } => VerifyError::NotFound {
-                checkpoint_id,
-                path,
-            },
-            CheckpointError::Io(source) => VerifyError::Io {
-                checkpoint_id,
-                source,
-            },
-            other => VerifyError::Io {
-                checkpoint_id,
-                source: IoError::Os {
-                    op: "verify",
-                    path: self.shared.chk_dir(checkpoint_id),
-                    source: std::io::Error::other(other.to_string()),
-                },
-            },
-        })?;
+        let dir = self.shared.chk_dir(checkpoint_id);
+        let m = self
+            .read_metadata(checkpoint_id)
+            .map_err(|e| VerifyError::from_read(checkpoint_id, &dir, e))?;
         verify_files(&*self.shared.fs, &self.shared.job_dir, &m)
     }
 

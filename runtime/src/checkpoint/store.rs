@@ -194,27 +194,24 @@ impl CheckpointStore for IoCheckpointStore {
 /// Reads a complete checkpoint of a job's storage.
 pub(crate) struct StorageReader(pub CheckpointStorage);
 
-impl CheckpointReader for StorageReader {
-    fn read_file(&self, f: &FileRefData) -> Result<Vec<u8>, String> {
-        self.0.read_file(&to_ref(f)).map_err(|e| e.to_string())
-    }
-    fn read_logical(&self, f: &LogicalRefData) -> Result<Vec<u8>, String> {
-        self.0
-            .read_logical(&to_logical(f))
-            .map_err(|e| e.to_string())
-    }
-}
-
 /// Reads a savepoint directory.
 pub(crate) struct SavepointReader(pub Savepoint);
 
-impl CheckpointReader for SavepointReader {
-    fn read_file(&self, f: &FileRefData) -> Result<Vec<u8>, String> {
-        self.0.read_file(&to_ref(f)).map_err(|e| e.to_string())
-    }
-    fn read_logical(&self, f: &LogicalRefData) -> Result<Vec<u8>, String> {
-        self.0
-            .read_logical(&to_logical(f))
-            .map_err(|e| e.to_string())
-    }
+/// Both read verified files the same way; only the directory they resolve paths in differs.
+macro_rules! checkpoint_reader {
+    ($t:ty) => {
+        impl CheckpointReader for $t {
+            fn read_file(&self, f: &FileRefData) -> Result<Vec<u8>, String> {
+                self.0.read_file(&to_ref(f)).map_err(|e| e.to_string())
+            }
+            fn read_logical(&self, f: &LogicalRefData) -> Result<Vec<u8>, String> {
+                self.0
+                    .read_logical(&to_logical(f))
+                    .map_err(|e| e.to_string())
+            }
+        }
+    };
 }
+
+checkpoint_reader!(StorageReader);
+checkpoint_reader!(SavepointReader);
