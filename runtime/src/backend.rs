@@ -442,6 +442,18 @@ impl ShardState {
         StateId(self.inner.borrow_mut().be.state_id(name))
     }
 
+    /// See [`weir_state::KeyedBackend::prefetch_value`].
+    #[inline]
+    pub(crate) fn prefetch_value(&self, id: &StateId, kg: u16, key: &[u8], ns: &[u8]) -> u64 {
+        self.inner.borrow_mut().be.prefetch_value(id.0, kg, key, ns)
+    }
+
+    /// See [`weir_state::KeyedBackend::prefetch_record`].
+    #[inline]
+    pub(crate) fn prefetch_record(&self, hash: u64) {
+        self.inner.borrow().be.prefetch_record(hash);
+    }
+
     pub(crate) fn value_get<V: Data>(
         &self,
         id: &StateId,

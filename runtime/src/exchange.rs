@@ -7,7 +7,7 @@
 //! chain's head stops pulling input until the spill drained: backpressure, never loss.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::marker::PhantomData;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -124,6 +124,8 @@ pub(crate) fn exchange<T: Data>(up: Stream<T>, kind: &'static str, route: Route<
             head: ctx.metrics.head(&name, ctx.shard),
             next_input: 0,
             done: false,
+            hints: None,
+            ahead: VecDeque::with_capacity(crate::keyed::LOOKAHEAD + 1),
             _t: PhantomData,
         };
         ctx.heads.push(Box::new(head));
@@ -448,7 +450,21 @@ struct ExchangeHead<T> {
     align_started: Option<std::time::Instant>,
     /// Unaligned checkpoints: in-flight data captured, restored data to replay.
     channels: crate::unaligned::Channels,
+    /// Whether the chain wants records hinted ahead ([`Collector::hint`]); asked at the first
+    /// step.
+    hints: Option<bool>,
+    /// Records read and hinted but not yet collected, at most `LOOKAHEAD`; always empty
+    /// between frames of other kinds and between steps, so order with events is kept.
+    ahead: VecDeque<(T, i64)>,
     _t: PhantomData<fn() -> T>,
+}
+
+/// Hands every record still held ahead down the chain, in order.
+#[inline]
+fn drain_ahead<T: 'static>(ahead: &mut VecDeque<(T, i64)>, down: &mut Out<T>) {
+    while let Some((rec, ts)) = ahead.pop_front() {
+        down.collect(rec, ts);
+    }
 }
 
 impl<T: Data> ExchangeHead<T> {
@@ -522,6 +538,7 @@ impl<T: Data> Head for ExchangeHead<T> {
         }
         self.check_unaligned();
         let n_inputs = self.consumers.len();
+        let hints = *self.hints.get_or_insert_with(|| self.down.wants_hints());
         let mut budget = self.batch;
         let mut moved = 0usize;
         for k in 0..n_inputs {
@@ -537,6 +554,10 @@ impl<T: Data> Head for ExchangeHead<T> {
             let mut end = false;
             for f in frames.by_ref() {
                 moved += 1;
+                if f.kind != FrameKind::Record {
+                    // Events stay in order with the records before them.
+                    drain_ahead(&mut self.ahead, &mut self.down);
+                }
                 match f.kind {
                     FrameKind::Record => {
                         // SAFETY: every record frame of this ring was written by an
@@ -548,8 +569,19 @@ impl<T: Data> Head for ExchangeHead<T> {
                                 .capture_record(i, f.key_group, f.ts, f.payload);
                         }
                         bump(&self.counters.records_in, 1);
-                        self.down.collect(rec, f.ts);
+                        if hints {
+                            self.down.hint(&rec);
+                            self.ahead.push_back((rec, f.ts));
+                            if self.ahead.len() > crate::keyed::LOOKAHEAD {
+                                if let Some((rec, ts)) = self.ahead.pop_front() {
+                                    self.down.collect(rec, ts);
+                                }
+                            }
+                        } else {
+                            self.down.collect(rec, f.ts);
+                        }
                         budget = budget.saturating_sub(1);
+                        continue;
                     }
                     FrameKind::Watermark => {
                         let ev = if f.flags & FLAG_IDLE != 0 {
@@ -612,6 +644,7 @@ impl<T: Data> Head for ExchangeHead<T> {
                     break;
                 }
             }
+            drain_ahead(&mut self.ahead, &mut self.down);
             let consumed = frames.consumed();
             region.release(consumed);
             if end {

@@ -120,6 +120,7 @@ impl<T: Data, K: Key> KeyedStream<T, K> {
                 ops,
                 counters: ctx.metrics.operator(&name, ctx.shard),
                 down,
+                ahead: Lookahead::default(),
                 _p: PhantomData,
             };
             upf(ctx, Box::new(op))
@@ -377,6 +378,12 @@ impl OpState {
         self.key_group = key_group_of(&self.key_bytes, self.max_parallelism);
     }
 
+    /// The first `n` states the operator used (ids are a few `Copy` words).
+    #[inline]
+    pub fn hot_ids(&self, n: usize) -> impl Iterator<Item = &StateId> + '_ {
+        self.ids.iter().take(n).map(|(_, id)| id)
+    }
+
     #[inline]
     pub fn id(&mut self, name: &'static str) -> StateId {
         if let Some((_, id)) = self
@@ -549,8 +556,28 @@ struct KeyedOp<K, I, O, P> {
     timers: TimerQueues<K>,
     counters: Arc<OperatorCounters>,
     down: Out<O>,
+    ahead: Lookahead,
     _p: PhantomData<fn(I) -> O>,
 }
+
+/// Records hinted but not yet processed, as the store-key hashes of their value state.
+///
+/// The keyed path is bound by two dependent cache misses per record (the memtable's index
+/// slot, then the record). The exchange hands each record over [`LOOKAHEAD`] records before
+/// processing it ([`Collector::hint`]); the slot is prefetched then, and the record half-way,
+/// once the slot has arrived. State ids are the ones the function used so far (an operator
+/// reads the same few states for every record), without namespace: prefetches for states the
+/// function will not read only cost a wasted load.
+#[derive(Default)]
+struct Lookahead {
+    hashes: std::collections::VecDeque<u64>,
+    key: Vec<u8>,
+}
+
+/// How many records ahead of processing a record is hinted (see `exchange.rs`).
+pub(crate) const LOOKAHEAD: usize = 8;
+/// Value states prefetched per record.
+const PREFETCH_STATES: usize = 2;
 
 /// Fires the timers of `domain` due at `upto`, in time order; returns the records emitted.
 pub(crate) fn fire_timers<K: Clone, O: 'static>(
@@ -593,6 +620,31 @@ where
     O: Data,
     P: KeyedProcessFunction<K, I, O>,
 {
+    fn wants_hints(&self) -> bool {
+        true
+    }
+
+    #[inline]
+    fn hint(&mut self, rec: &I) {
+        let key = (self.key)(rec);
+        let a = &mut self.ahead;
+        a.key.clear();
+        key.encode_key(&mut a.key);
+        let kg = key_group_of(&a.key, self.ops.max_parallelism);
+        let mut n = 0;
+        for id in self.ops.hot_ids(PREFETCH_STATES) {
+            a.hashes
+                .push_back(self.ops.state.prefetch_value(id, kg, &a.key, &[]));
+            n += 1;
+        }
+        // Records are collected LOOKAHEAD hints after their own: load them half-way there.
+        while a.hashes.len() > n * LOOKAHEAD / 2 {
+            if let Some(h) = a.hashes.pop_front() {
+                self.ops.state.prefetch_record(h);
+            }
+        }
+    }
+
     #[inline]
     fn collect(&mut self, rec: I, ts: i64) {
         bump(&self.counters.records_in, 1);

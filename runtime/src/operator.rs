@@ -33,6 +33,14 @@ pub enum Event {
 /// The downstream end of an operator: where it pushes records and events.
 pub(crate) trait Collector<T>: 'static {
     fn collect(&mut self, rec: T, ts: i64);
+    /// True if this collector uses [`Self::hint`]; asked once, when the chain starts.
+    fn wants_hints(&self) -> bool {
+        false
+    }
+    /// `rec` will be collected a few records from now: start loading what it will touch (a
+    /// keyed operator prefetches its state), so that cache misses of consecutive records
+    /// overlap. Only called when [`Self::wants_hints`] said so.
+    fn hint(&mut self, _rec: &T) {}
     fn event(&mut self, ev: Event);
     /// Processing time advanced to `now_ms`. Operators with processing-time timers fire them.
     fn processing_time(&mut self, now_ms: i64);
@@ -51,6 +59,13 @@ impl<T: 'static> Collector<T> for Counted<T> {
     fn collect(&mut self, rec: T, ts: i64) {
         bump(&self.counters.records_out, 1);
         self.down.collect(rec, ts);
+    }
+    fn wants_hints(&self) -> bool {
+        self.down.wants_hints()
+    }
+    #[inline]
+    fn hint(&mut self, rec: &T) {
+        self.down.hint(rec);
     }
     fn event(&mut self, ev: Event) {
         self.down.event(ev);

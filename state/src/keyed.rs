@@ -89,6 +89,8 @@ pub struct KeyedBackend {
     key: Vec<u8>,
     ns: Vec<u8>,
     kbuf: Vec<u8>,
+    /// Scratch key of [`Self::prefetch_value`].
+    pbuf: Vec<u8>,
     /// The state id whose plain key (no suffix) `kbuf` holds for the current key and
     /// namespace, with its hash; `None` when `kbuf` holds anything else.
     kbuf_state: Option<u16>,
@@ -169,6 +171,7 @@ impl KeyedBackend {
             key: Vec::new(),
             ns: Vec::new(),
             kbuf: Vec::new(),
+            pbuf: Vec::new(),
             kbuf_state: None,
             kbuf_hash: 0,
             hint: None,
@@ -376,6 +379,31 @@ impl KeyedBackend {
     }
 
     /// Build the store key prefix of `state_id` for the current key and namespace in `kbuf`.
+    /// Start loading what a lookup of value-like state `state_id` for key `key_bytes` (in
+    /// `key_group`, namespace `ns`) will touch, and return the store key's hash for
+    /// [`Self::prefetch_record`]. The current key is left alone: a keyed operator calls this
+    /// for records a few places ahead of the one it processes, so that their cache misses
+    /// overlap instead of following one another.
+    pub fn prefetch_value(
+        &mut self,
+        state_id: u16,
+        key_group: KeyGroup,
+        key_bytes: &[u8],
+        ns: &[u8],
+    ) -> u64 {
+        self.pbuf.clear();
+        encode_state_key(&mut self.pbuf, key_group, state_id, ns, key_bytes);
+        let hash = xxh3_64(&self.pbuf);
+        self.store.prefetch(hash);
+        hash
+    }
+
+    /// Step two of [`Self::prefetch_value`], a few records later: load the record itself.
+    #[inline]
+    pub fn prefetch_record(&self, hash: u64) {
+        self.store.prefetch_record(hash);
+    }
+
     fn build_key(&mut self, state_id: u16) {
         self.invalidate_key();
         self.kbuf.clear();

@@ -10,6 +10,7 @@
 mod bloom;
 mod error;
 mod handle;
+mod hugemem;
 mod key;
 mod keyed;
 mod memtable;

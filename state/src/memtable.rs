@@ -15,11 +15,15 @@
 
 use std::sync::OnceLock;
 
-use hashbrown::HashTable;
 use xxhash_rust::xxh3::xxh3_64;
 
-/// Largest arena chunk; bigger values get a chunk of their own.
-const CHUNK_BYTES_MAX: usize = 1 << 20;
+use crate::hugemem::{prefetch_read, Pod, ZeroedBuf, HUGE_PAGE_BYTES};
+
+/// Largest arena chunk (one huge page); bigger values get a chunk of their own.
+const CHUNK_BYTES_MAX: usize = HUGE_PAGE_BYTES;
+/// Most chunks a memtable may have: slots store the chunk in 16 bits. A memtable with this
+/// many chunks reports itself full (see [`Memtable::approx_bytes`]), so the store freezes it.
+const MAX_CHUNKS: usize = u16::MAX as usize - 1;
 /// Smallest arena chunk.
 const CHUNK_BYTES_MIN: usize = 4096;
 
@@ -51,7 +55,7 @@ pub(crate) struct Loc {
 #[derive(Debug, Default)]
 struct Arena {
     // u128 elements make every chunk 16-byte aligned.
-    chunks: Vec<Box<[u128]>>,
+    chunks: Vec<ZeroedBuf<u128>>,
     /// The chunk allocations come from; chunks after it are recycled spares, not yet used.
     cur: usize,
     chunk_bytes: usize,
@@ -89,7 +93,7 @@ impl Arena {
         let spare_fits = self.chunks.get(next).is_some_and(|c| c.len() * 16 >= len16);
         if !spare_fits {
             let n = len16.max(self.chunk_bytes) / 16;
-            self.chunks.push(vec![0u128; n].into_boxed_slice());
+            self.chunks.push(ZeroedBuf::new(n));
             // Chunks after `cur` are unused spares: moving one does not move any data in use.
             let last = self.chunks.len() - 1;
             self.chunks.swap(next, last);
@@ -212,21 +216,148 @@ impl Arena {
     }
 }
 
-/// A hash index slot: the record, its entry id and the low 32 bits of the key's xxh3 hash.
+/// A hash index slot: the low 32 bits of the key's xxh3 hash, the entry id and the record.
 /// Keeping the hash in the slot means a probe rejects other keys without touching any record,
-/// and growing the table never reads the records.
+/// and growing the table never reads the records. `gen` tells live slots from those of an
+/// earlier use of the table: clearing it is one increment, not a 16 MiB memset.
 #[derive(Debug, Clone, Copy)]
+#[repr(C, align(16))]
 struct Slot {
     h32: u32,
     id: u32,
-    loc: Loc,
+    off: u32,
+    chunk: u16,
+    gen: u16,
 }
 
-/// The table hash of a slot: both halves from the same 32 bits, so that hashbrown's bucket
-/// position (low bits) and tag (top 7 bits) can be recomputed from the slot alone.
-#[inline]
-fn table_hash(h32: u32) -> u64 {
-    u64::from(h32) | (u64::from(h32) << 32)
+// SAFETY: four integer fields filling 16 bytes without padding; every bit pattern is valid.
+unsafe impl Pod for Slot {}
+
+impl Slot {
+    #[inline]
+    fn loc(&self) -> Loc {
+        Loc {
+            chunk: u32::from(self.chunk),
+            off: self.off,
+        }
+    }
+
+    #[inline]
+    fn set_loc(&mut self, loc: Loc) {
+        debug_assert!(loc.chunk < u32::from(u16::MAX));
+        self.chunk = loc.chunk as u16;
+        self.off = loc.off;
+    }
+}
+
+/// The memtable's hash index: open addressing with linear probing over 16-byte slots, four to
+/// a cache line, at most 3/4 full.
+///
+/// Why not hashbrown: its control bytes live apart from its slots, so a lookup misses twice
+/// (control group, then slot) before it reaches the record; here the tag is in the slot and a
+/// lookup misses once before the record. The slot's address is known from the hash alone, so
+/// a batch of lookups can prefetch it ([`Memtable::prefetch`]). Entries are never removed (a
+/// delete is a tombstone record), so probing needs no deletion markers.
+#[derive(Debug)]
+struct Index {
+    slots: ZeroedBuf<Slot>,
+    mask: usize,
+    len: usize,
+    /// Slots whose `gen` differs are empty. Never 0, which is what fresh memory holds.
+    gen: u16,
+}
+
+impl Default for Index {
+    fn default() -> Self {
+        Index::with_capacity(MIN_INDEX_SLOTS)
+    }
+}
+
+const MIN_INDEX_SLOTS: usize = 16;
+
+impl Index {
+    /// `cap` is rounded up to a power of two.
+    fn with_capacity(cap: usize) -> Index {
+        let cap = cap.max(MIN_INDEX_SLOTS).next_power_of_two();
+        Index {
+            slots: ZeroedBuf::new(cap),
+            mask: cap - 1,
+            len: 0,
+            gen: 1,
+        }
+    }
+
+    #[inline]
+    fn bytes(&self) -> usize {
+        self.slots.len() * std::mem::size_of::<Slot>()
+    }
+
+    /// Where the key with hash tag `h32` is (`Ok`), or the empty slot where it would go.
+    #[inline]
+    fn probe(&self, h32: u32, mut is_key: impl FnMut(Loc) -> bool) -> Result<usize, usize> {
+        let mut i = h32 as usize & self.mask;
+        loop {
+            let s = &self.slots[i];
+            if s.gen != self.gen {
+                return Err(i);
+            }
+            if s.h32 == h32 && is_key(s.loc()) {
+                return Ok(i);
+            }
+            i = (i + 1) & self.mask;
+        }
+    }
+
+    /// True when one more entry would pass the load limit.
+    #[inline]
+    fn needs_growth(&self) -> bool {
+        (self.len + 1) * 4 > self.slots.len() * 3
+    }
+
+    /// Fill the empty slot `i` (from [`Self::probe`]).
+    #[inline]
+    fn fill(&mut self, i: usize, h32: u32, id: u32, loc: Loc) {
+        let gen = self.gen;
+        let s = &mut self.slots[i];
+        *s = Slot {
+            h32,
+            id,
+            off: 0,
+            chunk: 0,
+            gen,
+        };
+        s.set_loc(loc);
+        self.len += 1;
+    }
+
+    /// Double the table, re-placing slots by their stored tag (records are not read).
+    #[cold]
+    fn grow(&mut self) {
+        let mut next = Index::with_capacity(self.slots.len() * 2);
+        for s in self.slots.iter().filter(|s| s.gen == self.gen) {
+            let Err(i) = next.probe(s.h32, |_| false) else {
+                unreachable!("a probe that matches nothing ends at an empty slot")
+            };
+            next.fill(i, s.h32, s.id, s.loc());
+        }
+        *self = next;
+    }
+
+    /// Forget every entry, keeping the memory.
+    fn clear(&mut self) {
+        self.len = 0;
+        self.gen = self.gen.wrapping_add(1);
+        if self.gen == 0 {
+            // Once every 65535 reuses: old slots could carry the next tag.
+            self.slots.zero();
+            self.gen = 1;
+        }
+    }
+
+    #[inline]
+    fn prefetch(&self, h32: u32) {
+        prefetch_read(&self.slots[h32 as usize & self.mask]);
+    }
 }
 
 /// A value as stored: bytes, expiry, tombstone flag.
@@ -256,7 +387,7 @@ pub(crate) struct Memtable {
     arena: Arena,
     /// Entry id -> record (ids are insertion order; scans and sorting use them).
     entries: Vec<Loc>,
-    index: HashTable<Slot>,
+    index: Index,
     /// Sorted runs of entry ids, oldest (largest) first; each run is more than twice the size
     /// of the next one, so there are O(log n) of them and every id is merged O(log n) times.
     runs: Vec<Vec<u32>>,
@@ -279,9 +410,19 @@ pub(crate) fn key_prefix(key: &[u8]) -> u128 {
 
 impl Memtable {
     /// A memtable for a budget of `budget_bytes`: arena chunks are a sixteenth of it, so that
-    /// small budgets are not exceeded by the first chunk.
+    /// small budgets are not exceeded by the first chunk; the index starts at a quarter of it
+    /// (room for about as many entries as the rest holds 48-byte records), so that a filling
+    /// memtable rarely rehashes on the processing thread.
     pub fn with_budget(budget_bytes: usize) -> Memtable {
-        let mut m = Memtable::default();
+        let slots = (budget_bytes / 4 / std::mem::size_of::<Slot>()).max(MIN_INDEX_SLOTS);
+        let mut m = Memtable {
+            index: Index::with_capacity(if slots.is_power_of_two() {
+                slots
+            } else {
+                slots.next_power_of_two() / 2
+            }),
+            ..Memtable::default()
+        };
         m.arena.chunk_bytes = (budget_bytes / 16).clamp(CHUNK_BYTES_MIN, CHUNK_BYTES_MAX);
         m
     }
@@ -304,16 +445,17 @@ impl Memtable {
         self.epoch = n << 32;
     }
 
-    /// Memory in use, for the budget: arena chunks in use, entry table, hash index (at
-    /// hashbrown's 7/8 load) and order vectors (every id is in exactly one run or `fresh`).
-    /// Capacity a recycled memtable keeps beyond that is not counted: it is bounded by what
-    /// the previous memtable used.
+    /// Memory in use, for the budget: arena chunks in use, entry table, the whole hash index
+    /// and order vectors (every id is in exactly one run or `fresh`). Entry-table capacity a
+    /// recycled memtable keeps beyond that is not counted: it is bounded by what the previous
+    /// memtable used. A memtable out of chunk numbers reports itself over any budget.
     #[inline]
     pub fn approx_bytes(&self) -> usize {
+        if self.arena.chunks.len() >= MAX_CHUNKS {
+            return usize::MAX / 2;
+        }
         let n = self.entries.len();
-        self.arena.bytes
-            + n * (std::mem::size_of::<Loc>() + 4)
-            + (n + n / 7) * (std::mem::size_of::<Slot>() + 1)
+        self.arena.bytes + n * (std::mem::size_of::<Loc>() + 4) + self.index.bytes()
     }
 
     /// Empty this memtable for reuse as a fresh one, keeping its memory: arena chunks, entry
@@ -329,11 +471,36 @@ impl Memtable {
 
     #[inline]
     fn find(&self, key: &[u8], hash: u64) -> Option<Loc> {
-        let h32 = hash as u32;
         let arena = &self.arena;
-        self.index
-            .find(table_hash(h32), |s| s.h32 == h32 && arena.key(s.loc) == key)
-            .map(|s| s.loc)
+        let i = self
+            .index
+            .probe(hash as u32, |loc| arena.key(loc) == key)
+            .ok()?;
+        Some(self.index.slots[i].loc())
+    }
+
+    /// Start loading the index slot of `hash` into the cache: the first step of a batched
+    /// lookup, issued a few keys ahead.
+    #[inline]
+    pub fn prefetch(&self, hash: u64) {
+        self.index.prefetch(hash as u32);
+    }
+
+    /// Start loading the record that the slot of `hash` points at (the slot should already
+    /// be cached, see [`Self::prefetch`]): the second step of a batched lookup. A tag match of
+    /// another key only costs a useless prefetch.
+    #[inline]
+    pub fn prefetch_record(&self, hash: u64) {
+        if let Ok(i) = self.index.probe(hash as u32, |_| true) {
+            let s = &self.index.slots[i];
+            if let Some(c) = self.arena.chunks.get(s.chunk as usize) {
+                // Header, key and a small value span two lines when the record starts in the
+                // last 16 bytes of one.
+                let r = c.as_ptr().wrapping_add(s.off as usize / 16);
+                prefetch_read(r);
+                prefetch_read(r.wrapping_add(3));
+            }
+        }
     }
 
     pub fn put(&mut self, key: &[u8], value: &[u8], expire_at_ms: u64, tombstone: bool) {
@@ -360,33 +527,33 @@ impl Memtable {
             epoch,
             ..
         } = self;
+        if index.needs_growth() {
+            index.grow();
+        }
         let found = {
             let a = &*arena;
-            index.find_mut(table_hash(h32), |s| s.h32 == h32 && a.key(s.loc) == key)
+            index.probe(h32, |loc| a.key(loc) == key)
         };
         match found {
-            Some(slot) => {
-                if value.len() <= arena.capacity(slot.loc) {
-                    arena.overwrite(slot.loc, value, expire_at_ms, tombstone);
+            Ok(i) => {
+                let slot = &mut index.slots[i];
+                let mut loc = slot.loc();
+                if value.len() <= arena.capacity(loc) {
+                    arena.overwrite(loc, value, expire_at_ms, tombstone);
                 } else {
                     // The value outgrew its record: move the record (hints become stale).
-                    let loc = arena.new_record(key, value, expire_at_ms, tombstone);
-                    slot.loc = loc;
+                    loc = arena.new_record(key, value, expire_at_ms, tombstone);
+                    slot.set_loc(loc);
                     entries[slot.id as usize] = loc;
                     *epoch = epoch.wrapping_add(1);
                 }
-                MemHint {
-                    epoch: *epoch,
-                    loc: slot.loc,
-                }
+                MemHint { epoch: *epoch, loc }
             }
-            None => {
+            Err(i) => {
                 let loc = arena.new_record(key, value, expire_at_ms, tombstone);
                 let id = entries.len() as u32;
                 entries.push(loc);
-                index.insert_unique(table_hash(h32), Slot { h32, id, loc }, |s| {
-                    table_hash(s.h32)
-                });
+                index.fill(i, h32, id, loc);
                 fresh.push(id);
                 MemHint { epoch: *epoch, loc }
             }
@@ -541,18 +708,8 @@ impl Memtable {
     /// Hint the CPU to load the record at `loc` (flushes read records in sorted order, which
     /// is random in the arena: loading a few ahead overlaps the misses).
     #[inline]
-    pub fn prefetch(&self, loc: Loc) {
-        let r = self.arena.chunk(loc);
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: a prefetch is only a hint: it never faults and has no visible effect; the
-        // pointer is in bounds of a live chunk anyway.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                r.as_ptr().cast::<i8>(),
-            );
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = r;
+    pub fn prefetch_loc(&self, loc: Loc) {
+        prefetch_read(self.arena.chunk(loc).as_ptr());
     }
 }
 
@@ -586,7 +743,7 @@ impl Frozen {
         let order = self.order();
         order.iter().enumerate().map(move |(i, &loc)| {
             if let Some(&ahead) = order.get(i + PREFETCH_AHEAD) {
-                self.mem.prefetch(ahead);
+                self.mem.prefetch_loc(ahead);
             }
             self.mem.record(loc)
         })
@@ -596,6 +753,53 @@ impl Frozen {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_index_grows_and_reuse_forgets_every_key_even_when_generations_wrap() {
+        let mut m = Memtable::with_budget(1024);
+        assert_eq!(m.index.slots.len(), MIN_INDEX_SLOTS);
+        for i in 0..5000u32 {
+            m.put(&i.to_be_bytes(), &i.to_le_bytes(), NO_EXPIRY, false);
+        }
+        assert!(m.index.slots.len() >= 5000 * 4 / 3);
+        for i in 0..5000u32 {
+            let k = i.to_be_bytes();
+            assert_eq!(
+                m.get_hashed(&k, xxh3_64(&k)).unwrap().bytes,
+                &i.to_le_bytes()
+            );
+            // Prefetching never changes what a lookup finds.
+            m.prefetch(xxh3_64(&k));
+            m.prefetch_record(xxh3_64(&k));
+        }
+        let absent = 9999u64.to_be_bytes();
+        assert!(m.get_hashed(&absent, xxh3_64(&absent)).is_none());
+        m.prefetch_record(xxh3_64(&absent));
+        // Each reuse is one generation; after 65535 of them the tag wraps and the slots are
+        // really zeroed. No key of an earlier use may come back at any point.
+        for round in 0..70_000u32 {
+            m.recycle();
+            if round % 9_973 == 0 || (65_530..=65_540).contains(&round) {
+                for i in 0..5000u32 {
+                    let k = i.to_be_bytes();
+                    assert!(m.get_hashed(&k, xxh3_64(&k)).is_none(), "round {round}");
+                }
+            }
+            let k = round.to_be_bytes();
+            m.put(&k, b"v", NO_EXPIRY, false);
+            assert_eq!(m.len(), 1);
+        }
+        let k = 69_999u32.to_be_bytes();
+        assert_eq!(m.get_hashed(&k, xxh3_64(&k)).unwrap().bytes, b"v");
+    }
+
+    #[test]
+    fn a_large_budget_allocates_the_index_up_front_and_counts_it() {
+        let m = Memtable::with_budget(64 << 20);
+        assert_eq!(m.index.bytes(), 16 << 20);
+        assert!(m.approx_bytes() >= 16 << 20);
+        assert!(m.approx_bytes() < 64 << 20);
+    }
 
     #[test]
     fn update_in_place_and_grow() {

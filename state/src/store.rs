@@ -461,6 +461,21 @@ impl Store {
         (self.get_cold(key, hash), None)
     }
 
+    /// Start loading the mutable memtable's index slot for a key with hash `hash` (its
+    /// `xxh3_64`): step one of a batched lookup, issued some keys ahead of the lookup itself.
+    #[inline]
+    pub fn prefetch(&self, hash: u64) {
+        self.mem.prefetch(hash);
+    }
+
+    /// Start loading the record the slot of `hash` points at: step two of a batched lookup,
+    /// issued after [`Self::prefetch`] had time to land. Lookups that miss the mutable
+    /// memtable are not helped (they are the cold path).
+    #[inline]
+    pub fn prefetch_record(&self, hash: u64) {
+        self.mem.prefetch_record(hash);
+    }
+
     /// The part of a lookup after the mutable memtable.
     fn get_cold(&self, key: &[u8], hash: u64) -> Option<Found<'_>> {
         self.gets.set(self.gets.get() + 1);

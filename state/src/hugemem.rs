@@ -1,0 +1,159 @@
+//! Zeroed buffers for the memtable's arena chunks and hash index, backed by transparent huge
+//! pages when they are large.
+//!
+//! Why: the memtable is read and written at random. With 4 KiB pages every probe of a 16 MiB
+//! index or a 64 MiB arena is a TLB miss as well as a cache miss, and the first touch of each
+//! page is a fault that costs microseconds on a VM (PLATFORM.md). A 2 MiB page is one fault
+//! and one TLB entry for 512 small pages. Machines run THP in `madvise` mode by default, so
+//! the buffer asks for it; where THP is off the advice fails harmlessly and the buffer is an
+//! ordinary anonymous mapping.
+
+use std::marker::PhantomData;
+
+/// Buffers at least this large are mapped and advised to use huge pages.
+pub(crate) const HUGE_PAGE_BYTES: usize = 2 << 20;
+
+/// Plain old data: every bit pattern (in particular all zeros) is a valid value, no padding
+/// bytes, no drop glue.
+///
+/// # Safety
+/// Implement only for types that satisfy the above.
+pub(crate) unsafe trait Pod: Copy + 'static {}
+
+// SAFETY: integers have no padding and every bit pattern is valid.
+unsafe impl Pod for u128 {}
+
+enum Backing {
+    Heap(Vec<u128>),
+    Map(memmap2::MmapMut),
+}
+
+/// A fixed-length, zero-initialised slice of `T`, 16-byte aligned.
+pub(crate) struct ZeroedBuf<T: Pod> {
+    backing: Backing,
+    len: usize,
+    _t: PhantomData<T>,
+}
+
+impl<T: Pod> std::fmt::Debug for ZeroedBuf<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ZeroedBuf")
+            .field("len", &self.len)
+            .field("huge", &matches!(self.backing, Backing::Map(_)))
+            .finish()
+    }
+}
+
+impl<T: Pod> ZeroedBuf<T> {
+    /// `len` zeroed elements. Panics only where `Vec` would (allocation failure aborts).
+    pub fn new(len: usize) -> ZeroedBuf<T> {
+        assert!(
+            std::mem::align_of::<T>() <= 16,
+            "ZeroedBuf aligns to 16 bytes"
+        );
+        let bytes = len * std::mem::size_of::<T>();
+        let backing = if bytes >= HUGE_PAGE_BYTES {
+            // Whole huge pages, so that the kernel can align the mapping to one (it does for
+            // anonymous mappings that are a multiple of the huge page size).
+            let map_len = bytes.div_ceil(HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES;
+            match memmap2::MmapMut::map_anon(map_len) {
+                Ok(m) => {
+                    #[cfg(target_os = "linux")]
+                    {
+                        // Advice only: without THP the mapping works with small pages.
+                        let _ = m.advise(memmap2::Advice::HugePage);
+                    }
+                    Backing::Map(m)
+                }
+                Err(_) => Backing::Heap(vec![0u128; bytes.div_ceil(16)]),
+            }
+        } else {
+            Backing::Heap(vec![0u128; bytes.div_ceil(16)])
+        };
+        ZeroedBuf {
+            backing,
+            len,
+            _t: PhantomData,
+        }
+    }
+
+    #[inline]
+    fn base(&self) -> *const u8 {
+        match &self.backing {
+            Backing::Heap(v) => v.as_ptr().cast(),
+            Backing::Map(m) => m.as_ptr(),
+        }
+    }
+
+    #[inline]
+    fn base_mut(&mut self) -> *mut u8 {
+        match &mut self.backing {
+            Backing::Heap(v) => v.as_mut_ptr().cast(),
+            Backing::Map(m) => m.as_mut_ptr(),
+        }
+    }
+
+    /// Zero every element again (for reuse when a cheaper reset is not possible).
+    pub fn zero(&mut self) {
+        let bytes = self.len * std::mem::size_of::<T>();
+        let p = self.base_mut();
+        // SAFETY: the backing holds at least `bytes` writable bytes (see `new`), and zero is a
+        // valid `T` (Pod).
+        unsafe { std::ptr::write_bytes(p, 0, bytes) };
+    }
+}
+
+impl<T: Pod> std::ops::Deref for ZeroedBuf<T> {
+    type Target = [T];
+    #[inline]
+    fn deref(&self) -> &[T] {
+        // SAFETY: the backing is at least `len * size_of::<T>()` bytes, 16-byte aligned (a
+        // `Vec<u128>` or a page-aligned mapping) which satisfies `T`'s alignment (checked in
+        // `new`), initialised (zeroed, then only written through this type), and every bit
+        // pattern is a valid `T` (Pod). The borrow of `self` bounds the slice's lifetime.
+        unsafe { std::slice::from_raw_parts(self.base().cast::<T>(), self.len) }
+    }
+}
+
+impl<T: Pod> std::ops::DerefMut for ZeroedBuf<T> {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut [T] {
+        let len = self.len;
+        // SAFETY: as in `deref`; the unique borrow of `self` makes the slice unique.
+        unsafe { std::slice::from_raw_parts_mut(self.base_mut().cast::<T>(), len) }
+    }
+}
+
+/// Hint the CPU to bring the cache line at `p` into L1 (a no-op where there is no such
+/// instruction). Never faults, whatever the address.
+#[inline(always)]
+pub(crate) fn prefetch_read<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetch is a hint; it does not dereference the pointer architecturally and never
+    // faults, even for an invalid address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast::<i8>());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_and_huge_buffers_are_zeroed_aligned_and_writable() {
+        for len in [2usize, 100, (HUGE_PAGE_BYTES / 16) + 3] {
+            let mut b = ZeroedBuf::<u128>::new(len);
+            assert_eq!(b.len(), len);
+            assert!(b.iter().all(|&x| x == 0));
+            assert_eq!(b.as_ptr() as usize % 16, 0);
+            b[len - 1] = 7;
+            b[0] = 9;
+            assert_eq!((b[0], b[len - 1]), (9, 7));
+            b.zero();
+            assert!(b.iter().all(|&x| x == 0));
+        }
+    }
+}
