@@ -488,10 +488,11 @@ impl Memtable {
 
     /// Start loading the record that the slot of `hash` points at (the slot should already
     /// be cached, see [`Self::prefetch`]): the second step of a batched lookup. A tag match of
-    /// another key only costs a useless prefetch.
+    /// another key only costs a useless prefetch. False when no slot has the tag.
     #[inline]
-    pub fn prefetch_record(&self, hash: u64) {
-        if let Ok(i) = self.index.probe(hash as u32, |_| true) {
+    pub fn prefetch_record(&self, hash: u64) -> bool {
+        let found = self.index.probe(hash as u32, |_| true);
+        if let Ok(i) = found {
             let s = &self.index.slots[i];
             if let Some(c) = self.arena.chunks.get(s.chunk as usize) {
                 // Header, key and a small value span two lines when the record starts in the
@@ -501,6 +502,7 @@ impl Memtable {
                 prefetch_read(r.wrapping_add(3));
             }
         }
+        found.is_ok()
     }
 
     pub fn put(&mut self, key: &[u8], value: &[u8], expire_at_ms: u64, tombstone: bool) {
@@ -770,11 +772,11 @@ mod tests {
             );
             // Prefetching never changes what a lookup finds.
             m.prefetch(xxh3_64(&k));
-            m.prefetch_record(xxh3_64(&k));
+            assert!(m.prefetch_record(xxh3_64(&k)));
         }
         let absent = 9999u64.to_be_bytes();
         assert!(m.get_hashed(&absent, xxh3_64(&absent)).is_none());
-        m.prefetch_record(xxh3_64(&absent));
+        let _ = m.prefetch_record(xxh3_64(&absent));
         // Each reuse is one generation; after 65535 of them the tag wraps and the slots are
         // really zeroed. No key of an earlier use may come back at any point.
         for round in 0..70_000u32 {

@@ -466,14 +466,23 @@ impl Store {
     #[inline]
     pub fn prefetch(&self, hash: u64) {
         self.mem.prefetch(hash);
+        // Right after a checkpoint froze the memtable, the keys being updated are found in
+        // the newest frozen one: prefetch there too, so that this period is not the slow one.
+        if let Some(f) = self.frozen.last() {
+            f.mem.prefetch(hash);
+        }
     }
 
     /// Start loading the record the slot of `hash` points at: step two of a batched lookup,
-    /// issued after [`Self::prefetch`] had time to land. Lookups that miss the mutable
-    /// memtable are not helped (they are the cold path).
+    /// issued after [`Self::prefetch`] had time to land. Lookups that miss the mutable and the
+    /// newest frozen memtable are not helped (segments are the cold path).
     #[inline]
     pub fn prefetch_record(&self, hash: u64) {
-        self.mem.prefetch_record(hash);
+        if !self.mem.prefetch_record(hash) {
+            if let Some(f) = self.frozen.last() {
+                f.mem.prefetch_record(hash);
+            }
+        }
     }
 
     /// The part of a lookup after the mutable memtable.
