@@ -123,6 +123,7 @@ impl ShardState {
         let config = &ctx.config;
         let store_config = StoreConfig {
             memtable_budget_bytes: config.memtable_budget_bytes,
+            retained_memtable_bytes: config.retained_memtable_bytes,
             max_parallelism: config.max_parallelism,
             ..StoreConfig::default()
         };

@@ -32,6 +32,11 @@ pub struct JobConfig {
     pub state_dir: Option<PathBuf>,
     /// Memtable budget of each shard's state store.
     pub memtable_budget_bytes: usize,
+    /// Flushed memtables each store keeps readable in front of their segments (a read cache;
+    /// 0 = off). Checkpoints freeze the memtable, so without it the keys a job keeps updating
+    /// are read back from segment files after every checkpoint. A store then holds up to about
+    /// three budgets: the mutable memtable, one being written, and this.
+    pub retained_memtable_bytes: usize,
     /// How often sources emit watermarks and latency markers.
     pub auto_watermark_interval_ms: u64,
     /// How often sources emit a latency marker (0: never).
@@ -71,6 +76,7 @@ impl Default for JobConfig {
             batch_records: 1024,
             state_dir: None,
             memtable_budget_bytes: 64 << 20,
+            retained_memtable_bytes: 64 << 20,
             auto_watermark_interval_ms: 200,
             latency_marker_interval_ms: 100,
             idle_sleep_max_us: 200,
@@ -119,6 +125,11 @@ impl JobConfig {
 
     pub fn with_memtable_budget_bytes(mut self, bytes: usize) -> Self {
         self.memtable_budget_bytes = bytes;
+        self
+    }
+
+    pub fn with_retained_memtable_bytes(mut self, bytes: usize) -> Self {
+        self.retained_memtable_bytes = bytes;
         self
     }
 

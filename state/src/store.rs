@@ -57,6 +57,11 @@ pub struct StoreConfig {
     pub max_segments: usize,
     /// Number of key groups.
     pub max_parallelism: u16,
+    /// Flushed memtables are kept readable, newest first, while together they hold at most
+    /// this many bytes: a read cache in front of the segments they were written to (see
+    /// [`Store::get`]). 0 turns it off. Why: a checkpoint freezes the memtable, so with short
+    /// intervals the keys a job keeps updating would otherwise be read back from segments.
+    pub retained_memtable_bytes: usize,
 }
 
 impl Default for StoreConfig {
@@ -69,6 +74,7 @@ impl Default for StoreConfig {
             compaction_size_ratio: 2,
             max_segments: 12,
             max_parallelism: DEFAULT_MAX_PARALLELISM,
+            retained_memtable_bytes: 0,
         }
     }
 }
@@ -95,6 +101,11 @@ pub struct StoreMetrics {
     pub bloom_negatives: u64,
     pub snapshots: u64,
     pub retained_snapshots: usize,
+    /// Flushed memtables kept readable ([`StoreConfig::retained_memtable_bytes`]).
+    pub retained_memtables: usize,
+    pub retained_memtable_bytes: usize,
+    /// Lookups answered by a retained flushed memtable instead of a segment.
+    pub retained_hits: u64,
 }
 
 /// A value found by [`Store::get`] or a scan.
@@ -180,6 +191,8 @@ pub struct Store {
     /// A flushed memtable kept for reuse as the next mutable one (its memory is faulted in).
     spare: Option<Memtable>,
     frozen: Vec<Arc<Frozen>>,
+    /// Flushed memtables still readable, oldest first (see `Retained`).
+    retained: Retained,
     segments: Vec<Arc<Segment>>,
     next_gen: u64,
     next_segment_id: u64,
@@ -195,6 +208,34 @@ pub struct Store {
     compaction_bytes_out: u64,
     gets: Cell<u64>,
     bloom_negatives: Cell<u64>,
+    retained_hits: Cell<u64>,
+}
+
+/// Flushed memtables kept readable within a byte budget, oldest first; eviction is oldest
+/// first, so they are always the newest flushes (what makes reading them before any segment
+/// right, see [`Store::get`]).
+#[derive(Debug, Default)]
+struct Retained {
+    list: std::collections::VecDeque<Arc<Frozen>>,
+    bytes: usize,
+    cap: usize,
+}
+
+impl Retained {
+    /// Add the newest flushed memtable; returns those the budget no longer holds.
+    fn push(&mut self, f: Arc<Frozen>) -> Vec<Arc<Frozen>> {
+        self.bytes += f.mem.approx_bytes();
+        self.list.push_back(f);
+        let mut out = Vec::new();
+        while self.bytes > self.cap {
+            let Some(old) = self.list.pop_front() else {
+                break;
+            };
+            self.bytes -= old.mem.approx_bytes();
+            out.push(old);
+        }
+        out
+    }
 }
 
 fn lock(r: &Mutex<Registry>) -> MutexGuard<'_, Registry> {
@@ -206,6 +247,7 @@ impl Store {
     /// already there are not loaded (state comes back through [`Store::restore`]) and not
     /// deleted (a retained checkpoint may name them); new ids continue above them.
     pub fn open(fs: Arc<dyn Fs>, dir: &Path, config: StoreConfig) -> Result<Store, StateError> {
+        let retained_cap = config.retained_memtable_bytes;
         fs.create_dir_all(dir)?;
         let lock = DirLock::acquire(dir)?;
         let mut next_segment_id = 1;
@@ -233,6 +275,10 @@ impl Store {
             mem: Memtable::with_budget(budget_bytes),
             spare: None,
             frozen: Vec::new(),
+            retained: Retained {
+                cap: retained_cap,
+                ..Retained::default()
+            },
             segments: Vec::new(),
             next_gen: 1,
             next_segment_id,
@@ -248,6 +294,7 @@ impl Store {
             compaction_bytes_out: 0,
             gets: Cell::new(0),
             bloom_negatives: Cell::new(0),
+            retained_hits: Cell::new(0),
         })
     }
 
@@ -467,20 +514,33 @@ impl Store {
     pub fn prefetch(&self, hash: u64) {
         self.mem.prefetch(hash);
         // Right after a checkpoint froze the memtable, the keys being updated are found in
-        // the newest frozen one: prefetch there too, so that this period is not the slow one.
-        if let Some(f) = self.frozen.last() {
+        // the newest frozen or retained ones: prefetch there too, so that this period is not
+        // the slow one.
+        for f in self.recent_memtables() {
             f.mem.prefetch(hash);
         }
     }
 
+    /// The two newest memtables after the mutable one: frozen, then retained.
+    #[inline]
+    fn recent_memtables(&self) -> impl Iterator<Item = &Arc<Frozen>> + '_ {
+        self.frozen
+            .iter()
+            .rev()
+            .chain(self.retained.list.iter().rev())
+            .take(2)
+    }
+
     /// Start loading the record the slot of `hash` points at: step two of a batched lookup,
     /// issued after [`Self::prefetch`] had time to land. Lookups that miss the mutable and the
-    /// newest frozen memtable are not helped (segments are the cold path).
+    /// two newest frozen or retained memtables are not helped (segments are the cold path).
     #[inline]
     pub fn prefetch_record(&self, hash: u64) {
         if !self.mem.prefetch_record(hash) {
-            if let Some(f) = self.frozen.last() {
-                f.mem.prefetch_record(hash);
+            for f in self.recent_memtables() {
+                if f.mem.prefetch_record(hash) {
+                    break;
+                }
             }
         }
     }
@@ -490,6 +550,15 @@ impl Store {
         self.gets.set(self.gets.get() + 1);
         for f in self.frozen.iter().rev() {
             if let Some(v) = f.mem.get_hashed(key, hash) {
+                return self.visible(v, true);
+            }
+        }
+        // Retained memtables hold exactly what their segments hold, and they are the newest
+        // flushes (evicted oldest first): every segment version newer than one of them came
+        // from a newer flush, which is retained too and looked at first.
+        for f in self.retained.list.iter().rev() {
+            if let Some(v) = f.mem.get_hashed(key, hash) {
+                self.retained_hits.set(self.retained_hits.get() + 1);
                 return self.visible(v, true);
             }
         }
@@ -557,7 +626,7 @@ impl Store {
             match reg.flushed.remove(&f.gen) {
                 Some(seg) => {
                     let f = self.frozen.remove(0);
-                    Self::keep_spare(&mut self.spare, f);
+                    Self::retire(&mut self.retained, &mut self.spare, f);
                     self.segments.push(seg);
                     self.flushes += 1;
                 }
@@ -570,6 +639,14 @@ impl Store {
             if let Some(seg) = reg.flushed.remove(&g) {
                 seg.mark_obsolete();
             }
+        }
+    }
+
+    /// A flushed memtable leaves the frozen list: keep it readable within the retention budget;
+    /// what the budget pushes out is recycled.
+    fn retire(retained: &mut Retained, spare: &mut Option<Memtable>, f: Arc<Frozen>) {
+        for old in retained.push(f) {
+            Self::keep_spare(spare, old);
         }
     }
 
@@ -683,7 +760,7 @@ impl Store {
                 let head = self.frozen.first().map(|f| f.gen);
                 if head == Some(d.gen) {
                     let f = self.frozen.remove(0);
-                    Self::keep_spare(&mut self.spare, f);
+                    Self::retire(&mut self.retained, &mut self.spare, f);
                     if let Some(seg) = seg {
                         self.segments.push(seg);
                     }
@@ -813,6 +890,9 @@ impl Store {
             bloom_negatives: self.bloom_negatives.get(),
             snapshots: reg.snapshots,
             retained_snapshots: reg.retained.len(),
+            retained_memtables: self.retained.list.len(),
+            retained_memtable_bytes: self.retained.bytes,
+            retained_hits: self.retained_hits.get(),
         }
     }
 

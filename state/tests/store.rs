@@ -86,11 +86,20 @@ proptest! {
     /// The store equals a BTreeMap model through puts, deletes, flushes, compactions,
     /// snapshots and restores (onto key-group subranges too).
     #[test]
-    fn store_matches_model(ops in proptest::collection::vec(op(), 1..120)) {
+    fn store_matches_model(
+        ops in proptest::collection::vec(op(), 1..120),
+        retain in proptest::bool::ANY,
+    ) {
         let root = tempfile::tempdir().unwrap();
         let fs: Arc<dyn Fs> = Arc::new(StdFs);
         let mut dirs = 0;
-        let mut store = Store::open(fs.clone(), &root.path().join("s0"), small_config(8)).unwrap();
+        // With retention, flushed memtables stay readable in front of their segments: reads
+        // must not change.
+        let config = StoreConfig {
+            retained_memtable_bytes: if retain { 48 << 10 } else { 0 },
+            ..small_config(8)
+        };
+        let mut store = Store::open(fs.clone(), &root.path().join("s0"), config).unwrap();
         let mut model: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
         let mut ckpt = 0;
         for op in ops {
@@ -543,4 +552,59 @@ fn crash_before_snapshot_completes_leaves_no_usable_partial_segment() {
     )
     .unwrap();
     assert_eq!(all(&mut r), vec![(key(0, 0), b"v".to_vec())]);
+}
+
+/// Flush the mutable memtable now (freeze, run the flush job, install it).
+fn flush(s: &mut Store) {
+    s.freeze();
+    while let Some(j) = s.flush_job() {
+        s.install(j.run()).unwrap();
+    }
+}
+
+#[test]
+fn retained_flushed_memtables_answer_reads_newest_first_and_give_way_to_the_budget() {
+    let root = tempfile::tempdir().unwrap();
+    let fs: Arc<dyn Fs> = Arc::new(StdFs);
+    let config = StoreConfig {
+        retained_memtable_bytes: 40 << 10,
+        ..small_config(8)
+    };
+    let mut s = Store::open(fs, root.path(), config).unwrap();
+    s.put(&key(0, 1), b"old");
+    s.put(&key(0, 2), b"two");
+    flush(&mut s);
+    s.put(&key(0, 1), b"new");
+    s.delete(&key(0, 2));
+    flush(&mut s);
+    let m = s.metrics();
+    assert_eq!((m.retained_memtables, m.segments), (2, 2));
+    // Both keys are answered from memory, by the newest retained memtable: the newer value
+    // and the tombstone shadow the older flush.
+    assert_eq!(s.get(&key(0, 1)).unwrap().value, b"new");
+    assert!(s.get(&key(0, 2)).is_none());
+    assert_eq!(s.metrics().retained_hits, 2);
+    // Compaction merges the segments; the retained memtables still agree with them.
+    s.flush_and_compact_all().unwrap();
+    assert_eq!(s.get(&key(0, 1)).unwrap().value, b"new");
+    assert!(s.get(&key(0, 2)).is_none());
+    // More flushes than the budget holds: the oldest leave, reads fall through to segments.
+    for round in 0..6u16 {
+        s.put(&key(1, round), &round.to_le_bytes());
+        flush(&mut s);
+    }
+    let m = s.metrics();
+    assert!(m.retained_memtable_bytes <= 40 << 10, "{m:?}");
+    assert!(m.retained_memtables < 8, "{m:?}");
+    let hits = m.retained_hits;
+    assert_eq!(s.get(&key(0, 1)).unwrap().value, b"new");
+    assert!(s.get(&key(0, 2)).is_none());
+    assert_eq!(
+        s.metrics().retained_hits,
+        hits,
+        "evicted: answered by a segment"
+    );
+    for round in 0..6u16 {
+        assert_eq!(s.get(&key(1, round)).unwrap().value, round.to_le_bytes());
+    }
 }
