@@ -15,6 +15,12 @@
 //! sets bit `(h1 + i * h2) mod 512` (wrapping u32 arithmetic) of block `b`: byte `bit / 8`,
 //! bit `bit % 8` (LSB first). One cache line per lookup.
 
+use std::path::Path;
+
+use crate::error::StateError;
+use crate::hugemem::ZeroedBuf;
+use crate::segment::malformed;
+
 pub(crate) const BLOOM_VERSION: u8 = 1;
 pub(crate) const BLOOM_HEADER_LEN: usize = 16;
 const BLOCK_BYTES: usize = 64;
@@ -29,84 +35,119 @@ fn block_of(hash: u64, blocks: u32) -> usize {
     (((hash >> 32) * u64::from(blocks)) >> 32) as usize
 }
 
-/// An empty filter payload sized for `keys` keys at `bits_per_key`.
-pub(crate) fn empty(keys: u64, bits_per_key: u32) -> Vec<u8> {
-    let bits = (keys * u64::from(bits_per_key)).max(1);
-    let blocks = bits.div_ceil(512).max(1) as u32;
-    // A blocked filter wants fewer probes than the classic ln2 * bits/key.
-    let k = ((f64::from(bits_per_key) * 0.6).round() as u8).clamp(1, 16);
-    let mut out = vec![0u8; BLOOM_HEADER_LEN + blocks as usize * BLOCK_BYTES];
-    out[0] = BLOOM_VERSION;
-    out[1] = k;
-    out[4..8].copy_from_slice(&blocks.to_le_bytes());
-    out
-}
-
-/// Set the bits of `hash` in a payload made by [`empty`].
-#[inline]
-pub(crate) fn insert(out: &mut [u8], hash: u64) {
-    let k = out[1];
-    let blocks = u32::from_le_bytes([out[4], out[5], out[6], out[7]]);
-    let base = BLOOM_HEADER_LEN + block_of(hash, blocks) * BLOCK_BYTES;
-    let block = &mut out[base..base + BLOCK_BYTES];
-    for bit in probes(hash, k) {
-        block[(bit / 8) as usize] |= 1 << (bit % 8);
-    }
-}
-
-/// Build the filter payload for `hashes` (xxh3_64 of each key).
-pub(crate) fn build(hashes: &[u64], bits_per_key: u32) -> Vec<u8> {
-    let mut out = empty(hashes.len() as u64, bits_per_key);
-    for &h in hashes {
-        insert(&mut out, h);
-    }
-    out
-}
-
-/// A validated filter inside a segment map: `bits` is the bit array's byte range.
-#[derive(Debug, Clone, Copy)]
+/// A segment's bloom filter. The bit blocks live in anonymous memory of their own, not in the
+/// segment's map: there they are 64-byte aligned (one cache line per probe; in the file they
+/// are only 16-aligned) and, from 2 MiB on, on transparent huge pages (a probe of a filter on
+/// the file's 4 KiB pages costs a TLB miss on top of the cache miss). The on-disk format is
+/// unchanged: [`Bloom::header`] and [`Bloom::bits`] are what the filter block holds.
+#[derive(Debug)]
 pub(crate) struct Bloom {
-    pub k: u8,
-    pub blocks: u32,
-    pub bits_offset: usize,
+    k: u8,
+    blocks: u32,
+    bits: ZeroedBuf<u8>,
 }
 
 impl Bloom {
-    /// Parse the header of `payload` (at `payload_offset` in the file). `Err(reason)` if invalid.
-    pub fn parse(payload: &[u8], payload_offset: usize) -> Result<Bloom, (usize, &'static str)> {
-        if payload.len() < BLOOM_HEADER_LEN {
-            return Err((0, "bloom header truncated"));
-        }
-        if payload[0] != BLOOM_VERSION {
-            return Err((0, "unsupported bloom version"));
-        }
-        let k = payload[1];
-        if !(1..=16).contains(&k) {
-            return Err((1, "bloom k out of range"));
-        }
-        let blocks = u32::from_le_bytes([payload[4], payload[5], payload[6], payload[7]]);
-        if blocks == 0 || payload.len() != BLOOM_HEADER_LEN + blocks as usize * BLOCK_BYTES {
-            return Err((4, "bloom block count does not match its length"));
-        }
+    /// An empty filter sized for `keys` keys at `bits_per_key`.
+    pub fn empty(keys: u64, bits_per_key: u32) -> Result<Bloom, StateError> {
+        let bits = (keys * u64::from(bits_per_key)).max(1);
+        let blocks = u32::try_from(bits.div_ceil(512).max(1)).unwrap_or(u32::MAX);
+        // A blocked filter wants fewer probes than the classic ln2 * bits/key.
+        let k = ((f64::from(bits_per_key) * 0.6).round() as u8).clamp(1, 16);
         Ok(Bloom {
             k,
             blocks,
-            bits_offset: payload_offset + BLOOM_HEADER_LEN,
+            bits: ZeroedBuf::new(blocks as usize * BLOCK_BYTES),
         })
     }
 
-    /// False means the key is certainly absent. `file` is the whole mapped segment.
+    /// A filter holding `hashes` (xxh3_64 of each key), sized exactly for them.
+    pub fn build(hashes: &[u64], bits_per_key: u32) -> Result<Bloom, StateError> {
+        let mut b = Bloom::empty(hashes.len() as u64, bits_per_key)?;
+        for &h in hashes {
+            b.insert(h);
+        }
+        Ok(b)
+    }
+
+    /// Set the bits of `hash`.
     #[inline]
-    pub fn may_contain(&self, file: &[u8], hash: u64) -> bool {
-        let base = self.bits_offset + block_of(hash, self.blocks) * BLOCK_BYTES;
-        let Some(block) = file.get(base..base + BLOCK_BYTES) else {
+    pub fn insert(&mut self, hash: u64) {
+        let base = block_of(hash, self.blocks) * BLOCK_BYTES;
+        let block = &mut self.bits[base..base + BLOCK_BYTES];
+        for bit in probes(hash, self.k) {
+            block[(bit / 8) as usize] |= 1 << (bit % 8);
+        }
+    }
+
+    /// Hint the CPU to load the cache line `hash` maps to (a writer inserts a few keys later,
+    /// so the misses of consecutive keys overlap).
+    #[inline]
+    pub fn prefetch(&self, hash: u64) {
+        crate::segment::prefetch(&self.bits[block_of(hash, self.blocks) * BLOCK_BYTES..]);
+    }
+
+    /// Parse and copy the filter block payload `payload` (header, bit blocks, then the block's
+    /// zero padding) found at file offset `payload_offset` of `path`.
+    pub fn parse(path: &Path, payload: &[u8], payload_offset: usize) -> Result<Bloom, StateError> {
+        let bad = |o: usize, r: &'static str| malformed(path, payload_offset + o, r);
+        if payload.len() < BLOOM_HEADER_LEN {
+            return Err(bad(0, "bloom header truncated"));
+        }
+        if payload[0] != BLOOM_VERSION {
+            return Err(bad(0, "unsupported bloom version"));
+        }
+        let k = payload[1];
+        if !(1..=16).contains(&k) {
+            return Err(bad(1, "bloom k out of range"));
+        }
+        let blocks = u32::from_le_bytes([payload[4], payload[5], payload[6], payload[7]]);
+        let bits_len = blocks as usize * BLOCK_BYTES;
+        if blocks == 0 || payload.len() - BLOOM_HEADER_LEN < bits_len {
+            return Err(bad(4, "bloom block count does not match its length"));
+        }
+        let mut bits = ZeroedBuf::new(bits_len);
+        bits.copy_from_slice(&payload[BLOOM_HEADER_LEN..BLOOM_HEADER_LEN + bits_len]);
+        Ok(Bloom { k, blocks, bits })
+    }
+
+    /// The filter block payload's header (see the module docs).
+    pub fn header(&self) -> [u8; BLOOM_HEADER_LEN] {
+        let mut h = [0u8; BLOOM_HEADER_LEN];
+        h[0] = BLOOM_VERSION;
+        h[1] = self.k;
+        h[4..8].copy_from_slice(&self.blocks.to_le_bytes());
+        h
+    }
+
+    /// The bit blocks, as the filter block payload holds them after the header.
+    pub fn bits(&self) -> &[u8] {
+        &self.bits
+    }
+
+    /// False means the key is certainly absent.
+    #[inline]
+    pub fn may_contain(&self, hash: u64) -> bool {
+        let base = block_of(hash, self.blocks) * BLOCK_BYTES;
+        let Some(block) = self.bits.get(base..base + BLOCK_BYTES) else {
             return true;
         };
         probes(hash, self.k).all(|bit| block[(bit / 8) as usize] & (1 << (bit % 8)) != 0)
     }
 
     pub fn bytes(&self) -> usize {
-        self.blocks as usize * BLOCK_BYTES
+        self.bits.len()
+    }
+
+    #[cfg(test)]
+    pub fn try_clone(&self) -> Result<Bloom, StateError> {
+        let mut bits = ZeroedBuf::new(self.bits.len());
+        bits.copy_from_slice(&self.bits);
+        Ok(Bloom {
+            k: self.k,
+            blocks: self.blocks,
+            bits,
+        })
     }
 }
 
@@ -118,11 +159,13 @@ mod tests {
     #[test]
     fn no_false_negatives_and_low_false_positive_rate() {
         let hashes: Vec<u64> = (0..20_000u64).map(|i| xxh3_64(&i.to_le_bytes())).collect();
-        let payload = build(&hashes, 10);
-        let b = Bloom::parse(&payload, 0).unwrap();
-        assert!(hashes.iter().all(|&h| b.may_contain(&payload, h)));
+        let built = Bloom::build(&hashes, 10).unwrap();
+        let mut payload = built.header().to_vec();
+        payload.extend_from_slice(built.bits());
+        let b = Bloom::parse(Path::new("t"), &payload, 0).unwrap();
+        assert!(hashes.iter().all(|&h| b.may_contain(h)));
         let fp = (20_000..120_000u64)
-            .filter(|i| b.may_contain(&payload, xxh3_64(&i.to_le_bytes())))
+            .filter(|i| b.may_contain(xxh3_64(&i.to_le_bytes())))
             .count();
         assert!(fp < 3_000, "false positive rate {} / 100000", fp);
     }
@@ -131,7 +174,9 @@ mod tests {
     fn golden_layout() {
         // One key, one block: pins the documented probe formula.
         let h = 0x0123_4567_89ab_cdefu64;
-        let p = build(&[h], 10);
+        let b = Bloom::build(&[h], 10).unwrap();
+        let mut p = b.header().to_vec();
+        p.extend_from_slice(b.bits());
         assert_eq!(&p[..8], &[1, 6, 0, 0, 1, 0, 0, 0]);
         let set: Vec<u32> = (0..512u32)
             .filter(|bit| p[16 + (bit / 8) as usize] & (1 << (bit % 8)) != 0)

@@ -1,5 +1,5 @@
-//! Zeroed buffers for the memtable's arena chunks and hash index, backed by transparent huge
-//! pages when they are large.
+//! Zeroed buffers for what lookups probe at random (the memtable's arena chunks and hash index,
+//! segment block indexes and bloom filter bits), backed by transparent huge pages when large.
 //!
 //! Why: the memtable is read and written at random. With 4 KiB pages every probe of a 16 MiB
 //! index or a 64 MiB arena is a TLB miss as well as a cache miss, and the first touch of each
@@ -21,14 +21,23 @@ pub(crate) const HUGE_PAGE_BYTES: usize = 2 << 20;
 pub(crate) unsafe trait Pod: Copy + 'static {}
 
 // SAFETY: integers have no padding and every bit pattern is valid.
+unsafe impl Pod for u8 {}
+// SAFETY: as for u8.
+unsafe impl Pod for u64 {}
+// SAFETY: as for u8.
 unsafe impl Pod for u128 {}
 
+/// One cache line: heap buffers are made of these, so every buffer starts on a line.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
 enum Backing {
-    Heap(Vec<u128>),
+    Heap(Vec<Line>),
     Map(memmap2::MmapMut),
 }
 
-/// A fixed-length, zero-initialised slice of `T`, 16-byte aligned.
+/// A fixed-length, zero-initialised slice of `T`, 64-byte (cache line) aligned.
 pub(crate) struct ZeroedBuf<T: Pod> {
     backing: Backing,
     len: usize,
@@ -53,28 +62,39 @@ impl<T: Pod> ZeroedBuf<T> {
         );
         let bytes = len * std::mem::size_of::<T>();
         let backing = if bytes >= HUGE_PAGE_BYTES {
-            // Whole huge pages, so that the kernel can align the mapping to one (it does for
-            // anonymous mappings that are a multiple of the huge page size).
+            // Whole huge pages of address space, so that the kernel aligns the mapping to one
+            // (it does for anonymous mappings that are a multiple of the huge page size); the
+            // tail beyond `bytes` is never touched, so it costs no memory.
             let map_len = bytes.div_ceil(HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES;
             match memmap2::MmapMut::map_anon(map_len) {
                 Ok(m) => {
                     #[cfg(target_os = "linux")]
                     {
-                        // Advice only: without THP the mapping works with small pages.
-                        let _ = m.advise(memmap2::Advice::HugePage);
+                        // Huge pages only where they are filled completely, so the last
+                        // partial one does not waste memory. Advice only: without THP the
+                        // mapping works with small pages.
+                        let full = bytes / HUGE_PAGE_BYTES * HUGE_PAGE_BYTES;
+                        let _ = m.advise_range(memmap2::Advice::HugePage, 0, full);
                     }
                     Backing::Map(m)
                 }
-                Err(_) => Backing::Heap(vec![0u128; bytes.div_ceil(16)]),
+                Err(_) => Backing::Heap(vec![Line([0; 64]); bytes.div_ceil(64)]),
             }
         } else {
-            Backing::Heap(vec![0u128; bytes.div_ceil(16)])
+            Backing::Heap(vec![Line([0; 64]); bytes.div_ceil(64)])
         };
         ZeroedBuf {
             backing,
             len,
             _t: PhantomData,
         }
+    }
+
+    /// A buffer holding a copy of `items`.
+    pub fn from_slice(items: &[T]) -> ZeroedBuf<T> {
+        let mut b = ZeroedBuf::new(items.len());
+        b.copy_from_slice(items);
+        b
     }
 
     #[inline]
@@ -107,8 +127,8 @@ impl<T: Pod> std::ops::Deref for ZeroedBuf<T> {
     type Target = [T];
     #[inline]
     fn deref(&self) -> &[T] {
-        // SAFETY: the backing is at least `len * size_of::<T>()` bytes, 16-byte aligned (a
-        // `Vec<u128>` or a page-aligned mapping) which satisfies `T`'s alignment (checked in
+        // SAFETY: the backing is at least `len * size_of::<T>()` bytes, 64-byte aligned (a
+        // `Vec<Line>` or a page-aligned mapping) which satisfies `T`'s alignment (checked in
         // `new`), initialised (zeroed, then only written through this type), and every bit
         // pattern is a valid `T` (Pod). The borrow of `self` bounds the slice's lifetime.
         unsafe { std::slice::from_raw_parts(self.base().cast::<T>(), self.len) }
@@ -148,7 +168,7 @@ mod tests {
             let mut b = ZeroedBuf::<u128>::new(len);
             assert_eq!(b.len(), len);
             assert!(b.iter().all(|&x| x == 0));
-            assert_eq!(b.as_ptr() as usize % 16, 0);
+            assert_eq!(b.as_ptr() as usize % 64, 0);
             b[len - 1] = 7;
             b[0] = 9;
             assert_eq!((b[0], b[len - 1]), (9, 7));

@@ -471,6 +471,11 @@ impl Memtable {
 
     #[inline]
     fn find(&self, key: &[u8], hash: u64) -> Option<Loc> {
+        // A recycled memtable is empty but has a large index: a probe would still miss the
+        // cache on a random slot (reads of keys that live in segments pass here first).
+        if self.index.len == 0 {
+            return None;
+        }
         let arena = &self.arena;
         let i = self
             .index
@@ -483,7 +488,9 @@ impl Memtable {
     /// lookup, issued a few keys ahead.
     #[inline]
     pub fn prefetch(&self, hash: u64) {
-        self.index.prefetch(hash as u32);
+        if self.index.len > 0 {
+            self.index.prefetch(hash as u32);
+        }
     }
 
     /// Start loading the record that the slot of `hash` points at (the slot should already
@@ -491,6 +498,9 @@ impl Memtable {
     /// another key only costs a useless prefetch. False when no slot has the tag.
     #[inline]
     pub fn prefetch_record(&self, hash: u64) -> bool {
+        if self.index.len == 0 {
+            return false;
+        }
         let found = self.index.probe(hash as u32, |_| true);
         if let Ok(i) = found {
             let s = &self.index.slots[i];

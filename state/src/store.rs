@@ -45,7 +45,9 @@ use crate::segment::{Probe, Segment, SegmentIter, SegmentWriter, WriterOptions};
 pub struct StoreConfig {
     /// The mutable memtable is frozen when it holds this many bytes.
     pub memtable_budget_bytes: usize,
-    /// Target size of a data block.
+    /// Target size of a data block. Small blocks make a point lookup touch few cache lines
+    /// (the writer also keeps blocks inside 4 KiB pages); the in-memory block index costs
+    /// 24 bytes per block.
     pub block_target_bytes: usize,
     /// Bloom filter bits per key.
     pub bloom_bits_per_key: u32,
@@ -68,7 +70,7 @@ impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
             memtable_budget_bytes: 64 << 20,
-            block_target_bytes: 4096,
+            block_target_bytes: 2048,
             bloom_bits_per_key: 10,
             compaction_min_merge: 4,
             compaction_size_ratio: 2,
@@ -90,7 +92,7 @@ pub struct StoreMetrics {
     pub segment_bytes: u64,
     /// In-memory index of segment blocks.
     pub index_bytes: usize,
-    /// Bloom filter bytes (mapped).
+    /// Bloom filter bytes (anonymous memory, copied from the segments at open).
     pub filter_bytes: usize,
     pub flushes: u64,
     pub compactions: u64,
