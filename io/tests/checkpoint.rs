@@ -751,3 +751,83 @@ fn round_trip_through_uring() {
     st.retain(1).unwrap();
     st.verify(2).unwrap();
 }
+
+/// `copy_file_to` streams a verified copy (across several reads of a multi-megabyte file),
+/// and a flipped bit anywhere in the file header, a block header or a payload fails the copy
+/// naming the checkpoint file and the offset of what failed, leaving no copy behind.
+#[test]
+fn copy_file_to_verifies_every_block_and_leaves_nothing_on_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+    let st = open(Arc::new(StdFs), &root);
+    let job = st.job_dir().to_owned();
+    // 5 MB in 1 000-byte blocks: more than one 4 MiB read.
+    let content = bytes(5_000_123, 42);
+    let seg = local.join("big");
+    std::fs::create_dir_all(&local).unwrap();
+    std::fs::write(&seg, &content).unwrap();
+    let p = st.begin(1).unwrap();
+    let mut w = p.writer();
+    let f = w.upload_shared(&seg, "seg").unwrap();
+    w.finish().unwrap();
+    let c = st.commit(p, info(1)).unwrap();
+    let sp_dir = st
+        .export_savepoint(1, &tmp.path().join("sp"), "one")
+        .unwrap();
+    let sp = Savepoint::open(Arc::new(StdFs), &sp_dir).unwrap();
+    let dest = tmp.path().join("copy");
+    assert_eq!(st.copy_file_to(&f, &dest).unwrap(), content.len() as u64);
+    assert_eq!(std::fs::read(&dest).unwrap(), content);
+    std::fs::remove_file(&dest).unwrap();
+    assert_eq!(
+        sp.copy_file_to(&c.metadata.files[0], &dest).unwrap(),
+        content.len() as u64
+    );
+    assert_eq!(std::fs::read(&dest).unwrap(), content);
+    // The destination must be new: an existing file is never overwritten.
+    assert!(st.copy_file_to(&f, &dest).is_err());
+    assert_eq!(std::fs::read(&dest).unwrap(), content);
+    std::fs::remove_file(&dest).unwrap();
+
+    let fpath = job.join(&f.path);
+    let frame = BLOCK_HEADER + 1_000;
+    let last_block = (content.len() as u64 - 1) / 1_000;
+    let at = |b: u64| DATA_HEADER_LEN as u64 + b * frame;
+    // (byte flipped, offset the error must name)
+    let cases = [
+        (3, 0),                              // file header magic
+        (36, 0),                             // file header CRC
+        (at(0) + 2, at(0)),                  // first block header (file id)
+        (at(0) + BLOCK_HEADER + 999, at(0)), // first block payload
+        (at(4_200) + 20, at(4_200)),         // a block past the first read's end
+        (at(4_200) + BLOCK_HEADER, at(4_200)),
+        (at(last_block) + BLOCK_HEADER + 5, at(last_block)),
+    ];
+    for (flip, want) in cases {
+        FaultyFs::flip_bit(&fpath, flip, 1).unwrap();
+        let e = expect_format(st.copy_file_to(&f, &dest));
+        assert_eq!(
+            (e.file(), e.offset()),
+            (fpath.as_path(), want),
+            "flip at {flip}: {e}"
+        );
+        assert!(
+            !dest.exists(),
+            "flip at {flip}: a failed copy left {}",
+            dest.display()
+        );
+        FaultyFs::flip_bit(&fpath, flip, 1).unwrap();
+    }
+    // Truncated: the copy fails before writing anything it cannot verify.
+    let good = std::fs::read(&fpath).unwrap();
+    std::fs::write(&fpath, &good[..good.len() - 10]).unwrap();
+    let e = expect_format(st.copy_file_to(&f, &dest));
+    assert!(
+        matches!(&e, FormatError::Truncated { file, .. } if *file == fpath),
+        "{e}"
+    );
+    assert!(!dest.exists());
+    std::fs::write(&fpath, &good).unwrap();
+    st.copy_file_to(&f, &dest).unwrap();
+    assert_eq!(std::fs::read(&dest).unwrap(), content);
+}

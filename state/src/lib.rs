@@ -26,6 +26,6 @@ pub use keyed::{
 };
 pub use segment::layout as segment_layout;
 pub use store::{
-    CompactionDone, CompactionJob, FlushDone, FlushJob, Found, JobDone, ScanIter, SnapshotJob,
-    Store, StoreConfig, StoreMetrics,
+    CompactionDone, CompactionJob, FlushDone, FlushJob, Found, JobDone, RestoreReport, ScanIter,
+    SnapshotJob, Store, StoreConfig, StoreMetrics,
 };

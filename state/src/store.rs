@@ -110,6 +110,18 @@ pub struct StoreMetrics {
     pub retained_hits: u64,
 }
 
+/// What a restore did: segments installed as they are, and what had to be rewritten.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RestoreReport {
+    /// Segments installed without rewriting (every key in the range).
+    pub installed: usize,
+    pub installed_bytes: u64,
+    /// Segments that straddled the range (or repeated an id) and were merged and filtered.
+    pub rewritten_inputs: usize,
+    pub rewritten_bytes_in: u64,
+    pub rewritten_bytes_out: u64,
+}
+
 /// A value found by [`Store::get`] or a scan.
 #[derive(Debug, Clone, Copy)]
 pub struct Found<'a> {
@@ -301,10 +313,18 @@ impl Store {
     }
 
     /// Open a store in `dir` holding exactly the state of `handles` restricted to `range`.
-    /// Every listed segment is verified (all block CRCs, then size and whole-file CRC against
-    /// the handle) before a byte of it is used. Several handles (for example the shards of a
-    /// job restored at another parallelism) are merged; for a key present in several, the
-    /// later handle wins. The result is written as one new segment in `dir`.
+    /// Every listed segment that intersects `range` is verified (all block CRCs and its
+    /// structure, then size, whole-file CRC and entry count against the handle) before a byte
+    /// of it is used. Several handles (for example the shards of a job restored at another
+    /// parallelism) are stacked in order; for a key present in several, the later handle wins.
+    ///
+    /// Work is proportional to what the range needs: a segment whose key groups all lie in
+    /// `range` is installed as it is (read through a map, never written), and only segments
+    /// that straddle the range are rewritten, each maximal run of them merged and filtered to
+    /// `range` as one new segment in `dir`. The stack keeps its order, so a tombstone in a
+    /// newer segment still shadows an older one; a rewritten run drops tombstones only when
+    /// nothing older lies beneath it. The listed files stay the caller's: the store never
+    /// writes, truncates or deletes them (see [`Store::restore_adopting`]).
     pub fn restore(
         fs: Arc<dyn Fs>,
         dir: &Path,
@@ -312,8 +332,34 @@ impl Store {
         handles: &[SnapshotHandle],
         range: KeyGroupRange,
     ) -> Result<Store, StateError> {
+        Self::restore_inner(fs, dir, config, handles, range, false).map(|(s, _)| s)
+    }
+
+    /// [`Store::restore`] from files made for this store alone (scratch copies of checkpoint
+    /// files): the store adopts them and deletes each once compaction has replaced it (or, for
+    /// a rewritten input, once the rewrite is done). Still never writes or truncates them.
+    pub fn restore_adopting(
+        fs: Arc<dyn Fs>,
+        dir: &Path,
+        config: StoreConfig,
+        handles: &[SnapshotHandle],
+        range: KeyGroupRange,
+    ) -> Result<(Store, RestoreReport), StateError> {
+        Self::restore_inner(fs, dir, config, handles, range, true)
+    }
+
+    fn restore_inner(
+        fs: Arc<dyn Fs>,
+        dir: &Path,
+        config: StoreConfig,
+        handles: &[SnapshotHandle],
+        range: KeyGroupRange,
+        adopt: bool,
+    ) -> Result<(Store, RestoreReport), StateError> {
         let mut store = Store::open(fs.clone(), dir, config)?;
-        let mut inputs = Vec::new();
+        // The restored stack, oldest first: handles in order, each handle's segments in order.
+        let mut layers: Vec<(Arc<Segment>, bool)> = Vec::new();
+        let mut kept_ids = HashSet::new();
         for h in handles {
             if h.max_parallelism != store.config.max_parallelism {
                 return Err(StateError::Incompatible {
@@ -328,7 +374,7 @@ impl Store {
                 if !r.key_groups.is_some_and(|kg| kg.intersects(&range)) {
                     continue;
                 }
-                let seg = Segment::open(fs.clone(), &r.path, Some(r.segment_id), false)?;
+                let seg = Segment::open(fs.clone(), &r.path, Some(r.segment_id), adopt)?;
                 for (what, expected, actual) in [
                     ("size", r.size_bytes, seg.size_bytes),
                     ("crc32", u64::from(r.crc32), u64::from(seg.crc32)),
@@ -343,26 +389,78 @@ impl Store {
                         });
                     }
                 }
-                inputs.push(seg);
+                // Kept as it is only if every key is in range (the verified key groups of its
+                // keys, not the handle's word) and its id is not taken yet: segments of several
+                // old shards may share ids, and ids name segments in snapshots and compactions.
+                let inside = seg
+                    .key_groups
+                    .is_some_and(|kg| range.first <= kg.first && kg.last <= range.last);
+                let keep = inside && kept_ids.insert(seg.id);
+                layers.push((Arc::new(seg), keep));
             }
         }
+        // New segments (rewrites, flushes, compactions) get ids above every kept one, so the
+        // store never creates a file where a kept one lives (and `Fs::create` refuses to).
+        if let Some(max) = kept_ids.iter().max() {
+            store.next_segment_id = store.next_segment_id.max(max + 1);
+        }
+        let mut report = RestoreReport::default();
+        let mut out: Vec<Arc<Segment>> = Vec::with_capacity(layers.len());
+        let mut run: Vec<Arc<Segment>> = Vec::new();
+        for (seg, keep) in layers {
+            if keep {
+                store.rewrite_restored_run(&mut run, &mut out, range, &mut report)?;
+                report.installed += 1;
+                report.installed_bytes += seg.size_bytes;
+                out.push(seg);
+            } else {
+                run.push(seg);
+            }
+        }
+        store.rewrite_restored_run(&mut run, &mut out, range, &mut report)?;
+        store.segments = out;
+        Ok((store, report))
+    }
+
+    /// Merge a run of consecutive restored segments (oldest first) that need filtering into
+    /// one new segment restricted to `range`, on top of `out`. Tombstones are kept unless
+    /// `out` is empty (nothing older for them to shadow). The inputs are marked obsolete: an
+    /// adopted file is then deleted when dropped, a borrowed one never.
+    fn rewrite_restored_run(
+        &mut self,
+        run: &mut Vec<Arc<Segment>>,
+        out: &mut Vec<Arc<Segment>>,
+        range: KeyGroupRange,
+        report: &mut RestoreReport,
+    ) -> Result<(), StateError> {
+        if run.is_empty() {
+            return Ok(());
+        }
+        let bottom = out.is_empty();
         let start = range.first.to_be_bytes();
         let end = range.last.checked_add(1).map(|e| e.to_be_bytes().to_vec());
         // Newest first: later handles and later segments win.
-        let srcs: Vec<Src<'_>> = inputs
+        let srcs: Vec<Src<'_>> = run
             .iter()
             .rev()
             .map(|s| Src::Seg(s.iter_from(&start)))
             .collect();
         let merged = Merge::new(srcs, end)
-            .filter(|(_, v, _)| !v.tombstone)
+            .filter(|(_, v, _)| !(bottom && v.tombstone))
             .map(|(k, v, _)| (k, v));
-        let id = store.alloc_segment_id();
-        let max_keys = inputs.iter().map(|s| s.entry_count).sum();
-        if let Some(seg) = store.ctx.write_segment(id, max_keys, merged)? {
-            store.segments.push(seg);
+        let id = self.alloc_segment_id();
+        let max_keys = run.iter().map(|s| s.entry_count).sum();
+        let written = self.ctx.write_segment(id, max_keys, merged)?;
+        report.rewritten_inputs += run.len();
+        report.rewritten_bytes_in += run.iter().map(|s| s.size_bytes).sum::<u64>();
+        for s in run.drain(..) {
+            s.mark_obsolete();
         }
-        Ok(store)
+        if let Some(seg) = written {
+            report.rewritten_bytes_out += seg.size_bytes;
+            out.push(seg);
+        }
+        Ok(())
     }
 
     pub fn config(&self) -> &StoreConfig {

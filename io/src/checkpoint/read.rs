@@ -11,7 +11,7 @@ use crate::checkpoint::format::{
     FILE_KIND_MERGED_TASKOWNED, FILE_KIND_UPLOAD, METADATA_FILE, TASKOWNED_DIR,
 };
 use crate::error::{FormatError, IoError};
-use crate::frame::{crc32, decode_block, BlockHeader, BLOCK_HEADER_LEN};
+use crate::frame::{decode_block, BlockHeader, BLOCK_HEADER_LEN};
 use crate::fs::Fs;
 
 /// Read a whole file through `fs`.
@@ -75,13 +75,21 @@ impl<'a> Span<'a> {
     }
 }
 
-/// Read the content of `span` under `base`, checking the file header (against the file's
-/// name), every block header and CRC, and the content CRC, before returning a byte.
-pub(crate) fn read_span(
+/// Bytes read per `read_at` while streaming a span (rounded to whole frames): bounded memory
+/// for files of any size, large enough that syscalls do not dominate.
+const STREAM_CHUNK_BYTES: u64 = 4 << 20;
+
+/// Stream the content of `span` under `base` to `sink`, block by block in order, after
+/// checking the file header (against the file's name) and each block's header and CRC. The
+/// content CRC is checked after the last block: `sink` may see bytes of a span that fails
+/// that final check, so a caller must not trust what it received before `Ok`. Returns the
+/// content length. One pass over the bytes, memory bounded by [`STREAM_CHUNK_BYTES`].
+fn stream_span(
     fs: &dyn Fs,
     base: &Path,
     span: &Span<'_>,
-) -> Result<Vec<u8>, CheckpointError> {
+    mut sink: impl FnMut(&[u8]) -> Result<(), CheckpointError>,
+) -> Result<u64, CheckpointError> {
     let path = base.join(span.rel);
     let name = span.rel.file_name().and_then(|n| n.to_str()).unwrap_or("");
     let (checkpoint_id, file_id) =
@@ -108,7 +116,7 @@ pub(crate) fn read_span(
     let block_max = header.block_payload_bytes_max;
     let framed = framed_len(span.size_bytes, block_max);
     let end = span.offset.checked_add(framed);
-    if span.offset < DATA_HEADER_LEN as u64 || end.is_none_or(|e| e > file_len) {
+    let Some(end) = end.filter(|e| span.offset >= DATA_HEADER_LEN as u64 && *e <= file_len) else {
         return Err(FormatError::Truncated {
             file: path,
             offset: span.offset,
@@ -116,32 +124,56 @@ pub(crate) fn read_span(
             available: file_len.saturating_sub(span.offset),
         }
         .into());
-    }
-    let mut buf = vec![0u8; framed as usize];
-    file.read_at(span.offset, &mut buf)?;
-    let mut out = Vec::with_capacity(span.size_bytes as usize);
-    let mut pos = 0usize;
+    };
+    // Whole frames per read, so that no block straddles two reads.
+    let frame_max = u64::from(block_max) + BLOCK_HEADER_LEN as u64;
+    let per_read = (STREAM_CHUNK_BYTES / frame_max).max(1) * frame_max;
+    let mut buf = Vec::new();
+    let mut crc = crc32fast::Hasher::new();
+    let mut pos = span.offset;
     let mut remaining = span.size_bytes;
-    for i in 0..block_count(span.size_bytes, block_max) {
-        let block_index =
-            u32::try_from(u64::from(span.first_block) + i).map_err(|_| FormatError::Malformed {
-                file: path.clone(),
-                offset: span.offset + pos as u64,
-                reason: "block index overflows u32".into(),
+    let blocks = block_count(span.size_bytes, block_max);
+    let mut i = 0u64;
+    while i < blocks {
+        let len = per_read.min(end - pos) as usize;
+        buf.resize(len, 0);
+        file.read_at(pos, &mut buf)?;
+        let mut at = 0usize;
+        while at < len && i < blocks {
+            let block_index = u32::try_from(u64::from(span.first_block) + i).map_err(|_| {
+                FormatError::Malformed {
+                    file: path.clone(),
+                    offset: pos + at as u64,
+                    reason: "block index overflows u32".into(),
+                }
             })?;
-        let payload_len = remaining.min(u64::from(block_max)) as u32;
-        let expect = BlockHeader {
-            file_id,
-            block_index,
-            kind: DATA_BLOCK_KIND,
-            payload_len,
-        };
-        let payload = decode_block(&path, &buf[pos..], span.offset + pos as u64, expect)?;
-        out.extend_from_slice(payload);
-        pos += BLOCK_HEADER_LEN + payload.len();
-        remaining -= u64::from(payload_len);
+            let payload_len = remaining.min(u64::from(block_max)) as u32;
+            let expect = BlockHeader {
+                file_id,
+                block_index,
+                kind: DATA_BLOCK_KIND,
+                payload_len,
+            };
+            let payload = decode_block(&path, &buf[at..], pos + at as u64, expect)?;
+            crc.update(payload);
+            sink(payload)?;
+            at += BLOCK_HEADER_LEN + payload.len();
+            remaining -= u64::from(payload_len);
+            i += 1;
+        }
+        if at == 0 {
+            // Cannot happen (the frames fill `end - pos` exactly); never loop on it.
+            return Err(FormatError::Truncated {
+                file: path,
+                offset: pos,
+                needed: BLOCK_HEADER_LEN as u64,
+                available: 0,
+            }
+            .into());
+        }
+        pos += at as u64;
     }
-    let actual = crc32(&[&out]);
+    let actual = crc.finalize();
     if actual != span.crc32 {
         return Err(FormatError::ChecksumMismatch {
             file: path,
@@ -151,7 +183,58 @@ pub(crate) fn read_span(
         }
         .into());
     }
+    Ok(span.size_bytes)
+}
+
+/// Read the content of `span` under `base`, checking the file header (against the file's
+/// name), every block header and CRC, and the content CRC, before returning a byte.
+pub(crate) fn read_span(
+    fs: &dyn Fs,
+    base: &Path,
+    span: &Span<'_>,
+) -> Result<Vec<u8>, CheckpointError> {
+    let mut out = Vec::new();
+    stream_span(fs, base, span, |payload| {
+        out.extend_from_slice(payload);
+        Ok(())
+    })?;
     Ok(out)
+}
+
+/// Write the content of `span` under `base` to a new file `dest` (which must not exist),
+/// verified as [`read_span`] verifies it, in one pass with bounded memory. On any error
+/// `dest` is removed (best effort) and the error names the checkpoint file and offset. The
+/// copy is not fsynced: it is a scratch copy that a crash discards (a restore starts over
+/// from checkpoint storage), and a reader of it checks it again.
+pub(crate) fn copy_span_to(
+    fs: &dyn Fs,
+    base: &Path,
+    span: &Span<'_>,
+    dest: &Path,
+) -> Result<u64, CheckpointError> {
+    let mut out = fs.create(dest)?;
+    let mut pending: Vec<u8> = Vec::new();
+    let mut written = 0u64;
+    let result = stream_span(fs, base, span, |payload| {
+        pending.extend_from_slice(payload);
+        if pending.len() as u64 >= STREAM_CHUNK_BYTES {
+            out.write_at(written, &pending)?;
+            written += pending.len() as u64;
+            pending.clear();
+        }
+        Ok(())
+    })
+    .and_then(|n| {
+        if !pending.is_empty() {
+            out.write_at(written, &pending)?;
+        }
+        Ok(n)
+    });
+    drop(out);
+    if result.is_err() {
+        let _ = fs.remove(dest);
+    }
+    result
 }
 
 /// What [`verify`](crate::CheckpointStorage::verify) checked.
@@ -178,14 +261,15 @@ pub(crate) fn verify_files(
         checkpoint_id,
         ..VerifyReport::default()
     };
+    // Streamed: verifying a large checkpoint never holds a whole file in memory.
+    let discard = |_: &[u8]| Ok::<(), CheckpointError>(());
     for f in &meta.files {
-        report.bytes_checked += read_span(fs, base, &Span::of_file(f)).map_err(wrap)?.len() as u64;
+        report.bytes_checked += stream_span(fs, base, &Span::of_file(f), discard).map_err(wrap)?;
         report.files += 1;
     }
     for l in &meta.logical_files {
-        report.bytes_checked += read_span(fs, base, &Span::of_logical(l))
-            .map_err(wrap)?
-            .len() as u64;
+        report.bytes_checked +=
+            stream_span(fs, base, &Span::of_logical(l), discard).map_err(wrap)?;
         report.logical_files += 1;
     }
     Ok(report)
@@ -236,6 +320,13 @@ impl Savepoint {
     /// Read a whole file of the savepoint, verified.
     pub fn read_file(&self, r: &FileRef) -> Result<Vec<u8>, CheckpointError> {
         read_span(&*self.fs, &self.dir, &Span::of_file(r))
+    }
+
+    /// Copy the content of a whole file of the savepoint to the new file `dest`, verified as
+    /// [`read_file`](Self::read_file) verifies it, without holding it in memory. `dest` is
+    /// removed on error and not fsynced (see [`CheckpointStorage::copy_file_to`](crate::CheckpointStorage::copy_file_to)).
+    pub fn copy_file_to(&self, r: &FileRef, dest: &Path) -> Result<u64, CheckpointError> {
+        copy_span_to(&*self.fs, &self.dir, &Span::of_file(r), dest)
     }
 
     /// Read a logical file of the savepoint, verified.

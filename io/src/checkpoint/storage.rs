@@ -22,7 +22,9 @@ use crate::checkpoint::format::{
     FILE_KIND_MERGED_SHARED, FILE_KIND_MERGED_TASKOWNED, FILE_KIND_UPLOAD, METADATA_FILE,
     SHARED_DIR, TASKOWNED_DIR,
 };
-use crate::checkpoint::read::{read_metadata_file, read_span, verify_files, Span, VerifyReport};
+use crate::checkpoint::read::{
+    copy_span_to, read_metadata_file, read_span, verify_files, Span, VerifyReport,
+};
 use crate::error::IoError;
 use crate::frame::{crc32, encode_block, BlockHeader};
 use crate::fs::{publish_file, DirLock, Fs, FsFile};
@@ -491,6 +493,20 @@ impl CheckpointStorage {
     /// Read a whole file of this job, verified (header, every block, content CRC).
     pub fn read_file(&self, r: &FileRef) -> Result<Vec<u8>, CheckpointError> {
         read_span(&*self.shared.fs, &self.shared.job_dir, &Span::of_file(r))
+    }
+
+    /// Copy the content of a whole file of this job to the new file `dest` (it must not exist),
+    /// verified as [`read_file`](Self::read_file) verifies it (header, every block, content
+    /// CRC), in one streaming pass that never holds the file in memory: restoring large state
+    /// copies each segment once. On error `dest` is removed and the error names the checkpoint
+    /// file and offset. `dest` is not fsynced: it is a scratch copy that a crash discards.
+    pub fn copy_file_to(&self, r: &FileRef, dest: &Path) -> Result<u64, CheckpointError> {
+        copy_span_to(
+            &*self.shared.fs,
+            &self.shared.job_dir,
+            &Span::of_file(r),
+            dest,
+        )
     }
 
     /// Read a logical file of this job, verified.

@@ -1,6 +1,7 @@
 //! What a job restores from: a complete checkpoint's metadata, decoded and validated, and a
 //! reader of the files it references.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use super::snapshot::{
@@ -10,7 +11,9 @@ use super::snapshot::{
 
 /// Reads files of one checkpoint (or savepoint), verifying every CRC before returning a byte.
 pub(crate) trait CheckpointReader: Send + Sync {
-    fn read_file(&self, f: &FileRefData) -> Result<Vec<u8>, String>;
+    /// Writes the verified content of `f` to the new file `dest` without holding it in
+    /// memory; `dest` is removed on error.
+    fn copy_file_to(&self, f: &FileRefData, dest: &Path) -> Result<(), String>;
     fn read_logical(&self, f: &LogicalRefData) -> Result<Vec<u8>, String>;
 }
 

@@ -201,8 +201,11 @@ pub(crate) struct SavepointReader(pub Savepoint);
 macro_rules! checkpoint_reader {
     ($t:ty) => {
         impl CheckpointReader for $t {
-            fn read_file(&self, f: &FileRefData) -> Result<Vec<u8>, String> {
-                self.0.read_file(&to_ref(f)).map_err(|e| e.to_string())
+            fn copy_file_to(&self, f: &FileRefData, dest: &Path) -> Result<(), String> {
+                self.0
+                    .copy_file_to(&to_ref(f), dest)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
             }
             fn read_logical(&self, f: &LogicalRefData) -> Result<Vec<u8>, String> {
                 self.0
