@@ -9,7 +9,9 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Instant;
@@ -46,7 +48,8 @@ struct Maintenance {
     done: mpsc::Receiver<Output>,
     maintenance_in_flight: bool,
     snapshots_in_flight: usize,
-    thread: Option<std::thread::JoinHandle<()>>,
+    /// Set when the store goes away: queued jobs are dropped, not run.
+    cancel: Arc<AtomicBool>,
 }
 
 struct Inner {
@@ -63,12 +66,39 @@ struct Inner {
 }
 
 impl Drop for Inner {
+    /// Does not wait for the maintenance thread: after a failure the restart must not wait for
+    /// queued compactions and uploads of an attempt that is over (seconds with large state).
+    /// The thread skips what is queued, finishes the job it is running, removes this store's
+    /// run directory and exits; the next attempt works in a directory of its own.
     fn drop(&mut self) {
-        if let Some(mut m) = self.maint.take() {
-            drop(m.jobs);
-            if let Some(t) = m.thread.take() {
-                let _ = t.join();
-            }
+        if let Some(m) = self.maint.take() {
+            m.cancel.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// Distinguishes the run directories of the stores this process opens.
+static RUNS: AtomicU64 = AtomicU64::new(0);
+
+/// Removes what earlier processes left in an operator's state directory: run directories
+/// whose owner died (their lock is free) and files of older layouts. Run directories of this
+/// process are left alone: a finishing maintenance thread removes its own.
+fn remove_stale_runs(op_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(op_dir) else {
+        return;
+    };
+    let own = format!("run-{}-", std::process::id());
+    for e in entries.flatten() {
+        let path = e.path();
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(&own) {
+            continue;
+        }
+        if !path.is_dir() {
+            let _ = std::fs::remove_file(&path);
+        } else if let Ok(lock) = weir_io::DirLock::acquire(&path) {
+            let _ = std::fs::remove_dir_all(&path);
+            drop(lock);
         }
     }
 }
@@ -107,10 +137,19 @@ impl ShardState {
     pub(crate) fn open_for(ctx: &BuildCtx, name: &str) -> Result<Self, StartError> {
         let shard = ctx.shard;
         let err = |reason: String| StartError::State { shard, reason };
-        let dir = ctx
+        let op_dir = ctx
             .state_dir
             .join(format!("shard-{shard}"))
             .join(sanitize(name));
+        remove_stale_runs(&op_dir);
+        // A fresh directory per store: a restore rebuilds the store from the checkpoint, state
+        // left by an earlier attempt must not leak into this one, and that attempt's
+        // maintenance thread may still be finishing a job in its own directory.
+        let dir = op_dir.join(format!(
+            "run-{}-{}",
+            std::process::id(),
+            RUNS.fetch_add(1, Ordering::Relaxed)
+        ));
         let fs: Arc<dyn Fs> = if ctx.real_io {
             Arc::new(
                 weir_io::UringFs::new().map_err(|e| StartError::IoUringUnavailable {
@@ -129,8 +168,6 @@ impl ShardState {
         };
         let range =
             KeyGroupRange::for_shard(shard as u16, config.shards as u16, config.max_parallelism);
-        // A fresh directory per run: a restore rebuilds the store from the checkpoint, and state
-        // left by an earlier run must not leak into this one.
         if dir.exists() {
             std::fs::remove_dir_all(&dir).map_err(|e| err(format!("{}: {e}", dir.display())))?;
         }
@@ -215,7 +252,7 @@ impl ShardState {
         };
         let be = KeyedBackend::new(store, range);
         let maint = if ctx.real_io {
-            Some(Self::spawn(shard).map_err(err)?)
+            Some(Self::spawn(shard, dir.clone()).map_err(err)?)
         } else {
             None
         };
@@ -232,17 +269,30 @@ impl ShardState {
         })
     }
 
-    fn spawn(shard: usize) -> Result<Maintenance, String> {
+    /// The store's maintenance thread, working for the store in `dir`. It outlives the store
+    /// by at most the job it is running (see `Inner`'s drop), then removes `dir`.
+    fn spawn(shard: usize, dir: PathBuf) -> Result<Maintenance, String> {
         let (jtx, jrx) = mpsc::channel::<Job>();
         let (dtx, drx) = mpsc::channel::<Output>();
-        let thread = std::thread::Builder::new()
+        let cancel = Arc::new(AtomicBool::new(false));
+        let stop = cancel.clone();
+        std::thread::Builder::new()
             .name(format!("weir-maint-{shard}"))
             .spawn(move || {
                 background_priority();
                 while let Ok(job) = jrx.recv() {
+                    if stop.load(Ordering::Acquire) {
+                        break;
+                    }
                     if dtx.send(job()).is_err() {
                         break;
                     }
+                }
+                // Dropping the remaining jobs releases their segments; the directory is this
+                // store's scratch space (checkpoints live in checkpoint storage).
+                drop(jrx);
+                if stop.load(Ordering::Acquire) {
+                    let _ = std::fs::remove_dir_all(&dir);
                 }
             })
             .map_err(|e| format!("maintenance thread: {e}"))?;
@@ -251,7 +301,7 @@ impl ShardState {
             done: drx,
             maintenance_in_flight: false,
             snapshots_in_flight: 0,
-            thread: Some(thread),
+            cancel,
         })
     }
 
@@ -741,6 +791,28 @@ mod tests {
         st.verify(1).unwrap();
     }
 
+    /// A run directory left by a dead process is removed when the operator's store opens
+    /// again; a locked one (a live store of another process) and this process's are kept.
+    #[test]
+    fn stale_run_directories_of_dead_processes_are_removed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let op = tmp.path().join("op");
+        let dead = op.join("run-999999999-0");
+        let live = op.join("run-999999998-0");
+        let ours = op.join(format!("run-{}-77", std::process::id()));
+        for d in [&dead, &live, &ours] {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::write(d.join("seg"), b"x").unwrap();
+        }
+        std::fs::write(op.join("old-layout.wseg"), b"x").unwrap();
+        let lock = weir_io::DirLock::acquire(&live).unwrap();
+        remove_stale_runs(&op);
+        assert!(!dead.exists());
+        assert!(!op.join("old-layout.wseg").exists());
+        assert!(live.join("seg").exists() && ours.join("seg").exists());
+        drop(lock);
+    }
+
     /// A corrupted checkpoint segment is never used: the restore fails naming the checkpoint,
     /// the file and the offset, and leaves no copy of it.
     #[test]
@@ -760,9 +832,12 @@ mod tests {
         assert!(e.contains(&paths[1].display().to_string()), "{e}");
         assert!(e.contains("offset"), "{e}");
         // The first segment was copied and verified; nothing of the corrupt one remains.
-        let copies = std::fs::read_dir(state_dir.join("shard-0").join(OP).join("restore"))
+        let runs: Vec<_> = std::fs::read_dir(state_dir.join("shard-0").join(OP))
             .unwrap()
-            .count();
+            .map(|r| r.unwrap().path())
+            .collect();
+        assert_eq!(runs.len(), 1, "{runs:?}");
+        let copies = std::fs::read_dir(runs[0].join("restore")).unwrap().count();
         assert_eq!(copies, 1, "{e}");
     }
 }
