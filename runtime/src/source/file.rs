@@ -1,10 +1,26 @@
 //! The file source: CSV or JSON-lines files, one file or a directory of them.
 //!
-//! Lines are read through a large buffered reader into one reused line buffer; CSV fields are
-//! split by a small strict parser into a reused field buffer, and JSON lines are checked and
-//! picked apart by a scanner that only keeps the byte spans of the wanted fields. So a line costs
-//! no allocation beyond what the user's `parse` builds (an escaped JSON string is unescaped into
-//! a reused per-column buffer).
+//! Lines are read through a large buffered reader into one reused line buffer, by the source
+//! itself: it keeps the record size bounded (`MAX_RECORD_BYTES`), the 1-based physical line
+//! numbers exact, and each record's byte offset known, which positions (`position`/`seek`)
+//! are made of. Parsing the lines is left to well-kept crates:
+//!
+//! - CSV: `csv_core`, the parser inside the `csv` crate, fed one physical line at a time and
+//!   keeping its state across the lines of a record quoted over several. `csv::Reader` would
+//!   do the reading itself: grow a record without bound, and place a record before the blank
+//!   lines it skipped (so its line numbers would be off). `csv_core` never rejects input, so
+//!   the source adds what strictness needs: every record has the header's number of fields,
+//!   and `check_quoting` rejects a quote inside an unquoted field or text after a closing quote
+//!   (which `csv_core` reads leniently).
+//! - JSON lines: `serde_json`, with a visitor that keeps only the wanted fields, as the byte
+//!   spans of their text in the line (each read as a `RawValue`); every other value is checked
+//!   and dropped. A line is accepted when serde_json would read it as an object, within its
+//!   recursion limit of 128 levels.
+//!
+//! So a line costs no allocation beyond what the user's `parse` builds: field text goes into
+//! reused buffers, and an escaped JSON string is unescaped into a reused per-column buffer. (The
+//! one exception: serde_json unescapes through a scratch buffer of its own, allocated afresh
+//! for each line that has a string with escapes in it.)
 //!
 //! Bad input never panics (design invariant 6): a malformed line follows the [`ErrorPolicy`];
 //! a file that cannot be read at all (missing, unknown column, broken CSV header) is an error.
@@ -15,6 +31,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use serde::de::{DeserializeSeed, Deserializer, Error as _, MapAccess, SeqAccess, Visitor};
+use serde_json::value::RawValue;
+
 use super::{EmptyReader, Source, SourceError, SourcePoll, SourceReader};
 
 /// Read buffer size: large reads keep the number of system calls per line near zero.
@@ -22,8 +41,6 @@ const READ_BUFFER_BYTES: usize = 256 * 1024;
 /// Longest record kept in memory. A longer line (or a CSV record that a stray quote stretched
 /// over many lines) is malformed rather than a reason to exhaust memory.
 const MAX_RECORD_BYTES: usize = 64 * 1024 * 1024;
-/// Deepest JSON nesting accepted, so a hostile line cannot overflow the stack.
-const MAX_JSON_DEPTH: usize = 128;
 /// Version byte of the position encoding.
 const POSITION_VERSION: u8 = 1;
 /// Fixed part of a position: version, file index, byte offset, line number, name length.
@@ -154,6 +171,7 @@ impl<T: Send + 'static> Source<T> for FileSource<T> {
                 line: 0,
             },
             rec: Vec::new(),
+            csv: csv_parser(),
             csv_buf: Vec::new(),
             csv_ends: Vec::new(),
             json: JsonScratch::default(),
@@ -275,7 +293,10 @@ struct FileReader<T> {
     loc: Location,
     /// The raw bytes of the current line or CSV record, line terminators included.
     rec: Vec<u8>,
-    /// CSV: the unquoted fields of the current record, back to back.
+    /// CSV: the parser, which keeps its state from one line of a record to the next.
+    csv: csv_core::Reader,
+    /// CSV: the unquoted fields of the current record, back to back (its length is only room
+    /// for them: where they end is in `csv_ends`).
     csv_buf: Vec<u8>,
     /// CSV: the end of each field in `csv_buf`.
     csv_ends: Vec<usize>,
@@ -319,113 +340,163 @@ fn read_line(
     Ok(((n as u64).saturating_add(rest as u64), rest > 0))
 }
 
-/// The bytes of CSV field `i` in `buf` (see [`split_csv`]).
+/// The bytes of CSV field `i` in `buf`, whose fields lie back to back and end at `ends`.
 fn csv_field<'a>(buf: &'a [u8], ends: &[usize], i: usize) -> Option<&'a [u8]> {
     let start = if i == 0 { 0 } else { *ends.get(i - 1)? };
     buf.get(start..*ends.get(i)?)
 }
 
-/// Why a CSV record could not be split.
-enum CsvSplitError {
-    /// A quoted field is still open: the record goes on on the next line.
-    Unterminated,
-    Bad(&'static str, usize),
+/// A CSV parser: RFC 4180 quoting (`,` between fields, a quoted field may hold commas, `""` and
+/// line breaks), records ended by "\n" alone. The reader gives it one physical line at a time
+/// and deals with a "\r" before the "\n" itself (see [`FileReader::read_csv_record`]), so that
+/// a "\r" anywhere else is data, as it always was here.
+fn csv_parser() -> csv_core::Reader {
+    let mut parser = csv_core::ReaderBuilder::new()
+        .terminator(csv_core::Terminator::Any(b'\n'))
+        .build();
+    restart(&mut parser);
+    parser
 }
 
-/// Splits one CSV record (without its final line terminator) into unquoted fields stored back to
-/// back in `buf`, with the end of each in `ends`. Quoting follows RFC 4180 strictly: a quote
-/// may only open a field, a closing quote must end it, and `""` inside quotes is one quote.
-fn split_csv(rec: &[u8], buf: &mut Vec<u8>, ends: &mut Vec<usize>) -> Result<(), CsvSplitError> {
-    buf.clear();
-    ends.clear();
-    let mut i = 0;
+/// Puts the parser at the start of a record, after a record was abandoned half-read or when a
+/// file is opened. csv_core drops a byte order mark from the first bytes it reads after a reset;
+/// the reader drops one itself, at the start of a file only, so the parser first reads an empty
+/// line, which it skips.
+fn restart(parser: &mut csv_core::Reader) {
+    parser.reset();
+    let _ = parser.read_field(b"\n", &mut [0]);
+}
+
+/// Checks the quoting of one CSV field as written (without the `,` or line end after it), and
+/// returns what is wrong and at which of its bytes. csv_core parses RFC 4180 quoting but does
+/// not reject what breaks it (text after a closing quote joins the field; a quote inside an
+/// unquoted field is data), preferring some parse to none; this source is strict, as a stray
+/// quote usually means a broken writer whose output should not be read as data.
+fn check_quoting(raw: &[u8]) -> Result<(), (&'static str, usize)> {
+    if raw.first() != Some(&b'"') {
+        return match raw.iter().position(|&b| b == b'"') {
+            Some(at) => Err(("quote inside an unquoted field", at)),
+            None => Ok(()),
+        };
+    }
+    let mut at = 1;
     loop {
-        if rec.get(i) == Some(&b'"') {
-            i += 1;
-            loop {
-                let Some(q) = rec
-                    .get(i..)
-                    .and_then(|rest| rest.iter().position(|&b| b == b'"'))
-                else {
-                    return Err(CsvSplitError::Unterminated);
-                };
-                buf.extend_from_slice(&rec[i..i + q]);
-                i += q + 1;
-                if rec.get(i) == Some(&b'"') {
-                    buf.push(b'"');
-                    i += 1;
-                } else {
-                    break;
-                }
-            }
-            ends.push(buf.len());
-            match rec.get(i) {
-                None => return Ok(()),
-                Some(b',') => i += 1,
-                Some(_) => {
-                    return Err(CsvSplitError::Bad(
-                        "unexpected character after a closing quote",
-                        i,
-                    ))
-                }
-            }
-        } else {
-            let rest = rec.get(i..).unwrap_or_default();
-            let len = rest.iter().position(|&b| b == b',').unwrap_or(rest.len());
-            let field = &rest[..len];
-            if let Some(q) = field.iter().position(|&b| b == b'"') {
-                return Err(CsvSplitError::Bad("quote inside an unquoted field", i + q));
-            }
-            buf.extend_from_slice(field);
-            ends.push(buf.len());
-            if len == rest.len() {
-                return Ok(());
-            }
-            i += len + 1;
+        // The quoted part ends at the first quote that is not doubled.
+        let Some(q) = raw
+            .get(at..)
+            .and_then(|rest| rest.iter().position(|&b| b == b'"'))
+        else {
+            // The parser ends no field inside quotes: only the end of the file leaves a quoted
+            // field open, and that is reported before any field is checked.
+            return Err(("unterminated quoted field", raw.len()));
+        };
+        at += q + 1;
+        match raw.get(at) {
+            Some(b'"') => at += 1,
+            Some(_) => return Err(("unexpected character after a closing quote", at)),
+            None => return Ok(()),
         }
     }
 }
 
 impl<T: 'static> FileReader<T> {
-    /// Reads one CSV record, which may span several physical lines inside quotes.
-    fn read_csv_record(&mut self, strip_bom: bool) -> Result<CsvRead, SourceError> {
+    /// Reads one CSV record into `csv_buf` and `csv_ends`. A record may span several physical
+    /// lines inside quotes: its lines are read one at a time (so that its size stays bounded and
+    /// the line numbers stay exact) and given to the parser until it ends the record.
+    fn read_csv_record(&mut self, at_file_start: bool) -> Result<CsvRead, SourceError> {
         let Some(open) = self.open.as_mut() else {
             return Ok(CsvRead::Eof);
         };
         self.rec.clear();
+        self.csv_ends.clear();
+        // Where the record starts in `rec` (after a byte order mark at the start of the file),
+        // how much of `rec` the parser has read, where the field being read starts in `rec`, and
+        // how much field text the parser has written to `csv_buf`.
+        let (mut start, mut fed, mut field_start, mut written) = (0, 0, 0, 0);
+        let mut bad = None;
         let mut lines = 0u32;
         loop {
             let (n, too_long) = read_line(&mut open.reader, &mut self.rec, self.max_record_bytes)
                 .map_err(io_error(&self.loc.file))?;
             if n == 0 {
-                return Ok(if lines == 0 {
-                    CsvRead::Eof
-                } else {
-                    CsvRead::Bad("unterminated quoted field at the end of the file".to_owned())
-                });
+                if lines == 0 {
+                    return Ok(CsvRead::Eof);
+                }
+                restart(&mut self.csv);
+                return Ok(CsvRead::Bad(
+                    "unterminated quoted field at the end of the file".to_owned(),
+                ));
             }
             lines += 1;
             open.offset += n;
             open.line += 1;
             if too_long {
+                restart(&mut self.csv);
                 return Ok(CsvRead::Bad(format!(
                     "record longer than {} bytes",
                     self.max_record_bytes
                 )));
             }
-            let mut content = strip_eol(&self.rec);
-            if strip_bom {
-                content = content.strip_prefix(BOM).unwrap_or(content);
+            if self.rec.last() != Some(&b'\n') {
+                // The last line of the file: end it for the parser.
+                self.rec.push(b'\n');
             }
-            if lines == 1 && content.is_empty() {
-                return Ok(CsvRead::Blank);
-            }
-            match split_csv(content, &mut self.csv_buf, &mut self.csv_ends) {
-                Ok(()) => return Ok(CsvRead::Fields),
-                Err(CsvSplitError::Unterminated) => {}
-                Err(CsvSplitError::Bad(what, at)) => {
-                    return Ok(CsvRead::Bad(format!("{what} (byte {at} of the record)")))
+            if lines == 1 {
+                if at_file_start && self.rec.starts_with(BOM) {
+                    (start, fed, field_start) = (BOM.len(), BOM.len(), BOM.len());
                 }
+                if strip_eol(self.rec.get(start..).unwrap_or_default()).is_empty() {
+                    return Ok(CsvRead::Blank);
+                }
+            }
+            // Field text is never longer than the record, so the parser never runs out of room.
+            if self.csv_buf.len() <= self.rec.len() {
+                self.csv_buf.resize(self.rec.len() + 1, 0);
+            }
+            loop {
+                let (result, read, wrote) = self.csv.read_field(
+                    self.rec.get(fed..).unwrap_or_default(),
+                    self.csv_buf.get_mut(written..).unwrap_or_default(),
+                );
+                fed += read;
+                written += wrote;
+                match result {
+                    // The line ended inside a quoted field: the record goes on on the next line.
+                    // (End comes only after empty input, which the parser is never given.)
+                    csv_core::ReadFieldResult::InputEmpty | csv_core::ReadFieldResult::End => break,
+                    csv_core::ReadFieldResult::OutputFull => {
+                        let len = self.csv_buf.len();
+                        self.csv_buf.resize(2 * len + 1, 0);
+                    }
+                    csv_core::ReadFieldResult::Field { record_end } => {
+                        // The field as written ends before the "," or "\n" the parser just read.
+                        let mut end = fed.saturating_sub(1);
+                        let field = self.rec.get(field_start..end).unwrap_or_default();
+                        if record_end && field.ends_with(b"\r") {
+                            // A "\r\n" line end, whose "\r" the parser copied into the field.
+                            end -= 1;
+                            written = written.saturating_sub(1);
+                        }
+                        if bad.is_none() {
+                            let field = self.rec.get(field_start..end).unwrap_or_default();
+                            if let Err((what, at)) = check_quoting(field) {
+                                let at = field_start - start + at;
+                                bad = Some(format!("{what} (byte {at} of the record)"));
+                            }
+                        }
+                        self.csv_ends.push(written);
+                        field_start = fed;
+                        if record_end {
+                            return Ok(bad.map_or(CsvRead::Fields, CsvRead::Bad));
+                        }
+                    }
+                }
+            }
+            if let Some(reason) = bad {
+                // Give up on the record at the end of this line, as the next line cannot tell
+                // what of it was meant to be inside quotes.
+                restart(&mut self.csv);
+                return Ok(CsvRead::Bad(reason));
             }
         }
     }
@@ -450,6 +521,7 @@ impl<T: 'static> FileReader<T> {
             width: 0,
         });
         if self.format == FileFormat::Csv {
+            restart(&mut self.csv);
             self.read_header()?;
         }
         let Some((offset, line)) = at else {
@@ -469,7 +541,8 @@ impl<T: 'static> FileReader<T> {
         if offset > len {
             return Err(bad("offset lies beyond the end of the file"));
         }
-        // A record starts just after a line terminator; anything else is not a position of ours.
+        // A record starts just after a line terminator, and the end of a file whose last line
+        // has none is where its reader stops; anything else is not a position of ours.
         let mut before = [0u8; 1];
         open.reader
             .seek(SeekFrom::Start(offset - 1))
@@ -477,7 +550,7 @@ impl<T: 'static> FileReader<T> {
         open.reader
             .read_exact(&mut before)
             .map_err(io_error(path))?;
-        if before[0] != b'\n' {
+        if before[0] != b'\n' && offset != len {
             return Err(bad("offset is not at the start of a line"));
         }
         open.offset = offset;
@@ -636,43 +709,40 @@ impl<T: 'static> FileReader<T> {
         if content.iter().all(|b| is_json_space(*b)) {
             return Ok(Step::Line);
         }
-        let result = match std::str::from_utf8(content) {
-            Err(e) => Err(format!("invalid UTF-8 at byte {}", e.valid_up_to())),
-            Ok(text) => match scan_object(text.as_bytes(), &self.columns, &mut self.json) {
-                Err(reason) => Err(reason),
-                Ok(()) => {
-                    let mut fields = recycle(std::mem::take(&mut self.strs));
-                    let mut failure = None;
-                    for ((column, val), esc) in
-                        self.columns.iter().zip(&self.json.vals).zip(&self.json.esc)
-                    {
-                        let value = match *val {
-                            Val::Missing => Err(format!("missing field `{column}`")),
-                            Val::Null => Err(format!("field `{column}` is null")),
-                            Val::Escaped => Ok(esc.as_str()),
-                            Val::Span(start, end) => text
-                                .get(start..end)
-                                .ok_or_else(|| format!("field `{column}`: bad span")),
-                        };
-                        match value {
-                            Ok(v) => fields.push(v),
-                            Err(reason) => {
-                                failure = Some(reason);
-                                break;
-                            }
+        let result = match scan_object(content, &self.columns, &mut self.json) {
+            Err(reason) => Err(reason),
+            Ok(text) => {
+                let mut fields = recycle(std::mem::take(&mut self.strs));
+                let mut failure = None;
+                for ((column, val), esc) in
+                    self.columns.iter().zip(&self.json.vals).zip(&self.json.esc)
+                {
+                    let value = match *val {
+                        Val::Missing => Err(format!("missing field `{column}`")),
+                        Val::Null => Err(format!("field `{column}` is null")),
+                        Val::Escaped => Ok(esc.as_str()),
+                        Val::Span(start, end) => text
+                            .get(start..end)
+                            .ok_or_else(|| format!("field `{column}`: bad span")),
+                    };
+                    match value {
+                        Ok(v) => fields.push(v),
+                        Err(reason) => {
+                            failure = Some(reason);
+                            break;
                         }
                     }
-                    let result = match failure {
-                        Some(reason) => Err(reason),
-                        None => {
-                            self.loc.line = line;
-                            (self.parse)(&fields, &self.loc)
-                        }
-                    };
-                    self.strs = recycle(fields);
-                    result
                 }
-            },
+                let result = match failure {
+                    Some(reason) => Err(reason),
+                    None => {
+                        self.loc.line = line;
+                        (self.parse)(&fields, &self.loc)
+                    }
+                };
+                self.strs = recycle(fields);
+                result
+            }
         };
         match result {
             Ok(record) => out.push(record),
@@ -812,12 +882,12 @@ fn is_json_space(b: u8) -> bool {
     matches!(b, b' ' | b'\t' | b'\n' | b'\r')
 }
 
-/// What the JSON scanner found for one wanted column.
+/// Where the value of one wanted column is, once a line has been read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Val {
     Missing,
     Null,
-    /// The text is this byte range of the line (a string's content, or a literal's text).
+    /// The text is this byte range of the line (a string's content, or a value as written).
     Span(usize, usize),
     /// The text is the column's unescape buffer.
     Escaped,
@@ -829,352 +899,263 @@ struct JsonScratch {
     vals: Vec<Val>,
     /// Per column: the unescaped text of an escaped string value.
     esc: Vec<String>,
-    /// An escaped key, unescaped for comparison.
-    key: String,
 }
 
-/// A JSON syntax error: what was wrong and at which byte.
-struct JsonError(&'static str, usize);
-
-/// What a JSON value was.
-enum Kind {
-    /// A string: content range and whether it holds escapes.
-    Str(usize, usize, bool),
-    Null,
-    /// A number, boolean, array or object: its text is the value's byte range.
-    Other,
-}
-
-/// A validating scanner over one line of JSON.
-struct Scanner<'a> {
+/// Reads `b` as exactly one JSON object (with whitespace around it) with serde_json and records
+/// in `scratch.vals` where each of `columns` is. Returns the line as text, or the reason it is
+/// malformed.
+///
+/// A line is accepted when serde_json would read it as a `serde_json::Value::Object`, and no
+/// wanted field appears twice; nothing is built but the wanted values' text. A wanted value is
+/// read as a [`RawValue`] (its text as written, borrowed from the line): numbers, booleans and
+/// nested values keep that text, a string its content, unescaped (into a reused buffer) only
+/// when it holds escapes. Other values are checked and dropped by [`Skip`].
+fn scan_object<'a>(
     b: &'a [u8],
-    pos: usize,
-}
-
-impl Scanner<'_> {
-    fn peek(&self) -> Option<u8> {
-        self.b.get(self.pos).copied()
-    }
-
-    fn err<T>(&self, what: &'static str) -> Result<T, JsonError> {
-        Err(JsonError(what, self.pos))
-    }
-
-    fn ws(&mut self) {
-        while self.peek().is_some_and(is_json_space) {
-            self.pos += 1;
-        }
-    }
-
-    fn hex4(&mut self) -> Result<u32, JsonError> {
-        let mut v = 0;
-        for _ in 0..4 {
-            let d = match self.peek() {
-                Some(c @ b'0'..=b'9') => c - b'0',
-                Some(c @ b'a'..=b'f') => c - b'a' + 10,
-                Some(c @ b'A'..=b'F') => c - b'A' + 10,
-                _ => return self.err("invalid \\u escape"),
-            };
-            v = v * 16 + u32::from(d);
-            self.pos += 1;
-        }
-        Ok(v)
-    }
-
-    /// Scans a string starting at the opening quote; returns its content range and whether it
-    /// has escapes. Checks every escape, including surrogate pairs.
-    fn string(&mut self) -> Result<(usize, usize, bool), JsonError> {
-        self.pos += 1;
-        let start = self.pos;
-        let mut escaped = false;
-        loop {
-            match self.peek() {
-                None => return self.err("unterminated string"),
-                Some(b'"') => {
-                    self.pos += 1;
-                    return Ok((start, self.pos - 1, escaped));
-                }
-                Some(b'\\') => {
-                    escaped = true;
-                    self.pos += 1;
-                    match self.peek() {
-                        Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => {
-                            self.pos += 1
-                        }
-                        Some(b'u') => {
-                            self.pos += 1;
-                            let unit = self.hex4()?;
-                            if (0xDC00..0xE000).contains(&unit) {
-                                return self.err("lone low surrogate in \\u escape");
-                            }
-                            if (0xD800..0xDC00).contains(&unit) {
-                                if self.b.get(self.pos..self.pos + 2) != Some(b"\\u") {
-                                    return self.err("lone high surrogate in \\u escape");
-                                }
-                                self.pos += 2;
-                                if !(0xDC00..0xE000).contains(&self.hex4()?) {
-                                    return self
-                                        .err("high surrogate not followed by a low surrogate");
-                                }
-                            }
-                        }
-                        _ => return self.err("invalid escape"),
-                    }
-                }
-                Some(0..=0x1F) => return self.err("control character in string"),
-                Some(_) => self.pos += 1,
-            }
-        }
-    }
-
-    fn digits(&mut self) -> usize {
-        let start = self.pos;
-        while self.peek().is_some_and(|c| c.is_ascii_digit()) {
-            self.pos += 1;
-        }
-        self.pos - start
-    }
-
-    fn number(&mut self) -> Result<(), JsonError> {
-        if self.peek() == Some(b'-') {
-            self.pos += 1;
-        }
-        match self.peek() {
-            Some(b'0') => self.pos += 1,
-            Some(b'1'..=b'9') => {
-                self.digits();
-            }
-            _ => return self.err("invalid number"),
-        }
-        if self.peek() == Some(b'.') {
-            self.pos += 1;
-            if self.digits() == 0 {
-                return self.err("invalid number");
-            }
-        }
-        if matches!(self.peek(), Some(b'e' | b'E')) {
-            self.pos += 1;
-            if matches!(self.peek(), Some(b'+' | b'-')) {
-                self.pos += 1;
-            }
-            if self.digits() == 0 {
-                return self.err("invalid number");
-            }
-        }
-        Ok(())
-    }
-
-    fn literal(&mut self, word: &[u8]) -> Result<(), JsonError> {
-        if self.b.get(self.pos..self.pos + word.len()) == Some(word) {
-            self.pos += word.len();
-            Ok(())
-        } else {
-            self.err("invalid literal")
-        }
-    }
-
-    /// Scans one value at the current position (whitespace already skipped).
-    fn value(&mut self, depth: usize) -> Result<Kind, JsonError> {
-        match self.peek() {
-            Some(b'"') => {
-                let (start, end, escaped) = self.string()?;
-                Ok(Kind::Str(start, end, escaped))
-            }
-            Some(b'{') => self.container(depth, b'}', true).map(|()| Kind::Other),
-            Some(b'[') => self.container(depth, b']', false).map(|()| Kind::Other),
-            Some(b't') => self.literal(b"true").map(|()| Kind::Other),
-            Some(b'f') => self.literal(b"false").map(|()| Kind::Other),
-            Some(b'n') => self.literal(b"null").map(|()| Kind::Null),
-            Some(b'-' | b'0'..=b'9') => self.number().map(|()| Kind::Other),
-            None => self.err("unexpected end of line"),
-            Some(_) => self.err("expected a value"),
-        }
-    }
-
-    /// Scans a nested object or array whose opening bracket is at the current position.
-    fn container(&mut self, depth: usize, close: u8, object: bool) -> Result<(), JsonError> {
-        if depth >= MAX_JSON_DEPTH {
-            return self.err("nested too deeply");
-        }
-        self.pos += 1;
-        self.ws();
-        if self.peek() == Some(close) {
-            self.pos += 1;
-            return Ok(());
-        }
-        loop {
-            if object {
-                if self.peek() != Some(b'"') {
-                    return self.err("expected a string key");
-                }
-                self.string()?;
-                self.ws();
-                if self.peek() != Some(b':') {
-                    return self.err("expected ':'");
-                }
-                self.pos += 1;
-                self.ws();
-            }
-            self.value(depth + 1)?;
-            self.ws();
-            match self.peek() {
-                Some(b',') => {
-                    self.pos += 1;
-                    self.ws();
-                }
-                Some(c) if c == close => {
-                    self.pos += 1;
-                    return Ok(());
-                }
-                _ => {
-                    return self.err(if object {
-                        "expected ',' or '}'"
-                    } else {
-                        "expected ',' or ']'"
-                    })
-                }
-            }
-        }
-    }
-}
-
-/// Unescapes the content of a JSON string that [`Scanner::string`] accepted.
-fn unescape(content: &[u8], out: &mut String) -> Option<()> {
-    out.clear();
-    let mut i = 0;
-    while i < content.len() {
-        let run = content
-            .get(i..)?
-            .iter()
-            .position(|&b| b == b'\\')
-            .unwrap_or(content.len() - i);
-        out.push_str(std::str::from_utf8(content.get(i..i + run)?).ok()?);
-        i += run;
-        if i >= content.len() {
-            break;
-        }
-        let c = *content.get(i + 1)?;
-        i += 2;
-        let ch = match c {
-            b'"' => '"',
-            b'\\' => '\\',
-            b'/' => '/',
-            b'b' => '\u{8}',
-            b'f' => '\u{c}',
-            b'n' => '\n',
-            b'r' => '\r',
-            b't' => '\t',
-            b'u' => {
-                let hex = |at: usize| -> Option<u32> {
-                    u32::from_str_radix(std::str::from_utf8(content.get(at..at + 4)?).ok()?, 16)
-                        .ok()
-                };
-                let unit = hex(i)?;
-                i += 4;
-                if (0xD800..0xDC00).contains(&unit) {
-                    let low = hex(i + 2)?;
-                    i += 6;
-                    char::from_u32(0x10000 + ((unit - 0xD800) << 10) + (low.checked_sub(0xDC00)?))?
-                } else {
-                    char::from_u32(unit)?
-                }
-            }
-            _ => return None,
-        };
-        out.push(ch);
-    }
-    Some(())
-}
-
-/// Checks that `b` is exactly one JSON object (with surrounding whitespace) and records in
-/// `scratch.vals` where each of `columns` is. Returns the reason if the line is malformed.
-fn scan_object(b: &[u8], columns: &[String], scratch: &mut JsonScratch) -> Result<(), String> {
+    columns: &[String],
+    scratch: &mut JsonScratch,
+) -> Result<&'a str, String> {
+    let text =
+        std::str::from_utf8(b).map_err(|e| format!("invalid UTF-8 at byte {}", e.valid_up_to()))?;
     scratch.vals.clear();
     scratch.vals.resize(columns.len(), Val::Missing);
     if scratch.esc.len() < columns.len() {
         scratch.esc.resize_with(columns.len(), String::new);
     }
-    let syntax = |JsonError(what, at)| format!("invalid JSON at byte {at}: {what}");
-    let mut s = Scanner { b, pos: 0 };
-    s.ws();
-    if s.peek() != Some(b'{') {
+    // serde_json would call another value an invalid type, or a syntax error if it is one.
+    if b.iter().find(|b| !is_json_space(**b)) != Some(&b'{') {
         return Err("not a JSON object".to_owned());
     }
-    s.pos += 1;
-    s.ws();
-    if s.peek() == Some(b'}') {
-        s.pos += 1;
-    } else {
+    let mut failure = None;
+    let mut at_key = false;
+    let mut de = serde_json::Deserializer::from_str(text);
+    let object = Object {
+        text,
+        columns,
+        scratch,
+        failure: &mut failure,
+        at_key: &mut at_key,
+    };
+    match de.deserialize_map(object).and_then(|()| de.end()) {
+        Ok(()) => Ok(text),
+        Err(e) => Err(failure.unwrap_or_else(|| invalid_json(&e, 0, at_key))),
+    }
+}
+
+/// The reason for a serde_json syntax error in a line, `offset` being where the text that
+/// serde_json read starts in the line. `at_key` says that a key of the line's object was due.
+fn invalid_json(e: &serde_json::Error, offset: usize, at_key: bool) -> String {
+    let message = e.to_string();
+    let position = format!(" at line {} column {}", e.line(), e.column());
+    let what = match message.strip_suffix(&position).unwrap_or(&message) {
+        // serde_json's words for `{"a": 1,}` and `{a: 1}`, where a key was expected.
+        "trailing comma" | "key must be a string" if at_key => "expected a string key",
+        // And for a `\ud800` (a leading surrogate) that no `\udc00`-`\udfff` escape follows.
+        "unexpected end of hex escape" => "lone leading surrogate in hex escape",
+        what => what,
+    };
+    format!("invalid JSON at column {}: {what}", offset + e.column())
+}
+
+/// Where `part`, a slice of `whole`, lies in it.
+fn span_in(whole: &str, part: &str) -> Option<(usize, usize)> {
+    let start = part.as_ptr().addr().checked_sub(whole.as_ptr().addr())?;
+    let end = start.checked_add(part.len())?;
+    (end <= whole.len()).then_some((start, end))
+}
+
+/// The visitor of a line's object: notes where the wanted fields are, skips the others.
+struct Object<'s, 'de> {
+    /// The line, which every `&'de str` that serde_json hands out borrows from.
+    text: &'de str,
+    columns: &'s [String],
+    scratch: &'s mut JsonScratch,
+    /// Why the line is malformed when it is not a syntax error.
+    failure: &'s mut Option<String>,
+    /// Set while a key of the object is read.
+    at_key: &'s mut bool,
+}
+
+impl<'de> Object<'_, 'de> {
+    /// Where the text of `raw`, the value of wanted column `i`, is; or why it is malformed.
+    fn value(&mut self, i: usize, raw: &'de RawValue) -> Result<Val, String> {
+        let raw = raw.get();
+        // A `&'de RawValue` is borrowed from the text read, so it lies in the line.
+        let (start, end) = span_in(self.text, raw).ok_or("value outside the line")?;
+        match raw.as_bytes().first() {
+            Some(b'n') => Ok(Val::Null),
+            Some(b'"') => {
+                let content = raw.get(1..raw.len().saturating_sub(1)).unwrap_or_default();
+                if !content.contains('\\') {
+                    return Ok(Val::Span(start + 1, end - 1));
+                }
+                let buf = self.scratch.esc.get_mut(i).ok_or("scratch space missing")?;
+                let mut de = serde_json::Deserializer::from_str(raw);
+                de.deserialize_str(Unescape(buf))
+                    .map_err(|e| invalid_json(&e, start, false))?;
+                Ok(Val::Escaped)
+            }
+            Some(b'[' | b'{') => {
+                // serde_json reads a raw value without recursing, so without a depth limit:
+                // check it as the rest of the line is checked.
+                let mut de = serde_json::Deserializer::from_str(raw);
+                de.deserialize_any(Skip)
+                    .map_err(|e| invalid_json(&e, start, false))?;
+                Ok(Val::Span(start, end))
+            }
+            _ => Ok(Val::Span(start, end)),
+        }
+    }
+}
+
+impl<'de> Visitor<'de> for Object<'_, 'de> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(mut self, mut map: A) -> Result<(), A::Error> {
         loop {
-            if s.peek() != Some(b'"') {
-                return Err(syntax(JsonError("expected a string key", s.pos)));
-            }
-            let (key_start, key_end, key_escaped) = s.string().map_err(syntax)?;
-            let key: &[u8] = if key_escaped {
-                unescape(
-                    b.get(key_start..key_end).unwrap_or_default(),
-                    &mut scratch.key,
-                )
-                .ok_or_else(|| syntax(JsonError("invalid escape", key_start)))?;
-                scratch.key.as_bytes()
-            } else {
-                b.get(key_start..key_end).unwrap_or_default()
+            *self.at_key = true;
+            let key = map.next_key_seed(Column(self.columns))?;
+            *self.at_key = false;
+            let Some(key) = key else {
+                return Ok(());
             };
-            let wanted = columns.iter().any(|c| c.as_bytes() == key);
-            s.ws();
-            if s.peek() != Some(b':') {
-                return Err(syntax(JsonError("expected ':'", s.pos)));
+            let Some(i) = key else {
+                map.next_value_seed(Skip)?;
+                continue;
+            };
+            let raw: &'de RawValue = map.next_value()?;
+            let column = self.columns.get(i).map_or("", String::as_str);
+            if self.scratch.vals.get(i) != Some(&Val::Missing) {
+                *self.failure = Some(format!("duplicate field `{column}`"));
+                return Err(A::Error::custom("duplicate field"));
             }
-            s.pos += 1;
-            s.ws();
-            let value_start = s.pos;
-            let kind = s.value(1).map_err(syntax)?;
-            if wanted {
-                for (i, column) in columns.iter().enumerate() {
-                    if column.as_bytes() != key {
-                        continue;
-                    }
-                    if scratch.vals.get(i) != Some(&Val::Missing) {
-                        return Err(format!("duplicate field `{column}`"));
-                    }
-                    let val = match kind {
-                        Kind::Null => Val::Null,
-                        Kind::Other => Val::Span(value_start, s.pos),
-                        Kind::Str(start, end, false) => Val::Span(start, end),
-                        Kind::Str(start, end, true) => {
-                            let buf = scratch.esc.get_mut(i).ok_or("scratch space missing")?;
-                            unescape(b.get(start..end).unwrap_or_default(), buf)
-                                .ok_or_else(|| syntax(JsonError("invalid escape", start)))?;
-                            Val::Escaped
-                        }
-                    };
-                    if let Some(slot) = scratch.vals.get_mut(i) {
-                        *slot = val;
-                    }
+            let val = match self.value(i, raw) {
+                Ok(val) => val,
+                Err(reason) => {
+                    *self.failure = Some(reason);
+                    return Err(A::Error::custom("malformed value"));
                 }
+            };
+            if let Some(slot) = self.scratch.vals.get_mut(i) {
+                *slot = val;
             }
-            s.ws();
-            match s.peek() {
-                Some(b',') => {
-                    s.pos += 1;
-                    s.ws();
+            // A column asked for twice gets the value twice.
+            for j in i + 1..self.columns.len() {
+                if self.columns.get(j).map(String::as_str) != Some(column) {
+                    continue;
                 }
-                Some(b'}') => {
-                    s.pos += 1;
-                    break;
+                if let Some(slot) = self.scratch.vals.get_mut(j) {
+                    *slot = val;
                 }
-                _ => return Err(syntax(JsonError("expected ',' or '}'", s.pos))),
+                let (before, from_j) = self.scratch.esc.split_at_mut(j);
+                if let (Val::Escaped, Some(from), Some(to)) =
+                    (val, before.get(i), from_j.first_mut())
+                {
+                    to.clone_from(from);
+                }
             }
         }
     }
-    s.ws();
-    if s.pos != b.len() {
-        return Err(syntax(JsonError(
-            "trailing characters after the object",
-            s.pos,
-        )));
+}
+
+/// A key of a line's object: the index of the first wanted column of that name, if any.
+struct Column<'s>(&'s [String]);
+
+impl<'de> DeserializeSeed<'de> for Column<'_> {
+    type Value = Option<usize>;
+
+    fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<Option<usize>, D::Error> {
+        de.deserialize_str(self)
     }
-    Ok(())
+}
+
+impl Visitor<'_> for Column<'_> {
+    type Value = Option<usize>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a string key")
+    }
+
+    fn visit_str<E>(self, key: &str) -> Result<Option<usize>, E> {
+        Ok(self.0.iter().position(|c| c == key))
+    }
+}
+
+/// Checks a value and drops it. serde_json's own skipping (`IgnoredAny`, `RawValue`) does not
+/// recurse, so it applies no depth limit, and takes a lone surrogate escape; this visits the
+/// value as `serde_json::Value` would, with serde_json's recursion limit (128, which keeps a
+/// hostile line from overflowing the stack) and its checks, without building anything.
+struct Skip;
+
+impl<'de> DeserializeSeed<'de> for Skip {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<(), D::Error> {
+        de.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Skip {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element_seed(Skip)?.is_some() {}
+        Ok(())
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while map.next_entry_seed(Skip, Skip)?.is_some() {}
+        Ok(())
+    }
+}
+
+/// Unescapes a JSON string into a reused buffer.
+struct Unescape<'s>(&'s mut String);
+
+impl Visitor<'_> for Unescape<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a string")
+    }
+
+    fn visit_str<E>(self, s: &str) -> Result<(), E> {
+        self.0.clear();
+        self.0.push_str(s);
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -1710,6 +1691,266 @@ mod tests {
             Err(other) => panic!("unexpected error {other:?}"),
             Ok(_) => panic!("a missing path has no reader"),
         }
+    }
+
+    /// Parses (key, integer value, line of the record) from two fields.
+    fn located(fields: &[&str], loc: &Location) -> Result<(String, i64, u64), String> {
+        pair(fields, loc).map(|(k, v)| (k, v, loc.line))
+    }
+
+    /// Reads one record per poll until the reader fails or finishes.
+    fn until_error<T: 'static>(reader: &mut dyn SourceReader<T>) -> (Vec<T>, Option<SourceError>) {
+        let mut out = Vec::new();
+        loop {
+            match reader.poll(&mut out, 1) {
+                Ok(SourcePoll::Finished) => return (out, None),
+                Ok(_) => {}
+                Err(e) => return (out, Some(e)),
+            }
+        }
+    }
+
+    #[test]
+    fn csv_quoted_comma_quote_and_newline_keep_line_numbers() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let text = concat!(
+            "k,v\n",
+            "\"a, \"\"b\"\"\nc\",1\n", // lines 2-3: comma, quotes and a line break in one field
+            "d,2\n",                   // line 4
+            "\"e\r\n\"\"\",3\r\n",     // lines 5-6: a CRLF inside quotes is data
+            "\"\"\"\",4\n",            // line 7: a field that is one quote
+            "g\rh,5\n",                // line 8: a lone "\r" is data
+            "\"i\n\nj\",6\n",          // lines 9-11: an empty line inside quotes
+            "k,x\n",                   // line 12: malformed
+        );
+        let path = write(tmp.path(), "q.csv", text);
+        let source = FileSource::new(&path, FileFormat::Csv, &["k", "v"], located);
+        let (got, err) = until_error(reader(&source).as_mut());
+        let expect: Vec<(String, i64, u64)> = vec![
+            ("a, \"b\"\nc".into(), 1, 2),
+            ("d".into(), 2, 4),
+            ("e\r\n\"".into(), 3, 5),
+            ("\"".into(), 4, 7),
+            ("g\rh".into(), 5, 8),
+            ("i\n\nj".into(), 6, 9),
+        ];
+        assert_eq!(got, expect);
+        match err {
+            Some(SourceError::Malformed { file, line, reason }) => {
+                assert_eq!(file, path);
+                assert_eq!(line, 12);
+                assert!(reason.contains("value `x`"), "{reason}");
+            }
+            other => panic!("expected a malformed line, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn csv_quoting_errors_name_the_byte() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let cases = [
+            (
+                "k,v\n\"ab\"c,1\n",
+                "unexpected character after a closing quote (byte 4 ",
+            ),
+            (
+                "k,v\nab,\"c\"\"\"d\n",
+                "unexpected character after a closing quote (byte 8 ",
+            ),
+            ("k,v\nab,c\"d\n", "quote inside an unquoted field (byte 4 "),
+            (
+                "\u{feff}k,v\na\"b,1\n",
+                "quote inside an unquoted field (byte 1 ",
+            ),
+            // The error is in the first line; the record is given up at its end, and the line
+            // after it is read on its own (and is malformed too).
+            (
+                "k,v\nx\"y,\"z\nw\",1\n",
+                "quote inside an unquoted field (byte 1 ",
+            ),
+        ];
+        for (text, reason) in cases {
+            let path = write(tmp.path(), "e.csv", text);
+            let source = FileSource::new(&path, FileFormat::Csv, &["k", "v"], pair);
+            match drain(reader(&source).as_mut(), 4) {
+                Err(SourceError::Malformed {
+                    line: 2, reason: r, ..
+                }) => {
+                    assert!(r.contains(reason), "{text:?}: {r}");
+                }
+                other => panic!("{text:?}: unexpected {other:?}"),
+            }
+            let source = source.error_policy(ErrorPolicy::Skip);
+            assert!(drain(reader(&source).as_mut(), 4).expect("skip").is_empty());
+            let lines = text.lines().count() as u64 - 1;
+            assert_eq!(source.skipped().load(Ordering::Relaxed), lines, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn csv_wrong_field_counts_follow_each_policy() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        // Line 3 has a field too many, line 4 one too few; the quoted comma on line 5 is not a
+        // field separator.
+        let text = "k,v\na,1\nb,2,3\nc\n\"d,e\",4\n";
+        let path = write(tmp.path(), "n.csv", text);
+
+        for (bad, line, reason) in [
+            ("k,v\na,1\nb,2,3\n", 3, "expected 2 fields, found 3"),
+            ("k,v\na,1\nc\n", 3, "expected 2 fields, found 1"),
+            ("k,v\na,1\n\"b\",\"2\",\n", 3, "expected 2 fields, found 3"),
+        ] {
+            let fail = write(tmp.path(), "fail.csv", bad);
+            let source = FileSource::new(&fail, FileFormat::Csv, &["k", "v"], pair);
+            let (got, err) = until_error(reader(&source).as_mut());
+            assert_eq!(got, kv(&[("a", 1)]), "{bad:?}");
+            match err {
+                Some(SourceError::Malformed {
+                    file,
+                    line: l,
+                    reason: r,
+                }) => {
+                    assert_eq!(file, fail);
+                    assert_eq!(l, line, "{bad:?}");
+                    assert_eq!(r, reason, "{bad:?}");
+                }
+                other => panic!("{bad:?}: expected a malformed line, got {other:?}"),
+            }
+        }
+
+        let source = FileSource::new(&path, FileFormat::Csv, &["k", "v"], pair)
+            .error_policy(ErrorPolicy::Skip);
+        let got = drain(reader(&source).as_mut(), 10).expect("skip");
+        assert_eq!(got, kv(&[("a", 1), ("d,e", 4)]));
+        assert_eq!(source.skipped().load(Ordering::Relaxed), 2);
+
+        let dead = tmp.path().join("dead.jsonl");
+        let source = FileSource::new(&path, FileFormat::Csv, &["k", "v"], pair)
+            .error_policy(ErrorPolicy::DeadLetter(dead.clone()));
+        let got = drain(reader(&source).as_mut(), 10).expect("dead-letter");
+        assert_eq!(got, kv(&[("a", 1), ("d,e", 4)]));
+        assert_eq!(source.skipped().load(Ordering::Relaxed), 2);
+        let entries: Vec<serde_json::Value> = fs::read_to_string(&dead)
+            .expect("dead-letter file")
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("dead-letter line is JSON"))
+            .collect();
+        assert_eq!(entries.len(), 2);
+        assert_eq!(entries[0]["line"], 3);
+        assert_eq!(entries[0]["raw"], "b,2,3");
+        assert_eq!(entries[0]["reason"], "expected 2 fields, found 3");
+        assert_eq!(entries[1]["line"], 4);
+        assert_eq!(entries[1]["raw"], "c");
+        assert_eq!(entries[1]["reason"], "expected 2 fields, found 1");
+    }
+
+    #[test]
+    fn jsonl_escapes_and_nested_values_in_other_fields() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let text = concat!(
+            // Brackets, quotes and braces inside strings of fields that are not read, a wanted
+            // name inside a nested object, and escapes everywhere.
+            "{\"skip\": {\"v\": [1, {\"x\": \"a\\\"}]\\\\\"}], \"s\": \"}\\u0022,\"}, ",
+            "\"k\": \"q\\u00e9\\t\\\"\", \"o\\u0074her\": \"\\ud83d\\ude00\", \"v\": 7}\n",
+            "{\"k\": \"plain\", \"n\": [[], {}, [{\"k\": 1}]], \"v\": -2}\n",
+        );
+        let path = write(tmp.path(), "e.jsonl", text);
+        let source = FileSource::new(&path, FileFormat::JsonLines, &["k", "v"], pair);
+        let got = drain(reader(&source).as_mut(), 10).expect("read");
+        assert_eq!(got, kv(&[("q\u{e9}\t\"", 7), ("plain", -2)]));
+
+        // Fields that are not read are checked all the same.
+        let good = "{\"k\": \"a\", \"v\": 1}\n";
+        let deep = format!(
+            "{{\"k\": \"b\", \"x\": {}{}, \"v\": 2}}",
+            "[".repeat(200),
+            "]".repeat(200)
+        );
+        let cases = [
+            ("{\"k\": \"b\", \"x\": \"\\q\", \"v\": 2}", "invalid escape"),
+            ("{\"k\": \"b\", \"x\": \"\\udc00\", \"v\": 2}", "surrogate"),
+            ("{\"k\": \"b\", \"x\": [1,], \"v\": 2}", "invalid JSON"),
+            (
+                "{\"k\": \"b\", \"x\": {\"y\": 01}, \"v\": 2}",
+                "invalid number",
+            ),
+            (deep.as_str(), "recursion limit"),
+        ];
+        for (bad, reason) in cases {
+            let path = write(tmp.path(), "bad.jsonl", &format!("{good}{bad}\n{good}"));
+            let source = FileSource::new(&path, FileFormat::JsonLines, &["k", "v"], pair);
+            let (got, err) = until_error(reader(&source).as_mut());
+            assert_eq!(got, kv(&[("a", 1)]), "{bad}");
+            match err {
+                Some(SourceError::Malformed {
+                    line: 2, reason: r, ..
+                }) => {
+                    assert!(r.contains(reason), "{bad}: {r}");
+                }
+                other => panic!("{bad}: expected a malformed line, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn seek_after_a_multiline_csv_record() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let text = concat!(
+            "k,v\r\n",
+            "\"a\nb\",1\n",              // lines 2-3
+            "\"c,\r\n\"\"d\"\"\",2\r\n", // lines 4-5
+            "\n",                        // line 6: blank
+            "e,3\n",                     // line 7
+            "\"f\n\n\",4",               // lines 8-10, no line end at the end of the file
+        );
+        let path = write(tmp.path(), "m.csv", text);
+        let source = FileSource::new(&path, FileFormat::Csv, &["k", "v"], located);
+        let expect: Vec<(String, i64, u64)> = vec![
+            ("a\nb".into(), 1, 2),
+            ("c,\r\n\"d\"".into(), 2, 4),
+            ("e".into(), 3, 7),
+            ("f\n\n".into(), 4, 8),
+        ];
+        // Where the next record starts after reading n records (n = 0: the file is not open
+        // yet); reading the third record read the blank line before it too.
+        let ends = [(0, 1), (13, 4), (28, 6), (33, 8), (text.len() as u64, 11)];
+        for n in 0..=expect.len() {
+            let mut first = reader(&source);
+            let mut out = Vec::new();
+            while out.len() < n {
+                first.poll(&mut out, 1).expect("poll");
+            }
+            let position = first.position();
+            let (offset, line) = ends[n];
+            let (_, at, at_line, _) = decode_position(&position).expect("position");
+            assert_eq!((at, at_line), (offset, line), "n={n}");
+            let mut second = reader(&source);
+            second.seek(&position).expect("seek");
+            assert_eq!(
+                drain(second.as_mut(), 1).expect("rest"),
+                expect[n..],
+                "n={n}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_column_asked_for_twice_gets_its_value_twice() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let path = write(tmp.path(), "d.jsonl", "{\"a\": \"x\\ty\", \"b\": 2}\n");
+        let source = FileSource::new(&path, FileFormat::JsonLines, &["a", "b", "a"], texts);
+        let got = drain(reader(&source).as_mut(), 2).expect("read");
+        assert_eq!(
+            got,
+            vec![vec!["x\ty".to_owned(), "2".to_owned(), "x\ty".to_owned()]]
+        );
+        let path = write(tmp.path(), "d.csv", "a,b\nx,2\n");
+        let source = FileSource::new(&path, FileFormat::Csv, &["b", "a", "b"], texts);
+        let got = drain(reader(&source).as_mut(), 2).expect("read");
+        assert_eq!(
+            got,
+            vec![vec!["2".to_owned(), "x".to_owned(), "2".to_owned()]]
+        );
     }
 
     #[test]
