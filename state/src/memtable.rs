@@ -274,6 +274,8 @@ impl Default for Index {
 }
 
 const MIN_INDEX_SLOTS: usize = 16;
+/// Largest initial index: 64 Ki slots, 1 MiB.
+const INITIAL_INDEX_SLOTS_MAX: usize = 1 << 16;
 
 impl Index {
     /// `cap` is rounded up to a power of two.
@@ -410,11 +412,12 @@ pub(crate) fn key_prefix(key: &[u8]) -> u128 {
 
 impl Memtable {
     /// A memtable for a budget of `budget_bytes`: arena chunks are a sixteenth of it, so that
-    /// small budgets are not exceeded by the first chunk; the index starts at a quarter of it
-    /// (room for about as many entries as the rest holds 48-byte records), so that a filling
-    /// memtable rarely rehashes on the processing thread.
+    /// small budgets are not exceeded by the first chunk. The index starts at 1 MiB at most
+    /// and doubles as entries come: a small state keeps a small, cache-resident index, and a
+    /// large one pays a few rehashes once (a recycled memtable keeps its capacity).
     pub fn with_budget(budget_bytes: usize) -> Memtable {
-        let slots = (budget_bytes / 4 / std::mem::size_of::<Slot>()).max(MIN_INDEX_SLOTS);
+        let slots = (budget_bytes / 4 / std::mem::size_of::<Slot>())
+            .clamp(MIN_INDEX_SLOTS, INITIAL_INDEX_SLOTS_MAX);
         let mut m = Memtable {
             index: Index::with_capacity(if slots.is_power_of_two() {
                 slots
@@ -806,11 +809,15 @@ mod tests {
     }
 
     #[test]
-    fn a_large_budget_allocates_the_index_up_front_and_counts_it() {
-        let m = Memtable::with_budget(64 << 20);
-        assert_eq!(m.index.bytes(), 16 << 20);
-        assert!(m.approx_bytes() >= 16 << 20);
-        assert!(m.approx_bytes() < 64 << 20);
+    fn the_index_starts_small_and_its_whole_capacity_counts() {
+        let mut m = Memtable::with_budget(64 << 20);
+        assert_eq!(m.index.bytes(), 1 << 20);
+        assert!(m.approx_bytes() >= 1 << 20);
+        for i in 0..100_000u32 {
+            m.put(&i.to_be_bytes(), &[0; 16], NO_EXPIRY, false);
+        }
+        assert_eq!(m.index.bytes(), 4 << 20, "doubled twice, to 256 Ki slots");
+        assert!(m.approx_bytes() >= (4 << 20) + 100_000 * 48);
     }
 
     #[test]

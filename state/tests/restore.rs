@@ -9,6 +9,9 @@ use std::sync::Arc;
 use weir_io::{Fs, StdFs};
 use weir_state::{KeyGroupRange, RestoreReport, SnapshotHandle, Store, StoreConfig};
 
+mod common;
+use common::{all, key};
+
 fn config(mp: u16) -> StoreConfig {
     StoreConfig {
         memtable_budget_bytes: 64 << 20,
@@ -19,20 +22,6 @@ fn config(mp: u16) -> StoreConfig {
         max_parallelism: mp,
         ..StoreConfig::default()
     }
-}
-
-fn key(kg: u16, user: u16) -> Vec<u8> {
-    let mut k = kg.to_be_bytes().to_vec();
-    k.extend_from_slice(&1u16.to_be_bytes());
-    k.extend_from_slice(&user.to_be_bytes());
-    k
-}
-
-fn all(store: &mut Store) -> Vec<(Vec<u8>, Vec<u8>)> {
-    store
-        .scan_range(&[], None)
-        .map(|(k, f)| (k.to_vec(), f.value.to_vec()))
-        .collect()
 }
 
 fn fs() -> Arc<dyn Fs> {

@@ -11,6 +11,9 @@ use weir_state::{
     segment_layout as L, FormatError, KeyGroupRange, SnapshotHandle, StateError, Store, StoreConfig,
 };
 
+mod common;
+use common::{all, key};
+
 fn small_config(mp: u16) -> StoreConfig {
     StoreConfig {
         memtable_budget_bytes: 16 << 10,
@@ -18,20 +21,6 @@ fn small_config(mp: u16) -> StoreConfig {
         max_parallelism: mp,
         ..StoreConfig::default()
     }
-}
-
-fn key(kg: u16, user: u16) -> Vec<u8> {
-    let mut k = kg.to_be_bytes().to_vec();
-    k.extend_from_slice(&1u16.to_be_bytes());
-    k.extend_from_slice(&user.to_be_bytes());
-    k
-}
-
-fn all(store: &mut Store) -> Vec<(Vec<u8>, Vec<u8>)> {
-    store
-        .scan_range(&[], None)
-        .map(|(k, f)| (k.to_vec(), f.value.to_vec()))
-        .collect()
 }
 
 fn snapshot(store: &mut Store, id: u64) -> SnapshotHandle {
