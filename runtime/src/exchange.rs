@@ -313,9 +313,9 @@ impl WriterState {
                 if let Some((_, at)) = &mut self.pending_announce[t] {
                     *at -= off;
                 }
-                let rest = buf[off..].to_vec();
-                buf.clear();
-                buf.extend_from_slice(&rest);
+                let rest = buf.len() - off;
+                buf.as_mut_slice().copy_within(off.., 0);
+                buf.resize(rest, 0);
             }
             all &= buf.is_empty();
         }
