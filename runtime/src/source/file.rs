@@ -340,6 +340,26 @@ fn read_line(
     Ok(((n as u64).saturating_add(rest as u64), rest > 0))
 }
 
+/// Collects a record's wanted fields (the first error ends it) into the reused `strs` and
+/// hands them to `parse` with the record's location: the step shared by CSV and JSON lines.
+fn parse_fields<'a, T>(
+    strs: &mut Vec<&'static str>,
+    parse: &ParseFn<T>,
+    loc: &mut Location,
+    line: u64,
+    mut fields: impl Iterator<Item = Result<&'a str, String>>,
+) -> Result<T, String> {
+    let mut v = recycle(std::mem::take(strs));
+    let result = fields
+        .try_for_each(|f| f.map(|text| v.push(text)))
+        .and_then(|()| {
+            loc.line = line;
+            parse(&v, loc)
+        });
+    *strs = recycle(v);
+    result
+}
+
 /// The bytes of CSV field `i` in `buf`, whose fields lie back to back and end at `ends`.
 fn csv_field<'a>(buf: &'a [u8], ends: &[usize], i: usize) -> Option<&'a [u8]> {
     let start = if i == 0 { 0 } else { *ends.get(i - 1)? };
@@ -655,26 +675,14 @@ impl<T: 'static> FileReader<T> {
                 self.csv_ends.len()
             ))
         } else {
-            let mut fields = recycle(std::mem::take(&mut self.strs));
-            let mut failure = None;
-            for (column, &i) in self.columns.iter().zip(&open.map) {
-                match csv_field(&self.csv_buf, &self.csv_ends, i).map(std::str::from_utf8) {
-                    Some(Ok(text)) => fields.push(text),
-                    _ => {
-                        failure = Some(format!("field `{column}` is not valid UTF-8"));
-                        break;
-                    }
+            let (buf, ends) = (&self.csv_buf, &self.csv_ends);
+            let fields = self.columns.iter().zip(&open.map).map(|(column, &i)| {
+                match csv_field(buf, ends, i).map(std::str::from_utf8) {
+                    Some(Ok(text)) => Ok(text),
+                    _ => Err(format!("field `{column}` is not valid UTF-8")),
                 }
-            }
-            let result = match failure {
-                Some(reason) => Err(reason),
-                None => {
-                    self.loc.line = line;
-                    (self.parse)(&fields, &self.loc)
-                }
-            };
-            self.strs = recycle(fields);
-            result
+            });
+            parse_fields(&mut self.strs, &*self.parse, &mut self.loc, line, fields)
         };
         match result {
             Ok(record) => out.push(record),
@@ -712,36 +720,18 @@ impl<T: 'static> FileReader<T> {
         let result = match scan_object(content, &self.columns, &mut self.json) {
             Err(reason) => Err(reason),
             Ok(text) => {
-                let mut fields = recycle(std::mem::take(&mut self.strs));
-                let mut failure = None;
-                for ((column, val), esc) in
-                    self.columns.iter().zip(&self.json.vals).zip(&self.json.esc)
-                {
-                    let value = match *val {
+                let json = &self.json;
+                let fields = self.columns.iter().zip(&json.vals).zip(&json.esc).map(
+                    |((column, val), esc)| match *val {
                         Val::Missing => Err(format!("missing field `{column}`")),
                         Val::Null => Err(format!("field `{column}` is null")),
                         Val::Escaped => Ok(esc.as_str()),
                         Val::Span(start, end) => text
                             .get(start..end)
                             .ok_or_else(|| format!("field `{column}`: bad span")),
-                    };
-                    match value {
-                        Ok(v) => fields.push(v),
-                        Err(reason) => {
-                            failure = Some(reason);
-                            break;
-                        }
-                    }
-                }
-                let result = match failure {
-                    Some(reason) => Err(reason),
-                    None => {
-                        self.loc.line = line;
-                        (self.parse)(&fields, &self.loc)
-                    }
-                };
-                self.strs = recycle(fields);
-                result
+                    },
+                );
+                parse_fields(&mut self.strs, &*self.parse, &mut self.loc, line, fields)
             }
         };
         match result {
