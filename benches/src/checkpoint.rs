@@ -38,7 +38,7 @@ use weir_runtime::source::{
 };
 use weir_runtime::{FnProcess, Job, JobConfig, JobHandle, KeyedContext, StartError};
 
-use crate::runtime::{new_hist, process_cpu_ns, LatencySink};
+use crate::runtime::{keyed_count, new_hist, process_cpu_ns, LatencySink};
 use crate::{BenchResult, Opts};
 
 const SHARDS: usize = 2;
@@ -231,22 +231,11 @@ fn keyed_run(
     }
     let hist = Arc::new(Mutex::new(new_hist()));
     let job = Job::new(cfg);
-    job.source(gen)
-        .uid("gen")
-        .key_by(|(k, _)| *k)
-        .process(FnProcess::new(
-            move |rec: (u64, u64), ctx: &mut KeyedContext<'_, u64, (u64, u64)>| {
-                let n = ctx.value::<u64>("count").unwrap_or(0) + 1;
-                ctx.set_value("count", &n);
-                ctx.emit((n, rec.1));
-            },
-        ))
-        .uid("count")
-        .sink(LatencySink {
-            epoch,
-            out: hist.clone(),
-            count: Arc::default(),
-        });
+    keyed_count(job.source(gen)).sink(LatencySink {
+        epoch,
+        out: hist.clone(),
+        count: Arc::default(),
+    });
     let (w0, c0) = (Instant::now(), process_cpu_ns());
     let summary = job.run().expect("keyed job");
     let (wall_ns, cpu_ns) = (w0.elapsed().as_nanos() as u64, process_cpu_ns() - c0);
@@ -707,21 +696,10 @@ fn bp_run(
         cfg = cfg.with_checkpointing(ck(dir.path(), i).with_unaligned(unaligned));
     }
     let job = Job::new(cfg);
-    job.source(gen)
-        .uid("gen")
-        .key_by(|(k, _)| *k)
-        .process(FnProcess::new(
-            move |rec: (u64, u64), ctx: &mut KeyedContext<'_, u64, (u64, u64)>| {
-                let n = ctx.value::<u64>("count").unwrap_or(0) + 1;
-                ctx.set_value("count", &n);
-                ctx.emit((n, rec.1));
-            },
-        ))
-        .uid("count")
-        .sink(LiveCountSink {
-            count: count.clone(),
-            rate_per_writer: sink_rate_per_writer,
-        });
+    keyed_count(job.source(gen)).sink(LiveCountSink {
+        count: count.clone(),
+        rate_per_writer: sink_rate_per_writer,
+    });
     let handle = job.start().expect("start backpressure job");
     // Skip the start: rings filling and the first checkpoint are not the steady state.
     std::thread::sleep(run / 5);

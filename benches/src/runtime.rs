@@ -18,7 +18,7 @@ use std::time::Instant;
 use hdrhistogram::Histogram;
 use weir_runtime::sink::{Sink, SinkWriter};
 use weir_runtime::source::{splitmix64, GeneratorSource};
-use weir_runtime::{Job, JobConfig, StartError};
+use weir_runtime::{Job, JobConfig, StartError, Stream};
 
 use crate::{BenchResult, Opts};
 
@@ -168,8 +168,24 @@ fn keyed_job(
         gen = gen.with_rate_per_shard(rate);
     }
     let job = Job::new(config(shards));
-    let counted = job
-        .source(gen)
+    let counted = keyed_count(job.source(gen));
+    match latency {
+        Some(h) => counted.sink(LatencySink {
+            epoch,
+            out: h,
+            count: count.clone(),
+        }),
+        None => counted.sink(CountSink(count.clone())),
+    }
+    job.run().expect("keyed job");
+    count.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// `(key, field)` -> key_by -> keyed count: the keyed job of the runtime and checkpoint suites.
+/// Emits `(count so far, field)`; the source and the count have stable uids.
+pub(crate) fn keyed_count(source: Stream<(u64, u64)>) -> Stream<(u64, u64)> {
+    source
+        .uid("gen")
         .key_by(|(k, _)| *k)
         .process(weir_runtime::FnProcess::new(
             move |rec: (u64, u64), ctx: &mut weir_runtime::KeyedContext<'_, u64, (u64, u64)>| {
@@ -177,17 +193,8 @@ fn keyed_job(
                 ctx.set_value("count", &n);
                 ctx.emit((n, rec.1));
             },
-        ));
-    match latency {
-        Some(h) => counted.stream().sink(LatencySink {
-            epoch,
-            out: h,
-            count: count.clone(),
-        }),
-        None => counted.stream().sink(CountSink(count.clone())),
-    }
-    job.run().expect("keyed job");
-    count.load(std::sync::atomic::Ordering::Relaxed)
+        ))
+        .uid("count")
 }
 
 fn keyed_baseline(n: u64, keys: u64) -> u64 {
