@@ -23,6 +23,8 @@ pub(crate) unsafe trait Pod: Copy + 'static {}
 // SAFETY: integers have no padding and every bit pattern is valid.
 unsafe impl Pod for u8 {}
 // SAFETY: as for u8.
+unsafe impl Pod for u32 {}
+// SAFETY: as for u8.
 unsafe impl Pod for u64 {}
 // SAFETY: as for u8.
 unsafe impl Pod for u128 {}

@@ -7,6 +7,7 @@
 //!
 //! **Architecture invariant:** `state` never spawns a task and never reads the clock.
 
+mod block_index;
 mod bloom;
 mod error;
 mod handle;
