@@ -4,7 +4,7 @@
 //! of blocks that can hold it, and each block's last-key prefix sits beside its file offset, so
 //! the block the run points at is addressed without another load.
 
-use crate::hugemem::{Pod, ZeroedBuf};
+use crate::hugemem::{prefetch_read, Pod, ZeroedBuf};
 
 /// One data block: the `key_prefix` of its last key and its payload's file offset, in one
 /// 32-byte record (two to a cache line: buffers start on a line).
@@ -100,21 +100,56 @@ impl BlockIndex {
         self.blocks[bi].prefix
     }
 
-    /// Index of the first block whose last prefix is >= `pk` (`len()` if none).
+    /// The guide bucket of `pk`.
     #[inline]
-    pub fn lower_bound(&self, pk: u128) -> usize {
-        let n = self.blocks.len();
-        if n == 0 {
-            return 0;
-        }
-        let r = if pk <= self.base {
+    fn bucket(&self, pk: u128) -> usize {
+        if pk <= self.base {
             0
         } else {
             (((pk - self.base) >> self.shift) as usize).min(self.guide.len() - 2)
-        };
+        }
+    }
+
+    /// The blocks that can hold `pk`: the answer of [`Self::lower_bound`] is in `lo..=hi-1`
+    /// or is `hi` itself only when `hi == len()`.
+    #[inline]
+    fn candidates(&self, pk: u128) -> (usize, usize) {
+        let r = self.bucket(pk);
         let lo = self.guide[r] as usize;
-        let hi = (self.guide[r + 1] as usize + 1).min(n);
+        let hi = (self.guide[r + 1] as usize + 1).min(self.blocks.len());
+        (lo, hi)
+    }
+
+    /// Index of the first block whose last prefix is >= `pk` (`len()` if none).
+    #[inline]
+    pub fn lower_bound(&self, pk: u128) -> usize {
+        if self.blocks.is_empty() {
+            return 0;
+        }
+        let (lo, hi) = self.candidates(pk);
         lo + self.blocks[lo..hi].partition_point(|b| b.prefix < pk)
+    }
+
+    /// Batched lookups, step one: start loading the guide entry of `pk`.
+    #[inline]
+    pub fn prefetch_guide(&self, pk: u128) {
+        if !self.blocks.is_empty() {
+            prefetch_read(&self.guide[self.bucket(pk)]);
+        }
+    }
+
+    /// Batched lookups, step two (once the guide entry is loaded): start loading the block
+    /// records that [`Self::lower_bound`] will compare.
+    #[inline]
+    pub fn prefetch_candidates(&self, pk: u128) {
+        if self.blocks.is_empty() {
+            return;
+        }
+        let (lo, hi) = self.candidates(pk);
+        // Two records per line; the run is one or two records for keys spread as hashes are.
+        for b in self.blocks[lo..hi].iter().step_by(2).take(4) {
+            prefetch_read(b);
+        }
     }
 }
 

@@ -81,7 +81,7 @@ impl Bloom {
     }
 
     /// Hint the CPU to load the cache line `hash` maps to (a writer inserts a few keys later,
-    /// so the misses of consecutive keys overlap).
+    /// and batched lookups test a few keys later, so the misses of consecutive keys overlap).
     #[inline]
     pub fn prefetch(&self, hash: u64) {
         crate::segment::prefetch(&self.bits[block_of(hash, self.blocks) * BLOCK_BYTES..]);

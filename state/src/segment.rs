@@ -977,6 +977,42 @@ impl Segment {
             return Probe::Absent;
         }
         self.prefetch_block(bi);
+        self.get_in_block(key, bi)
+    }
+
+    // Batched lookups (see `Store::multi_get`) split `get` into steps, each issued some keys
+    // after the previous one, so that each step finds its memory loaded and the misses of
+    // neighbouring keys overlap instead of adding up.
+
+    /// Step one: start loading the filter line and the guide entry of `key`.
+    #[inline]
+    pub fn batch_start(&self, hash: u64, pk: u128) {
+        self.bloom.prefetch(hash);
+        self.index.prefetch_guide(pk);
+    }
+
+    /// Step two: test the filter; if it may hold the key, start loading the block records.
+    #[inline]
+    pub fn batch_filter(&self, hash: u64, pk: u128) -> bool {
+        let maybe = self.bloom.may_contain(hash);
+        if maybe {
+            self.index.prefetch_candidates(pk);
+        }
+        maybe
+    }
+
+    /// Step three: find the block and start loading it; `None` if no block can hold `key`.
+    #[inline]
+    pub fn batch_locate(&self, key: &[u8]) -> Option<u32> {
+        let bi = self.find_block(key);
+        (bi < self.block_count()).then(|| {
+            self.prefetch_block(bi);
+            bi as u32
+        })
+    }
+
+    /// Last step: search block `bi` (from [`Self::batch_locate`]) for `key`.
+    pub fn get_in_block(&self, key: &[u8], bi: usize) -> Probe<'_> {
         let blk = self.blk(bi);
         let i = self.lower_bound(&blk, key);
         if i == blk.count {

@@ -37,7 +37,7 @@ use xxhash_rust::xxh3::xxh3_64;
 use crate::error::StateError;
 use crate::handle::{SegmentRef, SnapshotHandle};
 use crate::key::{KeyGroupRange, DEFAULT_MAX_PARALLELISM};
-use crate::memtable::{Frozen, Loc, MemHint, Memtable, ValueRef, NO_EXPIRY};
+use crate::memtable::{key_prefix, Frozen, Loc, MemHint, Memtable, ValueRef, NO_EXPIRY};
 use crate::segment::{Probe, Segment, SegmentIter, SegmentWriter, WriterOptions};
 
 /// Store configuration. Every bound is named.
@@ -47,7 +47,8 @@ pub struct StoreConfig {
     pub memtable_budget_bytes: usize,
     /// Target size of a data block. Small blocks make a point lookup touch few cache lines
     /// (the writer also keeps blocks inside 4 KiB pages); the in-memory block index costs
-    /// 24 bytes per block.
+    /// about 36 bytes per block. 1 KiB: batched point gets measured 1.97-2.07 M/s against
+    /// 1.77-1.82 M/s with 2 KiB blocks (same run, 10 M keys).
     pub block_target_bytes: usize,
     /// Bloom filter bits per key.
     pub bloom_bits_per_key: u32,
@@ -70,7 +71,7 @@ impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
             memtable_budget_bytes: 64 << 20,
-            block_target_bytes: 2048,
+            block_target_bytes: 1024,
             bloom_bits_per_key: 10,
             compaction_min_merge: 4,
             compaction_size_ratio: 2,
@@ -129,6 +130,27 @@ pub struct Found<'a> {
     /// True if the bytes come from a memtable this process wrote (trusted), false if they
     /// come from a segment file (must be validated before an unchecked rkyv access).
     pub in_memory: bool,
+}
+
+/// Keys between the steps of a batched lookup ([`Store::multi_get`]): enough for a step's
+/// loads to arrive before the next step of the same key reads them.
+const BATCH_STEP: usize = 4;
+/// Slots for the keys in flight (more than `3 * BATCH_STEP`).
+const BATCH_RING: usize = 32;
+/// Segments a batched lookup prepares (newest first); older ones are looked up plainly.
+const BATCH_SEGMENTS: usize = 8;
+
+/// What the steps of a batched lookup learned about one key.
+#[derive(Clone, Copy, Debug, Default)]
+struct Batched {
+    hash: u64,
+    pk: u128,
+    /// The first this many of the newest segments' filters rejected the key.
+    filtered: usize,
+    /// The newest segment whose filter may hold the key (position, newest first).
+    seg: Option<usize>,
+    /// The block of `seg` that can hold the key, if any.
+    block: Option<u32>,
 }
 
 /// Shared between the store and its snapshot jobs.
@@ -645,8 +667,88 @@ impl Store {
         }
     }
 
+    /// Look up every key of `keys`, calling `f(i, value)` for each in order; the same answers
+    /// as [`Store::get`] for each key. Lookups from segments are bounded by memory latency (a
+    /// filter line, a block record, the block: each a miss); here each key's lookup runs in
+    /// steps issued `BATCH_STEP` keys apart, each prefetching what the next step reads, so the
+    /// misses of neighbouring keys overlap instead of adding up.
+    pub fn multi_get<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        mut f: impl FnMut(usize, Option<Found<'_>>),
+    ) {
+        const S: usize = BATCH_STEP;
+        let n = keys.len();
+        // Newest first, as lookups visit them.
+        let segs: Vec<&Segment> = self
+            .segments
+            .iter()
+            .rev()
+            .take(BATCH_SEGMENTS)
+            .map(|s| &**s)
+            .collect();
+        let mut ring = [Batched::default(); BATCH_RING];
+        for t in 0..n + 3 * S {
+            if t < n {
+                let key = keys[t].as_ref();
+                let (hash, pk) = (xxh3_64(key), key_prefix(key));
+                self.prefetch(hash);
+                for s in &segs {
+                    s.batch_start(hash, pk);
+                }
+                ring[t % BATCH_RING] = Batched {
+                    hash,
+                    pk,
+                    filtered: 0,
+                    seg: None,
+                    block: None,
+                };
+            }
+            if let Some(j) = t.checked_sub(S).filter(|&j| j < n) {
+                let b = &mut ring[j % BATCH_RING];
+                self.prefetch_record(b.hash);
+                b.filtered = segs.len();
+                for (i, s) in segs.iter().enumerate() {
+                    if s.batch_filter(b.hash, b.pk) {
+                        (b.filtered, b.seg) = (i, Some(i));
+                        break;
+                    }
+                }
+            }
+            if let Some(j) = t.checked_sub(2 * S).filter(|&j| j < n) {
+                let b = &mut ring[j % BATCH_RING];
+                if let Some(i) = b.seg {
+                    b.block = segs[i].batch_locate(keys[j].as_ref());
+                }
+            }
+            if let Some(j) = t.checked_sub(3 * S).filter(|&j| j < n) {
+                let b = ring[j % BATCH_RING];
+                let key = keys[j].as_ref();
+                let found = match self.mem.get_hashed(key, b.hash) {
+                    Some(v) => {
+                        self.gets.set(self.gets.get() + 1);
+                        self.visible(v, true)
+                    }
+                    None => self.get_cold_batched(key, b.hash, Some(&b)),
+                };
+                f(j, found);
+            }
+        }
+    }
+
     /// The part of a lookup after the mutable memtable.
     fn get_cold(&self, key: &[u8], hash: u64) -> Option<Found<'_>> {
+        self.get_cold_batched(key, hash, None)
+    }
+
+    /// [`Self::get_cold`], with what the steps of a batched lookup found out about the newest
+    /// `BATCH_SEGMENTS` segments.
+    fn get_cold_batched(
+        &self,
+        key: &[u8],
+        hash: u64,
+        batched: Option<&Batched>,
+    ) -> Option<Found<'_>> {
         self.gets.set(self.gets.get() + 1);
         for f in self.frozen.iter().rev() {
             if let Some(v) = f.mem.get_hashed(key, hash) {
@@ -662,8 +764,17 @@ impl Store {
                 return self.visible(v, true);
             }
         }
-        for s in self.segments.iter().rev() {
-            match s.get(key, hash) {
+        for (i, s) in self.segments.iter().rev().enumerate() {
+            let probe = match batched {
+                // Filters the batch already tested negative.
+                Some(b) if i < b.filtered => Probe::BloomNegative,
+                Some(b) if b.seg == Some(i) => match b.block {
+                    Some(bi) => s.get_in_block(key, bi as usize),
+                    None => Probe::Absent,
+                },
+                _ => s.get(key, hash),
+            };
+            match probe {
                 Probe::BloomNegative => self.bloom_negatives.set(self.bloom_negatives.get() + 1),
                 Probe::Absent => {}
                 Probe::Found(v) => return self.visible(v, false),
