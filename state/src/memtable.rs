@@ -47,10 +47,15 @@ fn round16(n: usize) -> usize {
 
 /// Where a record lives: arena chunk and byte offset (a multiple of 16).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(C)]
 pub(crate) struct Loc {
     chunk: u32,
     off: u32,
 }
+
+// SAFETY: two u32 fields, `repr(C)`, no padding; every bit pattern is valid. (Sort orders are
+// `ZeroedBuf`s: huge pages, one fault per 2 MiB.)
+unsafe impl Pod for Loc {}
 
 #[derive(Debug, Default)]
 struct Arena {
@@ -137,6 +142,23 @@ impl Arena {
         let r = self.chunk(loc);
         let klen = usize::from(u16::from_le_bytes([r[R_KEY_LEN], r[R_KEY_LEN + 1]]));
         &r[REC_HEADER..REC_HEADER + klen]
+    }
+
+    /// [`key_prefix`] of the key at `loc`, and the key's length. Reads 16 bytes whatever the
+    /// length and masks off what follows the key (the rest of the record, or the next one):
+    /// no copy of a variable length.
+    #[inline]
+    fn prefix_and_len(&self, loc: Loc) -> (u128, usize) {
+        let r = self.chunk(loc);
+        let klen = usize::from(u16::from_le_bytes([r[R_KEY_LEN], r[R_KEY_LEN + 1]]));
+        match r.get(REC_HEADER..REC_HEADER + 16) {
+            Some(b) => {
+                let p = u128::from_be_bytes(b.try_into().expect("16 bytes"));
+                let tail = u128::MAX.checked_shr(8 * klen as u32).unwrap_or(0);
+                (p & !tail, klen)
+            }
+            None => (key_prefix(&r[REC_HEADER..REC_HEADER + klen]), klen),
+        }
     }
 
     /// Key and value of the record at `loc`.
@@ -410,6 +432,360 @@ pub(crate) fn key_prefix(key: &[u8]) -> u128 {
     u128::from_be_bytes(b)
 }
 
+/// Widest radix digit. Measured for 2 M keys: a pass costs about the same from 8 to 13 bits
+/// and twice as much at 15 (the lines being written no longer fit the caches), so the widest
+/// cheap digit makes the fewest passes.
+const RADIX_BITS_MAX: u32 = 11;
+/// Below this many keys, `sort_unstable` of the packed integers is cheaper than the radix
+/// histograms.
+const RADIX_MIN_KEYS: usize = 256;
+/// Most fields of varying bits gathered from a prefix (each costs a shift, a mask and an or
+/// per key); beyond it, the fields closest together are merged, constant bits included.
+const FIELDS_MAX: usize = 4;
+/// Keys sampled to guess which prefix bits vary (a sample costs ~0.4 ms, a wrong guess a
+/// second packing pass, ~15 ms for 2 M keys).
+const SAMPLE_KEYS: usize = 4096;
+/// How far ahead of a bucket's write position a radix pass prefetches: one line.
+const PREFETCH_ELEMS: usize = 8;
+/// How many runs of tied keys ahead their records are prefetched.
+const TIE_RUNS_AHEAD: usize = 8;
+
+/// Bits needed to hold `x`.
+#[inline]
+fn bits_for(x: u64) -> u32 {
+    u64::BITS - x.leading_zeros()
+}
+
+/// Packs a key's 16-byte prefix and a payload (what identifies the key: a record address, an
+/// id) into one u64 whose integer order is the key order, as far as the prefix bits that fit
+/// can tell: bits that are the same in every prefix of the set order nothing and are left out,
+/// the others go above the payload, most significant first, as many as fit.
+struct Packer {
+    /// Where each field of varying bits goes, split at the middle of the prefix so that each
+    /// is taken from one 64-bit half.
+    fields: Vec<Field>,
+    /// The prefix bits the fields hold (varying ones, and constant ones between close fields).
+    held: u128,
+    /// Bits the fields hold.
+    key_bits: u32,
+    /// How many of them (the most significant) fit above the payload.
+    kept_bits: u32,
+}
+
+/// `(half >> shr & mask) << shl`, `half` the high or low 64 bits of the prefix.
+#[derive(Debug, Clone, Copy)]
+struct Field {
+    high: bool,
+    shr: u32,
+    mask: u64,
+    shl: u32,
+}
+
+impl Packer {
+    /// For prefixes whose bitwise or is `or` and bitwise and is `and`.
+    fn new(or: u128, and: u128, payload_bits: u32) -> Packer {
+        debug_assert!(payload_bits < 64);
+        let varying = or ^ and;
+        // Runs of varying bits as (high, low) bit positions, most significant first.
+        let mut runs: Vec<(u32, u32)> = Vec::new();
+        for b in (0..u128::BITS).rev() {
+            if varying >> b & 1 == 1 {
+                match runs.last_mut() {
+                    Some(r) if r.1 == b + 1 => r.1 = b,
+                    _ => runs.push((b, b)),
+                }
+            }
+        }
+        while runs.len() > FIELDS_MAX {
+            let i = (0..runs.len() - 1)
+                .min_by_key(|&i| runs[i].1 - runs[i + 1].0)
+                .expect("two runs");
+            runs[i].1 = runs[i + 1].1;
+            runs.remove(i + 1);
+        }
+        if let Some(i) = runs.iter().position(|&(hi, lo)| hi >= 64 && lo < 64) {
+            let lo = runs[i].1;
+            runs[i].1 = 64;
+            runs.insert(i + 1, (63, lo));
+        }
+        let key_bits: u32 = runs.iter().map(|&(hi, lo)| hi - lo + 1).sum();
+        let kept_bits = key_bits.min(u64::BITS - payload_bits);
+        // The gathered bits `drop..key_bits` land at `payload_bits..`.
+        let drop = key_bits - kept_bits;
+        let mut held = 0;
+        let mut dst = key_bits;
+        let mut fields = Vec::new();
+        for &(hi, lo) in &runs {
+            let width = hi - lo + 1;
+            held |= (u128::MAX >> (u128::BITS - width)) << lo;
+            dst -= width;
+            if dst + width <= drop {
+                continue;
+            }
+            let cut = drop.saturating_sub(dst);
+            fields.push(Field {
+                high: lo >= 64,
+                shr: lo % 64 + cut,
+                mask: u64::MAX >> (u64::BITS - (width - cut)),
+                shl: payload_bits + dst + cut - drop,
+            });
+        }
+        Packer {
+            fields,
+            held,
+            key_bits,
+            kept_bits,
+        }
+    }
+
+    #[inline]
+    fn pack(&self, prefix: u128, payload: u64) -> u64 {
+        let (hi, lo) = ((prefix >> 64) as u64, prefix as u64);
+        let mut e = payload;
+        for f in &self.fields {
+            let half = if f.high { hi } else { lo };
+            e |= (half >> f.shr & f.mask) << f.shl;
+        }
+        e
+    }
+
+    /// True when two different prefixes always pack differently.
+    fn exact(&self) -> bool {
+        self.kept_bits == self.key_bits
+    }
+
+    /// True when the fields hold every bit of `varying`: then the packed order is the prefix
+    /// order (two prefixes first differ at a varying bit), or ties where bits did not fit.
+    fn covers(&self, varying: u128) -> bool {
+        varying & !self.held == 0
+    }
+}
+
+/// Sort `n` distinct keys. `item(i)` gives the i-th key's 16-byte prefix ([`key_prefix`]),
+/// its length, and a payload below `2^payload_bits` that identifies it; `key_of(payload)`
+/// gives the key again and `prefetch_of(payload)` starts loading it. The result holds the
+/// payloads in key order.
+///
+/// Why not a comparison sort of (prefix, payload) pairs: for 2 M keys it took 130-240 ms,
+/// mostly branch misses and 32-byte moves; a radix pass moves 8 bytes a key and branches on
+/// nothing, and the keys of one state share most prefix bits, so few passes remain (3 for
+/// the benches' keys, ~30 ms in all). A crate (`rdst`, `voracious_radix_sort`) sorts all 64
+/// bits of the packed keys, payload included, and took ~40 ms for the radix part alone where
+/// this takes ~16. Memory: two u64 buffers of `n` while sorting, one after.
+fn sort_by_key<'a>(
+    n: usize,
+    payload_bits: u32,
+    item: impl Fn(usize) -> (u128, usize, u64),
+    key_of: impl Fn(u64) -> &'a [u8],
+    prefetch_of: impl Fn(u64),
+) -> Sorted {
+    // Which bits vary, guessed from a sample: one pass over the keys instead of two. The
+    // packing pass checks the guess and packs again in the rare case it missed a bit.
+    let (mut or, mut and) = (0u128, u128::MAX);
+    for i in (0..n).step_by(n.div_ceil(SAMPLE_KEYS).max(1)) {
+        let p = item(i).0;
+        or |= p;
+        and &= p;
+    }
+    let mut v = ZeroedBuf::<u64>::new(n);
+    let mut guessed = true;
+    let (packer, radix, len_min, len_max) = loop {
+        let packer = Packer::new(or, and, payload_bits);
+        let mut radix = (n >= RADIX_MIN_KEYS).then(|| Radix::new(payload_bits, packer.kept_bits));
+        (or, and) = (0, u128::MAX);
+        let (mut len_min, mut len_max) = (usize::MAX, 0);
+        for (i, slot) in v.iter_mut().enumerate() {
+            let (p, len, payload) = item(i);
+            or |= p;
+            and &= p;
+            len_min = len_min.min(len);
+            len_max = len_max.max(len);
+            let e = packer.pack(p, payload);
+            *slot = e;
+            if let Some(r) = &mut radix {
+                r.count(e);
+            }
+        }
+        if packer.covers(or ^ and) {
+            break (packer, radix, len_min, len_max);
+        }
+        assert!(guessed, "packing the exact varying bits holds them all");
+        guessed = false;
+    };
+    match radix {
+        Some(r) => r.sort(&mut v),
+        None => v.sort_unstable(),
+    }
+    let payload_mask = (1u64 << payload_bits) - 1;
+    // Distinct keys of one length up to 16 bytes have distinct prefixes; otherwise packed keys
+    // can tie (a zero-padded prefix, bytes past the 16th, bits that did not fit).
+    if !(packer.exact() && len_min == len_max && len_max <= 16) {
+        sort_ties(
+            &mut v,
+            payload_bits,
+            |e| key_of(e & payload_mask),
+            |e| prefetch_of(e & payload_mask),
+        );
+    }
+    Sorted { v, payload_mask }
+}
+
+/// Packed keys in key order; [`Sorted::payloads`] strips the key bits.
+struct Sorted {
+    v: ZeroedBuf<u64>,
+    payload_mask: u64,
+}
+
+impl Sorted {
+    fn payloads(&self) -> impl ExactSizeIterator<Item = u64> + '_ {
+        self.v.iter().map(|&e| e & self.payload_mask)
+    }
+}
+
+/// An LSD radix sort of u64s by bits `lo..lo + bits` (the bits above are zero), in passes of
+/// at most [`RADIX_BITS_MAX`] bits. The caller counts the first digit while it fills the
+/// buffer, and each pass counts the next digit while it moves the elements: no pass only
+/// counts.
+struct Radix {
+    passes: u32,
+    lo: u32,
+    width: u32,
+    first: Box<[u32; RADIX_BUCKETS]>,
+}
+
+const RADIX_BUCKETS: usize = 1 << RADIX_BITS_MAX;
+
+impl Radix {
+    fn new(lo: u32, bits: u32) -> Radix {
+        let passes = bits.div_ceil(RADIX_BITS_MAX);
+        Radix {
+            passes,
+            lo,
+            width: bits.div_ceil(passes.max(1)),
+            first: Box::new([0; RADIX_BUCKETS]),
+        }
+    }
+
+    /// Count `e`, an element of the buffer to sort; every one is counted once.
+    #[inline]
+    fn count(&mut self, e: u64) {
+        self.first[digit(e, self.lo, self.width)] += 1;
+    }
+
+    fn sort(&self, v: &mut ZeroedBuf<u64>) {
+        let n = v.len();
+        let mut tmp = ZeroedBuf::<u64>::new(n);
+        let mut in_tmp = false;
+        let mut counts = self.first.clone();
+        let mut next_counts = Box::new([0u32; RADIX_BUCKETS]);
+        for p in 0..self.passes {
+            let shift = self.lo + p * self.width;
+            // The bits of the next digit, if any (none: count nothing).
+            let next = (p + 1 < self.passes).then(|| shift + self.width);
+            let (src, dst) = if in_tmp {
+                (&tmp, &mut *v)
+            } else {
+                (&*v, &mut tmp)
+            };
+            next_counts.fill(0);
+            if counts.iter().any(|&k| k as usize == n) {
+                // One digit value throughout: nothing would move, only count the next digit.
+                if let Some(ns) = next {
+                    for &e in src.iter() {
+                        next_counts[digit(e, ns, self.width)] += 1;
+                    }
+                }
+            } else {
+                let mut cursor = [0u32; RADIX_BUCKETS];
+                let mut sum = 0;
+                for (c, &k) in cursor.iter_mut().zip(counts.iter()) {
+                    *c = sum;
+                    sum += k;
+                }
+                let w = self.width;
+                match next {
+                    Some(ns) => scatter(src, dst, &mut cursor, |e| {
+                        next_counts[digit(e, ns, w)] += 1;
+                        digit(e, shift, w)
+                    }),
+                    None => scatter(src, dst, &mut cursor, |e| digit(e, shift, w)),
+                }
+                in_tmp = !in_tmp;
+            }
+            std::mem::swap(&mut counts, &mut next_counts);
+        }
+        if in_tmp {
+            std::mem::swap(v, &mut tmp);
+        }
+    }
+}
+
+/// Bits `shift..shift + width` of `e`.
+#[inline]
+fn digit(e: u64, shift: u32, width: u32) -> usize {
+    // The modulo is free (a power of two) and lets the compiler drop the bounds check.
+    ((e >> shift) as usize & ((1 << width) - 1)) % RADIX_BUCKETS
+}
+
+/// Move each element of `src` to `dst` at the cursor of its digit (`digit(e)`), advancing it.
+#[inline]
+fn scatter(
+    src: &[u64],
+    dst: &mut [u64],
+    cursor: &mut [u32; RADIX_BUCKETS],
+    mut digit: impl FnMut(u64) -> usize,
+) {
+    for &e in src {
+        let c = &mut cursor[digit(e)];
+        let i = *c as usize;
+        dst[i] = e;
+        // Each bucket writes its own stream of lines, too many for the hardware prefetcher:
+        // without this every new line waits for memory (3x slower here).
+        prefetch_read(dst.as_ptr().wrapping_add(i + PREFETCH_ELEMS));
+        *c += 1;
+    }
+}
+
+/// Order each run of elements of sorted `v` that are equal above the payload by their full
+/// keys (`key_of` and `prefetch` take an element).
+fn sort_ties<'a>(
+    v: &mut [u64],
+    payload_bits: u32,
+    key_of: impl Fn(u64) -> &'a [u8],
+    prefetch: impl Fn(u64),
+) {
+    let tied = |a: u64, b: u64| (a ^ b) >> payload_bits == 0;
+    let mut runs: Vec<(u32, u32)> = Vec::new();
+    let mut i = 0;
+    while let Some(at) = v[i..].windows(2).position(|w| tied(w[0], w[1])) {
+        let start = i + at;
+        let end = start
+            + 2
+            + v[start + 2..]
+                .iter()
+                .take_while(|&&e| tied(e, v[start]))
+                .count();
+        runs.push((start as u32, end as u32));
+        i = end;
+    }
+    // A run that only tied on the bits that fit is ordered by prefixes, each read once; equal
+    // prefixes compare whole keys. Runs are short and their records scattered: loading those
+    // of a run a few ahead overlaps the misses (40% less time for 2 M keys in runs of two).
+    let mut keyed: Vec<(u128, u64)> = Vec::new();
+    for (r, &(start, end)) in runs.iter().enumerate() {
+        if let Some(&(s, e)) = runs.get(r + TIE_RUNS_AHEAD) {
+            v[s as usize..e as usize].iter().for_each(|&e| prefetch(e));
+        }
+        let run = &mut v[start as usize..end as usize];
+        keyed.clear();
+        keyed.extend(run.iter().map(|&e| (key_prefix(key_of(e)), e)));
+        keyed.sort_unstable_by(|a, b| a.0.cmp(&b.0).then_with(|| key_of(a.1).cmp(key_of(b.1))));
+        for (slot, &(_, e)) in run.iter_mut().zip(&keyed) {
+            *slot = e;
+        }
+    }
+}
+
 impl Memtable {
     /// A memtable for a budget of `budget_bytes`: arena chunks are a sixteenth of it, so that
     /// small budgets are not exceeded by the first chunk. The index starts at 1 MiB at most
@@ -630,22 +1006,24 @@ impl Memtable {
         self.arena.key(self.entries[i as usize])
     }
 
-    /// Sort ids by key: on (16-byte key prefix, id) pairs, so that most comparisons are one
-    /// integer comparison without touching the arena; ties compare the full keys.
+    /// Sort ids by key (see [`sort_by_key`]).
     fn sort_ids(&self, ids: &mut [u32]) {
         if ids.len() < 2 {
             return;
         }
-        let mut keyed: Vec<(u128, u32)> = ids
-            .iter()
-            .map(|&i| (key_prefix(self.key_at(i)), i))
-            .collect();
-        keyed.sort_unstable_by(|a, b| {
-            a.0.cmp(&b.0)
-                .then_with(|| self.key_at(a.1).cmp(self.key_at(b.1)))
-        });
-        for (slot, (_, i)) in ids.iter_mut().zip(keyed) {
-            *slot = i;
+        let id_bits = bits_for(self.entries.len() as u64 - 1);
+        let sorted = sort_by_key(
+            ids.len(),
+            id_bits,
+            |i| {
+                let (p, len) = self.arena.prefix_and_len(self.entries[ids[i] as usize]);
+                (p, len, u64::from(ids[i]))
+            },
+            |id| self.key_at(id as u32),
+            |id| self.prefetch_loc(self.entries[id as usize]),
+        );
+        for (slot, id) in ids.iter_mut().zip(sorted.payloads()) {
+            *slot = id as u32;
         }
     }
 
@@ -694,20 +1072,35 @@ impl Memtable {
         self.runs.iter().map(Vec::as_slice).collect()
     }
 
-    /// Every record in key order (used once per frozen memtable). Sorts (16-byte prefix,
-    /// record) pairs taken straight from the entry table, so the result addresses records
-    /// without the entry table, and a flush reads each record once, in a predictable order.
-    fn full_order(&self) -> Vec<Loc> {
-        let mut keyed: Vec<(u128, Loc)> = self
-            .entries
-            .iter()
-            .map(|&loc| (key_prefix(self.arena.key(loc)), loc))
-            .collect();
-        keyed.sort_unstable_by(|a, b| {
-            a.0.cmp(&b.0)
-                .then_with(|| self.arena.key(a.1).cmp(self.arena.key(b.1)))
-        });
-        keyed.into_iter().map(|(_, loc)| loc).collect()
+    /// Every record in key order (used once per frozen memtable). Sorts record addresses
+    /// taken straight from the entry table, so the result addresses records without the entry
+    /// table, and a flush reads each record once, in a predictable order.
+    fn full_order(&self) -> ZeroedBuf<Loc> {
+        // A record address packed as (chunk, offset / 16) in as few bits as this arena needs.
+        let chunks = &self.arena.chunks;
+        let off_bits = bits_for(chunks.iter().map(|c| c.len() as u64).max().unwrap_or(1) - 1);
+        let chunk_bits = bits_for(chunks.len().max(1) as u64 - 1);
+        let pack = |loc: Loc| u64::from(loc.chunk) << off_bits | u64::from(loc.off / 16);
+        let unpack = |p: u64| Loc {
+            chunk: (p >> off_bits) as u32,
+            off: ((p & ((1 << off_bits) - 1)) * 16) as u32,
+        };
+        let sorted = sort_by_key(
+            self.entries.len(),
+            chunk_bits + off_bits,
+            |i| {
+                let loc = self.entries[i];
+                let (p, len) = self.arena.prefix_and_len(loc);
+                (p, len, pack(loc))
+            },
+            |p| self.arena.key(unpack(p)),
+            |p| self.prefetch_loc(unpack(p)),
+        );
+        let mut order = ZeroedBuf::new(sorted.v.len());
+        for (slot, p) in order.iter_mut().zip(sorted.payloads()) {
+            *slot = unpack(p);
+        }
+        order
     }
 
     /// Index of the first id in sorted run `ids` whose key is >= `key`.
@@ -733,7 +1126,7 @@ impl Memtable {
 pub(crate) struct Frozen {
     pub mem: Memtable,
     pub gen: u64,
-    order: OnceLock<Vec<Loc>>,
+    order: OnceLock<ZeroedBuf<Loc>>,
 }
 
 /// How many records ahead an ordered walk over a frozen memtable prefetches.
@@ -768,6 +1161,7 @@ impl Frozen {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     #[test]
     fn the_index_grows_and_reuse_forgets_every_key_even_when_generations_wrap() {
@@ -951,5 +1345,155 @@ mod tests {
         want.dedup();
         assert_eq!(keys, want);
         assert_eq!(keys.len(), 7);
+    }
+
+    /// Key sets for the sort properties: the shapes that make a prefix sort go wrong.
+    fn key_sets() -> impl Strategy<Value = Vec<Vec<u8>>> {
+        use proptest::collection::vec;
+        prop_oneof![
+            // None, one or two keys, the empty key included.
+            vec(vec(any::<u8>(), 0..20), 0..3),
+            // Random bytes, 2 to 40 of them: many keys longer than the 16-byte prefix.
+            vec(vec(any::<u8>(), 2..40), 0..3000),
+            // A long shared start and short tails: ties of the prefix, and few varying bits.
+            (
+                vec(any::<u8>(), 0..24),
+                vec(vec(any::<u8>(), 0..4), 0..2000)
+            )
+                .prop_map(|(start, tails)| {
+                    tails
+                        .into_iter()
+                        .map(|t| [start.as_slice(), &t].concat())
+                        .collect()
+                }),
+            // Keys that are zero-padded prefixes of each other ([0, 1], [0, 1, 0, 0]).
+            vec((vec(0u8..3, 1..6), 0usize..20), 0..600).prop_map(|keys| {
+                keys.into_iter()
+                    .map(|(mut k, zeros)| {
+                        k.resize(k.len() + zeros, 0);
+                        k
+                    })
+                    .collect()
+            }),
+            // Keys of one length made of 0s and 1s: a varying bit in every byte, more bits than
+            // fit beside the record address, so packed keys tie although prefixes differ.
+            (1..=16usize).prop_flat_map(|len| vec(vec(0u8..2, len), 0..1500)),
+            // The engine's shape: key group, state id, user key (a counter or random bits).
+            (
+                vec((0u16..128, 1u16..3, any::<u64>()), 0..3000),
+                any::<bool>()
+            )
+                .prop_map(|(keys, small)| {
+                    keys.into_iter()
+                        .map(|(kg, state, user)| {
+                            let user = if small { user % 100_000 } else { user };
+                            [
+                                &kg.to_be_bytes()[..],
+                                &state.to_be_bytes(),
+                                &user.to_be_bytes(),
+                            ]
+                            .concat()
+                        })
+                        .collect()
+                }),
+        ]
+    }
+
+    /// A small budget means small arena chunks, many of them: wider record addresses, fewer
+    /// key bits that fit beside them.
+    fn memtable(small_chunks: bool) -> Memtable {
+        Memtable::with_budget(if small_chunks { 1 << 16 } else { 64 << 20 })
+    }
+
+    /// `keys` distinct and in order: what every sort must produce.
+    fn reference(keys: &[Vec<u8>]) -> Vec<Vec<u8>> {
+        let set: std::collections::BTreeSet<Vec<u8>> = keys.iter().cloned().collect();
+        set.into_iter().collect()
+    }
+
+    proptest! {
+        #[test]
+        fn full_order_is_key_order(keys in key_sets(), small_chunks: bool) {
+            let mut m = memtable(small_chunks);
+            for (i, k) in keys.iter().enumerate() {
+                m.put(k, &(i as u32).to_le_bytes(), NO_EXPIRY, false);
+            }
+            let f = Frozen::new(m, 1);
+            let mut got = Vec::new();
+            for (k, v) in f.entries() {
+                // The value is the key's own: record addresses survive packing.
+                let i = u32::from_le_bytes(v.bytes.try_into().unwrap()) as usize;
+                prop_assert_eq!(&keys[i][..], k);
+                got.push(k.to_vec());
+            }
+            prop_assert_eq!(got, reference(&keys));
+        }
+
+        #[test]
+        fn scan_runs_are_key_order(keys in key_sets(), small_chunks: bool, cut in 0.0..1.0f64) {
+            // Two batches, a scan after each: the second sorts only its own ids.
+            let mut m = memtable(small_chunks);
+            let at = (keys.len() as f64 * cut) as usize;
+            for batch in [&keys[..at], &keys[at..]] {
+                for k in batch {
+                    m.put(k, b"v", NO_EXPIRY, false);
+                }
+                m.prepare_scan();
+            }
+            let runs = m.runs();
+            for r in &runs {
+                prop_assert!(r.windows(2).all(|w| m.entry(w[0]).0 < m.entry(w[1]).0));
+            }
+            let mut got: Vec<Vec<u8>> = runs
+                .iter()
+                .flat_map(|r| r.iter())
+                .map(|&i| m.entry(i).0.to_vec())
+                .collect();
+            got.sort();
+            prop_assert_eq!(got, reference(&keys));
+        }
+    }
+
+    #[test]
+    fn a_bit_the_sample_missed_is_still_sorted() {
+        // 3 * SAMPLE_KEYS keys sample every third; only an unsampled key has a 1 in its first
+        // byte, so the first packing drops that byte and the sort must pack again.
+        let n = 3 * SAMPLE_KEYS as u32;
+        let mut m = Memtable::new();
+        for i in 0..n {
+            let first = u8::from(i == n - 2);
+            let k = [&[first][..], &(i.wrapping_mul(2_654_435_761)).to_be_bytes()].concat();
+            m.put(&k, b"v", NO_EXPIRY, false);
+        }
+        let f = Frozen::new(m, 1);
+        let keys: Vec<Vec<u8>> = f.entries().map(|(k, _)| k.to_vec()).collect();
+        assert_eq!(keys.len(), n as usize);
+        assert!(keys.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(keys.last().unwrap()[0], 1);
+    }
+
+    #[test]
+    fn radix_passes_sort_by_their_bits_and_skip_constant_digits() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for (lo, bits, constant) in [(0, 64, 0), (20, 44, 0), (7, 30, 0x3ff << 17), (3, 5, 0)] {
+            let top = if lo + bits == 64 {
+                u64::MAX
+            } else {
+                (1 << (lo + bits)) - 1
+            };
+            let mut v = ZeroedBuf::<u64>::new(5000);
+            let mut r = Radix::new(lo, bits);
+            for e in v.iter_mut() {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                *e = x & top & !constant | constant;
+                r.count(*e);
+            }
+            let mut want: Vec<u64> = v.iter().map(|&e| e >> lo).collect();
+            want.sort_unstable();
+            r.sort(&mut v);
+            assert_eq!(v.iter().map(|&e| e >> lo).collect::<Vec<_>>(), want);
+        }
     }
 }
