@@ -218,6 +218,12 @@ impl FsFile for FaultyFile {
         self.inner.read_at(offset, buf)
     }
 
+    fn start_writeback(&mut self, offset: u64, len: u64) -> Result<(), IoError> {
+        // Not a step: started writeback makes nothing durable, so a crash still rewinds the
+        // file to its last sync.
+        self.inner.start_writeback(offset, len)
+    }
+
     fn sync(&mut self) -> Result<(), IoError> {
         let (step, mut st) = self.fs.take_step();
         let path = self.inner.path().to_owned();

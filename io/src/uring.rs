@@ -270,6 +270,9 @@ impl FsFile for UringFile {
     fn sync(&mut self) -> Result<(), IoError> {
         fdatasync(self.inner.file.as_raw_fd(), &self.inner.path)
     }
+    fn start_writeback(&mut self, offset: u64, len: u64) -> Result<(), IoError> {
+        crate::fs::start_writeback(&self.inner.file, &self.inner.path, offset, len)
+    }
     fn len(&self) -> Result<u64, IoError> {
         self.inner.len()
     }
@@ -329,6 +332,7 @@ mod tests {
             .map(|i| (i * 31 % 251) as u8)
             .collect();
         f.write_at(0, &data).unwrap();
+        f.start_writeback(0, data.len() as u64).unwrap();
         f.write_at(data.len() as u64, b"tail").unwrap();
         f.sync().unwrap();
         assert_eq!(f.len().unwrap(), data.len() as u64 + 4);

@@ -400,6 +400,9 @@ impl SegmentWriter {
         debug_assert_eq!(self.flushed % WRITE_BUFFER_BYTES as u64, 0);
         let n = WRITE_BUFFER_BYTES;
         self.file.write_at(self.flushed, &self.buf[..n])?;
+        // The device writes this piece while the next is encoded; `finish`'s sync then waits
+        // for the tail only.
+        self.file.start_writeback(self.flushed, n as u64)?;
         self.file_crc.update(&self.buf[..n]);
         self.flushed += n as u64;
         self.buf.copy_within(n.., 0);
