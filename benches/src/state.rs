@@ -37,6 +37,21 @@ fn key_of(user: u64, out: &mut [u8; 12]) {
 /// Keys per batched lookup in the get benchmarks.
 const GET_BATCH: usize = 64;
 
+/// The batch size, and the single-get figures reported beside a batched one.
+fn single_get_extras(gets: u64, t_single: &Timed) -> [(String, f64); 3] {
+    [
+        ("batch".into(), GET_BATCH as f64),
+        (
+            "single_get_per_cpu_sec".into(),
+            per_sec(gets, t_single.cpu_ns),
+        ),
+        (
+            "single_get_per_wall_sec".into(),
+            per_sec(gets, t_single.wall_ns),
+        ),
+    ]
+}
+
 struct Timed {
     wall_ns: u64,
     cpu_ns: u64,
@@ -389,17 +404,9 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
         r.extra = vec![
             ("found".into(), found as f64),
             ("baseline_found".into(), base_found as f64),
-            ("batch".into(), GET_BATCH as f64),
-            (
-                "single_get_per_cpu_sec".into(),
-                per_sec(gets, t_single.cpu_ns),
-            ),
-            (
-                "single_get_per_wall_sec".into(),
-                per_sec(gets, t_single.wall_ns),
-            ),
             ("single_found".into(), single_found as f64),
         ];
+        r.extra.extend(single_get_extras(gets, &t_single));
         out.push(r);
 
         let bloom_before = store.metrics().bloom_negatives;
@@ -439,17 +446,9 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
         r.extra = vec![
             ("bloom_negative_fraction".into(), neg as f64 / gets as f64),
             ("false_found".into(), absent_found as f64),
-            ("batch".into(), GET_BATCH as f64),
-            (
-                "single_get_per_cpu_sec".into(),
-                per_sec(gets, t_single.cpu_ns),
-            ),
-            (
-                "single_get_per_wall_sec".into(),
-                per_sec(gets, t_single.wall_ns),
-            ),
             ("single_false_found".into(), single_absent_found as f64),
         ];
+        r.extra.extend(single_get_extras(gets, &t_single));
         out.push(r);
     }
     drop(store);
