@@ -163,6 +163,7 @@ impl ShardState {
         let store_config = StoreConfig {
             memtable_budget_bytes: config.memtable_budget_bytes,
             retained_memtable_bytes: config.retained_memtable_bytes,
+            prefault_memtable: config.prefault_state_memory,
             max_parallelism: config.max_parallelism,
             ..StoreConfig::default()
         };

@@ -37,6 +37,11 @@ pub struct JobConfig {
     /// are read back from segment files after every checkpoint. A store then holds up to about
     /// three budgets: the mutable memtable, one being written, and this.
     pub retained_memtable_bytes: usize,
+    /// Fault in each store's memtable memory when the job starts instead of while it fills
+    /// (see `weir_state::StoreConfig::prefault_memtable`): the budget is resident from the
+    /// start, and the first pass over the keys has no page-fault stalls. For latency-critical
+    /// jobs; off by default, so that idle shards cost no memory.
+    pub prefault_state_memory: bool,
     /// How often sources emit watermarks and latency markers.
     pub auto_watermark_interval_ms: u64,
     /// How often sources emit a latency marker (0: never).
@@ -77,6 +82,7 @@ impl Default for JobConfig {
             state_dir: None,
             memtable_budget_bytes: 64 << 20,
             retained_memtable_bytes: 64 << 20,
+            prefault_state_memory: false,
             auto_watermark_interval_ms: 200,
             latency_marker_interval_ms: 100,
             idle_sleep_max_us: 200,
@@ -130,6 +136,11 @@ impl JobConfig {
 
     pub fn with_retained_memtable_bytes(mut self, bytes: usize) -> Self {
         self.retained_memtable_bytes = bytes;
+        self
+    }
+
+    pub fn with_prefault_state_memory(mut self, on: bool) -> Self {
+        self.prefault_state_memory = on;
         self
     }
 

@@ -87,6 +87,9 @@ impl JobHandle {
     /// Asks every shard to stop; [`JobHandle::wait`] then returns [`JobError::Cancelled`].
     pub fn cancel(&self) {
         self.ctl.cancel.store(true, Ordering::Release);
+        if let Some(s) = &self.supervisor {
+            s.thread().unpark();
+        }
     }
 
     /// True once the job ended.
@@ -515,6 +518,10 @@ fn run_attempt(
     *lock(&ctl.metrics) = registry.clone();
     let cancel = Arc::new(AtomicBool::new(false));
     let running = Arc::new(AtomicUsize::new(shards));
+    // Shards whose operators are built (state restored, memory faulted in).
+    let built = Arc::new(AtomicUsize::new(0));
+    // This thread watches the attempt; a shard that ends wakes it.
+    let supervisor = std::thread::current();
     let endpoints = crate::exchange::wire(plan.exchanges, shards, plan.config.ring_capacity_bytes);
     // Checkpointing: the shared state and the coordinator thread.
     let (shared, coordinator, failure) = match (&plan.config.checkpoint, &plan.store) {
@@ -563,6 +570,7 @@ fn run_attempt(
     let mut threads = Vec::with_capacity(shards);
     let mut spawn_error = None;
     for (shard, exchanges) in endpoints.into_iter().enumerate() {
+        let (built, supervisor) = (built.clone(), supervisor.clone());
         let (config, roots, registry, cancel2, running2, sentinel, state_dir, shared, restore) = (
             plan.config.clone(),
             plan.roots.clone(),
@@ -606,6 +614,16 @@ fn run_attempt(
                     if let Some(s) = &shared {
                         s.shards_ready.fetch_add(1, Ordering::AcqRel);
                     }
+                    // No shard runs before every shard is built: a source would otherwise
+                    // fill the rings of a shard still restoring its state, and those records
+                    // would wait out the restore.
+                    built.fetch_add(1, Ordering::AcqRel);
+                    while built.load(Ordering::Acquire) < config.shards {
+                        if cancel2.load(Ordering::Acquire) {
+                            return Err(JobError::Cancelled);
+                        }
+                        glommio::timer::sleep(Duration::from_micros(100)).await;
+                    }
                     run_loop(ctx, &cancel2).await
                 }
                 .await;
@@ -613,6 +631,7 @@ fn run_attempt(
                     cancel2.store(true, Ordering::Release);
                 }
                 running2.fetch_sub(1, Ordering::AcqRel);
+                supervisor.unpark();
                 r
             });
         match spawned {
@@ -639,7 +658,10 @@ fn run_attempt(
             cancel.store(true, Ordering::Release);
             break;
         }
-        std::thread::sleep(Duration::from_millis(2));
+        // Woken at once when a shard ends or the user cancels; the timeout bounds how late a
+        // checkpoint failure is noticed. Polling every few milliseconds instead preempted a
+        // busy shard hundreds of times a second, on machines with no spare core.
+        std::thread::park_timeout(Duration::from_millis(20));
     }
     for (shard, t) in threads.into_iter().enumerate() {
         let r = match t.join() {

@@ -108,6 +108,25 @@ impl Arena {
         self.bytes += self.chunks[next].len() * 16;
     }
 
+    /// Fault in chunks until the arena holds `bytes` (in use and spare), adding standard-size
+    /// spares as needed. Returns the bytes faulted in.
+    fn prefault(&mut self, bytes: usize) -> usize {
+        let was_empty = self.chunks.is_empty();
+        let mut total: usize = self.chunks.iter().map(|c| c.len() * 16).sum();
+        while total < bytes {
+            let c = ZeroedBuf::new(self.chunk_bytes / 16);
+            total += c.len() * 16;
+            self.chunks.push(c);
+        }
+        if was_empty && !self.chunks.is_empty() {
+            // As after `reset`: the first chunk is the one in use, and counts.
+            self.cur = 0;
+            self.used = 0;
+            self.bytes = self.chunks[0].len() * 16;
+        }
+        self.chunks.iter_mut().map(|c| c.populate()).sum()
+    }
+
     /// Forget every allocation but keep the standard-size chunks for reuse (their pages are
     /// already faulted in: PLATFORM.md, first touch costs microseconds per page here).
     fn reset(&mut self) {
@@ -430,6 +449,17 @@ impl Index {
             gen,
         };
         s.set_loc(loc);
+    }
+
+    /// Make an empty index at least `cap` slots (a power of two) and fault all of it in.
+    /// An index holding keys keeps its size (growing it would move them) and is only faulted
+    /// in. Returns the bytes faulted in.
+    fn prefault(&mut self, cap: usize) -> usize {
+        if self.len == 0 && self.old.is_none() && cap > self.slots.len() {
+            *self = Index::with_capacity(cap);
+        }
+        let old = self.old.as_mut().map_or(0, |o| o.slots.populate());
+        self.slots.populate() + old
     }
 
     /// Double the table; its entries move over during the next puts ([`Self::migrate`]).
@@ -970,6 +1000,45 @@ impl Memtable {
         self.arena.bytes + n * (std::mem::size_of::<Loc>() + 4) + self.index.bytes()
     }
 
+    /// Fault in now the memory this memtable needs to fill `budget_bytes`, and return how many
+    /// bytes that was: arena chunks for the whole budget less the index, an index of the
+    /// largest power of two at most budget / 48 slots (a sixth to a third of the budget) and
+    /// entry tables for 3/4 of its slots. Entries smaller than about 60 bytes with their table
+    /// space (a 48-byte record of a 16-byte key and value) can fill the index before the
+    /// budget; it then grows once as it would have without this.
+    ///
+    /// Why: left to fill lazily, a memtable takes its page faults inside the shard's loop,
+    /// and a fresh 2 MiB page costs about a millisecond here (PLATFORM.md): the first second
+    /// of a keyed job had steps of 10-37 ms, almost all in `clear_page_erms`. A recycled
+    /// memtable keeps what this faulted in.
+    pub fn prefault(&mut self, budget_bytes: usize) -> usize {
+        let max_slots = (budget_bytes / 48).max(MIN_INDEX_SLOTS);
+        let slots = if max_slots.is_power_of_two() {
+            max_slots
+        } else {
+            max_slots.next_power_of_two() / 2
+        };
+        let mut faulted = self.index.prefault(slots);
+        let entries = slots / 4 * 3;
+        faulted += self
+            .arena
+            .prefault(budget_bytes.saturating_sub(self.index.bytes()));
+        // Writing the spare capacity faults its pages; the lengths are unchanged.
+        self.fresh.reserve(entries.saturating_sub(self.fresh.len()));
+        self.fresh
+            .spare_capacity_mut()
+            .iter_mut()
+            .for_each(|x| _ = x.write(0));
+        self.entries
+            .reserve(entries.saturating_sub(self.entries.len()));
+        let zero = Loc { chunk: 0, off: 0 };
+        self.entries
+            .spare_capacity_mut()
+            .iter_mut()
+            .for_each(|x| _ = x.write(zero));
+        faulted + self.fresh.capacity() * 4 + self.entries.capacity() * std::mem::size_of::<Loc>()
+    }
+
     /// Empty this memtable for reuse as a fresh one, keeping its memory: arena chunks, entry
     /// table and hash index capacity (no page faults, no rehashing on the next fill).
     pub fn recycle(&mut self) {
@@ -1422,6 +1491,45 @@ mod tests {
         m.put(b"k1", b"", NO_EXPIRY, true);
         assert!(m.get_hashed(b"k1", xxh3_64(b"k1")).unwrap().tombstone);
         assert_eq!(m.len(), 1);
+    }
+
+    #[test]
+    fn a_prefaulted_memtable_fills_without_new_chunks_or_index_growth() {
+        let budget = 8 << 20;
+        let mut m = Memtable::with_budget(budget);
+        let faulted = m.prefault(budget);
+        assert!(faulted >= budget, "faulted {faulted} of {budget}");
+        let (chunks, slots) = (m.arena.chunks.len(), m.index.slots.len());
+        assert_eq!(
+            slots,
+            1 << 17,
+            "the largest power of two at most budget / 48"
+        );
+        // Accounted as a fresh memtable: the chunk in use and the index, not the spares.
+        assert_eq!(m.approx_bytes(), m.arena.chunk_bytes + m.index.bytes());
+        let key = |i: u64| [&[0u8, 7][..], &i.to_be_bytes()].concat();
+        let mut n = 0u64;
+        while m.approx_bytes() < budget && !m.index.needs_growth() {
+            m.put(&key(n), &n.to_le_bytes(), 0, false);
+            n += 1;
+        }
+        assert!(n > 90_000, "filled {n} entries");
+        assert_eq!(
+            m.arena.chunks.len(),
+            chunks,
+            "no chunk allocated while filling"
+        );
+        assert_eq!(m.index.slots.len(), slots, "the index did not grow");
+        for i in (0..n).step_by(7) {
+            let v = m.get_hashed(&key(i), xxh3_64(&key(i))).expect("present");
+            assert_eq!(v.bytes, &i.to_le_bytes());
+        }
+        // Prefaulting a memtable that holds entries keeps them and its index.
+        m.prefault(budget);
+        assert_eq!(m.len(), n as usize);
+        assert_eq!(m.index.slots.len(), slots);
+        let k = key(n - 1);
+        assert!(m.get_hashed(&k, xxh3_64(&k)).is_some());
     }
 
     #[test]

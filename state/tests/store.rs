@@ -80,14 +80,16 @@ proptest! {
     fn store_matches_model(
         ops in proptest::collection::vec(op(), 1..120),
         retain in proptest::bool::ANY,
+        prefault in proptest::bool::ANY,
     ) {
         let root = tempfile::tempdir().unwrap();
         let fs: Arc<dyn Fs> = Arc::new(StdFs);
         let mut dirs = 0;
         // With retention, flushed memtables stay readable in front of their segments: reads
-        // must not change.
+        // must not change. Nor may they with the memtable's memory faulted in up front.
         let config = StoreConfig {
             retained_memtable_bytes: if retain { 48 << 10 } else { 0 },
+            prefault_memtable: prefault,
             ..small_config(8)
         };
         let mut store = Store::open(fs.clone(), &root.path().join("s0"), config).unwrap();

@@ -227,3 +227,63 @@ fn duplicate_uids_are_rejected_before_start() {
     a.map(|x| x).uid("same").for_each(|_| {});
     assert!(job.start().is_err());
 }
+
+/// A sink whose writer takes long to build on the last shard and notes when it is built.
+struct SlowToBuild {
+    built_at: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
+}
+
+struct Discard;
+
+impl weir_runtime::sink::SinkWriter<u64> for Discard {
+    fn write(&mut self, _: u64, _: i64) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn finish(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl weir_runtime::sink::Sink<u64> for SlowToBuild {
+    fn create_writer(
+        &self,
+        shard: usize,
+        shards: usize,
+    ) -> Result<Box<dyn weir_runtime::sink::SinkWriter<u64>>, weir_runtime::StartError> {
+        if shard + 1 == shards {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            *self.built_at.lock().unwrap() = Some(std::time::Instant::now());
+        }
+        Ok(Box::new(Discard))
+    }
+}
+
+#[test]
+fn no_shard_runs_before_every_shard_is_built() {
+    // Shard 0 builds at once, the last shard takes 300 ms (as a restore of large state
+    // would): shard 0's source must not produce before then.
+    let job = Job::new(config(2));
+    let first_record = Arc::new(std::sync::OnceLock::<std::time::Instant>::new());
+    let first = first_record.clone();
+    let built_at = Arc::new(std::sync::Mutex::new(None));
+    job.from_iter(move |shard, _| {
+        let first = first.clone();
+        (0..1_000u64).inspect(move |_| {
+            if shard == 0 {
+                first.get_or_init(std::time::Instant::now);
+            }
+        })
+    })
+    .rebalance()
+    .sink(SlowToBuild {
+        built_at: built_at.clone(),
+    });
+    job.run().expect("job");
+    let built = built_at.lock().unwrap().expect("the last shard was built");
+    let first = *first_record.get().expect("shard 0 produced records");
+    assert!(
+        first >= built,
+        "shard 0 produced {:?} before the last shard was built",
+        built - first
+    );
+}
