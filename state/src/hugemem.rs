@@ -10,7 +10,7 @@
 
 use std::marker::PhantomData;
 
-/// Buffers at least this large are mapped and advised to use huge pages.
+/// Buffers at least this large are advised to use huge pages (for the whole ones they fill).
 pub(crate) const HUGE_PAGE_BYTES: usize = 2 << 20;
 
 /// Plain old data: every bit pattern (in particular all zeros) is a valid value, no padding
@@ -55,6 +55,16 @@ impl<T: Pod> std::fmt::Debug for ZeroedBuf<T> {
     }
 }
 
+/// Buffers at least this large are their own anonymous mapping: fresh pages read as zero
+/// without being written, so making one costs a system call, not a memset. Through the
+/// allocator a 1 MiB index came from reused heap memory that `calloc` had to clear: 150 us,
+/// the whole synchronous part of the first snapshot.
+const MAP_BYTES: usize = 64 << 10;
+
+fn zeroed_lines(n: usize) -> Vec<Line> {
+    vec![Line([0; 64]); n]
+}
+
 impl<T: Pod> ZeroedBuf<T> {
     /// `len` zeroed elements. Panics only where `Vec` would (allocation failure aborts).
     pub fn new(len: usize) -> ZeroedBuf<T> {
@@ -63,11 +73,15 @@ impl<T: Pod> ZeroedBuf<T> {
             "ZeroedBuf aligns to 16 bytes"
         );
         let bytes = len * std::mem::size_of::<T>();
-        let backing = if bytes >= HUGE_PAGE_BYTES {
-            // Whole huge pages of address space, so that the kernel aligns the mapping to one
-            // (it does for anonymous mappings that are a multiple of the huge page size); the
-            // tail beyond `bytes` is never touched, so it costs no memory.
-            let map_len = bytes.div_ceil(HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES;
+        let backing = if bytes >= MAP_BYTES {
+            // From 2 MiB, whole huge pages of address space, so that the kernel aligns the
+            // mapping to one (it does for anonymous mappings that are a multiple of the huge
+            // page size); the tail beyond `bytes` is never touched, so it costs no memory.
+            let map_len = if bytes >= HUGE_PAGE_BYTES {
+                bytes.div_ceil(HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+            } else {
+                bytes
+            };
             match memmap2::MmapMut::map_anon(map_len) {
                 Ok(m) => {
                     #[cfg(target_os = "linux")]
@@ -76,14 +90,16 @@ impl<T: Pod> ZeroedBuf<T> {
                         // partial one does not waste memory. Advice only: without THP the
                         // mapping works with small pages.
                         let full = bytes / HUGE_PAGE_BYTES * HUGE_PAGE_BYTES;
-                        let _ = m.advise_range(memmap2::Advice::HugePage, 0, full);
+                        if full > 0 {
+                            let _ = m.advise_range(memmap2::Advice::HugePage, 0, full);
+                        }
                     }
                     Backing::Map(m)
                 }
-                Err(_) => Backing::Heap(vec![Line([0; 64]); bytes.div_ceil(64)]),
+                Err(_) => Backing::Heap(zeroed_lines(bytes.div_ceil(64))),
             }
         } else {
-            Backing::Heap(vec![Line([0; 64]); bytes.div_ceil(64)])
+            Backing::Heap(zeroed_lines(bytes.div_ceil(64)))
         };
         ZeroedBuf {
             backing,
@@ -195,7 +211,7 @@ mod tests {
 
     #[test]
     fn small_and_huge_buffers_are_zeroed_aligned_and_writable() {
-        for len in [2usize, 100, (HUGE_PAGE_BYTES / 16) + 3] {
+        for len in [2usize, 100, MAP_BYTES / 16 + 1, (HUGE_PAGE_BYTES / 16) + 3] {
             let mut b = ZeroedBuf::<u128>::new(len);
             assert_eq!(b.len(), len);
             assert!(b.iter().all(|&x| x == 0));
