@@ -315,6 +315,12 @@ impl ShardState {
         self.inner.borrow().be.key_group_range()
     }
 
+    /// True while the store's frozen memtables wait on maintenance beyond its limit
+    /// (`Store::write_stalled`): the shard stops feeding records until flushes catch up.
+    pub(crate) fn write_stalled(&self) -> bool {
+        self.inner.borrow().be.store().write_stalled()
+    }
+
     /// Installs finished background work and hands out the next job. Never waits.
     pub(crate) fn maintain(&self) -> Result<(), JobError> {
         let mut guard = self.inner.borrow_mut();

@@ -704,15 +704,46 @@ pub(crate) fn now_ms() -> i64 {
         .map_or(0, |d| d.as_millis() as i64)
 }
 
+/// The name of the head-metrics entry whose backpressured time is the time a shard stopped
+/// because a state store's flushes lagged behind (`weir_state::Store::write_stalled`).
+pub const STATE_STALL: &str = "state write stall";
+
+/// Installs finished state maintenance, hands out the next, and completes checkpoints.
+fn maintain(ctx: &BuildCtx) -> Result<(), JobError> {
+    for s in &ctx.states {
+        s.maintain()?;
+    }
+    if let Some(c) = &ctx.checkpoint {
+        ShardCheckpoint::poll_completed(c);
+        if let Some(e) = ctx.fail.take() {
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
 async fn run_loop(mut ctx: BuildCtx, cancel: &AtomicBool) -> Result<(), JobError> {
     let mut heads = std::mem::take(&mut ctx.heads);
     let mut done = vec![false; heads.len()];
     let mut idle_rounds = 0u32;
     let sleep_max = Duration::from_micros(ctx.config.idle_sleep_max_us);
     let mut sleep = Duration::from_micros(10).min(sleep_max);
+    let mut stall = None;
     loop {
         if cancel.load(Ordering::Acquire) {
             return Err(JobError::Cancelled);
+        }
+        // Back-pressure from state: while a store's flushes lag behind (too many frozen
+        // memtables, `Store::write_stalled`), no head runs, so upstream rings fill and the
+        // producers wait; maintenance and checkpoint completions go on, and end the stall.
+        // Its time shows as the backpressured time of the shard's `STATE_STALL` entry.
+        if ctx.states.iter().any(|s| s.write_stalled()) {
+            let t0 = Instant::now();
+            maintain(&ctx)?;
+            glommio::timer::sleep(Duration::from_micros(100)).await;
+            let stall = stall.get_or_insert_with(|| ctx.metrics.head(STATE_STALL, ctx.shard));
+            crate::metrics::bump(&stall.backpressured_ns, t0.elapsed().as_nanos() as u64);
+            continue;
         }
         let now = now_ms();
         let mut progress = false;
@@ -745,15 +776,7 @@ async fn run_loop(mut ctx: BuildCtx, cancel: &AtomicBool) -> Result<(), JobError
                 HeadStatus::Done => *d = true,
             }
         }
-        for s in &ctx.states {
-            s.maintain()?;
-        }
-        if let Some(c) = &ctx.checkpoint {
-            ShardCheckpoint::poll_completed(c);
-            if let Some(e) = ctx.fail.take() {
-                return Err(e);
-            }
-        }
+        maintain(&ctx)?;
         if live == 0 {
             return Ok(());
         }

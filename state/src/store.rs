@@ -224,6 +224,9 @@ impl Ctx {
     }
 }
 
+/// Frozen memtables, in memtable budgets, beyond which [`Store::write_stalled`] says stop.
+pub const WRITE_STALL_BUDGETS: usize = 2;
+
 /// The LSM store of one shard (see the module docs).
 #[derive(Debug)]
 pub struct Store {
@@ -888,6 +891,26 @@ impl Store {
     /// Number of frozen memtables not yet installed as segments (for back-pressure).
     pub fn frozen_memtables(&self) -> usize {
         self.frozen.len()
+    }
+
+    /// True while frozen memtables waiting for their flush hold more than
+    /// [`WRITE_STALL_BUDGETS`] memtable budgets: the caller should stop writing until
+    /// maintenance catches up (as RocksDB stalls writes). Without it a writer faster than
+    /// flushes queues frozen memtables without bound: a checkpointed job replaying after a
+    /// restore reached 26 per store and 9 GB for 256 MiB of state.
+    pub fn write_stalled(&self) -> bool {
+        let limit = self
+            .config
+            .memtable_budget_bytes
+            .saturating_mul(WRITE_STALL_BUDGETS);
+        let mut bytes = 0usize;
+        for f in &self.frozen {
+            bytes += f.mem.approx_bytes();
+            if bytes > limit {
+                return true;
+            }
+        }
+        false
     }
 
     /// True when a flush or compaction job is due.

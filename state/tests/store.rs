@@ -673,3 +673,37 @@ fn multi_get_agrees_with_get_across_many_segments() {
         assert_eq!(seen, want);
     }
 }
+
+#[test]
+fn writes_stall_once_frozen_memtables_pass_the_limit_and_resume_after_flushes() {
+    let root = tempfile::tempdir().unwrap();
+    let fs: Arc<dyn Fs> = Arc::new(StdFs);
+    let config = small_config(8);
+    let budget = config.memtable_budget_bytes;
+    let mut s = Store::open(fs, root.path(), config).unwrap();
+    let mut u = 0u16;
+    // Fill memtables and freeze them without running maintenance.
+    while !s.write_stalled() {
+        for _ in 0..64 {
+            s.put(&key(1, u), &[7u8; 64]);
+            u = u.wrapping_add(1);
+        }
+        s.freeze();
+        assert!(
+            s.frozen_memtables() <= 3 * weir_state::WRITE_STALL_BUDGETS + 3,
+            "{} frozen without a stall",
+            s.frozen_memtables()
+        );
+    }
+    let frozen = s.frozen_memtables();
+    assert!(
+        frozen >= 2,
+        "stalled with {frozen} frozen memtables of budget {budget}"
+    );
+    s.run_pending_maintenance().unwrap();
+    assert_eq!(s.frozen_memtables(), 0);
+    assert!(!s.write_stalled(), "flushes end the stall");
+    for v in (0..u).step_by(97) {
+        assert_eq!(s.get(&key(1, v)).unwrap().value, &[7u8; 64]);
+    }
+}
