@@ -8,14 +8,15 @@
 //!   in one hashbrown map on one thread. `per_cpu_sec` is records per CPU second of the whole
 //!   process (all shards), i.e. per core.
 //! * `latency_keyed_half_peak`: the keyed job throttled to half the peak rate just measured;
-//!   per-record source-to-sink latency (each record carries its creation time: when the
-//!   rate-limited generator made it, not when it was due, so time a shard spends unable to
-//!   poll its source is not counted), with 64 records per step and prefaulted state memory.
+//!   per-record source-to-sink latency, from the time each record was due on the generator's
+//!   fixed schedule (so time a shard spends unable to poll its source counts: no coordinated
+//!   omission), with 64 records per step and prefaulted state memory. The schedule starts
+//!   `schedule_start_ms` after the job is made; that wait is in the wall time.
 //!
 //! Every figure is the median of several runs; all runs are listed in `extra`.
 
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use weir_runtime::sink::{Sink, SinkWriter};
@@ -106,6 +107,9 @@ fn row(bench: &str, ours: Vec<Measured>, baseline: &str, base: Vec<Measured>) ->
     }
 }
 
+/// When the latency job's schedule starts, after the job is made.
+const SCHEDULE_START_NS: u64 = 500_000_000;
+
 /// Records per step in the latency job (the throughput jobs use 4096). Same machine, four runs
 /// each: p99 19-32 us with 64, 41-178 us with 256, 1.5-6.7 ms with 4096 (and no prefault).
 const LATENCY_BATCH_RECORDS: usize = 64;
@@ -159,20 +163,26 @@ fn keyed_job(
 ) -> u64 {
     let count = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let epoch = Instant::now();
-    // Records carry their creation time only when latency is measured: a clock read per
-    // record is a cost of the measurement, not of the job.
-    let stamp = latency.is_some();
+    // With latency measured, each record carries its due time on a fixed schedule that starts
+    // SCHEDULE_START_NS after the job is made (time enough to build the shards): latency
+    // counts from when the record should have entered, not from when the source got to it.
+    // Without, the field is the index (a clock read per record would cost the job).
+    let due_rate = latency.as_ref().and(rate_per_shard);
+    let per_shard = shards as u64;
     let mut gen = GeneratorSource::new(Some(n), 3, move |i: u64, r: u64| {
-        let t = if stamp {
-            epoch.elapsed().as_nanos() as u64
-        } else {
-            i
+        let t = match due_rate {
+            Some(rate) => SCHEDULE_START_NS + (i / per_shard) * 1_000_000_000 / rate,
+            None => i,
         };
         (r % keys, t)
     });
     if let Some(rate) = rate_per_shard {
         gen = gen.with_rate_per_shard(rate);
+        if due_rate.is_some() {
+            gen = gen.with_schedule_origin(epoch + Duration::from_nanos(SCHEDULE_START_NS));
+        }
     }
+    let stamp = latency.is_some();
     let mut cfg = config(shards);
     if stamp {
         // Tuned for latency, as Flink's buffer timeout is: a step moves at most
@@ -296,6 +306,53 @@ impl Sink<(u64, u64)> for LatencySink {
     }
 }
 
+/// Milliseconds the hypervisor took the CPUs away (steal time, summed over CPUs, from
+/// /proc/stat; 0 where unavailable). A vCPU taken away for a few milliseconds is a latency
+/// spike no engine can avoid, so the latency row reports it beside its percentiles.
+fn steal_ms() -> u64 {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    // "cpu  user nice system idle iowait irq softirq steal ...", in USER_HZ (100) ticks.
+    stat.lines()
+        .next()
+        .and_then(|l| l.split_whitespace().nth(8))
+        .and_then(|v| v.parse::<u64>().ok())
+        .map_or(0, |ticks| ticks * 10)
+}
+
+/// The machine's floor for the latency row: one producer thread makes `n` timestamps on the
+/// schedule of one shard's generator (`rate` per second), a consumer thread takes them from
+/// a raw SPSC ring (rtrb) and records how late each arrived, both spinning. No engine can
+/// beat what this pair sees on the same machine at the same time.
+fn raw_latency_baseline(n: u64, rate: u64) -> Histogram<u64> {
+    let (mut tx, mut rx) = rtrb::RingBuffer::<u64>::new(1 << 16);
+    let origin = Instant::now() + Duration::from_millis(10);
+    let producer = std::thread::spawn(move || {
+        for k in 0..n {
+            let due = k * 1_000_000_000 / rate;
+            while (origin.elapsed().as_nanos() as u64) < due || Instant::now() < origin {
+                std::hint::spin_loop();
+            }
+            while tx.push(due).is_err() {
+                std::hint::spin_loop();
+            }
+        }
+    });
+    let mut h = new_hist();
+    let mut got = 0;
+    while got < n {
+        match rx.pop() {
+            Ok(due) => {
+                let now = origin.elapsed().as_nanos() as u64;
+                let _ = h.record(now.saturating_sub(due).max(1));
+                got += 1;
+            }
+            Err(_) => std::hint::spin_loop(),
+        }
+    }
+    let _ = producer.join();
+    h
+}
+
 pub(crate) fn new_hist() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("constant bounds are valid")
 }
@@ -358,8 +415,14 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
         rate * 6
     };
     let h = Arc::new(Mutex::new(new_hist()));
+    let steal0 = steal_ms();
     let m = measure(|| keyed_job(n, keys, 2, Some(rate), Some(h.clone())));
+    let steal = steal_ms() - steal0;
     let h = h.lock().unwrap_or_else(|p| p.into_inner());
+    // The same number of records per shard, on one shard's schedule, through a raw ring.
+    let steal1 = steal_ms();
+    let raw = raw_latency_baseline(n / 2, rate);
+    let raw_steal = steal_ms() - steal1;
     rows.push(BenchResult {
         bench: "latency_keyed_2shards_half_peak".into(),
         per_wall_sec: m.per_wall(),
@@ -375,6 +438,19 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
             ("samples".into(), h.len() as f64),
             ("batch_records".into(), LATENCY_BATCH_RECORDS as f64),
             ("prefault_state_memory".into(), 1.0),
+            (
+                "schedule_start_ms".into(),
+                (SCHEDULE_START_NS / 1_000_000) as f64,
+            ),
+            ("steal_ms".into(), steal as f64),
+            ("raw_spsc_p50_ns".into(), raw.value_at_quantile(0.5) as f64),
+            ("raw_spsc_p99_ns".into(), raw.value_at_quantile(0.99) as f64),
+            (
+                "raw_spsc_p999_ns".into(),
+                raw.value_at_quantile(0.999) as f64,
+            ),
+            ("raw_spsc_max_ns".into(), raw.max() as f64),
+            ("raw_spsc_steal_ms".into(), raw_steal as f64),
         ],
     });
     rows

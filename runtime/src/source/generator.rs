@@ -23,6 +23,7 @@ pub struct GeneratorSource<F> {
     total: Option<u64>,
     seed: u64,
     rate_per_sec: Option<u64>,
+    origin: Option<Instant>,
     f: Arc<F>,
 }
 
@@ -32,6 +33,7 @@ impl<F> GeneratorSource<F> {
             total,
             seed,
             rate_per_sec: None,
+            origin: None,
             f: Arc::new(f),
         }
     }
@@ -41,15 +43,30 @@ impl<F> GeneratorSource<F> {
         self.rate_per_sec = Some(records_per_sec);
         self
     }
+
+    /// Schedules the throttled records from `origin` instead of from each reader's first
+    /// poll: the `k`-th record of every shard (index `shard + k * shards`) is due at
+    /// `origin + k / rate`, and none is made before it is due, also after a restore. A job
+    /// that stamps records with their due time measures latency from when each record should
+    /// have entered, so the time a shard could not poll its source counts too (no
+    /// coordinated omission).
+    pub fn with_schedule_origin(mut self, origin: Instant) -> Self {
+        self.origin = Some(origin);
+        self
+    }
 }
 
 struct GenReader<F> {
+    /// This shard's first index.
+    first: u64,
     next: u64,
     step: u64,
     total: Option<u64>,
     seed: u64,
     rate_per_sec: Option<u64>,
+    origin: Option<Instant>,
     started: Option<Instant>,
+    /// Records made since the schedule started (with an origin: since index `first`).
     emitted: u64,
     f: Arc<F>,
 }
@@ -58,7 +75,10 @@ impl<T: 'static, F: Fn(u64, u64) -> T + Send + Sync + 'static> SourceReader<T> f
     fn poll(&mut self, out: &mut Vec<T>, max: usize) -> Result<SourcePoll, SourceError> {
         let mut budget = max as u64;
         if let Some(rate) = self.rate_per_sec {
-            let started = *self.started.get_or_insert_with(Instant::now);
+            let started = match self.origin {
+                Some(o) => o,
+                None => *self.started.get_or_insert_with(Instant::now),
+            };
             let allowed =
                 (started.elapsed().as_nanos() as u64).saturating_mul(rate) / 1_000_000_000;
             budget = budget.min(allowed.saturating_sub(self.emitted));
@@ -91,6 +111,10 @@ impl<T: 'static, F: Fn(u64, u64) -> T + Send + Sync + 'static> SourceReader<T> f
                 SourceError::BadPosition(format!("{} bytes, expected 8", position.len()))
             })?;
         self.next = next;
+        if self.origin.is_some() {
+            // The fixed schedule goes on where the restored position lies on it.
+            self.emitted = next.saturating_sub(self.first) / self.step;
+        }
         Ok(())
     }
 }
@@ -102,11 +126,13 @@ impl<T: 'static, F: Fn(u64, u64) -> T + Send + Sync + 'static> Source<T> for Gen
         shards: usize,
     ) -> Result<Box<dyn SourceReader<T>>, SourceError> {
         Ok(Box::new(GenReader {
+            first: shard as u64,
             next: shard as u64,
             step: shards as u64,
             total: self.total,
             seed: self.seed,
             rate_per_sec: self.rate_per_sec,
+            origin: self.origin,
             started: None,
             emitted: 0,
             f: self.f.clone(),
@@ -152,5 +178,40 @@ mod tests {
         out.clear();
         r2.poll(&mut out, 3).expect("poll");
         assert_eq!(out, vec![10, 11, 12]);
+    }
+
+    #[test]
+    fn a_schedule_origin_holds_records_until_due_and_survives_a_seek() {
+        let origin = Instant::now() + std::time::Duration::from_millis(200);
+        // 1000 records/s per shard: record k of a shard is due at origin + k ms.
+        let g = GeneratorSource::new(None, 1, |i, _| i)
+            .with_rate_per_shard(1000)
+            .with_schedule_origin(origin);
+        let mut r = g.create_reader(1, 2).expect("reader");
+        let mut out = Vec::new();
+        assert_eq!(r.poll(&mut out, 100).expect("poll"), SourcePoll::Idle);
+        assert!(out.is_empty(), "nothing before the origin");
+        while Instant::now() < origin + std::time::Duration::from_millis(30) {
+            std::thread::yield_now();
+        }
+        r.poll(&mut out, 1000).expect("poll");
+        let made = out.len() as u64;
+        let due = (origin.elapsed().as_millis() as u64) + 1;
+        assert!(made >= 30 && made <= due, "{made} records made, {due} due");
+        assert!(out.iter().enumerate().all(|(k, &i)| i == 1 + 2 * k as u64));
+        // A restored reader at the same position is as far along the schedule: it makes only
+        // what fell due since, not a burst from the start.
+        let pos = r.position();
+        let mut r2 = g.create_reader(1, 2).expect("reader");
+        r2.seek(&pos).expect("seek");
+        out.clear();
+        r2.poll(&mut out, 1000).expect("poll");
+        let due_now = origin.elapsed().as_millis() as u64 + 1;
+        assert!(
+            made + out.len() as u64 <= due_now,
+            "{} more after the seek, {due_now} due in all",
+            out.len()
+        );
+        assert!(out.first().is_none_or(|&i| i == 1 + 2 * made));
     }
 }
