@@ -195,6 +195,8 @@ struct KeyedRun {
     cpu_ns: u64,
     hist: Histogram<u64>,
     completed: u64,
+    /// Time shards stopped for their stores' flushes (`weir_runtime::STATE_STALL`).
+    stall_ns: u64,
 }
 
 impl KeyedRun {
@@ -246,6 +248,13 @@ fn keyed_run(
         cpu_ns,
         hist,
         completed: summary.checkpoints.number_of_completed_checkpoints,
+        stall_ns: summary
+            .metrics
+            .heads
+            .iter()
+            .filter(|h| h.head == weir_runtime::STATE_STALL)
+            .map(|h| h.backpressured_ns)
+            .sum(),
     }
 }
 
@@ -275,6 +284,10 @@ fn overhead(opts: &Opts) -> BenchResult {
         extra.push((format!("run{i}_without_per_wall_sec"), o.per_wall()));
         extra.push((format!("run{i}_ratio_per_cpu"), w.per_cpu() / o.per_cpu()));
         extra.push((format!("run{i}_with_checkpoints"), w.completed as f64));
+        extra.push((
+            format!("run{i}_with_state_stall_ms"),
+            w.stall_ns as f64 / 1e6,
+        ));
         // At full speed a record's age is mostly the queue in front of it.
         extra.push((
             format!("run{i}_saturated_p99_ns_with"),
