@@ -21,19 +21,28 @@ fn input(n: u64, keys: u64) -> Vec<(u64, i64)> {
         .collect()
 }
 
-#[test]
-fn keyed_running_sum_on_four_shards_matches_sequential() {
-    let data = input(20_000, 97);
-    let job = Job::new(config(4));
+/// Per-key running sums of `data` (a keyed reduce with uid "sum"), and the job's summary.
+fn running_sums(
+    config: JobConfig,
+    data: &[(u64, i64)],
+) -> (Vec<(u64, i64)>, weir_runtime::JobSummary) {
+    let job = Job::new(config);
     let out = job
-        .from_vec(data.clone())
+        .from_vec(data.to_vec())
         .key_by(|(k, _)| *k)
         .reduce(|(k, a), (_, b)| (k, a + b))
         .uid("sum")
         .collect();
     let summary = job.run().expect("job runs");
+    (out.take(), summary)
+}
+
+#[test]
+fn keyed_running_sum_on_four_shards_matches_sequential() {
+    let data = input(20_000, 97);
+    let (out, summary) = running_sums(config(4), &data);
     let mut got: HashMap<u64, Vec<i64>> = HashMap::new();
-    for (k, s) in out.take() {
+    for (k, s) in out {
         got.entry(k).or_default().push(s);
     }
     let mut want: HashMap<u64, Vec<i64>> = HashMap::new();
@@ -105,20 +114,12 @@ fn a_store_whose_flushes_lag_stalls_the_shard_and_loses_nothing() {
     // fsyncs) complete: the shards must stop at the store's write-stall limit instead of
     // queueing frozen memtables without bound, then go on with every record.
     let data = input(200_000, 50_000);
-    let job = Job::new(config(2).with_memtable_budget_bytes(16 << 10));
-    let out = job
-        .from_vec(data.clone())
-        .key_by(|(k, _)| *k)
-        .reduce(|(k, a), (_, b)| (k, a + b))
-        .uid("sum")
-        .collect();
-    let summary = job.run().expect("job runs");
+    let (got, summary) = running_sums(config(2).with_memtable_budget_bytes(16 << 10), &data);
     let mut sums: HashMap<u64, i64> = HashMap::new();
     for (k, v) in &data {
         *sums.entry(*k).or_default() += v;
     }
     let mut last: HashMap<u64, i64> = HashMap::new();
-    let got = out.take();
     assert_eq!(got.len(), data.len());
     for (k, s) in got {
         last.insert(k, s);
