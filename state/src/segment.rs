@@ -185,15 +185,13 @@ fn round16(n: usize) -> usize {
     n.div_ceil(16) * 16
 }
 
-/// A block header (see `weir_io::encode_block`) with its CRC: `payload_crc` is the CRC-32
-/// state over the payload, combined after the header's first 20 bytes.
-fn block_header(
-    id: u64,
-    block_index: u32,
-    kind: u8,
-    payload_len: u32,
-    payload_crc: &crc32fast::Hasher,
-) -> [u8; BLOCK_HEADER_LEN] {
+/// A block header (see `weir_io::encode_block`) with its CRC over the header's first 20
+/// bytes and then the payload, given as the `payload` pieces in order. One pass over the
+/// payload after the header: combining a separately computed payload CRC (`crc32fast`'s
+/// `combine`) cost more per 1 KiB block than reading the block again.
+fn block_header(id: u64, block_index: u32, kind: u8, payload: &[&[u8]]) -> [u8; BLOCK_HEADER_LEN] {
+    let payload_len: usize = payload.iter().map(|p| p.len()).sum();
+    let payload_len = payload_len as u32;
     let mut head = [0u8; BLOCK_HEADER_LEN];
     head[0..8].copy_from_slice(&id.to_le_bytes());
     head[8..12].copy_from_slice(&block_index.to_le_bytes());
@@ -202,7 +200,9 @@ fn block_header(
     head[16..20].copy_from_slice(&payload_len.to_le_bytes());
     let mut crc = crc32fast::Hasher::new();
     crc.update(&head[..20]);
-    crc.combine(payload_crc);
+    for p in payload {
+        crc.update(p);
+    }
     head[20..24].copy_from_slice(&crc.finalize().to_le_bytes());
     head
 }
@@ -345,10 +345,12 @@ impl SegmentWriter {
         let total = self.buf.len() - start;
         let pad = (BLOCK_ALIGN - total % BLOCK_ALIGN) % BLOCK_ALIGN;
         self.buf.resize(self.buf.len() + pad, 0);
-        let payload_len = (self.buf.len() - start - BLOCK_HEADER_LEN) as u32;
-        let mut crc = crc32fast::Hasher::new();
-        crc.update(&self.buf[start + BLOCK_HEADER_LEN..]);
-        let head = block_header(self.id, block_index, kind, payload_len, &crc);
+        let head = block_header(
+            self.id,
+            block_index,
+            kind,
+            &[&self.buf[start + BLOCK_HEADER_LEN..]],
+        );
         self.buf[start..start + BLOCK_HEADER_LEN].copy_from_slice(&head);
     }
 
@@ -464,18 +466,12 @@ impl SegmentWriter {
         let pad = (BLOCK_ALIGN - (BLOCK_HEADER_LEN + bloom_head.len() + bits_len) % BLOCK_ALIGN)
             % BLOCK_ALIGN;
         let zeros = [0u8; BLOCK_ALIGN];
-        let mut payload_crc = crc32fast::Hasher::new();
-        payload_crc.update(&bloom_head);
-        payload_crc.update(bloom.bits());
-        payload_crc.update(&zeros[..pad]);
-        let payload_len = (bloom_head.len() + bits_len + pad) as u32;
         let filter_offset = self.abs();
         let head = block_header(
             self.id,
             data_blocks + 1,
             KIND_FILTER,
-            payload_len,
-            &payload_crc,
+            &[&bloom_head, bloom.bits(), &zeros[..pad]],
         );
         self.buf.extend_from_slice(&head);
         self.buf.extend_from_slice(&bloom_head);
