@@ -1408,36 +1408,45 @@ impl<'a> Src<'a> {
 /// each key, tombstones included, up to `end` (exclusive).
 struct Merge<'a> {
     srcs: Vec<Src<'a>>,
-    heads: Vec<Option<Item<'a>>>,
+    /// Each source's next entry and its key's 16-byte prefix ([`key_prefix`]): ordering by
+    /// prefix, then by the whole key on equal prefixes, is the keys' byte order, and most
+    /// comparisons end at the prefix without a `memcmp` call (which was 5% of a compaction).
+    heads: Vec<Option<(Item<'a>, u128)>>,
     end: Option<Vec<u8>>,
 }
 
 impl<'a> Merge<'a> {
     fn new(mut srcs: Vec<Src<'a>>, end: Option<Vec<u8>>) -> Self {
-        let heads = srcs.iter_mut().map(Src::next).collect();
+        let heads = srcs.iter_mut().map(|s| Self::head(s.next())).collect();
         Merge { srcs, heads, end }
+    }
+
+    #[inline]
+    fn head(item: Option<Item<'a>>) -> Option<(Item<'a>, u128)> {
+        item.map(|it| (it, key_prefix(it.0)))
     }
 }
 
 impl<'a> Iterator for Merge<'a> {
     type Item = Item<'a>;
     fn next(&mut self) -> Option<Item<'a>> {
-        let mut best: Option<(usize, &'a [u8])> = None;
+        // The smallest key; among equal keys the first source (the newest) wins.
+        let mut best: Option<(usize, u128, &'a [u8])> = None;
         for (i, h) in self.heads.iter().enumerate() {
-            if let Some((k, _, _)) = h {
-                if best.is_none_or(|(_, bk)| *k < bk) {
-                    best = Some((i, k));
+            if let Some(((k, _, _), p)) = *h {
+                if best.is_none_or(|(_, bp, bk)| p < bp || (p == bp && k < bk)) {
+                    best = Some((i, p, k));
                 }
             }
         }
-        let (bi, bk) = best?;
+        let (bi, bp, bk) = best?;
         if self.end.as_deref().is_some_and(|e| bk >= e) {
             return None;
         }
-        let out = self.heads[bi];
+        let out = self.heads[bi].map(|(it, _)| it);
         for i in 0..self.heads.len() {
-            if matches!(self.heads[i], Some((k, _, _)) if k == bk) {
-                self.heads[i] = self.srcs[i].next();
+            if matches!(self.heads[i], Some(((k, _, _), p)) if p == bp && k == bk) {
+                self.heads[i] = Self::head(self.srcs[i].next());
             }
         }
         out

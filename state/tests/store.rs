@@ -707,3 +707,50 @@ fn writes_stall_once_frozen_memtables_pass_the_limit_and_resume_after_flushes() 
         assert_eq!(s.get(&key(1, v)).unwrap().value, &[7u8; 64]);
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+
+    /// Keys of every length with long shared starts, zero bytes and 0xff (prefix ties, keys
+    /// that are prefixes of others, zero padding) spread over memtable and several segments:
+    /// scans and compaction merge them in byte order, the newest version winning.
+    #[test]
+    fn merges_order_keys_that_tie_on_their_first_16_bytes(
+        batches in proptest::collection::vec(
+            proptest::collection::vec(
+                (proptest::collection::vec(proptest::sample::select(vec![0u8, 1, 0xff]), 0..22),
+                 proptest::option::of(any::<u8>())),
+                1..40),
+            1..6),
+    ) {
+        let root = tempfile::tempdir().unwrap();
+        let fs: Arc<dyn Fs> = Arc::new(StdFs);
+        let mut store = Store::open(fs, root.path(), small_config(8)).unwrap();
+        let mut model: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+        // Key group 0 and a run of 14 equal bytes: every key's first 16 bytes tie often.
+        let full = |tail: &[u8]| [&[0u8, 0][..], &[1u8; 14][..], tail].concat();
+        for (b, batch) in batches.iter().enumerate() {
+            for (tail, v) in batch {
+                let k = full(tail);
+                match v {
+                    Some(v) => {
+                        store.put(&k, &[*v, b as u8]);
+                        model.insert(k, vec![*v, b as u8]);
+                    }
+                    None => {
+                        store.delete(&k);
+                        model.remove(&k);
+                    }
+                }
+            }
+            if b + 1 < batches.len() {
+                store.freeze();
+                store.run_pending_maintenance().unwrap();
+            }
+        }
+        let want: Vec<(Vec<u8>, Vec<u8>)> = model.into_iter().collect();
+        prop_assert_eq!(&all(&mut store), &want);
+        store.flush_and_compact_all().unwrap();
+        prop_assert_eq!(&all(&mut store), &want);
+    }
+}
