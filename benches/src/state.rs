@@ -321,6 +321,8 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
             ("compactions".into(), m.compactions as f64),
             ("segments".into(), m.segments as f64),
             ("segment_bytes".into(), m.segment_bytes as f64),
+            ("compaction_bytes_in".into(), m.compaction_bytes_in as f64),
+            ("compaction_bytes_out".into(), m.compaction_bytes_out as f64),
         ];
         out.push(r);
         // Memory of the store alone (sampled before any baseline map exists): anonymous RSS
