@@ -329,7 +329,8 @@ fn raw_latency_baseline(n: u64, rate: u64) -> Histogram<u64> {
     let producer = std::thread::spawn(move || {
         for k in 0..n {
             let due = k * 1_000_000_000 / rate;
-            while (origin.elapsed().as_nanos() as u64) < due || Instant::now() < origin {
+            let due_at = origin + Duration::from_nanos(due);
+            while Instant::now() < due_at {
                 std::hint::spin_loop();
             }
             while tx.push(due).is_err() {
