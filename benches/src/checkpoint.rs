@@ -71,6 +71,20 @@ fn quantile(v: &[u64], q: f64) -> u64 {
     s[rank - 1]
 }
 
+/// Median of `f` over the completed checkpoints in `m`'s history (NaN when none).
+fn ckpt_median(
+    m: &CheckpointMetrics,
+    f: impl Fn(&weir_runtime::checkpoint::CheckpointStats) -> f64,
+) -> f64 {
+    let v: Vec<f64> = m
+        .history
+        .iter()
+        .filter(|c| c.failure.is_none())
+        .map(f)
+        .collect();
+    median_f(&v)
+}
+
 fn median_f(v: &[f64]) -> f64 {
     if v.is_empty() {
         return f64::NAN;
@@ -197,6 +211,12 @@ struct KeyedRun {
     completed: u64,
     /// Time shards stopped for their stores' flushes (`weir_runtime::STATE_STALL`).
     stall_ns: u64,
+    /// Medians over the completed checkpoints: duration (trigger to durable metadata), the
+    /// longest shard's background part, and the start delay, in ms; bytes written.
+    ckpt_duration_ms: f64,
+    ckpt_async_ms: f64,
+    ckpt_start_delay_ms: f64,
+    ckpt_size_bytes: f64,
 }
 
 impl KeyedRun {
@@ -248,6 +268,10 @@ fn keyed_run(
         cpu_ns,
         hist,
         completed: summary.checkpoints.number_of_completed_checkpoints,
+        ckpt_duration_ms: ckpt_median(&summary.checkpoints, |c| c.duration_ms as f64),
+        ckpt_async_ms: ckpt_median(&summary.checkpoints, |c| c.async_duration_ns as f64 / 1e6),
+        ckpt_start_delay_ms: ckpt_median(&summary.checkpoints, |c| c.start_delay_ns as f64 / 1e6),
+        ckpt_size_bytes: ckpt_median(&summary.checkpoints, |c| c.size_bytes as f64),
         stall_ns: summary
             .metrics
             .heads
@@ -284,6 +308,19 @@ fn overhead(opts: &Opts) -> BenchResult {
         extra.push((format!("run{i}_without_per_wall_sec"), o.per_wall()));
         extra.push((format!("run{i}_ratio_per_cpu"), w.per_cpu() / o.per_cpu()));
         extra.push((format!("run{i}_with_checkpoints"), w.completed as f64));
+        extra.push((
+            format!("run{i}_checkpoint_duration_p50_ms"),
+            w.ckpt_duration_ms,
+        ));
+        extra.push((format!("run{i}_checkpoint_async_p50_ms"), w.ckpt_async_ms));
+        extra.push((
+            format!("run{i}_checkpoint_start_delay_p50_ms"),
+            w.ckpt_start_delay_ms,
+        ));
+        extra.push((
+            format!("run{i}_checkpoint_size_p50_bytes"),
+            w.ckpt_size_bytes,
+        ));
         extra.push((
             format!("run{i}_with_state_stall_ms"),
             w.stall_ns as f64 / 1e6,

@@ -3,9 +3,9 @@
 //! flushes, compactions and the asynchronous part of its snapshots.
 //!
 //! Processing never waits for state I/O (DESIGN invariant 5): a full memtable is frozen in
-//! place, a snapshot only freezes it too (microseconds), and writing segments, compacting and
-//! uploading a snapshot's new segments to checkpoint storage run as `Send` jobs on the
-//! maintenance thread; the shard installs their results between two steps of its loop.
+//! place, a snapshot only seals it (microseconds, copy-on-write after), and writing segments,
+//! compacting and uploading a snapshot's new segments to checkpoint storage run as `Send` jobs
+//! on the maintenance thread; the shard installs their results between two steps of its loop.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -400,8 +400,8 @@ impl ShardState {
         Ok(())
     }
 
-    /// Checkpoint `id` reached the operator: freezes the store (the synchronous part) and
-    /// hands the rest — writing the frozen memtable as a segment, uploading the segments
+    /// Checkpoint `id` reached the operator: seals the store's memtable (the synchronous part)
+    /// and hands the rest — writing the sealed epoch as a segment, uploading the segments
     /// checkpoint storage does not hold yet — to the maintenance thread. `timers` is stored
     /// inline. The part is reported to the shard's checkpoint when done.
     pub(crate) fn snapshot(&self, id: u64, timers: Vec<u8>) {

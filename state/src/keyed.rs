@@ -507,7 +507,7 @@ impl KeyedBackend {
         self.timers[domain as usize].len()
     }
 
-    /// Synchronous part of a snapshot (freezes the memtable); run the job anywhere.
+    /// Synchronous part of a snapshot (seals the memtable); run the job anywhere.
     pub fn snapshot(&mut self, checkpoint_id: u64) -> SnapshotJob {
         self.store.snapshot(checkpoint_id)
     }

@@ -13,7 +13,7 @@
 //! control bytes, the slot and the record, and nothing else (the entry table, id -> record, is
 //! only read by scans).
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -39,6 +39,8 @@ const R_KEY_LEN: usize = 12;
 const R_FLAGS: usize = 14;
 const R_SPARE: usize = 15;
 const REC_TOMBSTONE: u8 = 1;
+/// The record was replaced by a copy before its epoch was sealed: not part of that epoch.
+const REC_DEAD: u8 = 2;
 
 #[inline]
 fn round16(n: usize) -> usize {
@@ -57,16 +59,71 @@ pub(crate) struct Loc {
 // `ZeroedBuf`s: huge pages, one fault per 2 MiB.)
 unsafe impl Pod for Loc {}
 
+/// One arena chunk. Shared (`Arc`) between the memtable that writes it and the [`Sealed`]
+/// epochs whose records it holds: those are read by a snapshot job on another thread while
+/// the shard goes on writing records above the seal mark.
+struct Chunk {
+    /// Owns the memory; never borrowed after construction except uniquely (`populate`).
+    buf: ZeroedBuf<u128>,
+    /// The first byte of `buf`, taken from a unique borrow: every access goes through it, so
+    /// no reference to the whole chunk is ever alive while another thread reads part of it.
+    ptr: *mut u8,
+    bytes: usize,
+}
+
+// SAFETY: `Chunk` owns its memory (moving `buf` moves neither a mapping nor a heap buffer, so
+// `ptr` stays valid). Concurrent access follows the seal protocol (see `Arena::sealed_below`):
+// the owning memtable writes only records at or above the mark, through slices that start at
+// such a record; other threads read only records below the mark, which nobody writes again.
+unsafe impl Send for Chunk {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for Chunk {}
+
+impl Chunk {
+    fn new(elems: usize) -> Chunk {
+        let mut buf = ZeroedBuf::<u128>::new(elems);
+        let ptr = buf.as_mut_ptr().cast::<u8>();
+        Chunk {
+            buf,
+            ptr,
+            bytes: elems * 16,
+        }
+    }
+
+    /// Fault the chunk in (see [`ZeroedBuf::populate`]); only while nothing else shares it.
+    fn populate(&mut self) -> usize {
+        let n = self.buf.populate();
+        self.ptr = self.buf.as_mut_ptr().cast::<u8>();
+        n
+    }
+}
+
+impl std::fmt::Debug for Chunk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Chunk").field("bytes", &self.bytes).finish()
+    }
+}
+
+/// A record address as one ordered integer: allocation order within one arena life.
+#[inline]
+fn packed(loc: Loc) -> u64 {
+    u64::from(loc.chunk) << 32 | u64::from(loc.off)
+}
+
 #[derive(Debug, Default)]
 struct Arena {
     // u128 elements make every chunk 16-byte aligned.
-    chunks: Vec<ZeroedBuf<u128>>,
+    chunks: Vec<Arc<Chunk>>,
     /// The chunk allocations come from; chunks after it are recycled spares, not yet used.
     cur: usize,
     chunk_bytes: usize,
     used: usize,
     /// Bytes of the chunks in use (`chunks[..=cur]`).
     bytes: usize,
+    /// Records allocated before this mark ([`packed`] address) are sealed: a snapshot job may
+    /// be reading them, so they are never written again (an update copies the record). Chunks
+    /// in use are never reordered, so allocation order is address order.
+    sealed_below: u64,
 }
 
 impl Arena {
@@ -76,7 +133,7 @@ impl Arena {
         let fits = self
             .chunks
             .get(self.cur)
-            .is_some_and(|c| c.len() * 16 - self.used >= len16);
+            .is_some_and(|c| c.bytes - self.used >= len16);
         if !fits {
             self.next_chunk(len16);
         }
@@ -95,64 +152,94 @@ impl Arena {
         } else {
             self.cur + 1
         };
-        let spare_fits = self.chunks.get(next).is_some_and(|c| c.len() * 16 >= len16);
+        let spare_fits = self.chunks.get(next).is_some_and(|c| c.bytes >= len16);
         if !spare_fits {
             let n = len16.max(self.chunk_bytes) / 16;
-            self.chunks.push(ZeroedBuf::new(n));
+            self.chunks.push(Arc::new(Chunk::new(n)));
             // Chunks after `cur` are unused spares: moving one does not move any data in use.
             let last = self.chunks.len() - 1;
             self.chunks.swap(next, last);
         }
         self.cur = next;
         self.used = 0;
-        self.bytes += self.chunks[next].len() * 16;
+        self.bytes += self.chunks[next].bytes;
     }
 
     /// Fault in chunks until the arena holds `bytes` (in use and spare), adding standard-size
     /// spares as needed. Returns the bytes faulted in.
     fn prefault(&mut self, bytes: usize) -> usize {
         let was_empty = self.chunks.is_empty();
-        let mut total: usize = self.chunks.iter().map(|c| c.len() * 16).sum();
+        let mut total: usize = self.chunks.iter().map(|c| c.bytes).sum();
         while total < bytes {
-            let c = ZeroedBuf::new(self.chunk_bytes / 16);
-            total += c.len() * 16;
-            self.chunks.push(c);
+            let c = Chunk::new(self.chunk_bytes / 16);
+            total += c.bytes;
+            self.chunks.push(Arc::new(c));
         }
         if was_empty && !self.chunks.is_empty() {
             // As after `reset`: the first chunk is the one in use, and counts.
             self.cur = 0;
             self.used = 0;
-            self.bytes = self.chunks[0].len() * 16;
+            self.bytes = self.chunks[0].bytes;
         }
-        self.chunks.iter_mut().map(|c| c.populate()).sum()
+        // A chunk a sealed epoch still reads is in memory already.
+        self.chunks
+            .iter_mut()
+            .filter_map(Arc::get_mut)
+            .map(Chunk::populate)
+            .sum()
     }
 
     /// Forget every allocation but keep the standard-size chunks for reuse (their pages are
     /// already faulted in: PLATFORM.md, first touch costs microseconds per page here).
     fn reset(&mut self) {
-        let std_len = self.chunk_bytes / 16;
-        self.chunks.retain(|c| c.len() == std_len);
+        let std_bytes = self.chunk_bytes;
+        // Chunks that sealed epochs still read are theirs until they finish: not reused.
+        self.chunks
+            .retain_mut(|c| c.bytes == std_bytes && Arc::get_mut(c).is_some());
         self.cur = 0;
         self.used = 0;
-        self.bytes = self.chunks.first().map_or(0, |c| c.len() * 16);
+        self.sealed_below = 0;
+        self.bytes = self.chunks.first().map_or(0, |c| c.bytes);
     }
 
+    /// The address the next allocation gets (when it fits the current chunk).
+    #[inline]
+    fn position(&self) -> u64 {
+        packed(Loc {
+            chunk: self.cur as u32,
+            off: self.used as u32,
+        })
+    }
+
+    #[inline]
+    fn is_sealed(&self, loc: Loc) -> bool {
+        packed(loc) < self.sealed_below
+    }
+
+    /// The bytes of chunk `loc.chunk` from `loc.off` on.
     #[inline]
     fn chunk(&self, loc: Loc) -> &[u8] {
         let c = &self.chunks[loc.chunk as usize];
-        // SAFETY: u128 has no padding and every bit pattern of u8 is valid; the byte view covers
-        // exactly the same allocation, and alignment of u8 is 1.
-        let all = unsafe { std::slice::from_raw_parts(c.as_ptr().cast::<u8>(), c.len() * 16) };
-        &all[loc.off as usize..]
+        let off = (loc.off as usize).min(c.bytes);
+        // SAFETY: `c.ptr` addresses `c.bytes` initialised bytes owned by the chunk, which the
+        // `Arc` in `self` keeps alive for the borrow. Nothing writes them while the slice
+        // lives: this arena writes only through `chunk_mut` under `&mut self`, and another
+        // thread's writer (the memtable this arena was sealed from) writes only above the mark
+        // that this read-only arena's records lie below (see `Sealed`).
+        unsafe { std::slice::from_raw_parts(c.ptr.add(off), c.bytes - off) }
     }
 
+    /// The bytes of chunk `loc.chunk` from `loc.off` on, to write the (unsealed) record there.
     #[inline]
     fn chunk_mut(&mut self, loc: Loc) -> &mut [u8] {
-        let c = &mut self.chunks[loc.chunk as usize];
-        // SAFETY: as in `chunk`; the unique borrow of the chunk is carried over.
-        let all =
-            unsafe { std::slice::from_raw_parts_mut(c.as_mut_ptr().cast::<u8>(), c.len() * 16) };
-        &mut all[loc.off as usize..]
+        debug_assert!(!self.is_sealed(loc), "write to a sealed record");
+        let c = &self.chunks[loc.chunk as usize];
+        let off = (loc.off as usize).min(c.bytes);
+        // SAFETY: as in `chunk` for validity. Uniqueness: `&mut self` excludes this arena's
+        // other borrows, and sealed epochs sharing the chunk read only records below
+        // `sealed_below`, which is at most `loc` (allocation order is address order): the
+        // slice starts at or above every byte they read.
+        unsafe { std::slice::from_raw_parts_mut(c.ptr.add(off), c.bytes - off) }
     }
 
     /// The key of the record at `loc`.
@@ -238,6 +325,17 @@ impl Arena {
         let v = REC_HEADER + round16(klen);
         r[v..v + value.len()].copy_from_slice(value);
         old
+    }
+
+    /// Mark the (unsealed) record at `loc` as replaced within its epoch.
+    #[inline]
+    fn mark_dead(&mut self, loc: Loc) {
+        self.chunk_mut(loc)[R_FLAGS] |= REC_DEAD;
+    }
+
+    #[inline]
+    fn is_dead(&self, loc: Loc) -> bool {
+        self.chunk(loc)[R_FLAGS] & REC_DEAD != 0
     }
 
     /// Allocate and fill a new record.
@@ -557,8 +655,11 @@ pub(crate) struct Memtable {
     /// Ids appended since the last [`Memtable::prepare_scan`], unsorted.
     fresh: Vec<u32>,
     /// Unique per memtable incarnation (set by the store) in the high 32 bits; the low bits
-    /// count record moves. See [`MemHint`].
+    /// count record moves and seals. See [`MemHint`].
     epoch: u64,
+    /// Records allocated since the last [`Memtable::seal`] (new keys, moved and copied
+    /// records), in allocation order: what the next sealed epoch holds.
+    log: Vec<Loc>,
 }
 
 /// The first 16 key bytes, zero padded, as a big-endian integer: comparing two of them orders
@@ -997,7 +1098,10 @@ impl Memtable {
             return usize::MAX / 2;
         }
         let n = self.entries.len();
-        self.arena.bytes + n * (std::mem::size_of::<Loc>() + 4) + self.index.bytes()
+        self.arena.bytes
+            + n * (std::mem::size_of::<Loc>() + 4)
+            + self.log.len() * std::mem::size_of::<Loc>()
+            + self.index.bytes()
     }
 
     /// Fault in now the memory this memtable needs to fill `budget_bytes`, and return how many
@@ -1036,7 +1140,14 @@ impl Memtable {
             .spare_capacity_mut()
             .iter_mut()
             .for_each(|x| _ = x.write(zero));
-        faulted + self.fresh.capacity() * 4 + self.entries.capacity() * std::mem::size_of::<Loc>()
+        self.log.reserve(entries.saturating_sub(self.log.len()));
+        self.log
+            .spare_capacity_mut()
+            .iter_mut()
+            .for_each(|x| _ = x.write(zero));
+        faulted
+            + self.fresh.capacity() * 4
+            + (self.entries.capacity() + self.log.capacity()) * std::mem::size_of::<Loc>()
     }
 
     /// Empty this memtable for reuse as a fresh one, keeping its memory: arena chunks, entry
@@ -1047,7 +1158,34 @@ impl Memtable {
         self.index.clear();
         self.runs.clear();
         self.fresh.clear();
+        self.log.clear();
         self.epoch = self.epoch.wrapping_add(1);
+    }
+
+    /// Seal the records written since the last seal as an epoch (a snapshot's synchronous
+    /// part): O(chunks), no copy. From now on an update of a sealed record writes a copy, so
+    /// the epoch stays as it was while a snapshot job reads it on another thread, and the
+    /// memtable keeps serving every key: no lookup has to go past it afterwards, as it would
+    /// after a freeze. `None` when nothing was written since the last seal.
+    pub fn seal(&mut self) -> Option<Sealed> {
+        if self.log.is_empty() {
+            return None;
+        }
+        let arena = &mut self.arena;
+        arena.sealed_below = arena.position();
+        // Hints taken before point at records that are sealed now.
+        self.epoch = self.epoch.wrapping_add(1);
+        let view = Arena {
+            chunks: arena.chunks[..=arena.cur].to_vec(),
+            cur: arena.cur,
+            chunk_bytes: arena.chunk_bytes,
+            used: 0,
+            bytes: 0,
+            sealed_below: u64::MAX,
+        };
+        let cap = self.log.len();
+        let log = std::mem::replace(&mut self.log, Vec::with_capacity(cap));
+        Some(Sealed { arena: view, log })
     }
 
     #[inline]
@@ -1088,9 +1226,9 @@ impl Memtable {
             if let Some(c) = self.arena.chunks.get(s.chunk as usize) {
                 // Header, key and a small value span two lines when the record starts in the
                 // last 16 bytes of one.
-                let r = c.as_ptr().wrapping_add(s.off as usize / 16);
+                let r = c.ptr.wrapping_add(s.off as usize);
                 prefetch_read(r);
-                prefetch_read(r.wrapping_add(3));
+                prefetch_read(r.wrapping_add(48));
             }
         }
         found.is_ok()
@@ -1118,6 +1256,7 @@ impl Memtable {
             index,
             fresh,
             epoch,
+            log,
             ..
         } = self;
         if index.needs_growth() {
@@ -1132,13 +1271,22 @@ impl Memtable {
             Ok(at) => {
                 let slot = index.slot_mut(at);
                 let mut loc = slot.loc();
-                if value.len() <= arena.capacity(loc) {
+                let sealed = arena.is_sealed(loc);
+                if !sealed && value.len() <= arena.capacity(loc) {
                     arena.overwrite(loc, value, expire_at_ms, tombstone);
                 } else {
-                    // The value outgrew its record: move the record (hints become stale).
+                    // The value outgrew its record, or a sealed epoch holds it: write a new
+                    // record (hints become stale). A sealed one stays as it is for its
+                    // snapshot; an unsealed one is left out of the next epoch.
+                    if !sealed {
+                        arena.mark_dead(loc);
+                    }
+                    let old = loc;
                     loc = arena.new_record(key, value, expire_at_ms, tombstone);
+                    debug_assert!(packed(loc) > packed(old));
                     slot.set_loc(loc);
                     entries[slot.id as usize] = loc;
+                    log.push(loc);
                     *epoch = epoch.wrapping_add(1);
                 }
                 MemHint { epoch: *epoch, loc }
@@ -1149,6 +1297,7 @@ impl Memtable {
                 entries.push(loc);
                 index.fill(i, h32, id, loc);
                 fresh.push(id);
+                log.push(loc);
                 MemHint { epoch: *epoch, loc }
             }
         }
@@ -1165,7 +1314,10 @@ impl Memtable {
         expire_at_ms: u64,
         tombstone: bool,
     ) -> bool {
-        if hint.epoch != self.epoch || value.len() > self.arena.capacity(hint.loc) {
+        if hint.epoch != self.epoch
+            || self.arena.is_sealed(hint.loc)
+            || value.len() > self.arena.capacity(hint.loc)
+        {
             return false;
         }
         self.arena
@@ -1279,31 +1431,7 @@ impl Memtable {
     /// taken straight from the entry table, so the result addresses records without the entry
     /// table, and a flush reads each record once, in a predictable order.
     fn full_order(&self) -> ZeroedBuf<Loc> {
-        // A record address packed as (chunk, offset / 16) in as few bits as this arena needs.
-        let chunks = &self.arena.chunks;
-        let off_bits = bits_for(chunks.iter().map(|c| c.len() as u64).max().unwrap_or(1) - 1);
-        let chunk_bits = bits_for(chunks.len().max(1) as u64 - 1);
-        let pack = |loc: Loc| u64::from(loc.chunk) << off_bits | u64::from(loc.off / 16);
-        let unpack = |p: u64| Loc {
-            chunk: (p >> off_bits) as u32,
-            off: ((p & ((1 << off_bits) - 1)) * 16) as u32,
-        };
-        let sorted = sort_by_key(
-            self.entries.len(),
-            chunk_bits + off_bits,
-            |i| {
-                let loc = self.entries[i];
-                let (p, len) = self.arena.prefix_and_len(loc);
-                (p, len, pack(loc))
-            },
-            |p| self.arena.key(unpack(p)),
-            |p| self.prefetch_loc(unpack(p)),
-        );
-        let mut order = ZeroedBuf::new(sorted.v.len());
-        for (slot, p) in order.iter_mut().zip(sorted.payloads()) {
-            *slot = unpack(p);
-        }
-        order
+        order_of(&self.arena, self.entries.len(), |i| self.entries[i])
     }
 
     /// Index of the first id in sorted run `ids` whose key is >= `key`.
@@ -1320,9 +1448,17 @@ impl Memtable {
     /// is random in the arena: loading a few ahead overlaps the misses).
     #[inline]
     pub fn prefetch_loc(&self, loc: Loc) {
+        self.arena.prefetch_loc(loc);
+    }
+}
+
+impl Arena {
+    /// See [`Memtable::prefetch_loc`].
+    #[inline]
+    fn prefetch_loc(&self, loc: Loc) {
         // Records are 16-aligned, so a small one may still cross into the next line, where
         // its key or value would then miss: request both lines.
-        let r = self.arena.chunk(loc);
+        let r = self.chunk(loc);
         prefetch_read(r.as_ptr());
         if let Some(next) = r.get(64) {
             prefetch_read(next);
@@ -1330,11 +1466,78 @@ impl Memtable {
     }
 }
 
-/// An immutable memtable waiting for its flush. `gen` orders frozen memtables and segments.
+/// The `n` records `loc_at(0..n)` of `arena`, in key order (keys must be distinct).
+fn order_of(arena: &Arena, n: usize, loc_at: impl Fn(usize) -> Loc) -> ZeroedBuf<Loc> {
+    // A record address packed as (chunk, offset / 16) in as few bits as this arena needs.
+    let chunks = &arena.chunks;
+    let off_bits = bits_for(
+        chunks
+            .iter()
+            .map(|c| c.bytes as u64 / 16)
+            .max()
+            .unwrap_or(1)
+            - 1,
+    );
+    let chunk_bits = bits_for(chunks.len().max(1) as u64 - 1);
+    let pack = |loc: Loc| u64::from(loc.chunk) << off_bits | u64::from(loc.off / 16);
+    let unpack = |p: u64| Loc {
+        chunk: (p >> off_bits) as u32,
+        off: ((p & ((1 << off_bits) - 1)) * 16) as u32,
+    };
+    let sorted = sort_by_key(
+        n,
+        chunk_bits + off_bits,
+        |i| {
+            let loc = loc_at(i);
+            let (p, len) = arena.prefix_and_len(loc);
+            (p, len, pack(loc))
+        },
+        |p| arena.key(unpack(p)),
+        |p| arena.prefetch_loc(unpack(p)),
+    );
+    let mut order = ZeroedBuf::new(sorted.v.len());
+    for (slot, p) in order.iter_mut().zip(sorted.payloads()) {
+        *slot = unpack(p);
+    }
+    order
+}
+
+/// The records one epoch of a memtable wrote, sealed by a snapshot ([`Memtable::seal`]):
+/// what the snapshot writes as its incremental segment. Shares the arena chunks with the
+/// memtable, which writes only above the seal mark from then on, so the job that writes the
+/// segment can read the records on another thread while the shard goes on.
+#[derive(Debug)]
+pub(crate) struct Sealed {
+    /// A read-only view of the memtable's chunks in use at the seal.
+    arena: Arena,
+    /// The epoch's records in allocation order, including records replaced within it.
+    log: Vec<Loc>,
+}
+
+impl Sealed {
+    /// The epoch's live records in key order. A key has at most one: within an epoch its
+    /// record is updated in place, and a record that moves is marked dead.
+    fn order(&self) -> ZeroedBuf<Loc> {
+        let live: Vec<Loc> = self
+            .log
+            .iter()
+            .copied()
+            .filter(|&l| !self.arena.is_dead(l))
+            .collect();
+        order_of(&self.arena, live.len(), |i| live[i])
+    }
+}
+
+/// What waits for its flush: an immutable memtable, or a sealed epoch of one (then `mem` is
+/// empty and lookups pass it by: the memtable it was sealed from is newer and holds every
+/// one of its keys). `gen` orders frozen memtables and segments.
 #[derive(Debug)]
 pub(crate) struct Frozen {
     pub mem: Memtable,
     pub gen: u64,
+    /// Which memtable of the store this is or was sealed from (the store's count).
+    pub owner: u64,
+    sealed: Option<Sealed>,
     order: OnceLock<ZeroedBuf<Loc>>,
 }
 
@@ -1346,23 +1549,64 @@ impl Frozen {
         Frozen {
             mem,
             gen,
+            owner: 0,
+            sealed: None,
             order: OnceLock::new(),
+        }
+    }
+
+    /// A sealed epoch of memtable `owner`.
+    pub fn sealed(s: Sealed, gen: u64, owner: u64) -> Frozen {
+        Frozen {
+            mem: Memtable::default(),
+            gen,
+            owner,
+            sealed: Some(s),
+            order: OnceLock::new(),
+        }
+    }
+
+    pub fn with_owner(mut self, owner: u64) -> Frozen {
+        self.owner = owner;
+        self
+    }
+
+    pub fn is_sealed(&self) -> bool {
+        self.sealed.is_some()
+    }
+
+    fn arena(&self) -> &Arena {
+        match &self.sealed {
+            Some(s) => &s.arena,
+            None => &self.mem.arena,
         }
     }
 
     /// Records in key order, computed once.
     pub fn order(&self) -> &[Loc] {
-        self.order.get_or_init(|| self.mem.full_order())
+        self.order.get_or_init(|| match &self.sealed {
+            Some(s) => s.order(),
+            None => self.mem.full_order(),
+        })
+    }
+
+    /// Number of entries (live records).
+    pub fn len(&self) -> usize {
+        match &self.sealed {
+            Some(_) => self.order().len(),
+            None => self.mem.len(),
+        }
     }
 
     /// Every entry in key order, prefetching records a few ahead.
     pub fn entries(&self) -> impl Iterator<Item = (&[u8], ValueRef<'_>)> + '_ {
         let order = self.order();
+        let arena = self.arena();
         order.iter().enumerate().map(move |(i, &loc)| {
             if let Some(&ahead) = order.get(i + PREFETCH_AHEAD) {
-                self.mem.prefetch_loc(ahead);
+                arena.prefetch_loc(ahead);
             }
-            self.mem.record(loc)
+            arena.record(loc)
         })
     }
 }
@@ -1513,7 +1757,8 @@ mod tests {
             m.put(&key(n), &n.to_le_bytes(), 0, false);
             n += 1;
         }
-        assert!(n > 90_000, "filled {n} entries");
+        // 48-byte records, 20 bytes of entry table, order and epoch log, and the index.
+        assert!(n > 85_000, "filled {n} entries");
         assert_eq!(
             m.arena.chunks.len(),
             chunks,

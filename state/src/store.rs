@@ -1,7 +1,8 @@
 //! The LSM store of one shard.
 //!
-//! * A mutable [`Memtable`] bounded by `memtable_budget_bytes`; when full it is frozen.
-//! * Frozen memtables, newest last, readable until their segment is installed.
+//! * A mutable [`Memtable`] bounded by `memtable_budget_bytes`; when full it is frozen. A
+//!   snapshot seals it instead ([`Memtable::seal`]): it stays mutable, copy-on-write.
+//! * Frozen memtables and sealed epochs, newest last, until their segment is installed.
 //! * Segments, oldest first. Reads go memtable, frozen (newest first), segments (newest first)
 //!   and stop at the first version of a key; bloom filters skip segments.
 //!
@@ -62,8 +63,8 @@ pub struct StoreConfig {
     pub max_parallelism: u16,
     /// Flushed memtables are kept readable, newest first, while together they hold at most
     /// this many bytes: a read cache in front of the segments they were written to (see
-    /// [`Store::get`]). 0 turns it off. Why: a checkpoint freezes the memtable, so with short
-    /// intervals the keys a job keeps updating would otherwise be read back from segments.
+    /// [`Store::get`]). 0 turns it off. Why: after a full memtable is frozen, the keys a job
+    /// keeps updating would otherwise be read back from segments.
     pub retained_memtable_bytes: usize,
     /// Fault in the mutable memtable's memory (index, arena, entry table) when the store
     /// opens, rather than as it fills. Costs the budget in resident memory from the start and
@@ -96,6 +97,10 @@ pub struct StoreMetrics {
     pub memtable_entries: usize,
     pub frozen_memtables: usize,
     pub frozen_bytes: usize,
+    /// Sealed epochs waiting for their segment, and segments of sealed epochs kept for
+    /// snapshots until their memtable's own segment replaces them.
+    pub sealed_epochs: usize,
+    pub sealed_segments: usize,
     pub segments: usize,
     pub segment_bytes: u64,
     /// In-memory index of segment blocks.
@@ -239,6 +244,13 @@ pub struct Store {
     /// A flushed memtable kept for reuse as the next mutable one (its memory is faulted in).
     spare: Option<Memtable>,
     frozen: Vec<Arc<Frozen>>,
+    /// Which memtable the mutable one is (a count): frozen memtables and sealed epochs name
+    /// the memtable they come from.
+    mem_owner: u64,
+    /// Segments of sealed epochs (with their memtable): newer than every segment, and only
+    /// for snapshots, as their memtable holds every key they hold, newer. They leave when that
+    /// memtable's own segment arrives.
+    sealed_segments: Vec<(u64, Arc<Segment>)>,
     /// Flushed memtables still readable, oldest first (see `Retained`).
     retained: Retained,
     segments: Vec<Arc<Segment>>,
@@ -324,6 +336,8 @@ impl Store {
             mem: Memtable::with_budget(budget_bytes),
             spare: None,
             frozen: Vec::new(),
+            mem_owner: 1,
+            sealed_segments: Vec::new(),
             retained: Retained {
                 cap: retained_cap,
                 ..Retained::default()
@@ -617,8 +631,21 @@ impl Store {
         let mut fresh = fresh;
         fresh.set_incarnation(self.next_gen);
         let mem = std::mem::replace(&mut self.mem, fresh);
-        self.frozen.push(Arc::new(Frozen::new(mem, self.next_gen)));
+        self.frozen.push(Arc::new(
+            Frozen::new(mem, self.next_gen).with_owner(self.mem_owner),
+        ));
+        self.mem_owner += 1;
         self.next_gen += 1;
+    }
+
+    /// Seal what the mutable memtable took since the last seal, for a snapshot to write (see
+    /// [`Memtable::seal`]): the memtable stays mutable and keeps every key.
+    fn seal(&mut self) {
+        if let Some(s) = self.mem.seal() {
+            self.frozen
+                .push(Arc::new(Frozen::sealed(s, self.next_gen, self.mem_owner)));
+            self.next_gen += 1;
+        }
     }
 
     fn visible<'a>(&self, v: ValueRef<'a>, in_memory: bool) -> Option<Found<'a>> {
@@ -666,6 +693,7 @@ impl Store {
         self.frozen
             .iter()
             .rev()
+            .filter(|f| !f.is_sealed())
             .chain(self.retained.list.iter().rev())
             .take(2)
     }
@@ -767,6 +795,7 @@ impl Store {
         batched: Option<&Batched>,
     ) -> Option<Found<'_>> {
         self.gets.set(self.gets.get() + 1);
+        // Sealed epochs hold empty memtables: passing them costs a length check.
         for f in self.frozen.iter().rev() {
             if let Some(v) = f.mem.get_hashed(key, hash) {
                 return self.visible(v, true);
@@ -812,7 +841,7 @@ impl Store {
             .filter(|r| !r.is_empty())
             .collect();
         srcs.push(Src::Mem { m: &self.mem, runs });
-        for f in self.frozen.iter().rev() {
+        for f in self.frozen.iter().rev().filter(|f| !f.is_sealed()) {
             let locs = f.order();
             let i = f.mem.lower_bound_locs(locs, start);
             srcs.push(Src::Frozen {
@@ -849,15 +878,11 @@ impl Store {
 
     /// Adopt segments snapshot jobs wrote for the oldest frozen memtables.
     fn absorb(&mut self) {
+        let mut adopted = Vec::new();
         let mut reg = lock(&self.registry);
         while let Some(f) = self.frozen.first() {
             match reg.flushed.remove(&f.gen) {
-                Some(seg) => {
-                    let f = self.frozen.remove(0);
-                    Self::retire(&mut self.retained, &mut self.spare, f);
-                    self.segments.push(seg);
-                    self.flushes += 1;
-                }
+                Some(seg) => adopted.push((self.frozen.remove(0), seg)),
                 None => break,
             }
         }
@@ -868,6 +893,33 @@ impl Store {
                 seg.mark_obsolete();
             }
         }
+        drop(reg);
+        for (f, seg) in adopted {
+            self.adopt(f, Some(seg));
+        }
+    }
+
+    /// The oldest frozen memtable or sealed epoch leaves the frozen list with its segment.
+    fn adopt(&mut self, f: Arc<Frozen>, seg: Option<Arc<Segment>>) {
+        if f.is_sealed() {
+            if let Some(seg) = seg {
+                self.sealed_segments.push((f.owner, seg));
+            }
+            return;
+        }
+        let owner = f.owner;
+        Self::retire(&mut self.retained, &mut self.spare, f);
+        if let Some(seg) = seg {
+            self.segments.push(seg);
+        }
+        self.flushes += 1;
+        // The memtable's own segment holds every key of its epochs, newer.
+        self.sealed_segments.retain(|(o, s)| {
+            if *o == owner {
+                s.mark_obsolete();
+            }
+            *o != owner
+        });
     }
 
     /// A flushed memtable leaves the frozen list: keep it readable within the retention budget;
@@ -892,7 +944,7 @@ impl Store {
 
     /// Number of frozen memtables not yet installed as segments (for back-pressure).
     pub fn frozen_memtables(&self) -> usize {
-        self.frozen.len()
+        self.frozen.iter().filter(|f| !f.is_sealed()).count()
     }
 
     /// True while frozen memtables waiting for their flush hold more than
@@ -906,7 +958,7 @@ impl Store {
             .memtable_budget_bytes
             .saturating_mul(WRITE_STALL_BUDGETS);
         let mut bytes = 0usize;
-        for f in &self.frozen {
+        for f in self.frozen.iter().filter(|f| !f.is_sealed()) {
             bytes += f.mem.approx_bytes();
             if bytes > limit {
                 return true;
@@ -1008,11 +1060,7 @@ impl Store {
                 let head = self.frozen.first().map(|f| f.gen);
                 if head == Some(d.gen) {
                     let f = self.frozen.remove(0);
-                    Self::retire(&mut self.retained, &mut self.spare, f);
-                    if let Some(seg) = seg {
-                        self.segments.push(seg);
-                    }
-                    self.flushes += 1;
+                    self.adopt(f, seg);
                 } else if let Some(seg) = seg {
                     // A snapshot already flushed this generation.
                     seg.mark_obsolete();
@@ -1078,13 +1126,22 @@ impl Store {
         Ok(())
     }
 
-    /// Synchronous part of a snapshot: freeze the memtable and capture the segment list. No
-    /// I/O, no copy of the memtable. The returned job writes what is not yet on disk.
+    /// Synchronous part of a snapshot: seal the memtable's new records and capture the
+    /// segment list. No I/O, no copy of the memtable. The returned job writes what is not yet
+    /// on disk: the sealed epoch (what changed since the last snapshot) and frozen memtables.
     pub fn snapshot(&mut self, checkpoint_id: u64) -> SnapshotJob {
         self.absorb();
-        self.freeze();
-        let mut parts = Vec::with_capacity(self.segments.len() + self.frozen.len());
+        self.seal();
+        let mut parts = Vec::with_capacity(
+            self.segments.len() + self.sealed_segments.len() + self.frozen.len(),
+        );
+        // Oldest first: segments, then the sealed epochs' segments, then what is frozen.
         parts.extend(self.segments.iter().cloned().map(Part::Done));
+        parts.extend(
+            self.sealed_segments
+                .iter()
+                .map(|(_, s)| Part::Done(s.clone())),
+        );
         let mut reg = lock(&self.registry);
         for f in &self.frozen {
             match reg.flushed.get(&f.gen) {
@@ -1124,8 +1181,10 @@ impl Store {
         StoreMetrics {
             memtable_bytes: self.mem.approx_bytes(),
             memtable_entries: self.mem.len(),
-            frozen_memtables: self.frozen.len(),
+            frozen_memtables: self.frozen_memtables(),
             frozen_bytes: self.frozen.iter().map(|f| f.mem.approx_bytes()).sum(),
+            sealed_epochs: self.frozen.iter().filter(|f| f.is_sealed()).count(),
+            sealed_segments: self.sealed_segments.len(),
             segments: self.segments.len(),
             segment_bytes: self.segments.iter().map(|s| s.size_bytes).sum(),
             index_bytes: self.segments.iter().map(|s| s.index_bytes()).sum(),
@@ -1192,7 +1251,7 @@ impl FlushJob {
         let entries = f.entries();
         FlushDone {
             gen: f.gen,
-            result: self.ctx.write_segment(self.id, f.mem.len() as u64, entries),
+            result: self.ctx.write_segment(self.id, f.len() as u64, entries),
         }
     }
 }
@@ -1306,14 +1365,18 @@ impl SnapshotJob {
                         continue;
                     }
                     let entries = f.entries();
-                    match self.ctx.write_segment(id, f.mem.len() as u64, entries) {
+                    match self.ctx.write_segment(id, f.len() as u64, entries) {
                         Ok(Some(seg)) => {
                             let mut reg = lock(&self.registry);
                             reg.in_flight.remove(&f.gen);
                             reg.flushed.entry(f.gen).or_insert_with(|| seg.clone());
                             segs.push(seg);
                         }
-                        Ok(None) => unreachable!("frozen memtables are never empty"),
+                        Ok(None) => {
+                            // Every record of a sealed epoch was replaced within it.
+                            let mut reg = lock(&self.registry);
+                            reg.in_flight.remove(&f.gen);
+                        }
                         Err(e) => result = Err(e),
                     }
                 }
