@@ -831,3 +831,51 @@ fn copy_file_to_verifies_every_block_and_leaves_nothing_on_error() {
     st.copy_file_to(&f, &dest).unwrap();
     assert_eq!(std::fs::read(&dest).unwrap(), content);
 }
+
+/// Verification checks files on several threads, largest first, yet reports what a check in
+/// metadata order would: the first corrupt file in that order, with its offset.
+#[test]
+fn parallel_verification_reports_the_first_corrupt_file_in_metadata_order() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+    let st = open(Arc::new(StdFs), &root);
+    let job = st.job_dir().to_owned();
+    let p = st.begin(1).unwrap();
+    let mut w = p.writer();
+    for i in 0..12u64 {
+        let seg = segment(&local, &format!("seg{i}"), 1_000 + 3_000 * i as usize, i);
+        w.upload_shared(&seg, &format!("seg{i}")).unwrap();
+    }
+    w.finish().unwrap();
+    let m = st.commit(p, info(1)).unwrap().metadata;
+    let report = st.verify(1).unwrap();
+    assert_eq!(report.files, 12);
+    // Corrupt a small file early in metadata order and the largest file, which is checked
+    // first.
+    let by_size = |f: &&FileRef| f.size_bytes;
+    let largest = m.files.iter().max_by_key(by_size).unwrap();
+    let early = m.files.iter().find(|f| f.path != largest.path).unwrap();
+    let first_in_order = m
+        .files
+        .iter()
+        .position(|f| f.path == early.path || f.path == largest.path)
+        .unwrap();
+    let want = &m.files[first_in_order];
+    assert_ne!(
+        want.path, largest.path,
+        "the largest file comes later in metadata order"
+    );
+    for f in [early, largest] {
+        FaultyFs::flip_bit(
+            &job.join(&f.path),
+            DATA_HEADER_LEN as u64 + BLOCK_HEADER + 9,
+            4,
+        )
+        .unwrap();
+    }
+    for _ in 0..5 {
+        let e = expect_corrupt(st.verify(1));
+        assert_eq!(e.file(), job.join(&want.path));
+        assert_eq!(e.offset(), DATA_HEADER_LEN as u64);
+    }
+}

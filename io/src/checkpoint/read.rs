@@ -261,18 +261,98 @@ pub(crate) fn verify_files(
         checkpoint_id,
         ..VerifyReport::default()
     };
-    // Streamed: verifying a large checkpoint never holds a whole file in memory.
-    let discard = |_: &[u8]| Ok::<(), CheckpointError>(());
-    for f in &meta.files {
-        report.bytes_checked += stream_span(fs, base, &Span::of_file(f), discard).map_err(wrap)?;
-        report.files += 1;
-    }
-    for l in &meta.logical_files {
-        report.bytes_checked +=
-            stream_span(fs, base, &Span::of_logical(l), discard).map_err(wrap)?;
-        report.logical_files += 1;
+    let spans: Vec<Span<'_>> = meta
+        .files
+        .iter()
+        .map(Span::of_file)
+        .chain(meta.logical_files.iter().map(Span::of_logical))
+        .collect();
+    // Files verify independently, so they are checked on as many threads as there are cores:
+    // a restore verifies before it trusts (1.6 GiB took 0.5-0.9 s on one thread here), and
+    // nothing else runs while it waits. The error reported is the first in metadata order,
+    // as a sequential check would report it.
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(VERIFY_THREADS_MAX)
+        .min(spans.len())
+        .max(1);
+    let results = verify_spans(fs, base, &spans, threads);
+    for (i, r) in results.into_iter().enumerate() {
+        report.bytes_checked += r.map_err(wrap)?;
+        if i < meta.files.len() {
+            report.files += 1;
+        } else {
+            report.logical_files += 1;
+        }
     }
     Ok(report)
+}
+
+/// Most threads a verification uses.
+const VERIFY_THREADS_MAX: usize = 8;
+
+/// Check every span (streamed: never a whole file in memory) on `threads` threads, largest
+/// first so that the threads finish together; results in `spans` order. After a failure,
+/// spans later in that order are skipped (their result is never looked at).
+fn verify_spans(
+    fs: &dyn Fs,
+    base: &Path,
+    spans: &[Span<'_>],
+    threads: usize,
+) -> Vec<Result<u64, CheckpointError>> {
+    let discard = |_: &[u8]| Ok::<(), CheckpointError>(());
+    if threads <= 1 {
+        let mut out = Vec::with_capacity(spans.len());
+        for s in spans {
+            let r = stream_span(fs, base, s, discard);
+            let failed = r.is_err();
+            out.push(r);
+            if failed {
+                break;
+            }
+        }
+        return out;
+    }
+    let mut order: Vec<usize> = (0..spans.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(spans[i].size_bytes));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    // The lowest span index that failed so far: spans after it need no check.
+    let first_failed = std::sync::atomic::AtomicUsize::new(usize::MAX);
+    let slots: Vec<std::sync::Mutex<Option<Result<u64, CheckpointError>>>> =
+        spans.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| loop {
+                let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(&i) = order.get(k) else {
+                    break;
+                };
+                if i > first_failed.load(std::sync::atomic::Ordering::Relaxed) {
+                    continue;
+                }
+                let r = stream_span(fs, base, &spans[i], discard);
+                if r.is_err() {
+                    first_failed.fetch_min(i, std::sync::atomic::Ordering::Relaxed);
+                }
+                *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+            });
+        }
+    });
+    let mut out = Vec::with_capacity(spans.len());
+    for slot in slots {
+        match slot.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(r) => {
+                let failed = r.is_err();
+                out.push(r);
+                if failed {
+                    break;
+                }
+            }
+            // Skipped after an earlier failure, which comes first in `out`.
+            None => break,
+        }
+    }
+    out
 }
 
 /// A self-contained savepoint directory, opened for reading: its metadata is verified on open.
