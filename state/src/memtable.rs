@@ -74,7 +74,8 @@ struct Chunk {
 // SAFETY: `Chunk` owns its memory (moving `buf` moves neither a mapping nor a heap buffer, so
 // `ptr` stays valid). Concurrent access follows the seal protocol (see `Arena::sealed_below`):
 // the owning memtable writes only records at or above the mark, through slices that start at
-// such a record; other threads read only records below the mark, which nobody writes again.
+// such a record; other threads read only through a sealed view, whose slices end at the mark,
+// over records nobody writes again.
 unsafe impl Send for Chunk {}
 // SAFETY: as for `Send`.
 unsafe impl Sync for Chunk {}
@@ -124,6 +125,9 @@ struct Arena {
     /// be reading them, so they are never written again (an update copies the record). Chunks
     /// in use are never reordered, so allocation order is address order.
     sealed_below: u64,
+    /// A sealed epoch's read-only view ([`Memtable::seal`]): its slices end at
+    /// `sealed_below`, because the memtable goes on writing above it.
+    view: bool,
 }
 
 impl Arena {
@@ -216,22 +220,28 @@ impl Arena {
         packed(loc) < self.sealed_below
     }
 
-    /// The bytes of chunk `loc.chunk` from `loc.off` on.
+    /// The bytes of chunk `loc.chunk` from `loc.off` on (in a view, up to the seal mark).
     #[inline]
     fn chunk(&self, loc: Loc) -> &[u8] {
         let c = &self.chunks[loc.chunk as usize];
-        let off = (loc.off as usize).min(c.bytes);
+        let end = if self.view && u64::from(loc.chunk) == self.sealed_below >> 32 {
+            (self.sealed_below as u32 as usize).min(c.bytes)
+        } else {
+            c.bytes
+        };
+        let off = (loc.off as usize).min(end);
         // SAFETY: `c.ptr` addresses `c.bytes` initialised bytes owned by the chunk, which the
         // `Arc` in `self` keeps alive for the borrow. Nothing writes them while the slice
-        // lives: this arena writes only through `chunk_mut` under `&mut self`, and another
-        // thread's writer (the memtable this arena was sealed from) writes only above the mark
-        // that this read-only arena's records lie below (see `Sealed`).
-        unsafe { std::slice::from_raw_parts(c.ptr.add(off), c.bytes - off) }
+        // lives: a memtable writes only through `chunk_mut` under `&mut self`, only above its
+        // seal mark, and a view's slices end at that mark (see `Sealed`), so the bytes another
+        // thread may be writing are never inside a slice of a view.
+        unsafe { std::slice::from_raw_parts(c.ptr.add(off), end - off) }
     }
 
     /// The bytes of chunk `loc.chunk` from `loc.off` on, to write the (unsealed) record there.
     #[inline]
     fn chunk_mut(&mut self, loc: Loc) -> &mut [u8] {
+        debug_assert!(!self.view, "write to a sealed epoch's view");
         debug_assert!(!self.is_sealed(loc), "write to a sealed record");
         let c = &self.chunks[loc.chunk as usize];
         let off = (loc.off as usize).min(c.bytes);
@@ -1181,7 +1191,8 @@ impl Memtable {
             chunk_bytes: arena.chunk_bytes,
             used: 0,
             bytes: 0,
-            sealed_below: u64::MAX,
+            sealed_below: arena.sealed_below,
+            view: true,
         };
         let cap = self.log.len();
         let log = std::mem::replace(&mut self.log, Vec::with_capacity(cap));
