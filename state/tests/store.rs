@@ -30,6 +30,19 @@ fn snapshot(store: &mut Store, id: u64) -> SnapshotHandle {
     store.snapshot(id).run().unwrap()
 }
 
+/// Every entry of snapshot `h` restored into `dir` with all key groups.
+fn restored(fs: &Arc<dyn Fs>, dir: &Path, h: SnapshotHandle) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let mut r = Store::restore(
+        fs.clone(),
+        dir,
+        small_config(8),
+        &[h],
+        KeyGroupRange::all(8),
+    )
+    .unwrap();
+    all(&mut r)
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Put(u16, u16, u8),
@@ -106,8 +119,7 @@ proptest! {
         let check_later = |job: weir_state::SnapshotJob, want: Model, dirs: &mut u32| {
             let h = job.run().unwrap();
             *dirs += 1;
-            let mut r = Store::restore(fs.clone(), &root.path().join(format!("s{dirs}")), small_config(8), &[h], KeyGroupRange::all(8)).unwrap();
-            all(&mut r) == want.into_iter().collect::<Vec<_>>()
+            restored(&fs, &root.path().join(format!("s{dirs}")), h) == want.into_iter().collect::<Vec<_>>()
         };
         for op in ops {
             match op {
@@ -820,16 +832,8 @@ fn a_snapshot_job_on_another_thread_sees_the_state_at_its_snapshot() {
             }
         }
         let h = writer.join().unwrap();
-        let mut r = Store::restore(
-            fs.clone(),
-            &root.path().join(format!("restored{round}")),
-            small_config(8),
-            &[h],
-            KeyGroupRange::all(8),
-        )
-        .unwrap();
         assert_eq!(
-            all(&mut r),
+            restored(&fs, &root.path().join(format!("restored{round}")), h),
             want.into_iter().collect::<Vec<_>>(),
             "round {round}"
         );
@@ -885,16 +889,8 @@ fn a_late_snapshot_job_reads_its_epoch_after_the_memtable_is_frozen() {
         go.send(()).unwrap();
         let h = writer.join().unwrap();
         s.run_pending_maintenance().unwrap();
-        let mut r = Store::restore(
-            fs.clone(),
-            &root.path().join(format!("restored{round}")),
-            small_config(8),
-            &[h],
-            KeyGroupRange::all(8),
-        )
-        .unwrap();
         assert_eq!(
-            all(&mut r),
+            restored(&fs, &root.path().join(format!("restored{round}")), h),
             want.into_iter().collect::<Vec<_>>(),
             "round {round}"
         );
