@@ -3,6 +3,12 @@
 //! one cache miss: a guide table maps the high bits of a key's 16-byte prefix to the short run
 //! of blocks that can hold it, and each block's last-key prefix sits beside its file offset, so
 //! the block the run points at is addressed without another load.
+//!
+//! The guide's bits are the highest bits in which the segment's prefixes differ, not the
+//! highest bits of the prefix: keyed-state keys are `key group | state id | user key`, and a
+//! big-endian integer user key leaves dozens of constant bits between the key-group bits and
+//! the user key's low bytes. Interpolating over the whole span put each key group's blocks in
+//! one bucket, and a lookup binary-searched thousands of block records.
 
 use crate::hugemem::{prefetch_read, Pod, ZeroedBuf};
 
@@ -22,18 +28,93 @@ unsafe impl Pod for BlockRef {}
 
 /// Guide table size: about one bucket per block, at most 2^20 buckets (4 MiB).
 const MAX_GUIDE_BITS: u32 = 20;
+/// The guide's bits are gathered from at most this many runs of adjacent prefix bits.
+const MAX_RUNS: usize = 4;
+
+/// Which prefix bits make a key's guide bucket: the `bits` highest bits that vary among the
+/// indexed prefixes, as runs of adjacent bits, highest run first.
+///
+/// Why this is order-preserving: every indexed prefix has the same value (`constant`) in each
+/// bit outside `varying`. Take a prefix `p` that also has those values in every such bit
+/// above the lowest gathered one (`check`). The highest bit in which `p` and an indexed prefix
+/// `b` differ is then either a gathered bit, which orders both `p`, `b` and their buckets the
+/// same way, or a bit below every gathered one, where their buckets are equal. So
+/// `bucket(b) < bucket(p)` implies `b < p` and `bucket(b) > bucket(p)` implies `b > p`.
+#[derive(Debug, Clone, Copy, Default)]
+struct Gather {
+    /// (lowest bit, length) of each run.
+    runs: [(u8, u8); MAX_RUNS],
+    nruns: usize,
+    bits: u32,
+    /// Constant bits above the lowest gathered bit, and their common value.
+    check: u128,
+    constant: u128,
+}
+
+impl Gather {
+    /// Gather up to `want` of the highest bits in which `prefixes` differ.
+    fn new(prefixes: &[u128], want: u32) -> Gather {
+        let Some(&first) = prefixes.first() else {
+            return Gather::default();
+        };
+        let varying = prefixes.iter().fold(0u128, |m, &p| m | (p ^ first));
+        let mut g = Gather::default();
+        let mut bit = 128u32;
+        while g.bits < want && g.nruns < MAX_RUNS {
+            // The next run: from the highest varying bit below `bit`, down while bits vary.
+            let rest = varying & low_mask(bit);
+            if rest == 0 {
+                break;
+            }
+            let top = 127 - rest.leading_zeros();
+            let mut lo = top;
+            while lo > 0 && g.bits + (top - lo + 1) < want && (varying >> (lo - 1)) & 1 == 1 {
+                lo -= 1;
+            }
+            g.runs[g.nruns] = (lo as u8, (top - lo + 1) as u8);
+            g.nruns += 1;
+            g.bits += top - lo + 1;
+            bit = lo;
+        }
+        if g.bits > 0 {
+            g.check = !varying & !low_mask(bit);
+            g.constant = first & g.check;
+        }
+        g
+    }
+
+    /// The guide bucket of `pk`, or `None` if `pk` differs from every indexed prefix in a
+    /// bit above the gathered ones that is constant among them (no bucket bounds its block).
+    #[inline]
+    fn bucket(&self, pk: u128) -> Option<usize> {
+        if pk & self.check != self.constant {
+            return None;
+        }
+        let mut r = 0usize;
+        for &(lo, len) in &self.runs[..self.nruns] {
+            r = (r << len) | ((pk >> lo) as usize & ((1usize << len) - 1));
+        }
+        Some(r)
+    }
+}
+
+/// The bits below bit `bit` (all of them for 128).
+fn low_mask(bit: u32) -> u128 {
+    if bit >= 128 {
+        u128::MAX
+    } else {
+        (1u128 << bit) - 1
+    }
+}
 
 #[derive(Debug)]
 pub(crate) struct BlockIndex {
     blocks: ZeroedBuf<BlockRef>,
-    /// `guide[r]` = the first block whose last prefix is >= the smallest prefix of bucket `r`;
-    /// one more entry than there are buckets. The block a prefix `p` of bucket `r` needs (the
-    /// first whose last prefix is >= p) is in `guide[r]..=guide[r + 1]`.
+    /// `guide[r]` = the first block whose bucket is >= `r`; one more entry than there are
+    /// buckets. The block a prefix `p` of bucket `r` needs (the first whose last prefix is
+    /// >= p) is in `guide[r]..=guide[r + 1]`.
     guide: ZeroedBuf<u32>,
-    /// Bucket of `p` is `(p - base) >> shift` (prefixes below `base` go to bucket 0, above
-    /// the last block's prefix to the last bucket).
-    base: u128,
-    shift: u32,
+    gather: Gather,
 }
 
 impl BlockIndex {
@@ -51,24 +132,14 @@ impl BlockIndex {
             })
             .collect();
         let n = refs.len();
-        let (base, last) = match (prefixes.first(), prefixes.last()) {
-            (Some(&f), Some(&l)) => (f, l),
-            _ => (0, 0),
-        };
         let bits = (usize::BITS - n.max(1).leading_zeros()).min(MAX_GUIDE_BITS);
-        let span = last - base;
-        // The smallest shift that puts `span` into `bits` bits.
-        let shift = (128 - span.leading_zeros()).saturating_sub(bits);
-        let buckets = ((span >> shift) + 1) as usize;
+        let gather = Gather::new(prefixes, bits);
+        let buckets = 1usize << gather.bits;
         let mut guide = ZeroedBuf::<u32>::new(buckets + 1);
         let mut b = 0usize;
         for (r, g) in guide.iter_mut().enumerate() {
-            // Smallest prefix of bucket r: base + (r << shift), saturating for the sentinel.
-            let lo = (r as u128)
-                .checked_mul(1u128 << shift)
-                .and_then(|x| base.checked_add(x))
-                .unwrap_or(u128::MAX);
-            while b < n && prefixes[b] < lo {
+            // Every indexed prefix has a bucket, non-decreasing along the blocks.
+            while b < n && gather.bucket(prefixes[b]).is_some_and(|rb| rb < r) {
                 b += 1;
             }
             *g = b as u32;
@@ -76,8 +147,7 @@ impl BlockIndex {
         BlockIndex {
             blocks: ZeroedBuf::from_slice(&refs),
             guide,
-            base,
-            shift,
+            gather,
         }
     }
 
@@ -100,24 +170,20 @@ impl BlockIndex {
         self.blocks[bi].prefix
     }
 
-    /// The guide bucket of `pk`.
-    #[inline]
-    fn bucket(&self, pk: u128) -> usize {
-        if pk <= self.base {
-            0
-        } else {
-            (((pk - self.base) >> self.shift) as usize).min(self.guide.len() - 2)
-        }
-    }
-
     /// The blocks that can hold `pk`: the answer of [`Self::lower_bound`] is in `lo..=hi-1`
     /// or is `hi` itself only when `hi == len()`.
     #[inline]
     fn candidates(&self, pk: u128) -> (usize, usize) {
-        let r = self.bucket(pk);
-        let lo = self.guide[r] as usize;
-        let hi = (self.guide[r + 1] as usize + 1).min(self.blocks.len());
-        (lo, hi)
+        match self.gather.bucket(pk) {
+            Some(r) => {
+                let lo = self.guide[r] as usize;
+                let hi = (self.guide[r + 1] as usize + 1).min(self.blocks.len());
+                (lo, hi)
+            }
+            // Rare: a key whose constant bits differ from the segment's is absent (a bloom
+            // false positive) or a scan's start; search every block.
+            None => (0, self.blocks.len()),
+        }
     }
 
     /// Index of the first block whose last prefix is >= `pk` (`len()` if none).
@@ -133,8 +199,8 @@ impl BlockIndex {
     /// Batched lookups, step one: start loading the guide entry of `pk`.
     #[inline]
     pub fn prefetch_guide(&self, pk: u128) {
-        if !self.blocks.is_empty() {
-            prefetch_read(&self.guide[self.bucket(pk)]);
+        if let Some(r) = self.gather.bucket(pk) {
+            prefetch_read(&self.guide[r]);
         }
     }
 
@@ -198,6 +264,37 @@ mod tests {
             prefixes.sort_unstable();
             let probes: Vec<u128> = probes.into_iter().map(|p| p >> skew).collect();
             check(&prefixes, &probes);
+        }
+
+        #[test]
+        fn lower_bound_matches_binary_search_over_keyed_state_keys(
+            users in proptest::collection::vec((0u128..128, 0u128..1 << 24), 1..300),
+            probes in proptest::collection::vec((0u128..256, 0u128..1 << 26, 0u128..3), 0..50),
+        ) {
+            // `key group | state id | big-endian u64 user key`: constant bits between the
+            // varying key-group bits and the user key's low bytes. Probes also come from
+            // other key groups, state ids and larger users (constant bits that differ).
+            let key = |kg: u128, state: u128, user: u128| kg << 112 | state << 96 | user << 32;
+            let mut prefixes: Vec<u128> = users.iter().map(|&(kg, u)| key(kg, 1, u)).collect();
+            prefixes.sort_unstable();
+            let probes: Vec<u128> = probes.iter().map(|&(kg, u, s)| key(kg, s, u)).collect();
+            check(&prefixes, &probes);
+        }
+    }
+
+    #[test]
+    fn keyed_state_keys_get_a_bucket_per_block() {
+        // 128 key groups x 4096 users: interpolating over the whole prefix range used to put
+        // each key group in one bucket; gathering the varying bits gives runs of <= 2 blocks.
+        let prefixes: Vec<u128> = (0..128u128)
+            .flat_map(|kg| (0..4096u128).map(move |u| kg << 112 | 1 << 96 | (u * 37) << 32))
+            .collect();
+        let offsets: Vec<u64> = (0..prefixes.len() as u64).collect();
+        let ix = BlockIndex::new(&offsets, &prefixes);
+        for &p in prefixes.iter().step_by(97) {
+            let (lo, hi) = ix.candidates(p);
+            assert!(hi - lo <= 2, "prefix {p:#x}: candidates {lo}..{hi}");
+            assert_eq!(ix.lower_bound(p), prefixes.partition_point(|&x| x < p));
         }
     }
 }
