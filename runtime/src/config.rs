@@ -30,12 +30,14 @@ pub struct JobConfig {
     pub batch_records: usize,
     /// Where shards keep their state stores. `None`: a fresh temporary directory per run.
     pub state_dir: Option<PathBuf>,
-    /// Memtable budget of each shard's state store.
+    /// Memtable budget of each shard's state store: all its memtable memory (the mutable
+    /// memtable, which freezes at half of it, the one being flushed, one kept for reuse; see
+    /// `weir_state::StoreConfig::memtable_budget_bytes`). A shard whose store fills it stops
+    /// until the flush is installed.
     pub memtable_budget_bytes: usize,
     /// Flushed memtables each store keeps readable in front of their segments (a read cache;
-    /// 0 = off). Checkpoints freeze the memtable, so without it the keys a job keeps updating
-    /// are read back from segment files after every checkpoint. A store then holds up to about
-    /// three budgets: the mutable memtable, one being written, and this.
+    /// 0 = off), a budget of its own beside `memtable_budget_bytes`. When a memtable is frozen,
+    /// the keys a job keeps updating would otherwise be read back from segment files.
     pub retained_memtable_bytes: usize,
     /// Fault in each store's memtable memory when the job starts instead of while it fills
     /// (see `weir_state::StoreConfig::prefault_memtable`): the budget is resident from the
@@ -80,7 +82,11 @@ impl Default for JobConfig {
             ring_capacity_bytes: 1 << 20,
             batch_records: 1024,
             state_dir: None,
-            memtable_budget_bytes: 64 << 20,
+            // 80 MiB mutable memtables: with 48-byte records they hold as many entries as the
+            // 64 MiB ones did before the budget covered every memtable, their tables' capacity
+            // and their flush's sort (fewer entries froze them more often, and checkpoints that
+            // include a frozen memtable are the large ones).
+            memtable_budget_bytes: 160 << 20,
             retained_memtable_bytes: 64 << 20,
             prefault_state_memory: false,
             auto_watermark_interval_ms: 200,

@@ -122,16 +122,17 @@ impl BlockIndex {
     pub fn new(offsets: &[u64], prefixes: &[u128]) -> BlockIndex {
         debug_assert_eq!(offsets.len(), prefixes.len());
         debug_assert!(prefixes.windows(2).all(|w| w[0] <= w[1]));
-        let refs: Vec<BlockRef> = offsets
-            .iter()
-            .zip(prefixes)
-            .map(|(&offset, &prefix)| BlockRef {
+        // Filled in place: a transient `Vec` of this size would stay in the allocator's
+        // arena (see `MapVec`).
+        let mut blocks = ZeroedBuf::<BlockRef>::new(offsets.len());
+        for (b, (&offset, &prefix)) in blocks.iter_mut().zip(offsets.iter().zip(prefixes)) {
+            *b = BlockRef {
                 prefix,
                 offset,
                 _pad: 0,
-            })
-            .collect();
-        let n = refs.len();
+            };
+        }
+        let n = blocks.len();
         let bits = (usize::BITS - n.max(1).leading_zeros()).min(MAX_GUIDE_BITS);
         let gather = Gather::new(prefixes, bits);
         let buckets = 1usize << gather.bits;
@@ -145,7 +146,7 @@ impl BlockIndex {
             *g = b as u32;
         }
         BlockIndex {
-            blocks: ZeroedBuf::from_slice(&refs),
+            blocks,
             guide,
             gather,
         }

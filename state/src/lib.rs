@@ -28,5 +28,5 @@ pub use keyed::{
 pub use segment::layout as segment_layout;
 pub use store::{
     CompactionDone, CompactionJob, FlushDone, FlushJob, Found, JobDone, RestoreReport, ScanIter,
-    SnapshotJob, Store, StoreConfig, StoreMetrics, WRITE_STALL_BUDGETS,
+    SnapshotJob, Store, StoreConfig, StoreMetrics,
 };

@@ -17,7 +17,7 @@ use std::sync::{Arc, OnceLock};
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::hugemem::{prefetch_read, Pod, ZeroedBuf, HUGE_PAGE_BYTES};
+use crate::hugemem::{prefetch_read, MapVec, Pod, ZeroedBuf, HUGE_PAGE_BYTES};
 
 /// Largest arena chunk (one huge page); bigger values get a chunk of their own.
 const CHUNK_BYTES_MAX: usize = HUGE_PAGE_BYTES;
@@ -26,6 +26,9 @@ const CHUNK_BYTES_MAX: usize = HUGE_PAGE_BYTES;
 const MAX_CHUNKS: usize = u16::MAX as usize - 1;
 /// Smallest arena chunk.
 const CHUNK_BYTES_MIN: usize = 4096;
+/// Memory a flush needs per entry to sort a memtable (`order_of`: packed keys and the radix
+/// sort's scratch, then the packed keys and the order), counted in the memtable's budget.
+pub(crate) const FLUSH_ORDER_BYTES: usize = 16;
 
 /// Expiry value meaning "never expires".
 pub(crate) const NO_EXPIRY: u64 = u64::MAX;
@@ -657,19 +660,22 @@ const MAX_RUNS: usize = 24;
 pub(crate) struct Memtable {
     arena: Arena,
     /// Entry id -> record (ids are insertion order; scans and sorting use them).
-    entries: Vec<Loc>,
+    entries: MapVec<Loc>,
     index: Index,
     /// Sorted runs of entry ids, oldest (largest) first; each run is more than twice the size
     /// of the next one, so there are O(log n) of them and every id is merged O(log n) times.
     runs: Vec<Vec<u32>>,
     /// Ids appended since the last [`Memtable::prepare_scan`], unsorted.
-    fresh: Vec<u32>,
+    fresh: MapVec<u32>,
     /// Unique per memtable incarnation (set by the store) in the high 32 bits; the low bits
     /// count record moves and seals. See [`MemHint`].
     epoch: u64,
     /// Records allocated since the last [`Memtable::seal`] (new keys, moved and copied
     /// records), in allocation order: what the next sealed epoch holds.
-    log: Vec<Loc>,
+    log: MapVec<Loc>,
+    /// A sealed epoch's log given back after its snapshot (see [`Self::give_log`]), the next
+    /// epoch's log: a fresh one would fault its pages in on the shard's thread.
+    spare_log: MapVec<Loc>,
 }
 
 /// The first 16 key bytes, zero padded, as a big-endian integer: comparing two of them orders
@@ -1098,24 +1104,46 @@ impl Memtable {
         self.epoch = n << 32;
     }
 
-    /// Memory in use, for the budget: arena chunks in use, entry table, the whole hash index
-    /// and order vectors (every id is in exactly one run or `fresh`). Entry-table capacity a
-    /// recycled memtable keeps beyond that is not counted: it is bounded by what the previous
-    /// memtable used. A memtable out of chunk numbers reports itself over any budget.
+    /// Memory for the budget: arena chunks in use, the entry table's, id lists' and log's
+    /// capacity (a recycled memtable keeps it resident), the whole hash index, and what its
+    /// flush will need to sort it ([`FLUSH_ORDER_BYTES`] an entry). A memtable out of chunk
+    /// numbers reports itself over any budget.
     #[inline]
     pub fn approx_bytes(&self) -> usize {
         if self.arena.chunks.len() >= MAX_CHUNKS {
             return usize::MAX / 2;
         }
         let n = self.entries.len();
-        self.arena.bytes
-            + n * (std::mem::size_of::<Loc>() + 4)
-            + self.log.len() * std::mem::size_of::<Loc>()
-            + self.index.bytes()
+        self.arena.bytes + self.tables_bytes() + self.index.bytes() + n * FLUSH_ORDER_BYTES
+    }
+
+    /// The entry table, id lists and logs, by capacity. Every id is in exactly one sorted run
+    /// or in `fresh`.
+    #[inline]
+    fn tables_bytes(&self) -> usize {
+        let runs = self.entries.len() - self.fresh.len();
+        (self.entries.capacity() + self.log.capacity() + self.spare_log.capacity())
+            * std::mem::size_of::<Loc>()
+            + (runs + self.fresh.capacity()) * 4
+    }
+
+    /// Take back the log of a sealed epoch whose snapshot is done, for the next seal.
+    pub fn give_log(&mut self, log: MapVec<Loc>) {
+        if log.capacity() > self.spare_log.capacity() {
+            self.spare_log = log;
+        }
+    }
+
+    /// Memory this memtable holds, used or not: every arena chunk, its tables, the index.
+    /// What a recycled memtable kept for reuse costs.
+    pub fn held_bytes(&self) -> usize {
+        let chunks: usize = self.arena.chunks.iter().map(|c| c.bytes).sum();
+        chunks + self.tables_bytes() + self.index.bytes()
     }
 
     /// Fault in now the memory this memtable needs to fill `budget_bytes`, and return how many
-    /// bytes that was: arena chunks for the whole budget less the index, an index of the
+    /// bytes that was: arena chunks for the budget less the index, tables and sort reserve
+    /// (see [`Self::approx_bytes`]), an index of the
     /// largest power of two at most budget / 48 slots (a sixth to a third of the budget) and
     /// entry tables for 3/4 of its slots. Entries smaller than about 60 bytes with their table
     /// space (a 48-byte record of a 16-byte key and value) can fill the index before the
@@ -1132,32 +1160,18 @@ impl Memtable {
         } else {
             max_slots.next_power_of_two() / 2
         };
-        let mut faulted = self.index.prefault(slots);
+        let faulted = self.index.prefault(slots);
         let entries = slots / 4 * 3;
-        faulted += self
-            .arena
-            .prefault(budget_bytes.saturating_sub(self.index.bytes()));
-        // Writing the spare capacity faults its pages; the lengths are unchanged.
+        // The lengths are unchanged.
         self.fresh.reserve(entries.saturating_sub(self.fresh.len()));
-        self.fresh
-            .spare_capacity_mut()
-            .iter_mut()
-            .for_each(|x| _ = x.write(0));
         self.entries
             .reserve(entries.saturating_sub(self.entries.len()));
-        let zero = Loc { chunk: 0, off: 0 };
-        self.entries
-            .spare_capacity_mut()
-            .iter_mut()
-            .for_each(|x| _ = x.write(zero));
         self.log.reserve(entries.saturating_sub(self.log.len()));
-        self.log
-            .spare_capacity_mut()
-            .iter_mut()
-            .for_each(|x| _ = x.write(zero));
-        faulted
-            + self.fresh.capacity() * 4
-            + (self.entries.capacity() + self.log.capacity()) * std::mem::size_of::<Loc>()
+        let tables = self.fresh.populate() + self.entries.populate() + self.log.populate();
+        // The arena gets what the budget leaves beside index and tables, less the flush's sort
+        // reserve: a quarter, as for 48-byte records (16 bytes of sort each).
+        let arena = budget_bytes.saturating_sub(self.index.bytes() + self.tables_bytes()) / 4 * 3;
+        faulted + tables + self.arena.prefault(arena)
     }
 
     /// Empty this memtable for reuse as a fresh one, keeping its memory: arena chunks, entry
@@ -1194,8 +1208,11 @@ impl Memtable {
             sealed_below: arena.sealed_below,
             view: true,
         };
-        let cap = self.log.len();
-        let log = std::mem::replace(&mut self.log, Vec::with_capacity(cap));
+        // No allocation here (a map costs a system call in the snapshot's synchronous part):
+        // the log given back by an earlier epoch, or an empty one that grows with the puts.
+        let mut next = std::mem::take(&mut self.spare_log);
+        next.clear();
+        let log = std::mem::replace(&mut self.log, next);
         Some(Sealed { arena: view, log })
     }
 
@@ -1416,9 +1433,10 @@ impl Memtable {
     /// therefore costs about the appends, not the memtable.
     pub fn prepare_scan(&mut self) {
         if !self.fresh.is_empty() {
-            let mut fresh = std::mem::take(&mut self.fresh);
-            self.sort_ids(&mut fresh);
-            self.runs.push(fresh);
+            let mut ids = self.fresh.to_vec();
+            self.fresh.clear();
+            self.sort_ids(&mut ids);
+            self.runs.push(ids);
         }
         while self.runs.len() >= 2 {
             let n = self.runs.len();
@@ -1522,19 +1540,17 @@ pub(crate) struct Sealed {
     /// A read-only view of the memtable's chunks in use at the seal.
     arena: Arena,
     /// The epoch's records in allocation order, including records replaced within it.
-    log: Vec<Loc>,
+    log: MapVec<Loc>,
 }
 
 impl Sealed {
     /// The epoch's live records in key order. A key has at most one: within an epoch its
     /// record is updated in place, and a record that moves is marked dead.
     fn order(&self) -> ZeroedBuf<Loc> {
-        let live: Vec<Loc> = self
-            .log
-            .iter()
-            .copied()
-            .filter(|&l| !self.arena.is_dead(l))
-            .collect();
+        let mut live = MapVec::with_capacity(self.log.len());
+        for &l in self.log.iter().filter(|&&l| !self.arena.is_dead(l)) {
+            live.push(l);
+        }
         order_of(&self.arena, live.len(), |i| live[i])
     }
 }
@@ -1575,6 +1591,11 @@ impl Frozen {
             sealed: Some(s),
             order: OnceLock::new(),
         }
+    }
+
+    /// A sealed epoch's log, once nothing reads the epoch.
+    pub fn into_log(self) -> Option<MapVec<Loc>> {
+        self.sealed.map(|s| s.log)
     }
 
     pub fn with_owner(mut self, owner: u64) -> Frozen {
@@ -1753,23 +1774,30 @@ mod tests {
         let budget = 8 << 20;
         let mut m = Memtable::with_budget(budget);
         let faulted = m.prefault(budget);
-        assert!(faulted >= budget, "faulted {faulted} of {budget}");
+        assert!(
+            faulted >= budget / 4 * 3,
+            "faulted {faulted} of {budget}, less the flush's sort reserve"
+        );
         let (chunks, slots) = (m.arena.chunks.len(), m.index.slots.len());
         assert_eq!(
             slots,
             1 << 17,
             "the largest power of two at most budget / 48"
         );
-        // Accounted as a fresh memtable: the chunk in use and the index, not the spares.
-        assert_eq!(m.approx_bytes(), m.arena.chunk_bytes + m.index.bytes());
+        // Accounted as a fresh memtable: the chunk in use, the tables and the index, not the
+        // spare chunks.
+        assert_eq!(
+            m.approx_bytes(),
+            m.arena.chunk_bytes + m.tables_bytes() + m.index.bytes()
+        );
         let key = |i: u64| [&[0u8, 7][..], &i.to_be_bytes()].concat();
         let mut n = 0u64;
         while m.approx_bytes() < budget && !m.index.needs_growth() {
             m.put(&key(n), &n.to_le_bytes(), 0, false);
             n += 1;
         }
-        // 48-byte records, 20 bytes of entry table, order and epoch log, and the index.
-        assert!(n > 85_000, "filled {n} entries");
+        // 48-byte records, 16 bytes of sort reserve, the tables and the index.
+        assert!(n > 60_000, "filled {n} entries");
         assert_eq!(
             m.arena.chunks.len(),
             chunks,

@@ -9,17 +9,17 @@
 //! only mapped, exactly their length, never written or truncated again.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use weir_io::{decode_block, encode_block, BlockHeader, FormatError, Fs, FsFile, Mapped};
+use weir_io::{decode_block, BlockHeader, FormatError, Fs, FsFile, Mapped};
 use weir_io::{BLOCK_HEADER_LEN, CHECKSUM_CRC32_IEEE};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::block_index::BlockIndex;
 use crate::bloom::Bloom;
 use crate::error::StateError;
-use crate::hugemem::prefetch_read;
+use crate::hugemem::{prefetch_read, MapVec};
 use crate::key::{key_group_of, KeyGroupRange};
 use crate::memtable::{key_prefix, ValueRef};
 
@@ -78,8 +78,10 @@ pub mod layout {
 use layout::*;
 
 /// The writer writes the file in pieces of exactly this size, at multiples of it (see
-/// `SegmentWriter::flush_aligned`); only the last piece is shorter.
-const WRITE_BUFFER_BYTES: usize = 4 << 20;
+/// `SegmentWriter::flush_aligned`); only the last piece is shorter. One huge page: the buffer
+/// is memory outside the memtable budget for every running flush and compaction (4 MiB
+/// measured the same write bandwidth).
+const WRITE_BUFFER_BYTES: usize = 2 << 20;
 
 /// The writer ends a data block early, padding it to the next multiple of this file offset,
 /// when the next entry would make it cross one: a lookup then touches one 4 KiB page of the
@@ -111,6 +113,41 @@ fn rd_u64(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(x)
 }
 
+/// Index and filter memory of one segment from its writer's start until the store installs
+/// it, added to a store-wide total ([`crate::StoreMetrics::building_bytes`]): the block index
+/// and bloom filter a flush or compaction builds are held beside those of the segments it
+/// replaces.
+#[derive(Debug)]
+pub(crate) struct BuildGauge {
+    total: Arc<AtomicUsize>,
+    mine: AtomicUsize,
+}
+
+impl BuildGauge {
+    pub fn new(total: Arc<AtomicUsize>) -> BuildGauge {
+        BuildGauge {
+            total,
+            mine: AtomicUsize::new(0),
+        }
+    }
+
+    /// This segment now holds `bytes`.
+    pub fn set(&self, bytes: usize) {
+        let old = self.mine.swap(bytes, Ordering::Relaxed);
+        if bytes >= old {
+            self.total.fetch_add(bytes - old, Ordering::Relaxed);
+        } else {
+            self.total.fetch_sub(old - bytes, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for BuildGauge {
+    fn drop(&mut self) {
+        self.set(0);
+    }
+}
+
 /// Description of a written segment: what the writer computed, so that opening it needs no
 /// second pass over its structure (see [`Segment::open_written`]).
 #[derive(Debug)]
@@ -121,13 +158,21 @@ pub(crate) struct Written {
     pub crc32: u32,
     pub entry_count: u64,
     /// File offset of each data block's payload.
-    offsets: Vec<u64>,
+    offsets: MapVec<u64>,
     /// `key_prefix` of each data block's last key.
-    prefixes: Vec<u128>,
+    prefixes: MapVec<u128>,
     /// Where the data blocks end (the index block's offset).
     data_end: u64,
     bloom: Bloom,
     key_groups: Option<KeyGroupRange>,
+    gauge: Option<BuildGauge>,
+}
+
+#[cfg(test)]
+fn copy_of<T: crate::hugemem::Pod>(v: &MapVec<T>) -> MapVec<T> {
+    let mut c = MapVec::with_capacity(v.len());
+    c.extend_from_slice(v);
+    c
 }
 
 #[cfg(test)]
@@ -135,9 +180,10 @@ impl Written {
     fn try_clone(&self) -> Result<Written, StateError> {
         Ok(Written {
             path: self.path.clone(),
-            offsets: self.offsets.clone(),
-            prefixes: self.prefixes.clone(),
+            offsets: copy_of(&self.offsets),
+            prefixes: copy_of(&self.prefixes),
             bloom: self.bloom.try_clone()?,
+            gauge: None,
             ..*self
         })
     }
@@ -159,17 +205,19 @@ pub(crate) struct SegmentWriter {
     path: PathBuf,
     id: u64,
     opts: WriterOptions,
-    buf: Vec<u8>,
+    /// Fixed capacity (`WRITE_BUFFER_BYTES` and two blocks): what does not fit is written from
+    /// where it is.
+    buf: MapVec<u8>,
     flushed: u64,
     file_crc: crc32fast::Hasher,
     /// Start of the open data block in `buf`, and its entry offsets (relative to payload).
     block_start: Option<usize>,
     entry_offsets: Vec<u32>,
     block_index: u32,
-    index: Vec<u8>,
+    index: MapVec<u8>,
     /// Data blocks written so far: payload offsets and last-key prefixes.
-    offsets: Vec<u64>,
-    prefixes: Vec<u128>,
+    offsets: MapVec<u64>,
+    prefixes: MapVec<u128>,
     hashes: Vec<u64>,
     /// The filter built as keys arrive, when `expected_keys` was given. Each key's hash is
     /// inserted `BLOOM_PREFETCH_AHEAD` keys after its line was prefetched.
@@ -179,6 +227,7 @@ pub(crate) struct SegmentWriter {
     last_key: Vec<u8>,
     last_prefix: u128,
     kg_first: Option<u16>,
+    gauge: Option<BuildGauge>,
 }
 
 fn round16(n: usize) -> usize {
@@ -219,7 +268,7 @@ impl SegmentWriter {
             None => None,
         };
         let file = fs.create(path)?;
-        let mut buf = Vec::with_capacity(WRITE_BUFFER_BYTES + opts.block_target_bytes * 2);
+        let mut buf = MapVec::with_capacity(WRITE_BUFFER_BYTES + opts.block_target_bytes * 2);
         buf.extend_from_slice(&FILE_MAGIC);
         buf.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
         buf.push(CHECKSUM_CRC32_IEEE);
@@ -229,7 +278,7 @@ impl SegmentWriter {
         let crc = weir_io::crc32(&[&buf[..FH_CRC]]);
         buf.extend_from_slice(&crc.to_le_bytes());
         debug_assert_eq!(buf.len(), FILE_HEADER_LEN);
-        let mut index = Vec::new();
+        let mut index = MapVec::new();
         index.extend_from_slice(&[0; INDEX_HEADER_LEN]);
         Ok(SegmentWriter {
             file,
@@ -243,8 +292,8 @@ impl SegmentWriter {
             entry_offsets: Vec::new(),
             block_index: 0,
             index,
-            offsets: Vec::new(),
-            prefixes: Vec::new(),
+            offsets: MapVec::new(),
+            prefixes: MapVec::new(),
             hashes: Vec::new(),
             filter,
             pending: [0; BLOOM_PREFETCH_AHEAD],
@@ -252,7 +301,24 @@ impl SegmentWriter {
             last_key: Vec::new(),
             last_prefix: 0,
             kg_first: None,
+            gauge: None,
         })
+    }
+
+    /// Count this writer's index and filter memory in `total` until its segment is installed
+    /// ([`Segment::installed`]).
+    pub fn count_in(&mut self, total: Arc<AtomicUsize>) {
+        let g = BuildGauge::new(total);
+        g.set(self.building_bytes());
+        self.gauge = Some(g);
+    }
+
+    /// Index and filter memory held so far: the index block, block list and bloom filter.
+    fn building_bytes(&self) -> usize {
+        self.index.capacity()
+            + self.offsets.capacity() * 8
+            + self.prefixes.capacity() * 16
+            + self.filter.as_ref().map_or(0, Bloom::bytes)
     }
 
     fn abs(&self) -> u64 {
@@ -383,8 +449,14 @@ impl SegmentWriter {
             .extend_from_slice(&(self.last_key.len() as u16).to_le_bytes());
         self.index.extend_from_slice(&[0, 0]);
         self.index.extend_from_slice(&self.last_key);
+        let cap = self.offsets.capacity();
         self.offsets.push(block_offset + BLOCK_HEADER_LEN as u64);
         self.prefixes.push(self.last_prefix);
+        if self.offsets.capacity() != cap {
+            if let Some(g) = &self.gauge {
+                g.set(self.building_bytes());
+            }
+        }
         self.block_index += 1;
         if self.buf.len() >= WRITE_BUFFER_BYTES {
             self.flush_aligned()?;
@@ -393,8 +465,8 @@ impl SegmentWriter {
     }
 
     /// Write exactly the buffer's first `WRITE_BUFFER_BYTES` and keep the rest (less than a
-    /// block) for the next write. Every data write thus starts at a multiple of 4 MiB and is
-    /// 4 MiB long, so the page cache can hold the data in 2 MiB folios, which the kernel maps
+    /// block) for the next write. Every data write thus starts at a multiple of 2 MiB and is
+    /// 2 MiB long, so the page cache can hold the data in 2 MiB folios, which the kernel maps
     /// with one TLB entry each: readers' lookups then skip a page walk (which costs more than
     /// the cache miss itself on a VM). Misaligned writes leave the file in small folios.
     fn flush_aligned(&mut self) -> Result<(), StateError> {
@@ -424,6 +496,20 @@ impl SegmentWriter {
         Ok(())
     }
 
+    /// Append `bytes` to the buffer if they fit with room for a block's padding and the
+    /// footer; otherwise write the buffer and then `bytes` from where they are (not copied).
+    fn append_or_write(&mut self, bytes: &[u8]) -> Result<(), StateError> {
+        if self.buf.len() + bytes.len() + BLOCK_ALIGN + FOOTER_LEN <= self.buf.capacity() {
+            self.buf.extend_from_slice(bytes);
+            return Ok(());
+        }
+        self.flush_buf()?;
+        self.file.write_at(self.flushed, bytes)?;
+        self.file_crc.update(bytes);
+        self.flushed += bytes.len() as u64;
+        Ok(())
+    }
+
     /// Write index, filter and footer, fsync. The file is complete and immutable afterwards.
     pub fn finish(mut self) -> Result<Written, StateError> {
         self.finish_data_block(None)?;
@@ -433,17 +519,10 @@ impl SegmentWriter {
         let pad = (BLOCK_ALIGN - (BLOCK_HEADER_LEN + self.index.len()) % BLOCK_ALIGN) % BLOCK_ALIGN;
         self.index.resize(self.index.len() + pad, 0);
         let index_offset = self.abs();
+        let head = block_header(self.id, data_blocks, KIND_INDEX, &[&self.index]);
+        self.buf.extend_from_slice(&head);
         let index = std::mem::take(&mut self.index);
-        encode_block(
-            &mut self.buf,
-            BlockHeader {
-                file_id: self.id,
-                block_index: data_blocks,
-                kind: KIND_INDEX,
-                payload_len: index.len() as u32,
-            },
-            &index,
-        );
+        self.append_or_write(&index)?;
         drop(index);
         let index_len = (self.abs() - index_offset) as u32;
         // Filter block: header, bloom header, bit blocks, zero padding.
@@ -475,15 +554,7 @@ impl SegmentWriter {
         );
         self.buf.extend_from_slice(&head);
         self.buf.extend_from_slice(&bloom_head);
-        if self.buf.len() + bits_len + pad + FOOTER_LEN <= self.buf.capacity() {
-            self.buf.extend_from_slice(bloom.bits());
-        } else {
-            // Larger than the buffer's room: written from where it is, not copied.
-            self.flush_buf()?;
-            self.file.write_at(self.flushed, bloom.bits())?;
-            self.file_crc.update(bloom.bits());
-            self.flushed += bits_len as u64;
-        }
+        self.append_or_write(bloom.bits())?;
         self.buf.extend_from_slice(&zeros[..pad]);
         let filter_len = (self.abs() - filter_offset) as u32;
         // Footer.
@@ -527,6 +598,7 @@ impl SegmentWriter {
             bloom,
             key_groups: (self.entry_count > 0)
                 .then(|| KeyGroupRange::new(self.kg_first.unwrap_or(0), last_kg)),
+            gauge: self.gauge.take(),
         })
     }
 }
@@ -571,6 +643,8 @@ pub(crate) struct Segment {
     obsolete: AtomicBool,
     /// Cleared when the store shuts down so that files retained snapshots name survive.
     deletable: AtomicBool,
+    /// Counts the index and filter of a flush's or compaction's output until installed.
+    building: Option<BuildGauge>,
 }
 
 impl Drop for Segment {
@@ -801,6 +875,7 @@ impl Segment {
             fs,
             obsolete: AtomicBool::new(false),
             deletable: AtomicBool::new(owned),
+            building: None,
         })
     }
 
@@ -833,6 +908,11 @@ impl Segment {
                 u64::from(crc32),
             ));
         }
+        let index = BlockIndex::new(&w.offsets, &w.prefixes);
+        let building = w.gauge;
+        if let Some(g) = &building {
+            g.set(index.bytes() + w.bloom.bytes());
+        }
         Ok(Segment {
             id: w.id,
             path: w.path,
@@ -841,13 +921,21 @@ impl Segment {
             entry_count: w.entry_count,
             key_groups: w.key_groups,
             map,
-            index: BlockIndex::new(&w.offsets, &w.prefixes),
+            index,
             data_end: w.data_end as usize,
             bloom: w.bloom,
             fs,
             obsolete: AtomicBool::new(false),
             deletable: AtomicBool::new(true),
+            building,
         })
+    }
+
+    /// The store holds this segment now and counts its index and filter itself.
+    pub fn installed(&self) {
+        if let Some(g) = &self.building {
+            g.set(0);
+        }
     }
 
     pub fn mark_obsolete(&self) {

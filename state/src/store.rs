@@ -1,7 +1,8 @@
 //! The LSM store of one shard.
 //!
-//! * A mutable [`Memtable`] bounded by `memtable_budget_bytes`; when full it is frozen. A
-//!   snapshot seals it instead ([`Memtable::seal`]): it stays mutable, copy-on-write.
+//! * A mutable [`Memtable`], frozen at half of `memtable_budget_bytes`, which bounds all
+//!   memtable memory (see [`StoreConfig::memtable_budget_bytes`]). A snapshot seals it
+//!   instead ([`Memtable::seal`]): it stays mutable, copy-on-write.
 //! * Frozen memtables and sealed epochs, newest last, until their segment is installed.
 //! * Segments, oldest first. Reads go memtable, frozen (newest first), segments (newest first)
 //!   and stop at the first version of a key; bloom filters skip segments.
@@ -30,6 +31,7 @@
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use weir_io::{DirLock, Fs};
@@ -44,7 +46,14 @@ use crate::segment::{Probe, Segment, SegmentIter, SegmentWriter, WriterOptions};
 /// Store configuration. Every bound is named.
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
-    /// The mutable memtable is frozen when it holds this many bytes.
+    /// All memtable memory of the store, as a write-buffer manager bounds it: the mutable
+    /// memtable, the frozen one waiting for its flush, and a flushed one kept for reuse. The
+    /// mutable memtable is frozen at half of it, so that one fills while the previous one is
+    /// written. If it reaches its half while the previous one still waits, it is not frozen
+    /// (a third memtable would pass the budget): [`Store::write_stalled`] turns true and the
+    /// writer should wait for the flush, whose install freezes it. Not included: retained
+    /// memtables ([`Self::retained_memtable_bytes`], a budget of their own), segment block
+    /// indexes and filters ([`StoreMetrics::index_bytes`], [`StoreMetrics::filter_bytes`]).
     pub memtable_budget_bytes: usize,
     /// Target size of a data block. Small blocks make a point lookup touch few cache lines
     /// (the writer also keeps blocks inside 4 KiB pages); the in-memory block index costs
@@ -97,6 +106,10 @@ pub struct StoreMetrics {
     pub memtable_entries: usize,
     pub frozen_memtables: usize,
     pub frozen_bytes: usize,
+    /// Memory of the flushed memtable kept for reuse (0 if none). The budget bounds
+    /// `memtable_bytes + frozen_bytes + spare_memtable_bytes`, but for what a stalled writer
+    /// adds before it stops.
+    pub spare_memtable_bytes: usize,
     /// Sealed epochs waiting for their segment, and segments of sealed epochs kept for
     /// snapshots until their memtable's own segment replaces them.
     pub sealed_epochs: usize,
@@ -107,6 +120,10 @@ pub struct StoreMetrics {
     pub index_bytes: usize,
     /// Bloom filter bytes (anonymous memory, copied from the segments at open).
     pub filter_bytes: usize,
+    /// Index and filter bytes of segments that running flushes and compactions are writing,
+    /// or have written and the store has not installed yet: held beside `index_bytes` and
+    /// `filter_bytes` of the segments they replace.
+    pub building_bytes: usize,
     pub flushes: u64,
     pub compactions: u64,
     pub compaction_bytes_in: u64,
@@ -185,6 +202,9 @@ struct Ctx {
     fs: Arc<dyn Fs>,
     dir: PathBuf,
     opts: WriterOptions,
+    /// Index and filter memory of segments flushes and compactions are writing or have
+    /// written and not yet installed (see [`StoreMetrics::building_bytes`]).
+    building: Arc<AtomicUsize>,
 }
 
 impl Ctx {
@@ -193,13 +213,15 @@ impl Ctx {
     }
 
     /// Write a sorted sequence of entries as segment `id` and open it. `max_keys` bounds the
-    /// number of entries (sizes the bloom filter up front). On error the partial file is
+    /// number of entries (sizes the bloom filter up front). `counted`: a flush's or
+    /// compaction's output, whose index and filter count in `building` until installed. On error the partial file is
     /// removed (best effort) and never used.
     fn write_segment<'a>(
         &self,
         id: u64,
         max_keys: u64,
         entries: impl Iterator<Item = (&'a [u8], ValueRef<'a>)>,
+        counted: bool,
     ) -> Result<Option<Arc<Segment>>, StateError> {
         let path = self.path_for(id);
         let result = (|| {
@@ -208,6 +230,9 @@ impl Ctx {
                 ..self.opts
             };
             let mut w = SegmentWriter::create(&*self.fs, &path, id, opts)?;
+            if counted {
+                w.count_in(self.building.clone());
+            }
             let mut n = 0u64;
             for (k, v) in entries {
                 w.add(k, v)?;
@@ -230,9 +255,6 @@ impl Ctx {
         result
     }
 }
-
-/// Frozen memtables, in memtable budgets, beyond which [`Store::write_stalled`] says stop.
-pub const WRITE_STALL_BUDGETS: usize = 2;
 
 /// The LSM store of one shard (see the module docs).
 #[derive(Debug)]
@@ -319,7 +341,7 @@ impl Store {
                 }
             }
         }
-        let budget_bytes = config.memtable_budget_bytes;
+        let budget_bytes = config.memtable_budget_bytes / 2;
         let prefault = config.prefault_memtable;
         let mut store = Store {
             ctx: Arc::new(Ctx {
@@ -330,6 +352,7 @@ impl Store {
                     bloom_bits_per_key: config.bloom_bits_per_key,
                     expected_keys: None,
                 },
+                building: Arc::new(AtomicUsize::new(0)),
             }),
             config,
             _lock: lock,
@@ -503,7 +526,7 @@ impl Store {
             .map(|(k, v, _)| (k, v));
         let id = self.alloc_segment_id();
         let max_keys = run.iter().map(|s| s.entry_count).sum();
-        let written = self.ctx.write_segment(id, max_keys, merged)?;
+        let written = self.ctx.write_segment(id, max_keys, merged, false)?;
         report.rewritten_inputs += run.len();
         report.rewritten_bytes_in += run.iter().map(|s| s.size_bytes).sum::<u64>();
         for s in run.drain(..) {
@@ -595,8 +618,7 @@ impl Store {
             }
         }
         let h = self.mem.put_hashed(key, hash, value, exp, false);
-        if self.mem.approx_bytes() >= self.config.memtable_budget_bytes {
-            self.freeze();
+        if self.mem.approx_bytes() >= self.freeze_at() && self.maybe_freeze() {
             return None;
         }
         Some(h)
@@ -613,10 +635,26 @@ impl Store {
         self.maybe_freeze();
     }
 
-    fn maybe_freeze(&mut self) {
-        if self.mem.approx_bytes() >= self.config.memtable_budget_bytes {
-            self.freeze();
+    /// The mutable memtable's share of the budget: half, so that it fills while the previous
+    /// one is written.
+    #[inline]
+    fn freeze_at(&self) -> usize {
+        self.config.memtable_budget_bytes / 2
+    }
+
+    /// Freeze the mutable memtable if it has reached its share, unless the previous one still
+    /// waits for its flush: then a new memtable would take the store past its budget, so the
+    /// mutable one grows (up to the whole budget) while the writer is stalled
+    /// ([`Self::write_stalled`]) and the flush's install freezes it. True if it froze.
+    fn maybe_freeze(&mut self) -> bool {
+        let bytes = self.mem.approx_bytes();
+        if bytes < self.freeze_at()
+            || (bytes < self.config.memtable_budget_bytes && self.frozen_memtables() > 0)
+        {
+            return false;
         }
+        self.freeze();
+        true
     }
 
     /// Freeze the mutable memtable (no I/O, no copy). A no-op if it is empty.
@@ -626,7 +664,7 @@ impl Store {
         }
         let fresh = match self.spare.take() {
             Some(m) => m,
-            None => Memtable::with_budget(self.config.memtable_budget_bytes),
+            None => Memtable::with_budget(self.freeze_at()),
         };
         let mut fresh = fresh;
         fresh.set_incarnation(self.next_gen);
@@ -897,6 +935,8 @@ impl Store {
         for (f, seg) in adopted {
             self.adopt(f, Some(seg));
         }
+        // A freeze deferred while the previous memtable waited for its flush.
+        self.maybe_freeze();
     }
 
     /// The oldest frozen memtable or sealed epoch leaves the frozen list with its segment.
@@ -905,11 +945,19 @@ impl Store {
             if let Some(seg) = seg {
                 self.sealed_segments.push((f.owner, seg));
             }
+            if let Some(log) = Arc::try_unwrap(f).ok().and_then(Frozen::into_log) {
+                self.mem.give_log(log);
+            }
             return;
         }
         let owner = f.owner;
-        Self::retire(&mut self.retained, &mut self.spare, f);
+        // Room for a memtable kept for reuse: the mutable one counts as at most its share
+        // (past it, it freezes as soon as this flush is installed, and the one kept is next).
+        let used = self.mem.approx_bytes().min(self.freeze_at()) + self.frozen_bytes();
+        let room = self.config.memtable_budget_bytes.saturating_sub(used);
+        Self::retire(&mut self.retained, &mut self.spare, room, f);
         if let Some(seg) = seg {
+            seg.installed();
             self.segments.push(seg);
         }
         self.flushes += 1;
@@ -924,22 +972,35 @@ impl Store {
 
     /// A flushed memtable leaves the frozen list: keep it readable within the retention budget;
     /// what the budget pushes out is recycled.
-    fn retire(retained: &mut Retained, spare: &mut Option<Memtable>, f: Arc<Frozen>) {
+    fn retire(retained: &mut Retained, spare: &mut Option<Memtable>, room: usize, f: Arc<Frozen>) {
         for old in retained.push(f) {
-            Self::keep_spare(spare, old);
+            Self::keep_spare(spare, room, old);
         }
     }
 
-    /// Keep a flushed memtable for reuse if nothing else (snapshot job, iterator) holds it.
-    fn keep_spare(spare: &mut Option<Memtable>, f: Arc<Frozen>) {
+    /// Keep a flushed memtable for reuse if nothing else (snapshot job, iterator) holds it and
+    /// its memory fits in `room` (what the budget leaves); otherwise its memory goes back.
+    fn keep_spare(spare: &mut Option<Memtable>, room: usize, f: Arc<Frozen>) {
         if spare.is_some() {
             return;
         }
         if let Ok(f) = Arc::try_unwrap(f) {
             let mut m = f.mem;
             m.recycle();
-            *spare = Some(m);
+            if m.held_bytes() <= room {
+                *spare = Some(m);
+            }
         }
+    }
+
+    /// Memory of the frozen memtables waiting for their flush (sealed epochs share the
+    /// mutable memtable's).
+    fn frozen_bytes(&self) -> usize {
+        self.frozen
+            .iter()
+            .filter(|f| !f.is_sealed())
+            .map(|f| f.mem.approx_bytes())
+            .sum()
     }
 
     /// Number of frozen memtables not yet installed as segments (for back-pressure).
@@ -947,24 +1008,14 @@ impl Store {
         self.frozen.iter().filter(|f| !f.is_sealed()).count()
     }
 
-    /// True while frozen memtables waiting for their flush hold more than
-    /// [`WRITE_STALL_BUDGETS`] memtable budgets: the caller should stop writing until
-    /// maintenance catches up (as RocksDB stalls writes). Without it a writer faster than
-    /// flushes queues frozen memtables without bound: a checkpointed job replaying after a
-    /// restore reached 26 per store and 9 GB for 256 MiB of state.
+    /// True while the mutable memtable and the frozen ones waiting for their flush fill the
+    /// memtable budget: the caller should stop writing until a flush is installed (as RocksDB
+    /// stalls writes). Without it a writer faster than flushes queues frozen memtables without
+    /// bound: a checkpointed job replaying after a restore reached 26 per store and 9 GB for
+    /// 256 MiB of state.
     pub fn write_stalled(&self) -> bool {
-        let limit = self
-            .config
-            .memtable_budget_bytes
-            .saturating_mul(WRITE_STALL_BUDGETS);
-        let mut bytes = 0usize;
-        for f in self.frozen.iter().filter(|f| !f.is_sealed()) {
-            bytes += f.mem.approx_bytes();
-            if bytes > limit {
-                return true;
-            }
-        }
-        false
+        let frozen = self.frozen_bytes();
+        frozen > 0 && frozen + self.mem.approx_bytes() >= self.config.memtable_budget_bytes
     }
 
     /// True when a flush or compaction job is due.
@@ -1076,6 +1127,9 @@ impl Store {
                     .position(|w| w.iter().map(|s| s.id).eq(d.input_ids.iter().copied()));
                 match pos {
                     Some(p) => {
+                        if let Some(s) = &out {
+                            s.installed();
+                        }
                         let removed: Vec<_> = self
                             .segments
                             .splice(p..p + d.input_ids.len(), out.clone())
@@ -1182,13 +1236,15 @@ impl Store {
             memtable_bytes: self.mem.approx_bytes(),
             memtable_entries: self.mem.len(),
             frozen_memtables: self.frozen_memtables(),
-            frozen_bytes: self.frozen.iter().map(|f| f.mem.approx_bytes()).sum(),
+            frozen_bytes: self.frozen_bytes(),
+            spare_memtable_bytes: self.spare.as_ref().map_or(0, Memtable::held_bytes),
             sealed_epochs: self.frozen.iter().filter(|f| f.is_sealed()).count(),
             sealed_segments: self.sealed_segments.len(),
             segments: self.segments.len(),
             segment_bytes: self.segments.iter().map(|s| s.size_bytes).sum(),
             index_bytes: self.segments.iter().map(|s| s.index_bytes()).sum(),
             filter_bytes: self.segments.iter().map(|s| s.filter_bytes()).sum(),
+            building_bytes: self.ctx.building.load(Ordering::Relaxed),
             flushes: self.flushes,
             compactions: self.compactions,
             compaction_bytes_in: self.compaction_bytes_in,
@@ -1251,7 +1307,9 @@ impl FlushJob {
         let entries = f.entries();
         FlushDone {
             gen: f.gen,
-            result: self.ctx.write_segment(self.id, f.len() as u64, entries),
+            result: self
+                .ctx
+                .write_segment(self.id, f.len() as u64, entries, true),
         }
     }
 }
@@ -1302,7 +1360,7 @@ impl CompactionJob {
             }
         });
         let max_keys = self.inputs.iter().map(|s| s.entry_count).sum();
-        let result = self.ctx.write_segment(self.id, max_keys, merged);
+        let result = self.ctx.write_segment(self.id, max_keys, merged, true);
         CompactionDone {
             input_ids: self.inputs.iter().map(|s| s.id).collect(),
             bytes_in: self.inputs.iter().map(|s| s.size_bytes).sum(),
@@ -1365,7 +1423,7 @@ impl SnapshotJob {
                         continue;
                     }
                     let entries = f.entries();
-                    match self.ctx.write_segment(id, f.len() as u64, entries) {
+                    match self.ctx.write_segment(id, f.len() as u64, entries, false) {
                         Ok(Some(seg)) => {
                             let mut reg = lock(&self.registry);
                             reg.in_flight.remove(&f.gen);

@@ -348,7 +348,11 @@ fn second_store_on_a_directory_is_refused() {
 /// A segment with several data blocks, and its handle.
 fn one_segment(root: &Path) -> (SnapshotHandle, PathBuf) {
     let fs: Arc<dyn Fs> = Arc::new(StdFs);
-    let mut s = Store::open(fs, &root.join("src"), small_config(8)).unwrap();
+    let config = StoreConfig {
+        memtable_budget_bytes: 256 << 10,
+        ..small_config(8)
+    };
+    let mut s = Store::open(fs, &root.join("src"), config).unwrap();
     for u in 0..60 {
         s.put(&key(u % 8, u), &[u as u8; 20]);
     }
@@ -714,35 +718,95 @@ fn multi_get_agrees_with_get_across_many_segments() {
     }
 }
 
+/// The index and filter a flush builds are counted from the job until the install, then as
+/// the store's own; a compaction's likewise, beside those of the segments it replaces.
 #[test]
-fn writes_stall_once_frozen_memtables_pass_the_limit_and_resume_after_flushes() {
+fn index_and_filter_of_uninstalled_segments_count_as_building() {
     let root = tempfile::tempdir().unwrap();
     let fs: Arc<dyn Fs> = Arc::new(StdFs);
-    let config = small_config(8);
+    let mut s = Store::open(fs, root.path(), small_config(8)).unwrap();
+    let held = |s: &Store| {
+        let m = s.metrics();
+        (m.index_bytes + m.filter_bytes, m.building_bytes)
+    };
+    for round in 0..2u16 {
+        for u in 0..400 {
+            s.put(&key(u % 8, u * 2 + round), &[1u8; 16]);
+        }
+        s.freeze();
+        while let Some(job) = s.flush_job() {
+            let (before, building) = held(&s);
+            assert_eq!(building, 0);
+            let done = job.run();
+            let (same, building) = held(&s);
+            assert_eq!(same, before, "not the store's before the install");
+            assert!(building > 0, "a flush's index and filter count as building");
+            s.install(done).unwrap();
+            assert_eq!(held(&s), (before + building, 0));
+        }
+    }
+    let job = s.full_compaction_job().unwrap();
+    let (before, _) = held(&s);
+    let done = job.run();
+    let (same, building) = held(&s);
+    assert_eq!(same, before);
+    assert!(building > 0);
+    s.install(done).unwrap();
+    // One segment replaced them all: its index and filter are all the store holds.
+    assert_eq!(s.metrics().segments, 1);
+    assert_eq!(held(&s), (building, 0));
+}
+
+#[test]
+fn memtables_stay_within_the_budget_and_writes_stall_until_the_flush() {
+    let root = tempfile::tempdir().unwrap();
+    let fs: Arc<dyn Fs> = Arc::new(StdFs);
+    let config = StoreConfig {
+        memtable_budget_bytes: 256 << 10,
+        ..small_config(8)
+    };
     let budget = config.memtable_budget_bytes;
     let mut s = Store::open(fs, root.path(), config).unwrap();
     let mut u = 0u16;
-    // Fill memtables and freeze them without running maintenance.
+    let memory = |s: &Store| {
+        let m = s.metrics();
+        m.memtable_bytes + m.frozen_bytes + m.spare_memtable_bytes
+    };
+    let mut put = |s: &mut Store| {
+        s.put(&key(1, u), &[7u8; 64]);
+        u = u.wrapping_add(1);
+    };
+    // No maintenance runs: the first memtable freezes at half the budget, the second one
+    // fills the rest and stalls the writer instead of freezing.
     while !s.write_stalled() {
-        for _ in 0..64 {
-            s.put(&key(1, u), &[7u8; 64]);
-            u = u.wrapping_add(1);
-        }
-        s.freeze();
-        assert!(
-            s.frozen_memtables() <= 3 * weir_state::WRITE_STALL_BUDGETS + 3,
-            "{} frozen without a stall",
-            s.frozen_memtables()
-        );
+        put(&mut s);
+        assert!(s.frozen_memtables() <= 1, "a second memtable froze");
     }
-    let frozen = s.frozen_memtables();
+    assert_eq!(s.frozen_memtables(), 1);
+    let at_stall = memory(&s);
+    assert!(at_stall >= budget, "stalled at {at_stall} of {budget}");
+    // A writer that ignores the stall grows the mutable memtable past its half; nothing
+    // more freezes.
+    while s.metrics().memtable_bytes < budget / 2 {
+        put(&mut s);
+        assert_eq!(s.frozen_memtables(), 1);
+    }
     assert!(
-        frozen >= 2,
-        "stalled with {frozen} frozen memtables of budget {budget}"
+        memory(&s) <= budget + budget / 4,
+        "{} of {budget}",
+        memory(&s)
     );
+    // The flush ends the stall and freezes the deferred memtable; the next one is the
+    // flushed memtable, recycled within the budget.
+    let flushes = s.metrics().flushes;
+    let job = s.flush_job().unwrap();
+    s.install(job.run()).unwrap();
+    assert_eq!(s.metrics().flushes, flushes + 1);
+    assert_eq!(s.frozen_memtables(), 1, "the deferred freeze happened");
+    assert!(!s.write_stalled(), "the flush ends the stall");
     s.run_pending_maintenance().unwrap();
     assert_eq!(s.frozen_memtables(), 0);
-    assert!(!s.write_stalled(), "flushes end the stall");
+    assert!(memory(&s) <= budget, "{} of {budget}", memory(&s));
     for v in (0..u).step_by(97) {
         assert_eq!(s.get(&key(1, v)).unwrap().value, &[7u8; 64]);
     }
@@ -803,7 +867,7 @@ fn a_snapshot_job_on_another_thread_sees_the_state_at_its_snapshot() {
     let root = tempfile::tempdir().unwrap();
     let fs: Arc<dyn Fs> = Arc::new(StdFs);
     let config = StoreConfig {
-        memtable_budget_bytes: 4 << 20,
+        memtable_budget_bytes: 8 << 20,
         ..small_config(8)
     };
     let mut s = Store::open(fs.clone(), &root.path().join("live"), config).unwrap();
