@@ -381,10 +381,10 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
         // Memory of the store alone (sampled before any baseline map exists): anonymous RSS
         // growth against the memtable budget (every memtable: mutable, frozen, kept for
         // reuse) + the block indexes and bloom filters the store holds at that moment (they
-        // shrink when a compaction drops duplicates), those that a running flush or compaction
-        // builds included (`building_bytes`, counted with the indexes). The row is the worst of the samples
-        // taken every 65536 updates and after the final drain. Mapped segment pages are page
-        // cache (RssFile).
+        // shrink when a compaction drops duplicates), those a running flush or compaction
+        // builds included (`building_bytes`, counted with the indexes). The row is the worst
+        // of the samples taken every 65536 updates and after the final drain. Mapped segment
+        // pages are page cache (RssFile).
         let grown = peak_anon.saturating_sub(anon0);
         out.push(BenchResult {
             bench: "state_memory".into(),

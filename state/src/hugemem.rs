@@ -338,7 +338,9 @@ mod tests {
 
     proptest::proptest! {
         #[test]
-        fn map_vec_behaves_as_vec(ops in proptest::collection::vec((0u8..5, 0u64..1 << 40, 0usize..20_000), 0..60)) {
+        fn map_vec_behaves_as_vec(
+            ops in proptest::collection::vec((0u8..5, 0u64..1 << 40, 0usize..20_000), 0..60),
+        ) {
             let (mut m, mut v) = (MapVec::<u64>::new(), Vec::<u64>::new());
             for (op, x, n) in ops {
                 match op {

@@ -214,8 +214,8 @@ impl Ctx {
 
     /// Write a sorted sequence of entries as segment `id` and open it. `max_keys` bounds the
     /// number of entries (sizes the bloom filter up front). `counted`: a flush's or
-    /// compaction's output, whose index and filter count in `building` until installed. On error the partial file is
-    /// removed (best effort) and never used.
+    /// compaction's output, whose index and filter count in `building` until installed. On
+    /// error the partial file is removed (best effort) and never used.
     fn write_segment<'a>(
         &self,
         id: u64,
