@@ -39,7 +39,8 @@ const MAX_RUNS: usize = 4;
 /// above the lowest gathered one (`check`). The highest bit in which `p` and an indexed prefix
 /// `b` differ is then either a gathered bit, which orders both `p`, `b` and their buckets the
 /// same way, or a bit below every gathered one, where their buckets are equal. So
-/// `bucket(b) < bucket(p)` implies `b < p` and `bucket(b) > bucket(p)` implies `b > p`.
+/// `bucket(b) < bucket(p)` implies `b < p` and `bucket(b) > bucket(p)` implies `b > p`. Any
+/// other `p` is placed exactly between two buckets (see [`Gather::slot`]).
 #[derive(Debug, Clone, Copy, Default)]
 struct Gather {
     /// (lowest bit, length) of each run.
@@ -83,19 +84,45 @@ impl Gather {
         g
     }
 
-    /// The guide bucket of `pk`, or `None` if `pk` differs from every indexed prefix in a
-    /// bit above the gathered ones that is constant among them (no bucket bounds its block).
+    /// Where `pk` falls among the guide's buckets (see [`Slot`]).
     #[inline]
-    fn bucket(&self, pk: u128) -> Option<usize> {
-        if pk & self.check != self.constant {
-            return None;
-        }
+    fn slot(&self, pk: u128) -> Slot {
         let mut r = 0usize;
         for &(lo, len) in &self.runs[..self.nruns] {
             r = (r << len) | ((pk >> lo) as usize & ((1usize << len) - 1));
         }
-        Some(r)
+        let d = (pk ^ self.constant) & self.check;
+        if d == 0 {
+            return Slot::In(r);
+        }
+        // `pk` differs from every indexed prefix first at constant bit `h`. Above `h` it
+        // differs from them only in gathered bits, so the buckets that agree with it there
+        // (any gathered bits below `h`) hold prefixes all below `pk` (if `pk` has a 1 at `h`)
+        // or all above it.
+        let h = 127 - d.leading_zeros();
+        let below: u32 = self.runs[..self.nruns]
+            .iter()
+            .map(|&(lo, len)| h.saturating_sub(u32::from(lo)).min(u32::from(len)))
+            .sum();
+        let low = (1usize << below) - 1;
+        if (pk >> h) & 1 == 1 {
+            Slot::After(r | low)
+        } else {
+            Slot::Before(r & !low)
+        }
     }
+}
+
+/// Where a prefix falls among the guide's buckets.
+enum Slot {
+    /// In bucket `r`: its block is in `guide[r]..=guide[r + 1]`.
+    In(usize),
+    /// Above every indexed prefix of buckets up to `r`, below all others: its block is
+    /// `guide[r + 1]`.
+    After(usize),
+    /// Below every indexed prefix of buckets from `r` on, above all others: its block is
+    /// `guide[r]`.
+    Before(usize),
 }
 
 /// The bits below bit `bit` (all of them for 128).
@@ -139,8 +166,8 @@ impl BlockIndex {
         let mut guide = ZeroedBuf::<u32>::new(buckets + 1);
         let mut b = 0usize;
         for (r, g) in guide.iter_mut().enumerate() {
-            // Every indexed prefix has a bucket, non-decreasing along the blocks.
-            while b < n && gather.bucket(prefixes[b]).is_some_and(|rb| rb < r) {
+            // Every indexed prefix is in a bucket, non-decreasing along the blocks.
+            while b < n && matches!(gather.slot(prefixes[b]), Slot::In(rb) if rb < r) {
                 b += 1;
             }
             *g = b as u32;
@@ -175,15 +202,20 @@ impl BlockIndex {
     /// or is `hi` itself only when `hi == len()`.
     #[inline]
     fn candidates(&self, pk: u128) -> (usize, usize) {
-        match self.gather.bucket(pk) {
-            Some(r) => {
+        match self.gather.slot(pk) {
+            Slot::In(r) => {
                 let lo = self.guide[r] as usize;
                 let hi = (self.guide[r + 1] as usize + 1).min(self.blocks.len());
                 (lo, hi)
             }
-            // Rare: a key whose constant bits differ from the segment's is absent (a bloom
-            // false positive) or a scan's start; search every block.
-            None => (0, self.blocks.len()),
+            Slot::After(r) => {
+                let at = self.guide[r + 1] as usize;
+                (at, at)
+            }
+            Slot::Before(r) => {
+                let at = self.guide[r] as usize;
+                (at, at)
+            }
         }
     }
 
@@ -200,7 +232,11 @@ impl BlockIndex {
     /// Batched lookups, step one: start loading the guide entry of `pk`.
     #[inline]
     pub fn prefetch_guide(&self, pk: u128) {
-        if let Some(r) = self.gather.bucket(pk) {
+        if !self.blocks.is_empty() {
+            let r = match self.gather.slot(pk) {
+                Slot::In(r) | Slot::Before(r) => r,
+                Slot::After(r) => r + 1,
+            };
             prefetch_read(&self.guide[r]);
         }
     }
