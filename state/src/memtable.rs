@@ -1142,12 +1142,12 @@ impl Memtable {
     }
 
     /// Fault in now the memory this memtable needs to fill `budget_bytes`, and return how many
-    /// bytes that was: arena chunks for the budget less the index, tables and sort reserve
-    /// (see [`Self::approx_bytes`]), an index of the
-    /// largest power of two at most budget / 48 slots (a sixth to a third of the budget) and
-    /// entry tables for 3/4 of its slots. Entries smaller than about 60 bytes with their table
-    /// space (a 48-byte record of a 16-byte key and value) can fill the index before the
-    /// budget; it then grows once as it would have without this.
+    /// bytes that was: an index of the largest power of two at most budget / 48 slots (a sixth
+    /// to a third of the budget), entry tables for 3/4 of its slots, and arena chunks for what
+    /// the budget leaves less the flush's sort reserve (see [`Self::approx_bytes`]). Entries
+    /// smaller than about 60 bytes with their table space (a 48-byte record of a 16-byte key
+    /// and value) can fill the index before the budget; it then grows once as it would have
+    /// without this.
     ///
     /// Why: left to fill lazily, a memtable takes its page faults inside the shard's loop,
     /// and a fresh 2 MiB page costs about a millisecond here (PLATFORM.md): the first second
