@@ -46,11 +46,55 @@ pub trait FsFile: Send + Debug {
         let _ = (offset, len);
         Ok(())
     }
+    /// Start writing all of `buf` at `offset`, and its writeback ([`FsFile::start_writeback`]),
+    /// and return before the copy into the page cache is done, so that the caller's next work
+    /// overlaps it. The file owns `buf` until the write completed. At most one such write
+    /// stays in flight: the call waits for the previous one and returns its buffer for reuse
+    /// (implementations that write at once return `buf` itself). A failure of a write is
+    /// returned by this call or by the next [`FsFile::wait_behind`]; [`FsFile::sync`] waits
+    /// for the write first, so it never makes a write durable that did not complete.
+    fn write_behind(
+        &mut self,
+        offset: u64,
+        buf: Box<dyn WriteBuf>,
+    ) -> Result<Option<Box<dyn WriteBuf>>, IoError> {
+        self.write_at(offset, buf.bytes())?;
+        self.start_writeback(offset, buf.bytes().len() as u64)?;
+        Ok(Some(buf))
+    }
+    /// Wait for the write [`FsFile::write_behind`] left in flight, if any; its buffer.
+    fn wait_behind(&mut self) -> Result<Option<Box<dyn WriteBuf>>, IoError> {
+        Ok(None)
+    }
     /// The file's length in bytes.
     fn len(&self) -> Result<u64, IoError>;
     /// True when the file holds no bytes.
     fn is_empty(&self) -> Result<bool, IoError> {
         Ok(self.len()? == 0)
+    }
+}
+
+/// A buffer that [`FsFile::write_behind`] owns while the kernel reads it.
+///
+/// # Safety
+///
+/// Every call of [`WriteBuf::bytes`] on a value returns the same slice, and that memory stays
+/// valid and unchanged for as long as the value lives and is not accessed mutably: a write in
+/// flight reads it after `bytes` returned, without a borrow.
+pub unsafe trait WriteBuf: Send + 'static {
+    /// The bytes to write.
+    fn bytes(&self) -> &[u8];
+    /// The buffer as its own type again, for reuse (`downcast`).
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send>;
+}
+
+// SAFETY: a `Vec`'s heap buffer does not move or change while nobody mutates the vector.
+unsafe impl WriteBuf for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
     }
 }
 

@@ -240,6 +240,157 @@ impl UringFs {
 #[derive(Debug)]
 struct UringFile {
     inner: StdFile,
+    /// Writes started by `write_behind`, on a ring of the file's own (the thread's ring is
+    /// for calls that wait for everything they submit).
+    behind: Option<Behind>,
+}
+
+/// Ring entries of a file's write-behind ring: a write and its linked writeback, twice.
+const BEHIND_ENTRIES: u32 = 4;
+
+/// `write_behind`'s ring and the writes in flight on it, oldest first (at most two, and one
+/// between calls). Each write is linked to a `sync_file_range` of its range, so writeback
+/// starts as soon as the copy into the page cache is done, without a system call of ours.
+struct Behind {
+    ring: IoUring,
+    in_flight: std::collections::VecDeque<InFlight>,
+    next_seq: u64,
+}
+
+struct InFlight {
+    seq: u64,
+    buf: Box<dyn crate::WriteBuf>,
+    offset: u64,
+    /// Completion results of the write and of its linked writeback.
+    write: Option<i32>,
+    writeback: Option<i32>,
+}
+
+impl std::fmt::Debug for Behind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Behind")
+            .field("in_flight", &self.in_flight.len())
+            .finish()
+    }
+}
+
+impl Behind {
+    /// Reap completions until the oldest write and its writeback have both completed; takes
+    /// it out. On a ring failure the buffers the kernel may still read are leaked, never freed.
+    fn wait_oldest(&mut self, path: &Path) -> Result<Option<InFlight>, IoError> {
+        loop {
+            match self.in_flight.front() {
+                None => return Ok(None),
+                Some(w) if w.write.is_some() && w.writeback.is_some() => {
+                    return Ok(self.in_flight.pop_front())
+                }
+                Some(_) => {}
+            }
+            if let Err(e) = self.ring.submit_and_wait(1) {
+                if e.raw_os_error() == Some(libc::EINTR) {
+                    continue;
+                }
+                // The kernel may still read these buffers: leaking them is the safe choice.
+                for w in self.in_flight.drain(..) {
+                    std::mem::forget(w.buf);
+                }
+                return Err(IoError::os("io_uring_enter (write behind)", path, e));
+            }
+            for c in self.ring.completion() {
+                let (seq, is_writeback) = (c.user_data() >> 1, c.user_data() & 1 == 1);
+                if let Some(w) = self.in_flight.iter_mut().find(|w| w.seq == seq) {
+                    if is_writeback {
+                        w.writeback = Some(c.result());
+                    } else {
+                        w.write = Some(c.result());
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl UringFile {
+    fn new(inner: StdFile) -> UringFile {
+        UringFile {
+            inner,
+            behind: None,
+        }
+    }
+
+    /// Check a completed write-behind: finish a short or interrupted write and its writeback
+    /// with waiting calls, or report its error; the buffer is then free.
+    fn settle(&mut self, w: InFlight) -> Result<Box<dyn crate::WriteBuf>, IoError> {
+        let bytes = w.buf.bytes();
+        let len = bytes.len();
+        let res = w.write.unwrap_or(-libc::EINTR);
+        let retry = -res == libc::EINTR || -res == libc::EAGAIN;
+        if res < 0 && !retry {
+            return Err(IoError::os(
+                "write",
+                &self.inner.path,
+                std::io::Error::from_raw_os_error(-res),
+            ));
+        }
+        if res == 0 && len > 0 {
+            return Err(IoError::Short {
+                op: "write",
+                path: self.inner.path.clone(),
+                offset: w.offset,
+                wanted: len as u64,
+                done: 0,
+            });
+        }
+        let done = res.max(0) as usize;
+        if done < len {
+            // The link broke (the writeback was cancelled): write the rest and start its
+            // writeback here.
+            self.write_at(w.offset + done as u64, &bytes[done..])?;
+            self.start_writeback(w.offset, len as u64)?;
+        } else if let Some(r) = w.writeback.filter(|&r| r < 0) {
+            if -r == libc::EINTR || -r == libc::EAGAIN || -r == libc::ECANCELED {
+                self.start_writeback(w.offset, len as u64)?;
+            } else {
+                return Err(IoError::os(
+                    "sync_file_range",
+                    &self.inner.path,
+                    std::io::Error::from_raw_os_error(-r),
+                ));
+            }
+        }
+        Ok(w.buf)
+    }
+
+    /// Wait for every write in flight; the buffer of the last one.
+    fn drain_behind(&mut self) -> Result<Option<Box<dyn crate::WriteBuf>>, IoError> {
+        let mut last = Ok(None);
+        loop {
+            let path = self.inner.path.clone();
+            let Some(b) = self.behind.as_mut() else {
+                return last;
+            };
+            match b.wait_oldest(&path)? {
+                None => return last,
+                Some(w) => {
+                    let r = self.settle(w);
+                    // The first failure wins; later writes are still waited for.
+                    last = match (last, r) {
+                        (Err(e), _) => Err(e),
+                        (Ok(_), r) => r.map(Some),
+                    };
+                }
+            }
+        }
+    }
+}
+
+impl Drop for UringFile {
+    fn drop(&mut self) {
+        // The kernel must be done with every buffer before it is freed. A failure here is of
+        // a write nobody synced: the file was abandoned, and its writer reported or will
+        // report the error that made it do so.
+        let _ = self.drain_behind();
+    }
 }
 
 impl FsFile for UringFile {
@@ -268,10 +419,79 @@ impl FsFile for UringFile {
         )
     }
     fn sync(&mut self) -> Result<(), IoError> {
+        self.drain_behind()?;
         fdatasync(self.inner.file.as_raw_fd(), &self.inner.path)
     }
     fn start_writeback(&mut self, offset: u64, len: u64) -> Result<(), IoError> {
         crate::fs::start_writeback(&self.inner.file, &self.inner.path, offset, len)
+    }
+    fn write_behind(
+        &mut self,
+        offset: u64,
+        buf: Box<dyn crate::WriteBuf>,
+    ) -> Result<Option<Box<dyn crate::WriteBuf>>, IoError> {
+        let b = match &mut self.behind {
+            Some(b) => b,
+            None => self.behind.insert(Behind {
+                ring: IoUring::new(BEHIND_ENTRIES).map_err(unavailable)?,
+                in_flight: std::collections::VecDeque::new(),
+                next_seq: 0,
+            }),
+        };
+        let bytes = buf.bytes();
+        let (ptr, len) = (bytes.as_ptr(), bytes.len());
+        let Ok(len32) = u32::try_from(len) else {
+            // One submission carries at most 4 GiB: write such a buffer at once.
+            self.write_at(offset, buf.bytes())?;
+            self.start_writeback(offset, len as u64)?;
+            return Ok(Some(buf));
+        };
+        let seq = b.next_seq;
+        b.next_seq += 1;
+        let fd = types::Fd(self.inner.file.as_raw_fd());
+        let write = opcode::Write::new(fd, ptr, len32)
+            .offset(offset)
+            .build()
+            .flags(io_uring::squeue::Flags::IO_LINK)
+            .user_data(seq << 1);
+        let writeback = opcode::SyncFileRange::new(fd, len32)
+            .offset(offset)
+            .flags(libc::SYNC_FILE_RANGE_WRITE)
+            .build()
+            .user_data(seq << 1 | 1);
+        // At most one write is in flight between calls, so its two entries and these two fit.
+        // SAFETY: the write reads `len` bytes at `ptr`, the memory of `buf`, which `WriteBuf`'s
+        // contract keeps valid and unchanged while `buf` lives; `buf` moves into `in_flight`
+        // and is freed only after the write's completion was reaped (or is leaked).
+        let pushed = unsafe { b.ring.submission().push_multiple(&[write, writeback]) };
+        if pushed.is_err() {
+            return Err(IoError::os(
+                "write behind",
+                &self.inner.path,
+                std::io::Error::other("submission queue full"),
+            ));
+        }
+        b.in_flight.push_back(InFlight {
+            seq,
+            buf,
+            offset,
+            write: None,
+            writeback: None,
+        });
+        // A failed submit leaves the entries queued: `wait_oldest` (in this call, the next or
+        // at drop) submits them again, and leaks the buffers if that fails too.
+        let _ = b.ring.submit();
+        if b.in_flight.len() < 2 {
+            return Ok(None);
+        }
+        let path = self.inner.path.clone();
+        match b.wait_oldest(&path)? {
+            Some(w) => self.settle(w).map(Some),
+            None => Ok(None),
+        }
+    }
+    fn wait_behind(&mut self) -> Result<Option<Box<dyn crate::WriteBuf>>, IoError> {
+        self.drain_behind()
     }
     fn len(&self) -> Result<u64, IoError> {
         self.inner.len()
@@ -280,14 +500,10 @@ impl FsFile for UringFile {
 
 impl Fs for UringFs {
     fn create(&self, path: &Path) -> Result<Box<dyn FsFile>, IoError> {
-        Ok(Box::new(UringFile {
-            inner: fs::std_create(path)?,
-        }))
+        Ok(Box::new(UringFile::new(fs::std_create(path)?)))
     }
     fn open(&self, path: &Path) -> Result<Box<dyn FsFile>, IoError> {
-        Ok(Box::new(UringFile {
-            inner: fs::std_open(path)?,
-        }))
+        Ok(Box::new(UringFile::new(fs::std_open(path)?)))
     }
     fn rename(&self, from: &Path, to: &Path) -> Result<(), IoError> {
         fs::std_rename(from, to)
@@ -355,5 +571,82 @@ mod tests {
         })
         .join()
         .unwrap();
+    }
+
+    fn uring_or_skip() -> Option<UringFs> {
+        match UringFs::new() {
+            Ok(fs) => Some(fs),
+            Err(e) => {
+                assert!(matches!(e, IoError::UringUnavailable { .. }), "{e}");
+                eprintln!("skipping: {e}");
+                None
+            }
+        }
+    }
+
+    #[test]
+    fn write_behind_writes_every_piece_and_hands_buffers_back() {
+        let Some(fs) = uring_or_skip() else { return };
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("behind");
+        let mut f = fs.create(&p).unwrap();
+        let piece =
+            |k: usize| -> Vec<u8> { (0..300_001).map(|i| ((i + 7 * k) % 253) as u8).collect() };
+        let mut expect = Vec::new();
+        let mut spare: Option<Vec<u8>> = None;
+        let mut returned = 0;
+        for k in 0..9 {
+            // Refill a returned buffer, as a writer does.
+            let mut buf = spare.take().unwrap_or_default();
+            buf.clear();
+            buf.extend_from_slice(&piece(k));
+            let off = expect.len() as u64;
+            expect.extend_from_slice(&buf);
+            if let Some(back) = f.write_behind(off, Box::new(buf)).unwrap() {
+                returned += 1;
+                spare = Some(*back.into_any().downcast::<Vec<u8>>().unwrap());
+            }
+        }
+        // Every write but the last completed by the time the next one was started.
+        assert_eq!(returned, 8);
+        f.write_at(expect.len() as u64, b"tail").unwrap();
+        expect.extend_from_slice(b"tail");
+        // sync waits for the write still in flight.
+        f.sync().unwrap();
+        assert!(f.wait_behind().unwrap().is_none());
+        assert!(std::fs::read(&p).unwrap() == expect);
+    }
+
+    #[test]
+    fn write_behind_reports_a_failed_write() {
+        let Some(fs) = uring_or_skip() else { return };
+        // Writes to /dev/full fail with ENOSPC.
+        let Ok(mut f) = fs.open(Path::new("/dev/full")) else {
+            eprintln!("skipping: no /dev/full");
+            return;
+        };
+        let first = f.write_behind(0, Box::new(vec![1u8; 4096]));
+        let err = match first {
+            Err(e) => e,
+            Ok(_) => match f.wait_behind() {
+                Err(e) => e,
+                Ok(_) => panic!("a write to /dev/full must fail"),
+            },
+        };
+        assert!(err.to_string().contains("write"), "{err}");
+        // A failure is reported once; the file is usable for the caller's cleanup.
+        drop(f);
+    }
+
+    #[test]
+    fn a_file_dropped_with_a_write_in_flight_waits_for_it() {
+        let Some(fs) = uring_or_skip() else { return };
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("dropped");
+        let mut f = fs.create(&p).unwrap();
+        let data = vec![0xa5u8; 4 << 20];
+        assert!(f.write_behind(0, Box::new(data.clone())).unwrap().is_none());
+        drop(f);
+        assert!(std::fs::read(&p).unwrap() == data);
     }
 }

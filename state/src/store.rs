@@ -41,7 +41,9 @@ use crate::error::StateError;
 use crate::handle::{SegmentRef, SnapshotHandle};
 use crate::key::{KeyGroupRange, DEFAULT_MAX_PARALLELISM};
 use crate::memtable::{key_prefix, Frozen, Loc, MemHint, Memtable, ValueRef, NO_EXPIRY};
-use crate::segment::{Probe, Segment, SegmentIter, SegmentWriter, WriterOptions};
+use crate::segment::{
+    write_behind_buffer_bytes, Probe, Segment, SegmentIter, SegmentWriter, WriterOptions,
+};
 
 /// Store configuration. Every bound is named.
 #[derive(Debug, Clone)]
@@ -54,6 +56,8 @@ pub struct StoreConfig {
     /// writer should wait for the flush, whose install freezes it. Not included: retained
     /// memtables ([`Self::retained_memtable_bytes`], a budget of their own), segment block
     /// indexes and filters ([`StoreMetrics::index_bytes`], [`StoreMetrics::filter_bytes`]).
+    /// A budget of at least 16 write pieces (32 MiB) also holds the segment writer's second
+    /// write buffer (write-behind), and the memtables get the rest.
     pub memtable_budget_bytes: usize,
     /// Target size of a data block. Small blocks make a point lookup touch few cache lines
     /// (the writer also keeps blocks inside 4 KiB pages); the in-memory block index costs
@@ -256,6 +260,23 @@ impl Ctx {
     }
 }
 
+/// The memtables' part of `memtable_budget_bytes`. A budget of at least
+/// [`WRITE_BEHIND_BUDGET_MIN`] write pieces also holds a segment writer's second buffer
+/// (write-behind: one piece fills while the previous is written), so that a flush adds no
+/// memory beyond the budget; a store with a smaller budget flushes segments of a few pieces,
+/// whose buffers are mostly never touched.
+fn memtables_budget(config: &StoreConfig) -> usize {
+    let reserve = write_behind_buffer_bytes(config.block_target_bytes);
+    if config.memtable_budget_bytes >= WRITE_BEHIND_BUDGET_MIN * reserve {
+        config.memtable_budget_bytes - reserve
+    } else {
+        config.memtable_budget_bytes
+    }
+}
+
+/// See [`memtables_budget`].
+const WRITE_BEHIND_BUDGET_MIN: usize = 16;
+
 /// The LSM store of one shard (see the module docs).
 #[derive(Debug)]
 pub struct Store {
@@ -341,7 +362,7 @@ impl Store {
                 }
             }
         }
-        let budget_bytes = config.memtable_budget_bytes / 2;
+        let budget_bytes = memtables_budget(&config) / 2;
         let prefault = config.prefault_memtable;
         let mut store = Store {
             ctx: Arc::new(Ctx {
@@ -639,7 +660,7 @@ impl Store {
     /// one is written.
     #[inline]
     fn freeze_at(&self) -> usize {
-        self.config.memtable_budget_bytes / 2
+        memtables_budget(&self.config) / 2
     }
 
     /// Freeze the mutable memtable if it has reached its share, unless the previous one still
@@ -649,7 +670,7 @@ impl Store {
     fn maybe_freeze(&mut self) -> bool {
         let bytes = self.mem.approx_bytes();
         if bytes < self.freeze_at()
-            || (bytes < self.config.memtable_budget_bytes && self.frozen_memtables() > 0)
+            || (bytes < memtables_budget(&self.config) && self.frozen_memtables() > 0)
         {
             return false;
         }
@@ -954,7 +975,7 @@ impl Store {
         // Room for a memtable kept for reuse: the mutable one counts as at most its share
         // (past it, it freezes as soon as this flush is installed, and the one kept is next).
         let used = self.mem.approx_bytes().min(self.freeze_at()) + self.frozen_bytes();
-        let room = self.config.memtable_budget_bytes.saturating_sub(used);
+        let room = memtables_budget(&self.config).saturating_sub(used);
         Self::retire(&mut self.retained, &mut self.spare, room, f);
         if let Some(seg) = seg {
             seg.installed();
@@ -1015,7 +1036,7 @@ impl Store {
     /// 256 MiB of state.
     pub fn write_stalled(&self) -> bool {
         let frozen = self.frozen_bytes();
-        frozen > 0 && frozen + self.mem.approx_bytes() >= self.config.memtable_budget_bytes
+        frozen > 0 && frozen + self.mem.approx_bytes() >= memtables_budget(&self.config)
     }
 
     /// True when a flush or compaction job is due.
