@@ -48,8 +48,8 @@ pub trait FsFile: Send + Debug {
     }
     /// Start writing all of `buf` at `offset`, and its writeback ([`FsFile::start_writeback`]),
     /// and return before the copy into the page cache is done, so that the caller's next work
-    /// overlaps it. The file owns `buf` until the write completed. At most one such write
-    /// stays in flight: the call waits for the previous one and returns its buffer for reuse
+    /// overlaps it. The file owns `buf` until the write completed. At most one such write is
+    /// in flight: the call first waits for the previous one, and returns its buffer for reuse
     /// (implementations that write at once return `buf` itself). A failure of a write is
     /// returned by this call or by the next [`FsFile::wait_behind`]; [`FsFile::sync`] waits
     /// for the write first, so it never makes a write durable that did not complete.

@@ -245,20 +245,18 @@ struct UringFile {
     behind: Option<Behind>,
 }
 
-/// Ring entries of a file's write-behind ring: a write and its linked writeback, twice.
-const BEHIND_ENTRIES: u32 = 4;
+/// Ring entries of a file's write-behind ring: a write and its linked writeback.
+const BEHIND_ENTRIES: u32 = 2;
 
-/// `write_behind`'s ring and the writes in flight on it, oldest first (at most two, and one
-/// between calls). Each write is linked to a `sync_file_range` of its range, so writeback
-/// starts as soon as the copy into the page cache is done, without a system call of ours.
+/// `write_behind`'s ring and the write in flight on it (at most one). The write is linked to
+/// a `sync_file_range` of its range, so writeback starts as soon as the copy into the page
+/// cache is done, without a system call of ours.
 struct Behind {
     ring: IoUring,
-    in_flight: std::collections::VecDeque<InFlight>,
-    next_seq: u64,
+    in_flight: Option<InFlight>,
 }
 
 struct InFlight {
-    seq: u64,
     buf: Box<dyn crate::WriteBuf>,
     offset: u64,
     /// Completion results of the write and of its linked writeback.
@@ -266,23 +264,28 @@ struct InFlight {
     writeback: Option<i32>,
 }
 
+/// `user_data` of the two entries of a write behind.
+const UD_WRITE: u64 = 0;
+const UD_WRITEBACK: u64 = 1;
+
 impl std::fmt::Debug for Behind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Behind")
-            .field("in_flight", &self.in_flight.len())
+            .field("in_flight", &self.in_flight.is_some())
             .finish()
     }
 }
 
 impl Behind {
-    /// Reap completions until the oldest write and its writeback have both completed; takes
-    /// it out. On a ring failure the buffers the kernel may still read are leaked, never freed.
-    fn wait_oldest(&mut self, path: &Path) -> Result<Option<InFlight>, IoError> {
+    /// Reap completions until the write in flight and its writeback have both completed;
+    /// takes it out. On a ring failure the buffer the kernel may still read is leaked, never
+    /// freed.
+    fn wait(&mut self, path: &Path) -> Result<Option<InFlight>, IoError> {
         loop {
-            match self.in_flight.front() {
+            match &self.in_flight {
                 None => return Ok(None),
                 Some(w) if w.write.is_some() && w.writeback.is_some() => {
-                    return Ok(self.in_flight.pop_front())
+                    return Ok(self.in_flight.take())
                 }
                 Some(_) => {}
             }
@@ -290,19 +293,17 @@ impl Behind {
                 if e.raw_os_error() == Some(libc::EINTR) {
                     continue;
                 }
-                // The kernel may still read these buffers: leaking them is the safe choice.
-                for w in self.in_flight.drain(..) {
+                // The kernel may still read the buffer: leaking it is the safe choice.
+                if let Some(w) = self.in_flight.take() {
                     std::mem::forget(w.buf);
                 }
                 return Err(IoError::os("io_uring_enter (write behind)", path, e));
             }
             for c in self.ring.completion() {
-                let (seq, is_writeback) = (c.user_data() >> 1, c.user_data() & 1 == 1);
-                if let Some(w) = self.in_flight.iter_mut().find(|w| w.seq == seq) {
-                    if is_writeback {
-                        w.writeback = Some(c.result());
-                    } else {
-                        w.write = Some(c.result());
+                if let Some(w) = &mut self.in_flight {
+                    match c.user_data() {
+                        UD_WRITE => w.write = Some(c.result()),
+                        _ => w.writeback = Some(c.result()),
                     }
                 }
             }
@@ -361,24 +362,19 @@ impl UringFile {
         Ok(w.buf)
     }
 
-    /// Wait for every write in flight; the buffer of the last one.
+    /// Wait for the write in flight, if any; its buffer.
     fn drain_behind(&mut self) -> Result<Option<Box<dyn crate::WriteBuf>>, IoError> {
-        let mut last = Ok(None);
-        loop {
-            let path = self.inner.path.clone();
-            let Some(b) = self.behind.as_mut() else {
-                return last;
-            };
-            match b.wait_oldest(&path)? {
-                None => return last,
-                Some(w) => {
-                    let r = self.settle(w);
-                    // The first failure wins; later writes are still waited for.
-                    last = match (last, r) {
-                        (Err(e), _) => Err(e),
-                        (Ok(_), r) => r.map(Some),
-                    };
-                }
+        let path = &self.inner.path;
+        let Some(b) = self.behind.as_mut() else {
+            return Ok(None);
+        };
+        match b.wait(path) {
+            Ok(Some(w)) => self.settle(w).map(Some),
+            Ok(None) => Ok(None),
+            Err(e) => {
+                // A ring that failed may still complete the leaked write: never reuse it.
+                self.behind = None;
+                Err(e)
             }
         }
     }
@@ -430,12 +426,16 @@ impl FsFile for UringFile {
         offset: u64,
         buf: Box<dyn crate::WriteBuf>,
     ) -> Result<Option<Box<dyn crate::WriteBuf>>, IoError> {
+        // Pieces reach the page cache one after another, in file order, as waiting writes
+        // did: the previous write (usually long done) completes before this one starts.
+        // Concurrent writes of neighbouring pieces, on several io-wq workers, left the page
+        // cache in smaller folios.
+        let previous = self.drain_behind()?;
         let b = match &mut self.behind {
             Some(b) => b,
             None => self.behind.insert(Behind {
                 ring: IoUring::new(BEHIND_ENTRIES).map_err(unavailable)?,
-                in_flight: std::collections::VecDeque::new(),
-                next_seq: 0,
+                in_flight: None,
             }),
         };
         let bytes = buf.bytes();
@@ -446,20 +446,19 @@ impl FsFile for UringFile {
             self.start_writeback(offset, len as u64)?;
             return Ok(Some(buf));
         };
-        let seq = b.next_seq;
-        b.next_seq += 1;
+        debug_assert!(b.in_flight.is_none());
         let fd = types::Fd(self.inner.file.as_raw_fd());
         let write = opcode::Write::new(fd, ptr, len32)
             .offset(offset)
             .build()
             .flags(io_uring::squeue::Flags::IO_LINK)
-            .user_data(seq << 1);
+            .user_data(UD_WRITE);
         let writeback = opcode::SyncFileRange::new(fd, len32)
             .offset(offset)
             .flags(libc::SYNC_FILE_RANGE_WRITE)
             .build()
-            .user_data(seq << 1 | 1);
-        // At most one write is in flight between calls, so its two entries and these two fit.
+            .user_data(UD_WRITEBACK);
+        // Nothing else is in flight, so the two entries fit.
         // SAFETY: the write reads `len` bytes at `ptr`, the memory of `buf`, which `WriteBuf`'s
         // contract keeps valid and unchanged while `buf` lives; `buf` moves into `in_flight`
         // and is freed only after the write's completion was reaped (or is leaked).
@@ -471,24 +470,16 @@ impl FsFile for UringFile {
                 std::io::Error::other("submission queue full"),
             ));
         }
-        b.in_flight.push_back(InFlight {
-            seq,
+        b.in_flight = Some(InFlight {
             buf,
             offset,
             write: None,
             writeback: None,
         });
-        // A failed submit leaves the entries queued: `wait_oldest` (in this call, the next or
-        // at drop) submits them again, and leaks the buffers if that fails too.
+        // A failed submit leaves the entries queued: `wait_oldest` (in the next call, `sync`
+        // or at drop) submits them again, and leaks the buffer if that fails too.
         let _ = b.ring.submit();
-        if b.in_flight.len() < 2 {
-            return Ok(None);
-        }
-        let path = self.inner.path.clone();
-        match b.wait_oldest(&path)? {
-            Some(w) => self.settle(w).map(Some),
-            None => Ok(None),
-        }
+        Ok(previous)
     }
     fn wait_behind(&mut self) -> Result<Option<Box<dyn crate::WriteBuf>>, IoError> {
         self.drain_behind()
