@@ -671,16 +671,48 @@ pub(crate) struct Segment {
     /// Where the data blocks end.
     data_end: usize,
     bloom: Bloom,
+    file: Arc<SegmentFile>,
+    /// Counts the index and filter of a flush's or compaction's output until installed.
+    building: Option<BuildGauge>,
+}
+
+/// A segment's file on disk, shared by the open segment and by whatever else names it
+/// without reading it (a snapshot chain): deleted when the last holder lets go, if it was
+/// marked obsolete and this store owns it.
+#[derive(Debug)]
+pub(crate) struct SegmentFile {
+    path: PathBuf,
     fs: Arc<dyn Fs>,
     /// Set when no store needs the file any more; the last reference then deletes it.
     obsolete: AtomicBool,
     /// Cleared when the store shuts down so that files retained snapshots name survive.
     deletable: AtomicBool,
-    /// Counts the index and filter of a flush's or compaction's output until installed.
-    building: Option<BuildGauge>,
 }
 
-impl Drop for Segment {
+impl SegmentFile {
+    fn new(fs: Arc<dyn Fs>, path: PathBuf, owned: bool) -> Arc<SegmentFile> {
+        Arc::new(SegmentFile {
+            path,
+            fs,
+            obsolete: AtomicBool::new(false),
+            deletable: AtomicBool::new(owned),
+        })
+    }
+
+    pub fn mark_obsolete(&self) {
+        self.obsolete.store(true, Ordering::Release);
+    }
+
+    pub fn keep_file(&self) {
+        self.deletable.store(false, Ordering::Release);
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for SegmentFile {
     fn drop(&mut self) {
         if self.obsolete.load(Ordering::Acquire) && self.deletable.load(Ordering::Acquire) {
             if let Err(e) = self.fs.remove(&self.path) {
@@ -905,9 +937,7 @@ impl Segment {
             index: BlockIndex::new(&offsets, &prefixes),
             data_end: index_offset,
             bloom,
-            fs,
-            obsolete: AtomicBool::new(false),
-            deletable: AtomicBool::new(owned),
+            file: SegmentFile::new(fs, p.to_owned(), owned),
             building: None,
         })
     }
@@ -948,6 +978,7 @@ impl Segment {
         }
         Ok(Segment {
             id: w.id,
+            file: SegmentFile::new(fs, w.path.clone(), true),
             path: w.path,
             size_bytes: w.size_bytes,
             crc32,
@@ -957,9 +988,6 @@ impl Segment {
             index,
             data_end: w.data_end as usize,
             bloom: w.bloom,
-            fs,
-            obsolete: AtomicBool::new(false),
-            deletable: AtomicBool::new(true),
             building,
         })
     }
@@ -972,11 +1000,16 @@ impl Segment {
     }
 
     pub fn mark_obsolete(&self) {
-        self.obsolete.store(true, Ordering::Release);
+        self.file.mark_obsolete();
     }
 
     pub fn keep_file(&self) {
-        self.deletable.store(false, Ordering::Release);
+        self.file.keep_file();
+    }
+
+    /// The file, for a holder that names it without reading it.
+    pub fn file(&self) -> Arc<SegmentFile> {
+        self.file.clone()
     }
 
     pub fn index_bytes(&self) -> usize {

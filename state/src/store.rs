@@ -23,10 +23,16 @@
 //! needs beyond per-key prefixes. Shadowed versions are dropped by every compaction;
 //! tombstones and expired entries only when the run includes the oldest segment.
 //!
-//! Files are reference counted through `Arc<Segment>`: the store, retained snapshots,
-//! running jobs and iterators each hold one. A segment the store no longer needs is marked
-//! obsolete and its file is deleted when the last reference goes. On shutdown nothing is
-//! deleted, so files a retained snapshot names survive the process.
+//! Files are reference counted through `Arc<SegmentFile>`: the store, running jobs and
+//! iterators hold the open `Arc<Segment>` (which holds its file), retained snapshots and the
+//! snapshot chain hold only the file. A segment the store no longer needs is marked obsolete
+//! and its file is deleted when the last reference goes. On shutdown nothing is deleted, so
+//! files a retained snapshot names survive the process.
+//!
+//! Snapshots after the first extend a chain (see `Chain`): the previous snapshot's list and
+//! the epochs sealed since, so a checkpoint writes what changed, not what flushes and
+//! compactions rewrote; a freeze seals its memtable's newest records first, so every write
+//! is in some epoch.
 
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -42,7 +48,8 @@ use crate::handle::{SegmentRef, SnapshotHandle};
 use crate::key::{KeyGroupRange, DEFAULT_MAX_PARALLELISM};
 use crate::memtable::{key_prefix, Frozen, Loc, MemHint, Memtable, ValueRef, NO_EXPIRY};
 use crate::segment::{
-    write_behind_buffer_bytes, Probe, Segment, SegmentIter, SegmentWriter, WriterOptions,
+    write_behind_buffer_bytes, Probe, Segment, SegmentFile, SegmentIter, SegmentWriter,
+    WriterOptions,
 };
 
 /// Store configuration. Every bound is named.
@@ -85,6 +92,11 @@ pub struct StoreConfig {
     /// while it processes (they were the first second's latency spikes of the keyed job). A
     /// memtable that replaces it later is a recycled one where possible, which keeps its pages.
     pub prefault_memtable: bool,
+    /// Most segments a delta snapshot lists (the previous snapshot's list and the epochs
+    /// sealed since, see `Chain`); a snapshot that would list more lists the store's own
+    /// segments instead. A restore stacks that many segments at most from one snapshot, plus
+    /// the segments of one full listing. 0: every snapshot is a full listing.
+    pub snapshot_chain_segments_max: usize,
 }
 
 impl Default for StoreConfig {
@@ -99,6 +111,7 @@ impl Default for StoreConfig {
             max_parallelism: DEFAULT_MAX_PARALLELISM,
             retained_memtable_bytes: 0,
             prefault_memtable: false,
+            snapshot_chain_segments_max: 128,
         }
     }
 }
@@ -191,7 +204,8 @@ struct Batched {
 /// Shared between the store and its snapshot jobs.
 #[derive(Debug, Default)]
 struct Registry {
-    retained: BTreeMap<u64, Vec<Arc<Segment>>>,
+    /// Files of snapshots not yet released (their upload may still read them).
+    retained: BTreeMap<u64, Vec<Arc<SegmentFile>>>,
     /// Segments snapshot jobs wrote for frozen memtables, by generation, awaiting adoption.
     flushed: BTreeMap<u64, Arc<Segment>>,
     /// Generations a snapshot job is writing now.
@@ -199,6 +213,65 @@ struct Registry {
     /// Segment ids of the last completed snapshot (for the `is_new` marks).
     last_completed: HashSet<u64>,
     snapshots: u64,
+    /// What the last snapshot job listed, for the next snapshot to extend (see `Chain`).
+    chain: Option<Chain>,
+}
+
+/// The segment list of the last snapshot job that ran, as a base and the deltas stacked on
+/// it since. The next snapshot lists the same segments and adds only the epochs sealed since
+/// (delta snapshot), instead of the store's current segments, whose flushes and compactions
+/// rewrite data the checkpoint already holds: with them a checkpoint of a 1 GiB state with
+/// 1% changed wrote 15 times the changed bytes (a compaction's output: 800 MB). Once the
+/// deltas outweigh the base, or are too many for a restore to stack, the next snapshot lists
+/// the store's segments again (a full listing, whose files the runtime uploads only if no
+/// retained checkpoint holds them) and becomes the new base.
+#[derive(Debug)]
+struct Chain {
+    segs: Vec<Listed>,
+    /// `Store::next_gen` when that snapshot was taken: epochs of later generations are new.
+    covered_gen: u64,
+    base_bytes: u64,
+    delta_bytes: u64,
+}
+
+/// A segment as a snapshot lists it, and its file kept on disk for the checkpoint's upload.
+/// Not the open segment: a chain names segments the store may have compacted away, whose
+/// maps, block indexes and filters are freed with them.
+#[derive(Debug, Clone)]
+struct Listed {
+    id: u64,
+    size_bytes: u64,
+    crc32: u32,
+    entry_count: u64,
+    key_groups: Option<KeyGroupRange>,
+    file: Arc<SegmentFile>,
+}
+
+impl Listed {
+    fn of(s: &Segment) -> Listed {
+        Listed {
+            id: s.id,
+            size_bytes: s.size_bytes,
+            crc32: s.crc32,
+            entry_count: s.entry_count,
+            key_groups: s.key_groups,
+            file: s.file(),
+        }
+    }
+}
+
+/// A full listing replaces the chain when its deltas reach the base's size (at least this
+/// many bytes), or its length `StoreConfig::snapshot_chain_segments_max`.
+const CHAIN_DELTA_BYTES_MIN: u64 = 1 << 20;
+
+impl Chain {
+    /// Whether the snapshot after the one taken at `covered_gen` may extend this chain: it
+    /// is that snapshot's (its job ran, and no other snapshot came between), and small.
+    fn extendable(&self, covered_gen: u64, segments_max: usize) -> bool {
+        self.covered_gen == covered_gen
+            && self.segs.len() < segments_max
+            && self.delta_bytes < self.base_bytes.max(CHAIN_DELTA_BYTES_MIN)
+    }
 }
 
 #[derive(Debug)]
@@ -294,6 +367,15 @@ pub struct Store {
     /// for snapshots, as their memtable holds every key they hold, newer. They leave when that
     /// memtable's own segment arrives.
     sealed_segments: Vec<(u64, Arc<Segment>)>,
+    /// Once a snapshot was taken, a freeze first seals the memtable's records written since
+    /// its last seal (a tail epoch), so that every write lands in some epoch and the next
+    /// snapshot can list epochs only (see `Chain`). Generations of the tails sealed since the
+    /// last snapshot, and the segments of those already written.
+    seal_at_freeze: bool,
+    tail_gens: Vec<u64>,
+    tail_segments: Vec<(u64, Arc<Segment>)>,
+    /// `next_gen` at the last snapshot (see `Chain::covered_gen`).
+    snapshot_gen: u64,
     /// Flushed memtables still readable, oldest first (see `Retained`).
     retained: Retained,
     segments: Vec<Arc<Segment>>,
@@ -382,6 +464,10 @@ impl Store {
             frozen: Vec::new(),
             mem_owner: 1,
             sealed_segments: Vec::new(),
+            seal_at_freeze: false,
+            tail_gens: Vec::new(),
+            tail_segments: Vec::new(),
+            snapshot_gen: 0,
             retained: Retained {
                 cap: retained_cap,
                 ..Retained::default()
@@ -683,6 +769,13 @@ impl Store {
         if self.mem.is_empty() {
             return;
         }
+        if self.seal_at_freeze {
+            let gen = self.next_gen;
+            self.seal();
+            if self.next_gen != gen {
+                self.tail_gens.push(gen);
+            }
+        }
         let fresh = match self.spare.take() {
             Some(m) => m,
             None => Memtable::with_budget(self.freeze_at()),
@@ -964,7 +1057,13 @@ impl Store {
     fn adopt(&mut self, f: Arc<Frozen>, seg: Option<Arc<Segment>>) {
         if f.is_sealed() {
             if let Some(seg) = seg {
-                self.sealed_segments.push((f.owner, seg));
+                if self.tail_gens.contains(&f.gen) {
+                    // Only for the next snapshot: its memtable's segment covers it otherwise.
+                    seg.mark_obsolete();
+                    self.tail_segments.push((f.gen, seg));
+                } else {
+                    self.sealed_segments.push((f.owner, seg));
+                }
             }
             if let Some(log) = Arc::try_unwrap(f).ok().and_then(Frozen::into_log) {
                 self.mem.give_log(log);
@@ -1204,39 +1303,82 @@ impl Store {
     /// Synchronous part of a snapshot: seal the memtable's new records and capture the
     /// segment list. No I/O, no copy of the memtable. The returned job writes what is not yet
     /// on disk: the sealed epoch (what changed since the last snapshot) and frozen memtables.
+    ///
+    /// When the previous snapshot's job ran and its chain is short (see `Chain`), the job
+    /// lists that snapshot's segments and the epochs sealed since (at freezes and now): a
+    /// delta. Otherwise it lists the store's segments, sealed epochs and frozen memtables.
     pub fn snapshot(&mut self, checkpoint_id: u64) -> SnapshotJob {
         self.absorb();
+        let since = self.snapshot_gen;
+        let first_new = self.next_gen;
         self.seal();
-        let mut parts = Vec::with_capacity(
-            self.segments.len() + self.sealed_segments.len() + self.frozen.len(),
-        );
-        // Oldest first: segments, then the sealed epochs' segments, then what is frozen.
-        parts.extend(self.segments.iter().cloned().map(Part::Done));
-        parts.extend(
-            self.sealed_segments
-                .iter()
-                .map(|(_, s)| Part::Done(s.clone())),
-        );
         let mut reg = lock(&self.registry);
-        for f in &self.frozen {
-            match reg.flushed.get(&f.gen) {
-                Some(seg) => parts.push(Part::Done(seg.clone())),
-                None => {
-                    reg.in_flight.insert(f.gen);
-                    let id = self.next_segment_id;
-                    self.next_segment_id += 1;
-                    parts.push(Part::Write(f.clone(), id));
+        let max = self.config.snapshot_chain_segments_max;
+        let chain = reg.chain.as_ref().filter(|c| c.extendable(since, max));
+        let mut parts = Vec::new();
+        let (delta, base_bytes, delta_bytes) = match chain {
+            Some(c) => {
+                // Oldest first: the chain, then the tails, then this snapshot's epoch.
+                parts.extend(c.segs.iter().cloned().map(Part::Listed));
+                let (prefix, base, deltas) = (c.segs.len(), c.base_bytes, c.delta_bytes);
+                let tails = std::mem::take(&mut self.tail_gens);
+                let mut written = std::mem::take(&mut self.tail_segments).into_iter();
+                for gen in tails.into_iter().chain(first_new..self.next_gen) {
+                    if let Some((_, seg)) = written.find(|(g, _)| *g == gen) {
+                        parts.push(Part::Done(seg));
+                    } else if let Some(f) = self.frozen.iter().find(|f| f.gen == gen) {
+                        parts.push(Self::frozen_part(&mut reg, &mut self.next_segment_id, f));
+                    }
+                    // Otherwise every record of that epoch was replaced within it.
                 }
+                (Some(prefix), base, deltas)
             }
-        }
+            None => {
+                // Oldest first: segments, then the sealed epochs' segments, then what is frozen.
+                parts.extend(self.segments.iter().cloned().map(Part::Done));
+                parts.extend(
+                    self.sealed_segments
+                        .iter()
+                        .map(|(_, s)| Part::Done(s.clone())),
+                );
+                for f in &self.frozen {
+                    parts.push(Self::frozen_part(&mut reg, &mut self.next_segment_id, f));
+                }
+                // A full listing covers every tail: its memtable (or segment) is in it.
+                self.tail_gens.clear();
+                self.tail_segments.clear();
+                (None, 0, 0)
+            }
+        };
         drop(reg);
+        self.seal_at_freeze = true;
+        self.snapshot_gen = self.next_gen;
         SnapshotJob {
             checkpoint_id,
             parts,
             next_seq: self.next_seq,
             max_parallelism: self.config.max_parallelism,
+            covered_gen: self.next_gen,
+            delta,
+            base_bytes,
+            delta_bytes,
+            chain_segments_max: max,
             ctx: self.ctx.clone(),
             registry: self.registry.clone(),
+        }
+    }
+
+    /// A frozen memtable or sealed epoch in a snapshot: its segment if a job already wrote
+    /// it, or a write for the snapshot job (which then stays the only writer of it).
+    fn frozen_part(reg: &mut Registry, next_segment_id: &mut u64, f: &Arc<Frozen>) -> Part {
+        match reg.flushed.get(&f.gen) {
+            Some(seg) => Part::Done(seg.clone()),
+            None => {
+                reg.in_flight.insert(f.gen);
+                let id = *next_segment_id;
+                *next_segment_id += 1;
+                Part::Write(f.clone(), id)
+            }
         }
     }
 
@@ -1290,7 +1432,14 @@ impl Drop for Store {
     fn drop(&mut self) {
         // Shutdown is not obsolescence: keep every file a retained snapshot may name.
         let reg = lock(&self.registry);
-        for s in reg.retained.values().flatten().chain(reg.flushed.values()) {
+        let chain = reg
+            .chain
+            .iter()
+            .flat_map(|c| c.segs.iter().map(|l| &l.file));
+        for f in reg.retained.values().flatten().chain(chain) {
+            f.keep_file();
+        }
+        for s in reg.flushed.values() {
             s.keep_file();
         }
     }
@@ -1412,6 +1561,7 @@ impl From<CompactionDone> for JobDone {
 #[derive(Debug)]
 enum Part {
     Done(Arc<Segment>),
+    Listed(Listed),
     Write(Arc<Frozen>, u64),
 }
 
@@ -1423,6 +1573,13 @@ pub struct SnapshotJob {
     parts: Vec<Part>,
     next_seq: u64,
     max_parallelism: u16,
+    /// For the chain this job leaves (see `Chain`): the store's `next_gen` at the snapshot;
+    /// for a delta, how many parts come from the chain it extends, and that chain's sizes.
+    covered_gen: u64,
+    delta: Option<usize>,
+    base_bytes: u64,
+    delta_bytes: u64,
+    chain_segments_max: usize,
     ctx: Arc<Ctx>,
     registry: Arc<Mutex<Registry>>,
 }
@@ -1438,7 +1595,8 @@ impl SnapshotJob {
         let mut result = Ok(());
         for part in parts {
             match part {
-                Part::Done(s) => segs.push(s),
+                Part::Done(s) => segs.push(Listed::of(&s)),
+                Part::Listed(l) => segs.push(l),
                 Part::Write(f, id) => {
                     if result.is_err() {
                         continue;
@@ -1448,8 +1606,8 @@ impl SnapshotJob {
                         Ok(Some(seg)) => {
                             let mut reg = lock(&self.registry);
                             reg.in_flight.remove(&f.gen);
-                            reg.flushed.entry(f.gen).or_insert_with(|| seg.clone());
-                            segs.push(seg);
+                            segs.push(Listed::of(&seg));
+                            reg.flushed.entry(f.gen).or_insert(seg);
                         }
                         Ok(None) => {
                             // Every record of a sealed epoch was replaced within it.
@@ -1466,7 +1624,7 @@ impl SnapshotJob {
         let refs = segs
             .iter()
             .map(|s| SegmentRef {
-                path: s.path.clone(),
+                path: s.file.path().to_owned(),
                 segment_id: s.id,
                 size_bytes: s.size_bytes,
                 crc32: s.crc32,
@@ -1476,7 +1634,23 @@ impl SnapshotJob {
             })
             .collect();
         reg.last_completed = segs.iter().map(|s| s.id).collect();
-        reg.retained.insert(self.checkpoint_id, segs);
+        let size = |segs: &[Listed]| segs.iter().map(|s| s.size_bytes).sum::<u64>();
+        let (base_bytes, delta_bytes) = match self.delta {
+            Some(prefix) => (self.base_bytes, self.delta_bytes + size(&segs[prefix..])),
+            None => (size(&segs), 0),
+        };
+        let chain = Chain {
+            segs: segs.clone(),
+            covered_gen: self.covered_gen,
+            base_bytes,
+            delta_bytes,
+        };
+        // A chain the next snapshot could not extend would only keep files.
+        reg.chain = chain
+            .extendable(self.covered_gen, self.chain_segments_max)
+            .then_some(chain);
+        let files = segs.into_iter().map(|s| s.file).collect();
+        reg.retained.insert(self.checkpoint_id, files);
         reg.snapshots += 1;
         Ok(SnapshotHandle {
             checkpoint_id: self.checkpoint_id,

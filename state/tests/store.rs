@@ -281,7 +281,13 @@ fn snapshot_is_isolated_from_later_writes_and_incremental() {
 fn segments_are_deleted_only_when_nothing_refers_to_them() {
     let root = tempfile::tempdir().unwrap();
     let fs: Arc<dyn Fs> = Arc::new(StdFs);
-    let mut s = Store::open(fs.clone(), root.path(), small_config(8)).unwrap();
+    // Full listings only: a chain would keep the last snapshot's segments for the next one
+    // (see `delta_snapshots_list_the_previous_snapshot_and_the_epochs_since`).
+    let config = StoreConfig {
+        snapshot_chain_segments_max: 0,
+        ..small_config(8)
+    };
+    let mut s = Store::open(fs.clone(), root.path(), config).unwrap();
     s.put(&key(0, 1), b"a");
     let h1 = snapshot(&mut s, 1);
     s.put(&key(0, 2), b"b");
@@ -964,4 +970,66 @@ fn a_late_snapshot_job_reads_its_epoch_after_the_memtable_is_frozen() {
         "every frozen memtable flushed"
     );
     assert_eq!(all(&mut s), model.into_iter().collect::<Vec<_>>());
+}
+
+/// A snapshot after flushes and compactions lists the previous snapshot's segments and adds
+/// only the epochs written since: its new bytes follow the change, not the state, however
+/// the store rewrote its own segments meanwhile. A chain at its length limit gives way to a
+/// full listing of the store's segments. Every snapshot restores to the model.
+#[test]
+fn delta_snapshots_list_the_previous_snapshot_and_the_epochs_since() {
+    let root = tempfile::tempdir().unwrap();
+    let fs: Arc<dyn Fs> = Arc::new(StdFs);
+    let config = StoreConfig {
+        memtable_budget_bytes: 64 << 10,
+        snapshot_chain_segments_max: 6,
+        ..small_config(8)
+    };
+    let mut s = Store::open(fs.clone(), &root.path().join("s"), config).unwrap();
+    let mut model = Model::new();
+    let put = |s: &mut Store, model: &mut Model, u: u16, v: u8| {
+        let (k, val) = (key(u % 8, u), vec![v; 40]);
+        s.put(&k, &val);
+        model.insert(k, val);
+    };
+    for u in 0..2000 {
+        put(&mut s, &mut model, u, 1);
+    }
+    s.flush_and_compact_all().unwrap();
+    let h1 = snapshot(&mut s, 1);
+    let base: u64 = h1.segments.iter().map(|r| r.size_bytes).sum();
+    assert!(h1.segments.iter().all(|r| r.is_new));
+    let mut prev = h1;
+    for round in 2..=7u64 {
+        // A few changes, then the store rewrites everything it has (freeze, flush, compact).
+        for u in 0..20 {
+            put(&mut s, &mut model, u * 97 % 2000, round as u8);
+        }
+        s.flush_and_compact_all().unwrap();
+        let h = snapshot(&mut s, round);
+        let ids = |h: &SnapshotHandle| h.segments.iter().map(|r| r.segment_id).collect::<Vec<_>>();
+        let new: Vec<_> = h.segments.iter().filter(|r| r.is_new).collect();
+        let new_bytes: u64 = new.iter().map(|r| r.size_bytes).sum();
+        let dir = root.path().join(format!("r{round}"));
+        if prev.segments.len() < 6 {
+            // A delta: the previous list, then the epoch that holds the 20 changed keys.
+            assert_eq!(
+                ids(&h)[..prev.segments.len()],
+                ids(&prev)[..],
+                "round {round}"
+            );
+            assert!(!new.is_empty() && new.iter().all(|r| r.entry_count <= 20));
+            assert!(
+                new_bytes * 20 < base,
+                "round {round}: {new_bytes} of {base}"
+            );
+        } else {
+            // The chain was full: the store's own (compacted) segment.
+            assert_eq!(h.segments.len(), 1, "round {round}");
+            assert_eq!(h.segments[0].entry_count, 2000);
+        }
+        let want: Vec<_> = model.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        assert_eq!(restored(&fs, &dir, h.clone()), want, "round {round}");
+        prev = h;
+    }
 }
