@@ -1474,10 +1474,34 @@ pub struct FlushDone {
     result: Result<Option<Arc<Segment>>, StateError>,
 }
 
+/// Entries a flush or compaction writes between two calls of its yield hook
+/// ([`FlushJob::run_yielding`]): about 2-5 ms of work here.
+const YIELD_EVERY_ENTRIES: u64 = 1 << 16;
+
+/// `entries`, calling `yield_now` every [`YIELD_EVERY_ENTRIES`] of them.
+fn yielding<'y, T>(
+    entries: impl Iterator<Item = T> + 'y,
+    yield_now: &'y mut dyn FnMut(),
+) -> impl Iterator<Item = T> + 'y {
+    entries.enumerate().map(move |(i, e)| {
+        if i as u64 % YIELD_EVERY_ENTRIES == YIELD_EVERY_ENTRIES - 1 {
+            yield_now();
+        }
+        e
+    })
+}
+
 impl FlushJob {
     pub fn run(self) -> FlushDone {
+        self.run_yielding(&mut || {})
+    }
+
+    /// [`FlushJob::run`], calling `yield_now` every few milliseconds of work: the thread that
+    /// runs maintenance can run a waiting snapshot job there (on the same thread), so that a
+    /// checkpoint does not wait for the whole flush or compaction.
+    pub fn run_yielding(self, yield_now: &mut dyn FnMut()) -> FlushDone {
         let f = &self.frozen;
-        let entries = f.entries();
+        let entries = yielding(f.entries(), yield_now);
         FlushDone {
             gen: f.gen,
             result: self
@@ -1507,6 +1531,11 @@ pub struct CompactionDone {
 
 impl CompactionJob {
     pub fn run(self) -> CompactionDone {
+        self.run_yielding(&mut || {})
+    }
+
+    /// [`CompactionJob::run`] with a yield hook, as [`FlushJob::run_yielding`].
+    pub fn run_yielding(self, yield_now: &mut dyn FnMut()) -> CompactionDone {
         let srcs: Vec<Src<'_>> = self
             .inputs
             .iter()
@@ -1533,7 +1562,9 @@ impl CompactionJob {
             }
         });
         let max_keys = self.inputs.iter().map(|s| s.entry_count).sum();
-        let result = self.ctx.write_segment(self.id, max_keys, merged, true);
+        let result = self
+            .ctx
+            .write_segment(self.id, max_keys, yielding(merged, yield_now), true);
         CompactionDone {
             input_ids: self.inputs.iter().map(|s| s.id).collect(),
             bytes_in: self.inputs.iter().map(|s| s.size_bytes).sum(),

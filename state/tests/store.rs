@@ -1033,3 +1033,50 @@ fn delta_snapshots_list_the_previous_snapshot_and_the_epochs_since() {
         prev = h;
     }
 }
+
+/// The runtime's maintenance thread runs a waiting snapshot job inside a flush's or
+/// compaction's yield hook, so that a checkpoint need not wait for a long compaction: both
+/// jobs finish, the snapshot restores to the state at the snapshot, the store keeps the rest.
+#[test]
+fn a_snapshot_job_runs_inside_a_compactions_yield_hook() {
+    let root = tempfile::tempdir().unwrap();
+    let fs: Arc<dyn Fs> = Arc::new(StdFs);
+    let config = StoreConfig {
+        memtable_budget_bytes: 64 << 20,
+        ..small_config(8)
+    };
+    let mut s = Store::open(fs.clone(), &root.path().join("s"), config).unwrap();
+    let mut model = Model::new();
+    // Three segments of 30 000 keys: more entries than one yield period.
+    for round in 0..3u8 {
+        for i in 0..30_000u32 {
+            let k = key((i % 8) as u16, (i / 8 + u32::from(round) * 4000) as u16);
+            s.put(&k, &[round; 8]);
+            model.insert(k, vec![round; 8]);
+        }
+        s.freeze();
+        while let Some(j) = s.flush_job() {
+            let done = j.run();
+            s.install(done).unwrap();
+        }
+    }
+    let at_snapshot: Vec<_> = model.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    let mut snap = Some(s.snapshot(1));
+    s.put(&key(0, 1), b"after");
+    let compaction = s.full_compaction_job().expect("three segments to merge");
+    let (mut yields, mut handle) = (0, None);
+    let done = compaction.run_yielding(&mut || {
+        yields += 1;
+        if let Some(j) = snap.take() {
+            handle = Some(j.run().unwrap());
+        }
+    });
+    assert!(yields >= 1, "the compaction never yielded");
+    s.install(done).unwrap();
+    assert_eq!(s.metrics().segments, 1);
+    let h = handle.expect("the snapshot ran in the hook");
+    assert_eq!(restored(&fs, &root.path().join("r"), h), at_snapshot);
+    model.insert(key(0, 1), b"after".to_vec());
+    let want: Vec<_> = model.into_iter().collect();
+    assert_eq!(all(&mut s), want);
+}
