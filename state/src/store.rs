@@ -150,6 +150,11 @@ pub struct StoreMetrics {
     pub bloom_negatives: u64,
     pub snapshots: u64,
     pub retained_snapshots: usize,
+    /// The snapshot chain the next snapshot extends (see `docs/state.md`): its segments, and
+    /// the bytes of its base and of its deltas. Its files stay on disk while it names them.
+    pub snapshot_chain_segments: usize,
+    pub snapshot_chain_base_bytes: u64,
+    pub snapshot_chain_delta_bytes: u64,
     /// Flushed memtables kept readable ([`StoreConfig::retained_memtable_bytes`]).
     pub retained_memtables: usize,
     pub retained_memtable_bytes: usize,
@@ -1419,6 +1424,9 @@ impl Store {
             bloom_negatives: self.bloom_negatives.get(),
             snapshots: reg.snapshots,
             retained_snapshots: reg.retained.len(),
+            snapshot_chain_segments: reg.chain.as_ref().map_or(0, |c| c.segs.len()),
+            snapshot_chain_base_bytes: reg.chain.as_ref().map_or(0, |c| c.base_bytes),
+            snapshot_chain_delta_bytes: reg.chain.as_ref().map_or(0, |c| c.delta_bytes),
             retained_memtables: self.retained.list.len(),
             retained_memtable_bytes: self.retained.bytes,
             retained_hits: self.retained_hits.get(),

@@ -1023,6 +1023,16 @@ fn delta_snapshots_list_the_previous_snapshot_and_the_epochs_since() {
                 new_bytes * 20 < base,
                 "round {round}: {new_bytes} of {base}"
             );
+            // The chain the next snapshot extends is this one (none once it is full).
+            let m = s.metrics();
+            if h.segments.len() < 6 {
+                assert_eq!(m.snapshot_chain_segments, h.segments.len());
+                assert_eq!(m.snapshot_chain_base_bytes, base);
+                let deltas: u64 = h.segments[1..].iter().map(|r| r.size_bytes).sum();
+                assert_eq!(m.snapshot_chain_delta_bytes, deltas);
+            } else {
+                assert_eq!(m.snapshot_chain_segments, 0);
+            }
         } else {
             // The chain was full: the store's own (compacted) segment.
             assert_eq!(h.segments.len(), 1, "round {round}");
