@@ -377,12 +377,10 @@ pub struct Store {
     sealed_segments: Vec<(u64, Arc<Segment>)>,
     /// Once a snapshot was taken, a freeze first seals the memtable's records written since
     /// its last seal (a tail epoch), so that every write lands in some epoch and the next
-    /// snapshot can list epochs only (see `Chain`). Generations of the tails sealed since the
-    /// last snapshot, and the segments of those already written.
-    seal_at_freeze: bool,
-    tail_gens: Vec<u64>,
-    tail_segments: Vec<(u64, Arc<Segment>)>,
-    /// `next_gen` at the last snapshot (see `Chain::covered_gen`).
+    /// snapshot can list epochs only (see `Chain`). The tails sealed since the last snapshot,
+    /// by generation, with their segments once written.
+    tails: Vec<(u64, Option<Arc<Segment>>)>,
+    /// `next_gen` at the last snapshot (see `Chain::covered_gen`); 0 before the first.
     snapshot_gen: u64,
     /// Flushed memtables still readable, oldest first (see `Retained`).
     retained: Retained,
@@ -472,9 +470,7 @@ impl Store {
             frozen: Vec::new(),
             mem_owner: 1,
             sealed_segments: Vec::new(),
-            seal_at_freeze: false,
-            tail_gens: Vec::new(),
-            tail_segments: Vec::new(),
+            tails: Vec::new(),
             snapshot_gen: 0,
             retained: Retained {
                 cap: retained_cap,
@@ -777,11 +773,11 @@ impl Store {
         if self.mem.is_empty() {
             return;
         }
-        if self.seal_at_freeze {
+        if self.snapshot_gen != 0 {
             let gen = self.next_gen;
             self.seal();
             if self.next_gen != gen {
-                self.tail_gens.push(gen);
+                self.tails.push((gen, None));
             }
         }
         let fresh = match self.spare.take() {
@@ -1065,10 +1061,10 @@ impl Store {
     fn adopt(&mut self, f: Arc<Frozen>, seg: Option<Arc<Segment>>) {
         if f.is_sealed() {
             if let Some(seg) = seg {
-                if self.tail_gens.contains(&f.gen) {
+                if let Some((_, tail)) = self.tails.iter_mut().find(|(g, _)| *g == f.gen) {
                     // Only for the next snapshot: its memtable's segment covers it otherwise.
                     seg.mark_obsolete();
-                    self.tail_segments.push((f.gen, seg));
+                    *tail = Some(seg);
                 } else {
                     self.sealed_segments.push((f.owner, seg));
                 }
@@ -1329,11 +1325,11 @@ impl Store {
                 // Oldest first: the chain, then the tails, then this snapshot's epoch.
                 parts.extend(c.segs.iter().cloned().map(Part::Listed));
                 let (prefix, base, deltas) = (c.segs.len(), c.base_bytes, c.delta_bytes);
-                let tails = std::mem::take(&mut self.tail_gens);
-                let written = std::mem::take(&mut self.tail_segments);
-                for gen in tails.into_iter().chain(first_new..self.next_gen) {
-                    if let Some((_, seg)) = written.iter().find(|(g, _)| *g == gen) {
-                        parts.push(Part::Done(seg.clone()));
+                let tails = std::mem::take(&mut self.tails);
+                let own = (first_new..self.next_gen).map(|g| (g, None));
+                for (gen, written) in tails.into_iter().chain(own) {
+                    if let Some(seg) = written {
+                        parts.push(Part::Done(seg));
                     } else if let Some(f) = self.frozen.iter().find(|f| f.gen == gen) {
                         parts.push(Self::frozen_part(&mut reg, &mut self.next_segment_id, f));
                     }
@@ -1353,13 +1349,11 @@ impl Store {
                     parts.push(Self::frozen_part(&mut reg, &mut self.next_segment_id, f));
                 }
                 // A full listing covers every tail: its memtable (or segment) is in it.
-                self.tail_gens.clear();
-                self.tail_segments.clear();
+                self.tails.clear();
                 (None, 0, 0)
             }
         };
         drop(reg);
-        self.seal_at_freeze = true;
         self.snapshot_gen = self.next_gen;
         SnapshotJob {
             checkpoint_id,
