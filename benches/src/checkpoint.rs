@@ -38,7 +38,7 @@ use weir_runtime::source::{
 };
 use weir_runtime::{FnProcess, Job, JobConfig, JobHandle, KeyedContext, StartError};
 
-use crate::runtime::{keyed_count, new_hist, process_cpu_ns, LatencySink};
+use crate::runtime::{keyed_count, new_hist, process_cpu_ns, LatencySink, LIVE_STEP};
 use crate::{BenchResult, Opts};
 
 const SHARDS: usize = 2;
@@ -205,8 +205,14 @@ impl<T: 'static> Sink<T> for LiveCountSink {
 /// Records each record's age (its second field is its creation time since `epoch`).
 struct KeyedRun {
     records: u64,
+    /// From the start until the job finished, its final checkpoint included.
     wall_ns: u64,
     cpu_ns: u64,
+    /// From the start until (all but a few hundred of) the records reached the sink: the
+    /// processing itself, with the periodic checkpoints taken meanwhile, without the final one.
+    window_records: u64,
+    window_wall_ns: u64,
+    window_cpu_ns: u64,
     hist: Histogram<u64>,
     completed: u64,
     /// Time shards stopped for their stores' flushes (`weir_runtime::STATE_STALL`).
@@ -220,10 +226,18 @@ struct KeyedRun {
 }
 
 impl KeyedRun {
+    /// Throughput while processing (see `window_*`).
     fn per_wall(&self) -> f64 {
-        self.records as f64 * 1e9 / self.wall_ns.max(1) as f64
+        self.window_records as f64 * 1e9 / self.window_wall_ns.max(1) as f64
     }
     fn per_cpu(&self) -> f64 {
+        self.window_records as f64 * 1e9 / self.window_cpu_ns.max(1) as f64
+    }
+    /// Throughput until the job finished, its final checkpoint included.
+    fn per_wall_to_end(&self) -> f64 {
+        self.records as f64 * 1e9 / self.wall_ns.max(1) as f64
+    }
+    fn per_cpu_to_end(&self) -> f64 {
         self.records as f64 * 1e9 / self.cpu_ns.max(1) as f64
     }
 }
@@ -252,20 +266,47 @@ fn keyed_run(
         cfg = cfg.with_checkpointing(ck(dir.path(), i));
     }
     let hist = Arc::new(Mutex::new(new_hist()));
+    let live = Arc::new(AtomicU64::new(0));
     let job = Job::new(cfg);
     keyed_count(job.source(gen)).sink(LatencySink {
         epoch,
         out: hist.clone(),
         count: Arc::default(),
+        live: Some(live.clone()),
     });
     let (w0, c0) = (Instant::now(), process_cpu_ns());
+    // Watches the sink's progress: the moment (wall and process CPU) the last records arrived,
+    // before the job's final checkpoint commits them.
+    let done = Arc::new(AtomicBool::new(false));
+    let watcher = {
+        let (live, done) = (live.clone(), done.clone());
+        // Every writer may hold back fewer than LIVE_STEP records until it finishes.
+        let all_but = n.saturating_sub(SHARDS as u64 * LIVE_STEP);
+        std::thread::spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                let seen = live.load(Ordering::Relaxed);
+                if seen >= all_but {
+                    return Some((seen, w0.elapsed().as_nanos() as u64, process_cpu_ns() - c0));
+                }
+                std::thread::sleep(Duration::from_micros(500));
+            }
+            None
+        })
+    };
     let summary = job.run().expect("keyed job");
     let (wall_ns, cpu_ns) = (w0.elapsed().as_nanos() as u64, process_cpu_ns() - c0);
+    done.store(true, Ordering::Relaxed);
+    let processed = watcher.join().expect("watcher");
     let hist = hist.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let (window_records, window_wall_ns, window_cpu_ns) =
+        processed.unwrap_or((hist.len(), wall_ns, cpu_ns));
     KeyedRun {
         records: hist.len(),
         wall_ns,
         cpu_ns,
+        window_records,
+        window_wall_ns,
+        window_cpu_ns,
         hist,
         completed: summary.checkpoints.number_of_completed_checkpoints,
         ckpt_duration_ms: ckpt_median(&summary.checkpoints, |c| c.duration_ms as f64),
@@ -307,6 +348,18 @@ fn overhead(opts: &Opts) -> BenchResult {
         extra.push((format!("run{i}_without_per_cpu_sec"), o.per_cpu()));
         extra.push((format!("run{i}_without_per_wall_sec"), o.per_wall()));
         extra.push((format!("run{i}_ratio_per_cpu"), w.per_cpu() / o.per_cpu()));
+        extra.push((
+            format!("run{i}_with_per_cpu_sec_to_end"),
+            w.per_cpu_to_end(),
+        ));
+        extra.push((
+            format!("run{i}_without_per_cpu_sec_to_end"),
+            o.per_cpu_to_end(),
+        ));
+        extra.push((
+            format!("run{i}_with_final_wait_ms"),
+            w.wall_ns.saturating_sub(w.window_wall_ns) as f64 / 1e6,
+        ));
         extra.push((format!("run{i}_with_checkpoints"), w.completed as f64));
         extra.push((
             format!("run{i}_checkpoint_duration_p50_ms"),
@@ -338,6 +391,15 @@ fn overhead(opts: &Opts) -> BenchResult {
     extra.push((
         "ratio_per_wall".into(),
         med(&with, KeyedRun::per_wall) / med(&without, KeyedRun::per_wall),
+    ));
+    // Until each job finished: the final checkpoint after the last record included.
+    extra.push((
+        "ratio_per_cpu_to_end".into(),
+        med(&with, KeyedRun::per_cpu_to_end) / med(&without, KeyedRun::per_cpu_to_end),
+    ));
+    extra.push((
+        "ratio_per_wall_to_end".into(),
+        med(&with, KeyedRun::per_wall_to_end) / med(&without, KeyedRun::per_wall_to_end),
     ));
     // Latency at half the peak rate without checkpoints, split over the shards' generators.
     let peak = med(&without, KeyedRun::per_wall);

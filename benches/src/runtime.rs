@@ -200,6 +200,7 @@ fn keyed_job(
             epoch,
             out: h,
             count: count.clone(),
+            live: None,
         }),
         None => counted.sink(CountSink(count.clone())),
     }
@@ -264,22 +265,41 @@ pub(crate) struct LatencySink {
     pub epoch: Instant,
     pub out: Arc<Mutex<Histogram<u64>>>,
     pub count: Arc<std::sync::atomic::AtomicU64>,
+    /// Records written so far, advanced every [`LIVE_STEP`] records per writer (the rest at
+    /// finish), for an observer that watches the job's progress while it runs.
+    pub live: Option<Arc<std::sync::atomic::AtomicU64>>,
 }
+
+/// How many records a [`LatencySink`] writer counts before it adds them to `live`.
+pub(crate) const LIVE_STEP: u64 = 1024;
 
 struct LatencyWriter {
     epoch: Instant,
     h: Histogram<u64>,
     out: Arc<Mutex<Histogram<u64>>>,
     count: Arc<std::sync::atomic::AtomicU64>,
+    live: Option<Arc<std::sync::atomic::AtomicU64>>,
+    unreported: u64,
 }
 
 impl SinkWriter<(u64, u64)> for LatencyWriter {
     fn write(&mut self, rec: (u64, u64), _ts: i64) -> std::io::Result<()> {
         let now = self.epoch.elapsed().as_nanos() as u64;
         let _ = self.h.record(now.saturating_sub(rec.1).max(1));
+        if let Some(live) = &self.live {
+            self.unreported += 1;
+            if self.unreported == LIVE_STEP {
+                live.fetch_add(LIVE_STEP, std::sync::atomic::Ordering::Relaxed);
+                self.unreported = 0;
+            }
+        }
         Ok(())
     }
     fn finish(&mut self) -> std::io::Result<()> {
+        if let Some(live) = &self.live {
+            live.fetch_add(self.unreported, std::sync::atomic::Ordering::Relaxed);
+            self.unreported = 0;
+        }
         self.count
             .fetch_add(self.h.len(), std::sync::atomic::Ordering::Relaxed);
         let _ = self
@@ -302,6 +322,8 @@ impl Sink<(u64, u64)> for LatencySink {
             h: new_hist(),
             out: self.out.clone(),
             count: self.count.clone(),
+            live: self.live.clone(),
+            unreported: 0,
         }))
     }
 }
