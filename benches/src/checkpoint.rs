@@ -3,7 +3,11 @@
 //!
 //! * `checkpoint_overhead_keyed_100ms`: the keyed count job (generator -> key_by -> keyed count
 //!   -> sink, two shards, 1 M keys) with a checkpoint every 100 ms beside the same job without
-//!   checkpointing, interleaved in the same run. `ratio` = with / without per CPU second.
+//!   checkpointing, interleaved in the same run. `ratio` = with / without per CPU second of
+//!   the processing window: from the start until the last records reach the sink (process CPU,
+//!   background work included). The bounded job then waits for its final checkpoint;
+//!   `ratio_per_cpu_to_end` counts until the job finished, and `run<i>_with_final_wait_ms` is
+//!   that wait.
 //!   Per-record latency (records carry their creation time) is measured at half the peak rate
 //!   just measured, with and without checkpoints; the row's p50..max are the run with them.
 //! * `checkpoint_duration_<S>MiB_1pct`: a keyed state of S MiB (1 KiB values), 1% of its keys
