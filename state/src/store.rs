@@ -834,7 +834,7 @@ impl Store {
         }
         let fresh = match self.spare.take() {
             Some(m) => m,
-            None => Memtable::with_budget(self.freeze_at()),
+            None => Memtable::successor_of(&self.mem, self.freeze_at()),
         };
         let mut fresh = fresh;
         fresh.set_incarnation(self.next_gen);
