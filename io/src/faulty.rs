@@ -15,7 +15,8 @@ use crate::error::IoError;
 use crate::fs::{FsFile, Mapped, StdFs};
 use crate::Fs;
 
-/// Which faults to inject. Steps count `write_at`, `sync`, `rename` and `sync_dir` calls from 0.
+/// Which faults to inject. Steps count `write_at`, `sync`, `rename`, `hard_link` and `sync_dir`
+/// calls from 0.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct FaultConfig {
     /// Seed of the pseudo-random choices (prefix length of a torn write, flipped bit).
@@ -28,6 +29,8 @@ pub struct FaultConfig {
     pub fail_rename_at_step: Option<u64>,
     /// At this step, a write silently stores one flipped bit.
     pub flip_bit_at_step: Option<u64>,
+    /// At this step, a hard link fails without linking.
+    pub fail_link_at_step: Option<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -313,6 +316,19 @@ impl Fs for FaultyFs {
 
     fn map_readonly(&self, path: &Path) -> Result<Mapped, IoError> {
         Mapped::map(path)
+    }
+
+    fn hard_link(&self, src: &Path, dst: &Path) -> Result<(), IoError> {
+        let (step, mut st) = self.take_step();
+        if self.shared.config.fail_link_at_step == Some(step) {
+            drop(st);
+            return Err(self.shared.injected(step, "hard link failure", dst));
+        }
+        StdFs.hard_link(src, dst)?;
+        // A new directory entry, undone by a crash until its directory is synced. The content
+        // is the source's: a crash rewinds it through the source's name if it was not synced.
+        st.created_unsynced.insert(dst.to_owned());
+        Ok(())
     }
 }
 

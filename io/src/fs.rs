@@ -27,6 +27,18 @@ pub trait Fs: Send + Sync + Debug {
     /// Map a sealed file read-only, exactly its current length. The caller promises that nobody
     /// truncates or writes the file while the map lives (see [`DirLock`]).
     fn map_readonly(&self, path: &Path) -> Result<Mapped, IoError>;
+    /// Make `dst` a second name of the file `src` (a hard link; fails if `dst` exists). Only
+    /// for immutable files: both names see every later write. The new entry is durable once
+    /// its directory is synced ([`Self::sync_dir`]). A file system without links returns an
+    /// error, and callers copy instead.
+    fn hard_link(&self, src: &Path, dst: &Path) -> Result<(), IoError> {
+        let _ = src;
+        Err(IoError::os(
+            "hard link",
+            dst,
+            std::io::Error::from(std::io::ErrorKind::Unsupported),
+        ))
+    }
 }
 
 /// An open file.
@@ -283,6 +295,10 @@ pub(crate) fn std_list_dir(dir: &Path) -> Result<Vec<PathBuf>, IoError> {
     Ok(out)
 }
 
+pub(crate) fn std_hard_link(src: &Path, dst: &Path) -> Result<(), IoError> {
+    std::fs::hard_link(src, dst).map_err(|e| IoError::os("hard link", dst, e))
+}
+
 pub(crate) fn std_create_dir_all(dir: &Path) -> Result<(), IoError> {
     std::fs::create_dir_all(dir).map_err(|e| IoError::os("create dir", dir, e))
 }
@@ -311,6 +327,9 @@ impl Fs for StdFs {
     }
     fn map_readonly(&self, path: &Path) -> Result<Mapped, IoError> {
         Mapped::map(path)
+    }
+    fn hard_link(&self, src: &Path, dst: &Path) -> Result<(), IoError> {
+        std_hard_link(src, dst)
     }
 }
 

@@ -514,6 +514,10 @@ impl Fs for UringFs {
     fn map_readonly(&self, path: &Path) -> Result<Mapped, IoError> {
         Mapped::map(path)
     }
+    fn hard_link(&self, src: &Path, dst: &Path) -> Result<(), IoError> {
+        // A directory operation, as rename: no data moves, so no ring either.
+        fs::std_hard_link(src, dst)
+    }
 }
 
 #[cfg(test)]

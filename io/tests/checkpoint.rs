@@ -11,12 +11,19 @@ use weir_io::{
     Savepoint, SmallFileKind, StdFs, StorageOptions, VerifyError, DATA_HEADER_LEN, METADATA_FILE,
 };
 
-/// Small blocks and physical files, so multi-block files and rolling are exercised.
+/// Small blocks and physical files, so multi-block files and rolling are exercised; uploads
+/// are copied and framed (raw uploads have tests of their own below).
 const OPTS: StorageOptions = StorageOptions {
     physical_file_bytes_max: 8_000,
     block_payload_bytes_max: 1_000,
+    link_uploads: false,
 };
 const BLOCK_HEADER: u64 = 24;
+/// [`OPTS`] with raw uploads, the default: hard links to the sources.
+const RAW_OPTS: StorageOptions = StorageOptions {
+    link_uploads: true,
+    ..OPTS
+};
 
 fn bytes(len: usize, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
@@ -252,6 +259,19 @@ fn write_checkpoint(
 
 #[test]
 fn crash_at_every_step_leaves_old_or_new_checkpoint() {
+    crash_at_every_step(OPTS);
+}
+
+/// The same with raw uploads (hard links), and a failing link at every step too (the upload
+/// then falls back to a framed copy).
+#[test]
+fn crash_at_every_step_leaves_old_or_new_checkpoint_with_raw_uploads() {
+    crash_at_every_step(RAW_OPTS);
+}
+
+fn crash_at_every_step(opts: StorageOptions) {
+    let open =
+        |fs: Arc<dyn Fs>, root: &Path| CheckpointStorage::open_with(fs, root, "job", opts).unwrap();
     // Count the steps of checkpoint 2 without faults.
     let steps = {
         let tmp = tempfile::tempdir().unwrap();
@@ -270,8 +290,8 @@ fn crash_at_every_step_leaves_old_or_new_checkpoint() {
     assert!(steps > 10, "{steps}");
     let mut outcomes = [0usize; 2];
     for step in 0..=steps {
-        for kind in 0..3u64 {
-            let seed = step * 3 + kind;
+        for kind in 0..4u64 {
+            let seed = step * 4 + kind;
             let tmp = tempfile::tempdir().unwrap();
             let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
             let c1 = write_checkpoint(&open(Arc::new(StdFs), &root), 1, &local, None).unwrap();
@@ -282,6 +302,7 @@ fn crash_at_every_step_leaves_old_or_new_checkpoint() {
                 tear_write_at_step: at.filter(|_| kind == 0),
                 fail_sync_at_step: at.filter(|_| kind == 1),
                 fail_rename_at_step: at.filter(|_| kind == 2),
+                fail_link_at_step: at.filter(|_| kind == 3),
                 ..FaultConfig::default()
             });
             let r = {
@@ -421,12 +442,12 @@ fn corruption_names_file_and_offset() {
         FormatError::BadMagic { .. }
     ));
     // A future version is refused by version, not by checksum.
-    let mut v2 = good_meta.clone();
-    v2[8] = 2;
-    std::fs::write(&meta_path, &v2).unwrap();
+    let mut v3 = good_meta.clone();
+    v3[8] = weir_io::METADATA_VERSION as u8 + 1;
+    std::fs::write(&meta_path, &v3).unwrap();
     assert!(matches!(
         expect_format(st.read_metadata(1)),
-        FormatError::UnsupportedVersion { found: 2, .. }
+        FormatError::UnsupportedVersion { found, .. } if found == weir_io::METADATA_VERSION + 1
     ));
     std::fs::write(&meta_path, &good_meta).unwrap();
 
@@ -673,15 +694,13 @@ fn savepoint_is_self_contained() {
 
 /// The hex fixture in docs/checkpoint-format.md decodes to the documented values, and the
 /// encoder reproduces it byte for byte.
-#[test]
-fn doc_fixture_decodes() {
+/// The hex fixture after `marker` in docs/checkpoint-format.md.
+fn doc_fixture(marker: &str) -> Vec<u8> {
     let doc = std::fs::read_to_string(
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/checkpoint-format.md"),
     )
     .unwrap();
-    let start = doc
-        .find("<!-- fixture:metadata -->")
-        .expect("fixture marker");
+    let start = doc.find(marker).expect("fixture marker");
     let block = &doc[start..];
     let block = &block[block.find("```text").unwrap() + 7..];
     let block = &block[..block.find("```").unwrap()];
@@ -695,19 +714,19 @@ fn doc_fixture_decodes() {
             fixture.push(u8::from_str_radix(b, 16).unwrap());
         }
     }
-    let m = CheckpointMetadata::decode(Path::new("fixture"), &fixture).unwrap();
-    let expect = CheckpointMetadata {
+    fixture
+}
+
+/// What both fixtures hold, with `files`.
+fn fixture_metadata(files: Vec<FileRef>) -> CheckpointMetadata {
+    CheckpointMetadata {
         job_id: "job-a".into(),
         checkpoint_id: 3,
         kind: CheckpointKind::Checkpoint,
         trigger_timestamp_ms: 1_700_000_000_000,
         completion_timestamp_ms: 1_700_000_000_250,
         new_bytes: 1234,
-        files: vec![FileRef {
-            path: "shared/2-00000001000000aa-seg".into(),
-            size_bytes: 4096,
-            crc32: 0x1122_3344,
-        }],
+        files,
         logical_files: vec![LogicalFileRef {
             physical: "taskowned/3-00000001000000ab-merged".into(),
             offset: 40,
@@ -716,9 +735,59 @@ fn doc_fixture_decodes() {
             crc32: 0x5566_7788,
         }],
         sections: vec![("src".into(), vec![1, 2])],
-    };
+    }
+}
+
+fn framed_fixture_file() -> FileRef {
+    FileRef {
+        path: "shared/2-00000001000000aa-seg".into(),
+        size_bytes: 4096,
+        crc32: 0x1122_3344,
+    }
+}
+
+/// The current version's fixture decodes and the encoder reproduces it byte for byte.
+#[test]
+fn doc_fixture_decodes() {
+    let fixture = doc_fixture("<!-- fixture:metadata -->");
+    let m = CheckpointMetadata::decode(Path::new("fixture"), &fixture).unwrap();
+    let expect = fixture_metadata(vec![
+        framed_fixture_file(),
+        FileRef {
+            path: "shared/3-00000001000000ac-raw-seg".into(),
+            size_bytes: 8192,
+            crc32: 0x99aa_bbcc,
+        },
+    ]);
     assert_eq!(m, expect);
     assert_eq!(expect.encode(), fixture);
+}
+
+/// Version 1 (before raw files) still decodes; a version 1 metadata that names a raw file is
+/// malformed, at that file's entry.
+#[test]
+fn doc_fixture_of_version_1_decodes() {
+    let mut fixture = doc_fixture("<!-- fixture:metadata-v1 -->");
+    assert_eq!(fixture[8], 1, "version 1");
+    let m = CheckpointMetadata::decode(Path::new("fixture"), &fixture).unwrap();
+    assert_eq!(m, fixture_metadata(vec![framed_fixture_file()]));
+    // The current encoding of a metadata naming a raw file, labelled version 1 (CRC fixed).
+    fixture = fixture_metadata(vec![FileRef {
+        path: "shared/3-00000001000000ac-raw-seg".into(),
+        size_bytes: 8192,
+        crc32: 0x99aa_bbcc,
+    }])
+    .encode();
+    fixture[8] = 1;
+    let n = fixture.len() - 4;
+    let crc = weir_io::crc32(&[&fixture[..n]]);
+    fixture[n..].copy_from_slice(&crc.to_le_bytes());
+    // Header 16, three timestamps and the new bytes 32, the job id 2 + 5, the count 4.
+    let e = CheckpointMetadata::decode(Path::new("fixture"), &fixture).unwrap_err();
+    assert!(
+        matches!(&e, FormatError::Malformed { offset: 59, .. }),
+        "{e}"
+    );
 }
 
 #[test]
@@ -878,4 +947,170 @@ fn parallel_verification_reports_the_first_corrupt_file_in_metadata_order() {
         assert_eq!(e.file(), job.join(&want.path));
         assert_eq!(e.offset(), DATA_HEADER_LEN as u64);
     }
+}
+
+fn inode(p: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(p).unwrap().ino()
+}
+
+/// A raw upload is a second name of the source: no bytes copied, the content's length and CRC
+/// in the reference; reads, verification, savepoints and restore copies check those, and a
+/// restore copy is a link too.
+#[test]
+fn raw_uploads_link_the_source_and_are_verified_like_framed_ones() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+    let st = CheckpointStorage::open_with(Arc::new(StdFs), &root, "job", RAW_OPTS).unwrap();
+    let job = st.job_dir().to_owned();
+    let content = bytes(5_000_123, 7);
+    std::fs::create_dir_all(&local).unwrap();
+    let seg = local.join("big");
+    std::fs::write(&seg, &content).unwrap();
+    let p = st.begin(1).unwrap();
+    let mut w = p.writer();
+    let f = w.upload_shared(&seg, "s0-seg").unwrap();
+    w.finish().unwrap();
+    let c = st.commit(p, info(1)).unwrap();
+    let fpath = job.join(&f.path);
+    let name = f.path.file_name().unwrap().to_str().unwrap().to_owned();
+    assert!(
+        name.starts_with("1-") && name.ends_with("-raw-s0seg"),
+        "{name}"
+    );
+    assert_eq!(inode(&fpath), inode(&seg), "linked, not copied");
+    assert_eq!(
+        (f.size_bytes, f.crc32),
+        (content.len() as u64, weir_io::crc32(&[&content]))
+    );
+    assert_eq!(std::fs::metadata(&fpath).unwrap().len(), f.size_bytes);
+    assert_eq!(c.metadata.new_bytes, f.size_bytes);
+    assert_eq!(st.read_file(&f).unwrap(), content);
+    assert_eq!(st.verify(1).unwrap().bytes_checked, f.size_bytes);
+    // A restore copy links as well; a savepoint copies the bytes and keeps the name.
+    let dest = tmp.path().join("restored");
+    assert_eq!(st.copy_file_to(&f, &dest).unwrap(), f.size_bytes);
+    assert_eq!(inode(&dest), inode(&fpath));
+    std::fs::remove_file(&dest).unwrap();
+    let sp_dir = st
+        .export_savepoint(1, &tmp.path().join("sp"), "one")
+        .unwrap();
+    let sp = Savepoint::open(Arc::new(StdFs), &sp_dir).unwrap();
+    assert_ne!(
+        inode(&sp_dir.join(&f.path)),
+        inode(&fpath),
+        "self-contained"
+    );
+    assert_eq!(sp.read_file(&f).unwrap(), content);
+    // Dropping the source's name leaves the checkpoint's.
+    std::fs::remove_file(&seg).unwrap();
+    assert_eq!(st.read_file(&f).unwrap(), content);
+
+    // A flipped bit anywhere fails the content CRC; the error names the file, offset 0.
+    for flip in [0u64, 4_194_400, content.len() as u64 - 1] {
+        FaultyFs::flip_bit(&fpath, flip, 3).unwrap();
+        let e = expect_corrupt(st.verify(1));
+        assert!(
+            matches!(&e, FormatError::ChecksumMismatch { file, offset: 0, .. } if *file == fpath),
+            "flip at {flip}: {e}"
+        );
+        let e = expect_format(st.copy_file_to(&f, &dest));
+        assert!(matches!(e, FormatError::ChecksumMismatch { .. }), "{e}");
+        assert!(
+            !dest.exists(),
+            "a failed restore copy left {}",
+            dest.display()
+        );
+        FaultyFs::flip_bit(&fpath, flip, 3).unwrap();
+    }
+    // Shorter or longer than the reference: named with the offset where they differ.
+    let good = std::fs::read(&fpath).unwrap();
+    std::fs::write(&fpath, &good[..good.len() - 10]).unwrap();
+    let e = expect_format(st.read_file(&f));
+    assert!(
+        matches!(&e, FormatError::Truncated { file, offset, .. }
+            if *file == fpath && *offset == f.size_bytes - 10),
+        "{e}"
+    );
+    let mut longer = good.clone();
+    longer.push(0);
+    std::fs::write(&fpath, &longer).unwrap();
+    let e = expect_format(st.read_file(&f));
+    assert!(
+        matches!(&e, FormatError::Malformed { offset, .. } if *offset == f.size_bytes),
+        "{e}"
+    );
+    std::fs::write(&fpath, &good).unwrap();
+    st.verify(1).unwrap();
+}
+
+/// Where the file system cannot link, a raw upload falls back to a framed copy, and a raw
+/// file's restore copy to a verified byte copy.
+#[test]
+fn raw_uploads_fall_back_to_copies_without_links() {
+    #[derive(Debug)]
+    struct NoLinks;
+    impl Fs for NoLinks {
+        fn create(&self, p: &Path) -> Result<Box<dyn weir_io::FsFile>, weir_io::IoError> {
+            StdFs.create(p)
+        }
+        fn open(&self, p: &Path) -> Result<Box<dyn weir_io::FsFile>, weir_io::IoError> {
+            StdFs.open(p)
+        }
+        fn rename(&self, a: &Path, b: &Path) -> Result<(), weir_io::IoError> {
+            StdFs.rename(a, b)
+        }
+        fn sync_dir(&self, d: &Path) -> Result<(), weir_io::IoError> {
+            StdFs.sync_dir(d)
+        }
+        fn remove(&self, p: &Path) -> Result<(), weir_io::IoError> {
+            StdFs.remove(p)
+        }
+        fn list_dir(&self, d: &Path) -> Result<Vec<PathBuf>, weir_io::IoError> {
+            StdFs.list_dir(d)
+        }
+        fn create_dir_all(&self, d: &Path) -> Result<(), weir_io::IoError> {
+            StdFs.create_dir_all(d)
+        }
+        fn map_readonly(&self, p: &Path) -> Result<weir_io::Mapped, weir_io::IoError> {
+            StdFs.map_readonly(p)
+        }
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+    let content = bytes(3_456, 9);
+    std::fs::create_dir_all(&local).unwrap();
+    let seg = local.join("s");
+    std::fs::write(&seg, &content).unwrap();
+    // Written raw (links work), then read through a file system without links.
+    let st = CheckpointStorage::open_with(Arc::new(StdFs), &root, "job", RAW_OPTS).unwrap();
+    let p = st.begin(1).unwrap();
+    let mut w = p.writer();
+    let raw = w.upload_shared(&seg, "seg").unwrap();
+    w.finish().unwrap();
+    let c1 = st.commit(p, info(1)).unwrap();
+    drop(st);
+    let st = CheckpointStorage::open_with(Arc::new(NoLinks), &root, "job", RAW_OPTS).unwrap();
+    let dest = tmp.path().join("restored");
+    st.copy_file_to(&raw, &dest).unwrap();
+    assert_ne!(inode(&dest), inode(&seg), "copied");
+    assert_eq!(std::fs::read(&dest).unwrap(), content);
+    // An upload without links is framed.
+    let p = st.begin(2).unwrap();
+    let mut w = p.writer();
+    w.reuse_shared(&c1.metadata.files[0]).unwrap();
+    let framed = w.upload_shared(&seg, "seg").unwrap();
+    w.finish().unwrap();
+    st.commit(p, info(2)).unwrap();
+    let name = framed.path.file_name().unwrap().to_str().unwrap();
+    assert!(!name.contains("raw-"), "{name}");
+    assert_eq!(
+        std::fs::metadata(st.job_dir().join(&framed.path))
+            .unwrap()
+            .len(),
+        DATA_HEADER_LEN as u64 + content.len() as u64 + 4 * BLOCK_HEADER,
+        "header and four 1 000-byte blocks"
+    );
+    assert_eq!(st.read_file(&framed).unwrap(), content);
+    assert_eq!(st.verify(2).unwrap().files, 2);
 }

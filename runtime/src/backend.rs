@@ -222,10 +222,11 @@ impl ShardState {
                         })?;
                         let path =
                             local.join(format!("{}-{:016x}.wseg", handles.len(), seg.segment_id));
-                        // One streaming pass: every block and the content CRC are checked
-                        // while the copy is written (invariant 4), and a mismatch names the
-                        // checkpoint file and offset. The uploaded file is framed in blocks,
-                        // so it is copied, not linked; the store maps the copy.
+                        // Verified before the store sees a byte (invariant 4), a mismatch
+                        // naming the checkpoint file and offset. A raw upload (the default)
+                        // becomes a hard link: the store maps the checkpoint's bytes, which
+                        // nothing writes again. A framed one is copied in the same pass that
+                        // checks its blocks.
                         r.reader.copy_file_to(f, &path).map_err(|e| {
                             err(format!(
                                 "checkpoint {}: segment {} of `{name}`: {e}",

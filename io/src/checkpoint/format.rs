@@ -10,8 +10,12 @@ use crate::frame::{crc32, BLOCK_HEADER_LEN, CHECKSUM_CRC32_IEEE};
 
 /// Magic of a `_metadata` file.
 pub const METADATA_MAGIC: [u8; 8] = *b"WEIRMETA";
-/// The metadata format version this build writes and reads.
-pub const METADATA_VERSION: u16 = 1;
+/// The metadata format version this build writes. Version 2 may name raw files in `shared/`
+/// (hard links of uploaded segments, see `raw_file_name`); its bytes are laid out as version
+/// 1's, which this build still reads (every file it names is framed).
+pub const METADATA_VERSION: u16 = 2;
+/// The oldest metadata version this build reads.
+pub const METADATA_VERSION_MIN: u16 = 1;
 /// Bytes before the metadata body: magic, version, checksum algorithm, kind, body length.
 pub const METADATA_HEADER_LEN: usize = 16;
 /// Bytes after the metadata body: the CRC-32 of everything before it.
@@ -32,6 +36,9 @@ pub(crate) const FILE_KIND_UPLOAD: u8 = 1;
 pub(crate) const FILE_KIND_MERGED_SHARED: u8 = 2;
 /// File kind byte: a merged physical file of task-owned logical files in `taskowned/`.
 pub(crate) const FILE_KIND_MERGED_TASKOWNED: u8 = 3;
+/// Not a header byte: the kind of a raw file in `shared/` (the source's bytes verbatim, no
+/// header, no framing; see [`raw_file_name`]), which has no header to carry it.
+pub(crate) const FILE_KIND_RAW: u8 = 4;
 
 /// Directory (relative to the job or savepoint directory) of files shared by checkpoints.
 pub const SHARED_DIR: &str = "shared";
@@ -208,7 +215,7 @@ impl CheckpointMetadata {
             return Err(need(0, METADATA_HEADER_LEN));
         }
         let version = u16::from_le_bytes([bytes[8], bytes[9]]);
-        if version != METADATA_VERSION {
+        if !(METADATA_VERSION_MIN..=METADATA_VERSION).contains(&version) {
             return Err(FormatError::UnsupportedVersion {
                 file: file.to_owned(),
                 offset: 8,
@@ -267,11 +274,25 @@ impl CheckpointMetadata {
         let n = c.count(8 + 4)?;
         let mut files = Vec::with_capacity(n);
         for _ in 0..n {
-            files.push(FileRef {
+            let at = c.pos;
+            let f = FileRef {
                 path: c.rel_path()?,
                 size_bytes: c.u64()?,
                 crc32: c.u32()?,
-            });
+            };
+            let raw = f
+                .path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(is_raw_file_name);
+            if raw && version < 2 {
+                return Err(FormatError::Malformed {
+                    file: file.to_owned(),
+                    offset: at as u64,
+                    reason: format!("version {version} names the raw file {}", f.path.display()),
+                });
+            }
+            files.push(f);
         }
         let n = c.count(8 + 8 + 4 + 4)?;
         let mut logical_files = Vec::with_capacity(n);
@@ -535,6 +556,23 @@ pub(crate) fn framed_len(size_bytes: u64, block_payload_bytes_max: u32) -> u64 {
 /// the file to its header, so a file renamed or copied to the wrong place is caught.
 pub(crate) fn data_file_name(checkpoint_id: u64, file_id: u64, hint: &str) -> String {
     format!("{checkpoint_id}-{file_id:016x}-{hint}")
+}
+
+/// Name of a raw file: a data file name whose hint starts with `raw-`. Sanitized hints never
+/// contain `-`, so no framed file's name has this form.
+pub(crate) fn raw_file_name(checkpoint_id: u64, file_id: u64, hint: &str) -> String {
+    format!("{checkpoint_id}-{file_id:016x}-{RAW_PREFIX}{hint}")
+}
+
+const RAW_PREFIX: &str = "raw-";
+
+/// True if `name` is a raw file's name ([`raw_file_name`]).
+pub(crate) fn is_raw_file_name(name: &str) -> bool {
+    parse_data_file_name(name).is_some()
+        && name
+            .split_once('-')
+            .and_then(|(_, rest)| rest.get(17..))
+            .is_some_and(|hint| hint.starts_with(RAW_PREFIX))
 }
 
 /// Parse a data file name into (checkpoint id, file id); `None` for anything else (GC never

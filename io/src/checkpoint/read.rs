@@ -6,9 +6,10 @@ use std::sync::Arc;
 
 use crate::checkpoint::error::{is_not_found, CheckpointError, VerifyError};
 use crate::checkpoint::format::{
-    block_count, framed_len, parse_data_file_name, CheckpointKind, CheckpointMetadata, DataHeader,
-    FileRef, LogicalFileRef, DATA_BLOCK_KIND, DATA_HEADER_LEN, FILE_KIND_MERGED_SHARED,
-    FILE_KIND_MERGED_TASKOWNED, FILE_KIND_UPLOAD, METADATA_FILE, TASKOWNED_DIR,
+    block_count, framed_len, is_raw_file_name, parse_data_file_name, CheckpointKind,
+    CheckpointMetadata, DataHeader, FileRef, LogicalFileRef, DATA_BLOCK_KIND, DATA_HEADER_LEN,
+    FILE_KIND_MERGED_SHARED, FILE_KIND_MERGED_TASKOWNED, FILE_KIND_RAW, FILE_KIND_UPLOAD,
+    METADATA_FILE, TASKOWNED_DIR,
 };
 use crate::error::{FormatError, IoError};
 use crate::frame::{decode_block, BlockHeader, BLOCK_HEADER_LEN};
@@ -49,10 +50,16 @@ pub(crate) struct Span<'a> {
 
 impl<'a> Span<'a> {
     pub(crate) fn of_file(r: &'a FileRef) -> Span<'a> {
+        // The name says whether the file is raw or framed (see `raw_file_name`).
+        let raw = r
+            .path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(is_raw_file_name);
         Span {
             rel: &r.path,
-            file_kind: FILE_KIND_UPLOAD,
-            offset: DATA_HEADER_LEN as u64,
+            file_kind: if raw { FILE_KIND_RAW } else { FILE_KIND_UPLOAD },
+            offset: if raw { 0 } else { DATA_HEADER_LEN as u64 },
             first_block: 0,
             size_bytes: r.size_bytes,
             crc32: r.crc32,
@@ -100,6 +107,9 @@ fn stream_span(
         })?;
     let file = fs.open(&path)?;
     let file_len = file.len()?;
+    if span.file_kind == FILE_KIND_RAW {
+        return stream_raw(&*file, &path, file_len, span, sink);
+    }
     let mut head = vec![0u8; DATA_HEADER_LEN.min(file_len as usize)];
     file.read_at(0, &mut head)?;
     let header = DataHeader::decode(&path, &head, file_id, checkpoint_id)?;
@@ -186,6 +196,59 @@ fn stream_span(
     Ok(span.size_bytes)
 }
 
+/// [`stream_span`] of a raw file: its whole length is the content, checked against the
+/// reference's length and content CRC (there are no blocks). The source's own format (an LSM
+/// segment's block CRCs) is its reader's to check once this passed.
+fn stream_raw(
+    file: &dyn crate::fs::FsFile,
+    path: &Path,
+    file_len: u64,
+    span: &Span<'_>,
+    mut sink: impl FnMut(&[u8]) -> Result<(), CheckpointError>,
+) -> Result<u64, CheckpointError> {
+    if file_len < span.size_bytes {
+        return Err(FormatError::Truncated {
+            file: path.to_owned(),
+            offset: file_len,
+            needed: span.size_bytes,
+            available: file_len,
+        }
+        .into());
+    }
+    if file_len > span.size_bytes {
+        return Err(FormatError::Malformed {
+            file: path.to_owned(),
+            offset: span.size_bytes,
+            reason: format!(
+                "{} bytes past the referenced length",
+                file_len - span.size_bytes
+            ),
+        }
+        .into());
+    }
+    let mut buf = vec![0u8; STREAM_CHUNK_BYTES.min(file_len) as usize];
+    let mut crc = crc32fast::Hasher::new();
+    let mut pos = 0u64;
+    while pos < file_len {
+        let n = (file_len - pos).min(buf.len() as u64) as usize;
+        file.read_at(pos, &mut buf[..n])?;
+        crc.update(&buf[..n]);
+        sink(&buf[..n])?;
+        pos += n as u64;
+    }
+    let actual = crc.finalize();
+    if actual != span.crc32 {
+        return Err(FormatError::ChecksumMismatch {
+            file: path.to_owned(),
+            offset: 0,
+            expected: span.crc32,
+            actual,
+        }
+        .into());
+    }
+    Ok(file_len)
+}
+
 /// Read the content of `span` under `base`, checking the file header (against the file's
 /// name), every block header and CRC, and the content CRC, before returning a byte.
 pub(crate) fn read_span(
@@ -212,6 +275,15 @@ pub(crate) fn copy_span_to(
     span: &Span<'_>,
     dest: &Path,
 ) -> Result<u64, CheckpointError> {
+    if span.file_kind == FILE_KIND_RAW {
+        // A raw file is the content itself: once it verified, `dest` becomes a second name of
+        // it (no copy). Checkpoint files are never written again, and the reader of `dest`
+        // only maps it. Where links fail (another file system), it is copied as below.
+        let n = stream_span(fs, base, span, |_| Ok(()))?;
+        if fs.hard_link(&base.join(span.rel), dest).is_ok() {
+            return Ok(n);
+        }
+    }
     let mut out = fs.create(dest)?;
     let mut pending: Vec<u8> = Vec::new();
     let mut written = 0u64;

@@ -17,10 +17,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::checkpoint::error::{is_not_found, CheckpointError, VerifyError};
 use crate::checkpoint::format::{
-    data_file_name, parse_data_file_name, sanitize_hint, CheckpointKind, CheckpointMetadata,
-    DataHeader, FileRef, LogicalFileRef, SmallFileKind, DATA_BLOCK_KIND, DATA_HEADER_LEN,
-    FILE_KIND_MERGED_SHARED, FILE_KIND_MERGED_TASKOWNED, FILE_KIND_UPLOAD, METADATA_FILE,
-    SHARED_DIR, TASKOWNED_DIR,
+    data_file_name, parse_data_file_name, raw_file_name, sanitize_hint, CheckpointKind,
+    CheckpointMetadata, DataHeader, FileRef, LogicalFileRef, SmallFileKind, DATA_BLOCK_KIND,
+    DATA_HEADER_LEN, FILE_KIND_MERGED_SHARED, FILE_KIND_MERGED_TASKOWNED, FILE_KIND_UPLOAD,
+    METADATA_FILE, SHARED_DIR, TASKOWNED_DIR,
 };
 use crate::checkpoint::read::{
     copy_span_to, read_metadata_file, read_span, verify_files, Span, VerifyReport,
@@ -36,6 +36,10 @@ pub struct StorageOptions {
     pub physical_file_bytes_max: u64,
     /// Content bytes per framed block (each block carries its own header and CRC).
     pub block_payload_bytes_max: u32,
+    /// Upload immutable files as raw files: a hard link to the source, no copy (see
+    /// [`CheckpointWriter::upload_shared`]). Off, or where the link fails, they are copied and
+    /// framed in blocks.
+    pub link_uploads: bool,
 }
 
 impl Default for StorageOptions {
@@ -43,6 +47,7 @@ impl Default for StorageOptions {
         StorageOptions {
             physical_file_bytes_max: 64 << 20,
             block_payload_bytes_max: 1 << 20,
+            link_uploads: true,
         }
     }
 }
@@ -498,8 +503,10 @@ impl CheckpointStorage {
     /// Copy the content of a whole file of this job to the new file `dest` (it must not exist),
     /// verified as [`read_file`](Self::read_file) verifies it (header, every block, content
     /// CRC), in one streaming pass that never holds the file in memory: restoring large state
-    /// copies each segment once. On error `dest` is removed and the error names the checkpoint
-    /// file and offset. `dest` is not fsynced: it is a scratch copy that a crash discards.
+    /// copies each segment once. A raw file is verified, then `dest` becomes a hard link to
+    /// it (a copy where links fail): its reader must never write it. On error `dest` is
+    /// removed and the error names the checkpoint file and offset. `dest` is not fsynced: it
+    /// is a scratch copy that a crash discards.
     pub fn copy_file_to(&self, r: &FileRef, dest: &Path) -> Result<u64, CheckpointError> {
         copy_span_to(
             &*self.shared.fs,
@@ -822,8 +829,16 @@ pub struct WriterStats {
 }
 
 impl CheckpointWriter {
-    /// Copy the immutable local file `src` (an LSM segment) into `shared/`, framed in
-    /// checksummed blocks, and return its reference. Not yet durable: see [`finish`](Self::finish).
+    /// Put the immutable local file `src` (an LSM segment) into `shared/` and return its
+    /// reference. Not yet durable: see [`finish`](Self::finish).
+    ///
+    /// With [`StorageOptions::link_uploads`] (the default) the file becomes a *raw file*: a
+    /// hard link to `src` under a `raw-` name, its length and content CRC in the reference,
+    /// no bytes copied. Why: a checkpoint uploads each new segment once, and the copy (read,
+    /// frame, write through the page cache, fsync) was most of a checkpoint's background
+    /// work; a restore copied each segment back again. `src` must never be written again,
+    /// which segments never are. Where the link fails (another file system) or with the option
+    /// off, the file is copied, framed in checksummed blocks.
     pub fn upload_shared(
         &mut self,
         src: &Path,
@@ -835,6 +850,11 @@ impl CheckpointWriter {
 
     fn upload_inner(&mut self, src: &Path, name_hint: &str) -> Result<FileRef, CheckpointError> {
         let sh = self.inner.storage.clone();
+        if sh.options.link_uploads {
+            if let Some(r) = self.link_raw(&sh, src, &sanitize_hint(name_hint))? {
+                return Ok(r);
+            }
+        }
         let source = sh.fs.map_readonly(src)?;
         let mut p =
             self.create_physical(FILE_KIND_UPLOAD, SHARED_DIR, &sanitize_hint(name_hint))?;
@@ -851,6 +871,45 @@ impl CheckpointWriter {
         st.new_bytes += written;
         st.files.push(r.clone());
         Ok(r)
+    }
+
+    /// [`upload_shared`](Self::upload_shared) as a raw file: `None` if the file system refused
+    /// the link (the caller copies instead).
+    fn link_raw(
+        &mut self,
+        sh: &Arc<Shared>,
+        src: &Path,
+        hint: &str,
+    ) -> Result<Option<FileRef>, CheckpointError> {
+        let (size_bytes, crc) = {
+            let source = sh.fs.map_readonly(src)?;
+            (source.len() as u64, crc32(&[&source]))
+        };
+        let rel = Path::new(SHARED_DIR).join(raw_file_name(
+            self.inner.checkpoint_id,
+            sh.next_file_id(),
+            hint,
+        ));
+        // Registered before it exists, as every created file; an abort ignores it if the link
+        // below fails.
+        self.inner.register(&rel, true)?;
+        let dst = sh.job_dir.join(&rel);
+        if let Err(e) = sh.fs.hard_link(src, &dst) {
+            tracing::debug!("linking {} failed, copying it: {e}", src.display());
+            return Ok(None);
+        }
+        // The source's writer synced it (a store syncs a segment before listing it); `finish`
+        // syncs it again, which costs nothing then and holds even for a careless caller.
+        self.unsynced.push(sh.fs.open(&dst)?);
+        let r = FileRef {
+            path: rel,
+            size_bytes,
+            crc32: crc,
+        };
+        let mut st = lock(&self.inner.state);
+        st.new_bytes += size_bytes;
+        st.files.push(r.clone());
+        Ok(Some(r))
     }
 
     /// Reference a whole file uploaded by an earlier, still retained checkpoint instead of
