@@ -27,7 +27,8 @@
 //!
 //! Durations come from `CheckpointStats::duration_ms` (millisecond resolution); `ack_*` extras
 //! give trigger-to-last-shard-acknowledgement in nanoseconds. The state size of the full run is
-//! 1 GiB unless `WEIR_BENCH_CKPT_STATE_MIB` says otherwise.
+//! 1 GiB unless `WEIR_BENCH_CKPT_STATE_MIB` says otherwise; the overhead runs process 24 M
+//! records each unless `WEIR_BENCH_OVERHEAD_RECORDS` says otherwise.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -329,7 +330,16 @@ fn keyed_run(
 
 fn overhead(opts: &Opts) -> BenchResult {
     let reps = if opts.quick { 1 } else { 3 };
-    let n = if opts.quick { 2_000_000 } else { 6_000_000 };
+    // Long enough for several memtable generations: 6 M records (0.7 s) measured mostly the
+    // first freeze's fresh memory, and its runs spread over 0.59-0.89.
+    let n = if opts.quick {
+        2_000_000
+    } else {
+        std::env::var("WEIR_BENCH_OVERHEAD_RECORDS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(24_000_000)
+    };
     let keys = 1_000_000;
     let interval = Duration::from_millis(100);
     keyed_run(n / 10, keys, None, None); // warm up page faults and code
