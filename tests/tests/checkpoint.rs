@@ -42,6 +42,8 @@ struct Outcome {
     completed: u64,
     /// In-flight bytes unaligned checkpoints persisted, over the retained history.
     inflight_bytes: u64,
+    /// The retained history of checkpoint statistics.
+    history: Vec<weir_runtime::checkpoint::CheckpointStats>,
 }
 
 /// Each record carries a per-key sequence number; a keyed operator checks that every record
@@ -153,6 +155,7 @@ fn run_verification_with(
             .iter()
             .map(|h| h.persisted_inflight_bytes)
             .sum(),
+        history: summary.checkpoints.history,
     }
 }
 
@@ -180,6 +183,20 @@ fn exactly_once_state_survives_repeated_failures() {
     );
     assert_eq!(o.violations, 0, "no record lost or counted twice in state");
     assert_complete(&o, n, 3);
+    // Start delay as Flink measures it: until the barrier reached every shard, which is
+    // before any shard finished its snapshot and acknowledged.
+    let done: Vec<_> = o.history.iter().filter(|c| c.failure.is_none()).collect();
+    assert!(!done.is_empty());
+    for c in done {
+        let first_ack = c.ack_ns.iter().copied().min().unwrap();
+        assert!(
+            c.start_delay_ns < first_ack && c.start_delay_ns <= c.duration_ms * 1_000_000 + 999_999,
+            "checkpoint {}: start delay {} ns, acknowledgements {:?}",
+            c.checkpoint_id,
+            c.start_delay_ns,
+            c.ack_ns
+        );
+    }
 }
 
 #[test]

@@ -28,7 +28,9 @@ pub struct CheckpointStats {
     pub async_duration_ns: u64,
     /// The longest barrier alignment of an exchange input.
     pub alignment_duration_ns: u64,
-    /// Time from the trigger until the first shard acknowledged.
+    /// Flink's start delay: the time from the trigger until the checkpoint's first barrier
+    /// reached a shard, the longest over shards (how long a checkpoint waited to begin, behind
+    /// queued records, not how long it took).
     pub start_delay_ns: u64,
     pub persisted_inflight_bytes: u64,
     /// Bytes this checkpoint wrote (incremental size).
@@ -251,6 +253,7 @@ impl Coordinator {
                 async_ns,
                 alignment_ns,
                 persisted_inflight_bytes,
+                barrier_at,
             } => {
                 // Late or duplicate acknowledgements of aborted or completed checkpoints.
                 let Some(p) = self.pending.get_mut(&checkpoint_id) else {
@@ -260,9 +263,8 @@ impl Coordinator {
                     return;
                 }
                 let since = p.trigger.elapsed().as_nanos() as u64;
-                if p.acked == 0 {
-                    p.stats.start_delay_ns = since;
-                }
+                let delay = barrier_at.saturating_duration_since(p.trigger).as_nanos() as u64;
+                p.stats.start_delay_ns = p.stats.start_delay_ns.max(delay);
                 p.stats.ack_ns[shard] = since;
                 p.stats.sync_duration_ns += sync_ns;
                 p.stats.async_duration_ns = p.stats.async_duration_ns.max(async_ns);

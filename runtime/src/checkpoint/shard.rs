@@ -21,6 +21,8 @@ pub(crate) enum Ack {
         async_ns: u64,
         alignment_ns: u64,
         persisted_inflight_bytes: u64,
+        /// When the checkpoint's first barrier reached this shard (see `Pending::barrier_at`).
+        barrier_at: std::time::Instant,
     },
     Decline {
         shard: usize,
@@ -76,6 +78,9 @@ struct Pending {
     alignment_ns: u64,
     inflight_bytes: u64,
     declined: Option<String>,
+    /// The earliest moment a participant saw the checkpoint's barrier: the first report, less
+    /// the synchronous part it had just taken, or the start of an input's alignment.
+    barrier_at: std::time::Instant,
 }
 
 /// Something that wants to hear that a checkpoint completed (sinks commit, stores release
@@ -125,8 +130,13 @@ impl ShardCheckpoint {
         self.listeners.push(l);
     }
 
-    fn entry(&mut self, id: u64) -> &mut Pending {
-        self.pending.entry(id).or_insert_with(|| Pending {
+    /// The pending checkpoint `id`; what calls it saw the barrier `ago_ns` before now.
+    fn entry(&mut self, id: u64, ago_ns: u64) -> &mut Pending {
+        let now = std::time::Instant::now();
+        let seen = now
+            .checked_sub(std::time::Duration::from_nanos(ago_ns))
+            .unwrap_or(now);
+        let p = self.pending.entry(id).or_insert_with(|| Pending {
             parts: Vec::new(),
             reported: 0,
             outstanding_async: 0,
@@ -135,12 +145,15 @@ impl ShardCheckpoint {
             alignment_ns: 0,
             inflight_bytes: 0,
             declined: None,
-        })
+            barrier_at: seen,
+        });
+        p.barrier_at = p.barrier_at.min(seen);
+        p
     }
 
     /// A participant's synchronous part of checkpoint `id`.
     pub fn report(&mut self, id: u64, part: Part, sync_ns: u64) {
-        let p = self.entry(id);
+        let p = self.entry(id, sync_ns);
         p.parts.push(part);
         p.reported += 1;
         p.sync_ns += sync_ns;
@@ -149,7 +162,7 @@ impl ShardCheckpoint {
 
     /// A participant reported synchronously and will finish its part in the background.
     pub fn report_async_start(&mut self, id: u64, sync_ns: u64) {
-        let p = self.entry(id);
+        let p = self.entry(id, sync_ns);
         p.reported += 1;
         p.outstanding_async += 1;
         p.sync_ns += sync_ns;
@@ -157,7 +170,7 @@ impl ShardCheckpoint {
 
     /// The background part of a participant's snapshot finished.
     pub fn report_async_done(&mut self, id: u64, result: Result<Part, String>, async_ns: u64) {
-        let p = self.entry(id);
+        let p = self.entry(id, 0);
         p.outstanding_async = p.outstanding_async.saturating_sub(1);
         p.async_ns = p.async_ns.max(async_ns);
         match result {
@@ -171,7 +184,7 @@ impl ShardCheckpoint {
 
     /// A participant cannot take checkpoint `id`.
     pub fn decline(&mut self, id: u64, reason: String) {
-        let p = self.entry(id);
+        let p = self.entry(id, 0);
         p.reported += 1;
         p.declined.get_or_insert(reason);
         self.maybe_ack(id);
@@ -179,7 +192,7 @@ impl ShardCheckpoint {
 
     /// Time an exchange input spent aligning barrier `id`.
     pub fn record_alignment(&mut self, id: u64, ns: u64, inflight_bytes: u64) {
-        let p = self.entry(id);
+        let p = self.entry(id, ns);
         p.alignment_ns = p.alignment_ns.max(ns);
         p.inflight_bytes += inflight_bytes;
     }
@@ -212,6 +225,7 @@ impl ShardCheckpoint {
                 async_ns: p.async_ns,
                 alignment_ns: p.alignment_ns,
                 persisted_inflight_bytes: p.inflight_bytes,
+                barrier_at: p.barrier_at,
             },
         };
         // The coordinator is gone only when the job is ending.
