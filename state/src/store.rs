@@ -1820,50 +1820,112 @@ impl<'a> Src<'a> {
 
 /// K-way merge of sources in priority order (index 0 newest); yields the newest version of
 /// each key, tombstones included, up to `end` (exclusive).
+///
+/// Each live source's next entry is `items[i]`, and its key's 16-byte prefix ([`key_prefix`])
+/// is `prefixes[i]`, in an array of its own: the search for the smallest key reads only the
+/// prefixes (a few cache lines for a dozen sources), and most comparisons end there. Ordering
+/// by prefix, then by the whole key on equal prefixes, is the keys' byte order; two keys of one
+/// length up to 16 bytes with equal prefixes are equal, so those ties need no `memcmp` either.
+/// The same pass collects the sources that hold the smallest key, so that no second pass looks
+/// for them. Exhausted sources leave the arrays (order kept: index order is priority order).
+/// In a compaction this merge and the reads under it were 45% of the maintenance thread.
 struct Merge<'a> {
     srcs: Vec<Src<'a>>,
-    /// Each source's next entry and its key's 16-byte prefix ([`key_prefix`]): ordering by
-    /// prefix, then by the whole key on equal prefixes, is the keys' byte order, and most
-    /// comparisons end at the prefix without a `memcmp` call (which was 5% of a compaction).
-    heads: Vec<Option<(Item<'a>, u128)>>,
+    prefixes: Vec<u128>,
+    items: Vec<Item<'a>>,
+    /// Scratch: indexes of the sources holding the smallest key, in priority order.
+    ties: Vec<usize>,
     end: Option<Vec<u8>>,
 }
 
 impl<'a> Merge<'a> {
-    fn new(mut srcs: Vec<Src<'a>>, end: Option<Vec<u8>>) -> Self {
-        let heads = srcs.iter_mut().map(|s| Self::head(s.next())).collect();
-        Merge { srcs, heads, end }
+    fn new(srcs: Vec<Src<'a>>, end: Option<Vec<u8>>) -> Self {
+        let mut m = Merge {
+            srcs: Vec::with_capacity(srcs.len()),
+            prefixes: Vec::with_capacity(srcs.len()),
+            items: Vec::with_capacity(srcs.len()),
+            ties: Vec::with_capacity(srcs.len()),
+            end,
+        };
+        for mut s in srcs {
+            if let Some(it) = s.next() {
+                m.prefixes.push(key_prefix(it.0));
+                m.items.push(it);
+                m.srcs.push(s);
+            }
+        }
+        m
     }
 
+    /// Whether `a` (with prefix `pa`) orders before, equal to or after `b` (prefix `pb`).
     #[inline]
-    fn head(item: Option<Item<'a>>) -> Option<(Item<'a>, u128)> {
-        item.map(|it| (it, key_prefix(it.0)))
+    fn cmp_keys(pa: u128, a: &[u8], pb: u128, b: &[u8]) -> std::cmp::Ordering {
+        match pa.cmp(&pb) {
+            std::cmp::Ordering::Equal if a.len() == b.len() && a.len() <= 16 => {
+                std::cmp::Ordering::Equal
+            }
+            std::cmp::Ordering::Equal => a.cmp(b),
+            o => o,
+        }
+    }
+
+    /// Move source `i` to its next entry, or drop it when it has none.
+    #[inline]
+    fn advance(&mut self, i: usize) -> bool {
+        match self.srcs[i].next() {
+            Some(it) => {
+                self.prefixes[i] = key_prefix(it.0);
+                self.items[i] = it;
+                true
+            }
+            None => {
+                self.srcs.remove(i);
+                self.prefixes.remove(i);
+                self.items.remove(i);
+                false
+            }
+        }
     }
 }
 
 impl<'a> Iterator for Merge<'a> {
     type Item = Item<'a>;
     fn next(&mut self) -> Option<Item<'a>> {
-        // The smallest key; among equal keys the first source (the newest) wins.
-        let mut best: Option<(usize, u128, &'a [u8])> = None;
-        for (i, h) in self.heads.iter().enumerate() {
-            if let Some(((k, _, _), p)) = *h {
-                if best.is_none_or(|(_, bp, bk)| p < bp || (p == bp && k < bk)) {
-                    best = Some((i, p, k));
-                }
-            }
-        }
-        let (bi, bp, bk) = best?;
-        if self.end.as_deref().is_some_and(|e| bk >= e) {
+        let n = self.prefixes.len();
+        if n == 0 {
             return None;
         }
-        let out = self.heads[bi].map(|(it, _)| it);
-        for i in 0..self.heads.len() {
-            if matches!(self.heads[i], Some(((k, _, _), p)) if p == bp && k == bk) {
-                self.heads[i] = Self::head(self.srcs[i].next());
+        // The smallest key and every source holding it; among equal keys the first source
+        // (the newest) wins.
+        self.ties.clear();
+        self.ties.push(0);
+        let mut bp = self.prefixes[0];
+        for i in 1..n {
+            let p = self.prefixes[i];
+            if p > bp {
+                continue;
+            }
+            let best = self.ties[0];
+            match Self::cmp_keys(p, self.items[i].0, bp, self.items[best].0) {
+                std::cmp::Ordering::Less => {
+                    bp = p;
+                    self.ties.clear();
+                    self.ties.push(i);
+                }
+                std::cmp::Ordering::Equal => self.ties.push(i),
+                std::cmp::Ordering::Greater => {}
             }
         }
-        out
+        let out = self.items[self.ties[0]];
+        if self.end.as_deref().is_some_and(|e| out.0 >= e) {
+            return None;
+        }
+        // Highest index first, so that dropping an exhausted source moves none still to visit.
+        for t in (0..self.ties.len()).rev() {
+            let i = self.ties[t];
+            self.advance(i);
+        }
+        Some(out)
     }
 }
 
@@ -1943,5 +2005,80 @@ mod tests {
         );
         store.freeze();
         assert!(store.recent.on.get(), "the next freeze turns it on again");
+    }
+
+    /// Merging decides most ties by 16-byte prefixes and key lengths: keys that share their
+    /// first 16 bytes, short keys that differ only in trailing zero bytes, and one key in many
+    /// sources must still merge in byte order, newest version first. Checked through scans
+    /// over the memtable, frozen memtables and segments, and through compactions, against a
+    /// BTreeMap.
+    #[test]
+    fn merges_order_keys_that_tie_on_their_prefixes() {
+        let root = tempfile::tempdir().unwrap();
+        let fs: Arc<dyn Fs> = Arc::new(weir_io::StdFs);
+        let mut store = Store::open(fs, root.path(), StoreConfig::default()).unwrap();
+        let long = |tail: &[u8]| {
+            let mut k = b"\x00\x01\x00\x02sixteen-byte".to_vec();
+            assert_eq!(k.len(), 16);
+            k.extend_from_slice(tail);
+            k
+        };
+        let keys: Vec<Vec<u8>> = vec![
+            vec![0, 1, 0, 2],
+            vec![0, 1, 0, 2, 0],
+            vec![0, 1, 0, 2, 0, 0],
+            vec![0, 1, 0, 2, 1],
+            long(&[]),
+            long(&[0]),
+            long(&[0, 0]),
+            long(&[1]),
+            long(b"abc"),
+            long(b"abd"),
+            {
+                let mut k = long(&[]);
+                k[15] = 0;
+                k
+            },
+        ];
+        let mut model: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+        let mut x = 7u64;
+        for round in 0..40u32 {
+            for _ in 0..6 {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let k = &keys[(x >> 33) as usize % keys.len()];
+                if (x >> 20).is_multiple_of(5) {
+                    store.delete(k);
+                    model.remove(k);
+                } else {
+                    let v = round.to_le_bytes().to_vec();
+                    store.put(k, &v);
+                    model.insert(k.clone(), v);
+                }
+            }
+            match round % 4 {
+                0 => store.freeze(),
+                1 => {
+                    store.freeze();
+                    store.run_pending_maintenance().unwrap();
+                }
+                2 if round % 8 == 2 => {
+                    if let Some(j) = store.full_compaction_job() {
+                        let done = j.run();
+                        store.install(done).unwrap();
+                    }
+                }
+                _ => {}
+            }
+            let got: Vec<(Vec<u8>, Vec<u8>)> = store
+                .scan_range(&[], None)
+                .map(|(k, f)| (k.to_vec(), f.value.to_vec()))
+                .collect();
+            let want: Vec<(Vec<u8>, Vec<u8>)> =
+                model.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            assert_eq!(got, want, "round {round}");
+        }
+        assert!(store.metrics().segments > 0, "segments took part");
     }
 }
