@@ -1090,8 +1090,8 @@ impl Memtable {
     /// `prev`'s size (the keys a job keeps updating come back), so that it does not grow
     /// through every size below again. Each size is a fresh mapping whose pages fault on first
     /// touch (PLATFORM.md: 2.5-18.5 us a page on this VM) and each growth moves every slot:
-    /// in the keyed job checkpointing every 100 ms, growing successors' indexes from 1 MiB to
-    /// 16 MiB were a third of the shards' page-fault samples.
+    /// in the keyed job checkpointing every 100 ms, slot writes into fresh index tables and
+    /// moves into grown ones were 45% of the shards' page-fault samples.
     pub fn successor_of(prev: &Memtable, budget_bytes: usize) -> Memtable {
         let mut m = Memtable::with_budget(budget_bytes);
         // The index's whole capacity counts against the budget; never more than half of it.
@@ -1698,9 +1698,8 @@ mod tests {
             small * std::mem::size_of::<Slot>() <= 2 << 20,
             "{small} slots"
         );
-        assert_eq!(
-            small,
-            Memtable::with_budget(4 << 20).index_slots().max(small),
+        assert!(
+            small >= Memtable::with_budget(4 << 20).index_slots(),
             "never below what the budget gives"
         );
         assert_eq!(

@@ -1871,18 +1871,16 @@ impl<'a> Merge<'a> {
 
     /// Move source `i` to its next entry, or drop it when it has none.
     #[inline]
-    fn advance(&mut self, i: usize) -> bool {
+    fn advance(&mut self, i: usize) {
         match self.srcs[i].next() {
             Some(it) => {
                 self.prefixes[i] = key_prefix(it.0);
                 self.items[i] = it;
-                true
             }
             None => {
                 self.srcs.remove(i);
                 self.prefixes.remove(i);
                 self.items.remove(i);
-                false
             }
         }
     }
