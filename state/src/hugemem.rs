@@ -153,6 +153,44 @@ impl<T: Pod> ZeroedBuf<T> {
         bytes
     }
 
+    /// Grow to `len` elements (at least the current length) where the buffer is, keeping its
+    /// contents; the new elements are zero. Returns false when it cannot (heap-backed, not
+    /// Linux, or the kernel refused); the buffer is then unchanged.
+    ///
+    /// Why: a mapping grows with `mremap`, which moves the page tables instead of copying the
+    /// contents into fresh pages (each fault on a fresh page costs microseconds on this VM),
+    /// and the pages beyond the old end are zero-fill-on-demand like a new mapping's.
+    fn grow_in_place(&mut self, len: usize) -> bool {
+        #[cfg(target_os = "linux")]
+        if let Backing::Map(m) = &mut self.backing {
+            let bytes = len * std::mem::size_of::<T>();
+            if bytes <= m.len() {
+                // The mapping's tail past the old length was never written: zeroes.
+                self.len = len;
+                return true;
+            }
+            let map_len = bytes.div_ceil(HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES;
+            let old_len = m.len();
+            // SAFETY: an anonymous private mapping, so no part of it lies past the end of a
+            // file; `&mut self` means no slice into it is alive, so moving it invalidates no
+            // reference (every access goes through `base` again).
+            let moved = unsafe { m.remap(map_len, memmap2::RemapOptions::new().may_move(true)) };
+            if moved.is_err() {
+                return false;
+            }
+            // As in `new`: huge pages where they will be filled, now over the new range too.
+            let full = bytes / HUGE_PAGE_BYTES * HUGE_PAGE_BYTES;
+            let from = old_len / HUGE_PAGE_BYTES * HUGE_PAGE_BYTES;
+            if full > from {
+                let _ = m.advise_range(memmap2::Advice::HugePage, from, full - from);
+            }
+            self.len = len;
+            return true;
+        }
+        let _ = len;
+        false
+    }
+
     /// Zero every element again (for reuse when a cheaper reset is not possible).
     pub fn zero(&mut self) {
         let bytes = self.len * std::mem::size_of::<T>();
@@ -239,6 +277,9 @@ impl<T: Pod> MapVec<T> {
     #[cold]
     fn grow(&mut self, need: usize) {
         let cap = need.max(self.buf.len() * 2).max(16);
+        if self.buf.grow_in_place(cap) {
+            return;
+        }
         let mut buf = ZeroedBuf::new(cap);
         buf[..self.len].copy_from_slice(&self.buf[..self.len]);
         self.buf = buf;
@@ -334,6 +375,39 @@ mod tests {
             assert_eq!(b[len / 2], 5, "populating keeps the contents");
             assert_eq!(b.iter().filter(|&&x| x != 0).count(), 1);
         }
+    }
+
+    /// A mapped buffer grows where it is (`mremap`): contents kept, new elements zero, and
+    /// still aligned and writable; a heap buffer does not (its vector copies instead).
+    #[test]
+    fn mapped_buffers_grow_in_place_keeping_contents() {
+        let small = MAP_BYTES / 16 + 1;
+        let mut b = ZeroedBuf::<u128>::new(small);
+        for (i, x) in b.iter_mut().enumerate() {
+            *x = i as u128 + 1;
+        }
+        for len in [
+            small + 1,
+            HUGE_PAGE_BYTES / 16 + 3,
+            3 * HUGE_PAGE_BYTES / 16 + 1,
+        ] {
+            assert!(b.grow_in_place(len), "grows to {len}");
+            assert_eq!(b.len(), len);
+            assert_eq!(b.as_ptr() as usize % 64, 0);
+            assert!(b[..small]
+                .iter()
+                .enumerate()
+                .all(|(i, &x)| x == i as u128 + 1));
+            assert!(b[small..].iter().all(|&x| x == 0), "new elements are zero");
+        }
+        let mut h = ZeroedBuf::<u128>::new(4);
+        assert!(!h.grow_in_place(small));
+        assert_eq!(h.len(), 4);
+        let mut v = MapVec::<u128>::new();
+        for i in 0..3 * HUGE_PAGE_BYTES as u128 / 16 {
+            v.push(i);
+        }
+        assert!(v.iter().enumerate().all(|(i, &x)| x == i as u128));
     }
 
     proptest::proptest! {
