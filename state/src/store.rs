@@ -1705,22 +1705,25 @@ impl SnapshotJob {
                 Part::Done(s) => segs.push(Listed::of(&s)),
                 Part::Listed(l) => segs.push(l),
                 Part::Write(f, id) => {
-                    if result.is_err() {
-                        continue;
-                    }
-                    let entries = f.entries();
-                    match self.ctx.write_segment(id, f.len() as u64, entries, false) {
+                    let written = match &result {
+                        Ok(()) => self
+                            .ctx
+                            .write_segment(id, f.len() as u64, f.entries(), false),
+                        Err(_) => Ok(None),
+                    };
+                    let mut reg = lock(&self.registry);
+                    // Written, failed or skipped after a failure: the generation is the
+                    // store's flushes' again. (Parts were taken out of `self`, so `Drop` no
+                    // longer sees them: a claim left here kept the frozen memtable from ever
+                    // being flushed, and its writer stalled for good at the budget.)
+                    reg.in_flight.remove(&f.gen);
+                    match written {
                         Ok(Some(seg)) => {
-                            let mut reg = lock(&self.registry);
-                            reg.in_flight.remove(&f.gen);
                             segs.push(Listed::of(&seg));
                             reg.flushed.entry(f.gen).or_insert(seg);
                         }
-                        Ok(None) => {
-                            // Every record of a sealed epoch was replaced within it.
-                            let mut reg = lock(&self.registry);
-                            reg.in_flight.remove(&f.gen);
-                        }
+                        // Every record of a sealed epoch was replaced within it.
+                        Ok(None) => {}
                         Err(e) => result = Err(e),
                     }
                 }

@@ -608,6 +608,41 @@ fn crash_before_snapshot_completes_leaves_no_usable_partial_segment() {
     assert_eq!(all(&mut r), vec![(key(0, 0), b"v".to_vec())]);
 }
 
+#[test]
+fn a_failed_snapshot_job_leaves_its_frozen_memtable_to_the_flushes() {
+    let root = tempfile::tempdir().unwrap();
+    let faulty = FaultyFs::new(FaultConfig {
+        seed: 98,
+        fail_sync_at_step: Some(1),
+        ..FaultConfig::default()
+    });
+    let fs: Arc<dyn Fs> = Arc::new(faulty);
+    let mut s = Store::open(fs, root.path(), small_config(8)).unwrap();
+    for u in 0..100u16 {
+        s.put(&key(u % 8, u), b"v");
+    }
+    s.freeze();
+    // The small budget froze one on the way: the job fails at the first one's fsync and
+    // skips the second.
+    let frozen = s.metrics().frozen_memtables;
+    assert_eq!(frozen, 2);
+    // The snapshot takes their writes over (flushes wait meanwhile).
+    let job = s.snapshot(1);
+    assert!(s.flush_job().is_none(), "the snapshot job writes them");
+    let err = job.run().unwrap_err();
+    assert!(matches!(
+        err,
+        StateError::Io(weir_io::IoError::Injected { seed: 98, .. })
+    ));
+    assert_eq!(s.metrics().frozen_memtables, frozen);
+    // The failed job gave the memtables back: flushes write them.
+    s.run_pending_maintenance().unwrap();
+    let m = s.metrics();
+    assert_eq!(m.frozen_memtables, 0);
+    assert!(m.segments >= 1);
+    assert_eq!(s.get(&key(3, 3)).unwrap().value, b"v");
+}
+
 /// Flush the mutable memtable now (freeze, run the flush job, install it).
 fn flush(s: &mut Store) {
     s.freeze();
