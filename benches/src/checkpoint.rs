@@ -7,7 +7,8 @@
 //!   the processing window: from the start until the last records reach the sink (process CPU,
 //!   background work included). The bounded job then waits for its final checkpoint;
 //!   `ratio_per_cpu_to_end` counts until the job finished, and `run<i>_with_final_wait_ms` is
-//!   that wait.
+//!   that wait. `run<i>_cpu_ms_per_checkpoint` is the CPU a run took beyond the same records
+//!   without checkpoints, per checkpoint completed.
 //!   Per-record latency (records carry their creation time) is measured at half the peak rate
 //!   just measured, with and without checkpoints; the row's p50..max are the run with them.
 //! * `checkpoint_duration_<S>MiB_1pct`: a keyed state of S MiB (1 KiB values), 1% of its keys
@@ -43,8 +44,8 @@ use weir_runtime::source::{
 };
 use weir_runtime::{FnProcess, Job, JobConfig, JobHandle, KeyedContext, StartError};
 
-use crate::runtime::{keyed_count, new_hist, process_cpu_ns, LatencySink, LIVE_STEP};
-use crate::{BenchResult, Opts};
+use crate::runtime::{keyed_count, new_hist, LatencySink, LIVE_STEP};
+use crate::{process_cpu_ns, BenchResult, Opts};
 
 const SHARDS: usize = 2;
 /// Bytes of each keyed value in the large-state benchmarks.
@@ -375,6 +376,14 @@ fn overhead(opts: &Opts) -> BenchResult {
             w.wall_ns.saturating_sub(w.window_wall_ns) as f64 / 1e6,
         ));
         extra.push((format!("run{i}_with_checkpoints"), w.completed as f64));
+        // What one checkpoint cost: the CPU the run took beyond the same records' CPU
+        // without checkpoints, over its checkpoints. Faster checkpoints fit more of them into
+        // a run, which the ratio alone counts against them.
+        extra.push((
+            format!("run{i}_cpu_ms_per_checkpoint"),
+            (w.window_records as f64 / w.per_cpu() - w.window_records as f64 / o.per_cpu()) * 1e3
+                / w.completed.max(1) as f64,
+        ));
         extra.push((
             format!("run{i}_checkpoint_duration_p50_ms"),
             w.ckpt_duration_ms,

@@ -10,4 +10,4 @@ pub mod ring;
 pub mod runtime;
 pub mod state;
 
-pub use report::{thread_cpu_ns, BenchResult, Opts};
+pub use report::{process_cpu_ns, thread_cpu_ns, BenchResult, Opts};

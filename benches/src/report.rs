@@ -129,3 +129,19 @@ pub fn print_json(rows: &[BenchResult]) {
         println!("{}", r.to_json());
     }
 }
+
+/// CPU time of the whole process (every thread, the kernel's io_uring workers included), in
+/// nanoseconds.
+pub fn process_cpu_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; the clock id is a constant the kernel knows.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    assert_eq!(
+        rc, 0,
+        "CLOCK_PROCESS_CPUTIME_ID is always available on Linux"
+    );
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}

@@ -23,22 +23,7 @@ use weir_runtime::sink::{Sink, SinkWriter};
 use weir_runtime::source::{splitmix64, GeneratorSource};
 use weir_runtime::{Job, JobConfig, StartError, Stream};
 
-use crate::{BenchResult, Opts};
-
-/// CPU time of the whole process (every shard thread), in nanoseconds.
-pub fn process_cpu_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec; the clock id is a constant the kernel knows.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
-    assert_eq!(
-        rc, 0,
-        "CLOCK_PROCESS_CPUTIME_ID is always available on Linux"
-    );
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+use crate::{process_cpu_ns, BenchResult, Opts};
 
 /// Peak resident set size of the process, in bytes.
 pub fn peak_rss_bytes() -> u64 {
