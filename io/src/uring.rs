@@ -5,14 +5,14 @@
 //! Every completion's result is checked: a negative result is an error, a short transfer is
 //! resubmitted for its remainder, a transfer of zero bytes is an [`IoError::Short`].
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use io_uring::{opcode, types, IoUring};
 
 use crate::error::IoError;
-use crate::fs::{self, FsFile, Mapped, StdFile};
+use crate::fs::{self, FsFile, Mapped, StdFile, DIRECT_ALIGN};
 use crate::Fs;
 
 /// Bytes per submitted write or read. 2 MiB, the huge page size: each piece of a write that
@@ -237,12 +237,51 @@ impl UringFs {
     }
 }
 
-#[derive(Debug)]
 struct UringFile {
     inner: StdFile,
     /// Writes started by `write_behind`, on a ring of the file's own (the thread's ring is
     /// for calls that wait for everything they submit).
     behind: Option<Behind>,
+    /// `O_DIRECT` is set: aligned write-behind pieces bypass the page cache
+    /// ([`Fs::create_direct`]). Cleared for good by the first call that is not such a piece.
+    direct: Cell<bool>,
+    /// The buffer of a write-behind drained early (to leave direct mode), for the next
+    /// `write_behind` to return.
+    returned: Option<Box<dyn crate::WriteBuf>>,
+}
+
+impl std::fmt::Debug for UringFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UringFile")
+            .field("inner", &self.inner)
+            .field("behind", &self.behind)
+            .field("direct", &self.direct.get())
+            .finish()
+    }
+}
+
+/// Whether a write of `len` bytes from `ptr` at `offset` meets direct I/O's alignment.
+fn direct_aligned(ptr: *const u8, len: usize, offset: u64) -> bool {
+    (ptr as usize | len).is_multiple_of(DIRECT_ALIGN) && offset.is_multiple_of(DIRECT_ALIGN as u64)
+}
+
+/// Set or clear `O_DIRECT` on `fd`. A file system without direct I/O refuses to set it.
+fn set_direct(fd: i32, on: bool) -> std::io::Result<()> {
+    // SAFETY: F_GETFL takes no argument and touches no memory of ours; `fd` is open.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let flags = if on {
+        flags | libc::O_DIRECT
+    } else {
+        flags & !libc::O_DIRECT
+    };
+    // SAFETY: F_SETFL takes an int of status flags and touches no memory of ours.
+    if unsafe { libc::fcntl(fd, libc::F_SETFL, flags) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Ring entries of a file's write-behind ring: a write and its linked writeback.
@@ -259,6 +298,8 @@ struct Behind {
 struct InFlight {
     buf: Box<dyn crate::WriteBuf>,
     offset: u64,
+    /// Issued with `O_DIRECT` set.
+    direct: bool,
     /// Completion results of the write and of its linked writeback.
     write: Option<i32>,
     writeback: Option<i32>,
@@ -316,7 +357,31 @@ impl UringFile {
         UringFile {
             inner,
             behind: None,
+            direct: Cell::new(false),
+            returned: None,
         }
+    }
+
+    /// Clear `O_DIRECT` (see [`UringFile::direct`]).
+    fn clear_direct(&self) -> Result<(), IoError> {
+        if self.direct.get() {
+            set_direct(self.inner.file.as_raw_fd(), false)
+                .map_err(|e| IoError::os("fcntl (clear O_DIRECT)", &self.inner.path, e))?;
+            self.direct.set(false);
+        }
+        Ok(())
+    }
+
+    /// Before a write that is not an aligned write-behind piece: the piece in flight completes
+    /// first, so that no write of this file is issued under the flags of the other mode.
+    fn leave_direct(&mut self) -> Result<(), IoError> {
+        if self.direct.get() {
+            if let Some(b) = self.drain_behind()? {
+                self.returned = Some(b);
+            }
+            self.clear_direct()?;
+        }
+        Ok(())
     }
 
     /// Check a completed write-behind: finish a short or interrupted write and its writeback
@@ -325,6 +390,14 @@ impl UringFile {
         let bytes = w.buf.bytes();
         let len = bytes.len();
         let res = w.write.unwrap_or(-libc::EINTR);
+        if w.direct && -res == libc::EINVAL {
+            // The device wants a larger alignment than DIRECT_ALIGN: write through the page
+            // cache from here on.
+            self.clear_direct()?;
+            self.write_at(w.offset, bytes)?;
+            self.start_writeback(w.offset, len as u64)?;
+            return Ok(w.buf);
+        }
         let retry = -res == libc::EINTR || -res == libc::EAGAIN;
         if res < 0 && !retry {
             return Err(IoError::os(
@@ -394,6 +467,7 @@ impl FsFile for UringFile {
         &self.inner.path
     }
     fn write_at(&mut self, offset: u64, buf: &[u8]) -> Result<(), IoError> {
+        self.leave_direct()?;
         // The kernel only reads from the buffer for a write; the cast is for the shared helper.
         transfer(
             self.inner.file.as_raw_fd(),
@@ -405,6 +479,8 @@ impl FsFile for UringFile {
         )
     }
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), IoError> {
+        // Reads of a file being written are rare (tests): no drain, only the flag.
+        self.clear_direct()?;
         transfer(
             self.inner.file.as_raw_fd(),
             &self.inner.path,
@@ -430,7 +506,17 @@ impl FsFile for UringFile {
         // did: the previous write (usually long done) completes before this one starts.
         // Concurrent writes of neighbouring pieces, on several io-wq workers, left the page
         // cache in smaller folios.
-        let previous = self.drain_behind()?;
+        {
+            let bytes = buf.bytes();
+            if !direct_aligned(bytes.as_ptr(), bytes.len(), offset) {
+                self.leave_direct()?;
+            }
+        }
+        let previous = match self.drain_behind()? {
+            Some(b) => Some(b),
+            None => self.returned.take(),
+        };
+        let direct = self.direct.get();
         let b = match &mut self.behind {
             Some(b) => b,
             None => self.behind.insert(Behind {
@@ -473,6 +559,7 @@ impl FsFile for UringFile {
         b.in_flight = Some(InFlight {
             buf,
             offset,
+            direct,
             write: None,
             writeback: None,
         });
@@ -492,6 +579,13 @@ impl FsFile for UringFile {
 impl Fs for UringFs {
     fn create(&self, path: &Path) -> Result<Box<dyn FsFile>, IoError> {
         Ok(Box::new(UringFile::new(fs::std_create(path)?)))
+    }
+    fn create_direct(&self, path: &Path) -> Result<Box<dyn FsFile>, IoError> {
+        let f = UringFile::new(fs::std_create(path)?);
+        // Refused (tmpfs): the file is written through the page cache, as from `create`.
+        f.direct
+            .set(set_direct(f.inner.file.as_raw_fd(), true).is_ok());
+        Ok(Box::new(f))
     }
     fn open(&self, path: &Path) -> Result<Box<dyn FsFile>, IoError> {
         Ok(Box::new(UringFile::new(fs::std_open(path)?)))
@@ -609,6 +703,84 @@ mod tests {
         // sync waits for the write still in flight.
         f.sync().unwrap();
         assert!(f.wait_behind().unwrap().is_none());
+        assert!(std::fs::read(&p).unwrap() == expect);
+    }
+
+    /// A page-aligned buffer, as the segment writer's mapped ones.
+    struct Aligned(memmap2::MmapMut);
+
+    // SAFETY: an anonymous map neither moves nor changes while nobody writes through it.
+    unsafe impl crate::WriteBuf for Aligned {
+        fn bytes(&self) -> &[u8] {
+            &self.0
+        }
+        fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+            self
+        }
+    }
+
+    /// Which pages of the file at `p` are in the page cache.
+    fn resident(p: &Path) -> Vec<bool> {
+        let file = std::fs::File::open(p).unwrap();
+        // SAFETY: read-only map of a file nobody writes while it lives (this test's own).
+        let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+        let pages = map.len().div_ceil(DIRECT_ALIGN);
+        let mut v = vec![0u8; pages];
+        // SAFETY: `map` covers `map.len()` bytes from a page-aligned start; `v` has one byte
+        // per page of that range.
+        let r = unsafe { libc::mincore(map.as_ptr() as *mut _, map.len(), v.as_mut_ptr()) };
+        assert_eq!(r, 0, "mincore: {}", std::io::Error::last_os_error());
+        v.iter().map(|b| b & 1 == 1).collect()
+    }
+
+    #[test]
+    fn direct_files_write_aligned_pieces_past_the_page_cache() {
+        let Some(fs) = uring_or_skip() else { return };
+        let dir = tempfile::tempdir().unwrap();
+        let probe = dir.path().join("probe");
+        let direct_ok = {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(&probe)
+                .is_ok()
+        };
+        let p = dir.path().join("direct");
+        let mut f = fs.create_direct(&p).unwrap();
+        let piece = 64 << 10;
+        let mut expect = Vec::new();
+        let mut returned = 0;
+        for k in 0..6u8 {
+            let mut m = memmap2::MmapMut::map_anon(piece).unwrap();
+            m.fill(k + 1);
+            expect.extend_from_slice(&m);
+            let off = (usize::from(k) * piece) as u64;
+            returned += usize::from(f.write_behind(off, Box::new(Aligned(m))).unwrap().is_some());
+        }
+        assert_eq!(returned, 5);
+        // An unaligned write ends the bypass; the piece in flight is handed back next.
+        f.write_at(expect.len() as u64, b"tail").unwrap();
+        expect.extend_from_slice(b"tail");
+        let off = expect.len() as u64;
+        let back = f.write_behind(off, Box::new(vec![9u8; 5000])).unwrap();
+        assert!(back.is_some(), "the drained piece's buffer comes back");
+        expect.extend_from_slice(&[9u8; 5000]);
+        f.sync().unwrap();
+        // Before anything reads the file in.
+        let pages = resident(&p);
+        let direct_pages = 6 * piece / DIRECT_ALIGN;
+        if direct_ok {
+            assert!(
+                pages[..direct_pages].iter().all(|r| !r),
+                "direct pieces went through the page cache"
+            );
+        } else {
+            eprintln!("no O_DIRECT on this file system: buffered throughout");
+        }
+        // What followed the unaligned write went through the page cache.
+        assert!(pages[direct_pages..].iter().all(|r| *r));
         assert!(std::fs::read(&p).unwrap() == expect);
     }
 

@@ -287,7 +287,9 @@ impl SegmentWriter {
             Some(n) => Some(Bloom::empty(n.max(1), opts.bloom_bits_per_key)?),
             None => None,
         };
-        let file = fs.create(path)?;
+        // Written in aligned 2 MiB pieces from mapped buffers (`flush_aligned`), then read
+        // through a map only: the pieces may bypass the page cache.
+        let file = fs.create_direct(path)?;
         let mut buf = MapVec::with_capacity(WRITE_BUFFER_BYTES + opts.block_target_bytes * 2);
         buf.extend_from_slice(&FILE_MAGIC);
         buf.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
