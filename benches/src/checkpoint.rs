@@ -7,7 +7,8 @@
 //!   the processing window: from the start until the last records reach the sink (process CPU,
 //!   background work included). The bounded job then waits for its final checkpoint;
 //!   `ratio_per_cpu_to_end` counts until the job finished, and `run<i>_with_final_wait_ms` is
-//!   that wait. `run<i>_cpu_ms_per_checkpoint` is the CPU a run took beyond the same records
+//!   that wait. `ratio_per_cpu_second_half` is the ratio over the second half of the
+//!   records, on memory the first half faulted in. `run<i>_cpu_ms_per_checkpoint` is the CPU a run took beyond the same records
 //!   without checkpoints, per checkpoint completed.
 //!   Per-record latency (records carry their creation time) is measured at half the peak rate
 //!   just measured, with and without checkpoints; the row's p50..max are the run with them.
@@ -219,6 +220,9 @@ struct KeyedRun {
     window_records: u64,
     window_wall_ns: u64,
     window_cpu_ns: u64,
+    /// (records, wall, CPU) when half the records had reached the sink: the second half of
+    /// the window runs on memory the first half faulted in (`per_cpu_second_half`).
+    half: Option<(u64, u64, u64)>,
     hist: Histogram<u64>,
     completed: u64,
     /// Time shards stopped for their stores' flushes (`weir_runtime::STATE_STALL`).
@@ -238,6 +242,15 @@ impl KeyedRun {
     }
     fn per_cpu(&self) -> f64 {
         self.window_records as f64 * 1e9 / self.window_cpu_ns.max(1) as f64
+    }
+    /// [`Self::per_cpu`] over the window's second half (NaN if the watcher missed it).
+    fn per_cpu_second_half(&self) -> f64 {
+        match self.half {
+            Some((r, _, c)) if self.window_cpu_ns > c => {
+                (self.window_records - r) as f64 * 1e9 / (self.window_cpu_ns - c) as f64
+            }
+            _ => f64::NAN,
+        }
     }
     /// Throughput until the job finished, its final checkpoint included.
     fn per_wall_to_end(&self) -> f64 {
@@ -289,20 +302,25 @@ fn keyed_run(
         // Every writer may hold back fewer than LIVE_STEP records until it finishes.
         let all_but = n.saturating_sub(SHARDS as u64 * LIVE_STEP);
         std::thread::spawn(move || {
+            let mut half = None;
             while !done.load(Ordering::Relaxed) {
                 let seen = live.load(Ordering::Relaxed);
+                let now = || (seen, w0.elapsed().as_nanos() as u64, process_cpu_ns() - c0);
                 if seen >= all_but {
-                    return Some((seen, w0.elapsed().as_nanos() as u64, process_cpu_ns() - c0));
+                    return (Some(now()), half);
+                }
+                if half.is_none() && seen >= n / 2 {
+                    half = Some(now());
                 }
                 std::thread::sleep(Duration::from_micros(500));
             }
-            None
+            (None, half)
         })
     };
     let summary = job.run().expect("keyed job");
     let (wall_ns, cpu_ns) = (w0.elapsed().as_nanos() as u64, process_cpu_ns() - c0);
     done.store(true, Ordering::Relaxed);
-    let processed = watcher.join().expect("watcher");
+    let (processed, half) = watcher.join().expect("watcher");
     let hist = hist.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let (window_records, window_wall_ns, window_cpu_ns) =
         processed.unwrap_or((hist.len(), wall_ns, cpu_ns));
@@ -313,6 +331,7 @@ fn keyed_run(
         window_records,
         window_wall_ns,
         window_cpu_ns,
+        half,
         hist,
         completed: summary.checkpoints.number_of_completed_checkpoints,
         ckpt_duration_ms: ckpt_median(&summary.checkpoints, |c| c.duration_ms as f64),
@@ -364,6 +383,10 @@ fn overhead(opts: &Opts) -> BenchResult {
         extra.push((format!("run{i}_without_per_wall_sec"), o.per_wall()));
         extra.push((format!("run{i}_ratio_per_cpu"), w.per_cpu() / o.per_cpu()));
         extra.push((
+            format!("run{i}_ratio_per_cpu_second_half"),
+            w.per_cpu_second_half() / o.per_cpu_second_half(),
+        ));
+        extra.push((
             format!("run{i}_with_per_cpu_sec_to_end"),
             w.per_cpu_to_end(),
         ));
@@ -411,6 +434,13 @@ fn overhead(opts: &Opts) -> BenchResult {
             o.hist.value_at_quantile(0.99) as f64,
         ));
     }
+    // Past the start: each job's memtables first grow into fresh memory (a first touch costs
+    // microseconds a page here), and checkpoints make them grow twice as far (copies of the
+    // records a snapshot job still reads, and a second memtable after the first freeze).
+    extra.push((
+        "ratio_per_cpu_second_half".into(),
+        med(&with, KeyedRun::per_cpu_second_half) / med(&without, KeyedRun::per_cpu_second_half),
+    ));
     extra.push((
         "ratio_per_wall".into(),
         med(&with, KeyedRun::per_wall) / med(&without, KeyedRun::per_wall),
