@@ -1722,7 +1722,7 @@ impl SnapshotJob {
                             segs.push(Listed::of(&seg));
                             reg.flushed.entry(f.gen).or_insert(seg);
                         }
-                        // Every record of a sealed epoch was replaced within it.
+                        // Skipped, or every record of a sealed epoch was replaced within it.
                         Ok(None) => {}
                         Err(e) => result = Err(e),
                     }
