@@ -76,16 +76,24 @@ fn num(v: f64) -> Value {
 
 /// CPU time consumed by the calling thread, in nanoseconds (`CLOCK_THREAD_CPUTIME_ID`).
 pub fn thread_cpu_ns() -> u64 {
+    cpu_clock_ns(libc::CLOCK_THREAD_CPUTIME_ID)
+}
+
+/// CPU time of the whole process (every thread, the kernel's io_uring workers included), in
+/// nanoseconds.
+pub fn process_cpu_ns() -> u64 {
+    cpu_clock_ns(libc::CLOCK_PROCESS_CPUTIME_ID)
+}
+
+fn cpu_clock_ns(clock: libc::clockid_t) -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
-    // SAFETY: `ts` is a valid, writable timespec; the clock id is a constant the kernel knows.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    assert_eq!(
-        rc, 0,
-        "CLOCK_THREAD_CPUTIME_ID is always available on Linux"
-    );
+    // SAFETY: `ts` is a valid, writable timespec; the clock ids passed are constants the
+    // kernel knows.
+    let rc = unsafe { libc::clock_gettime(clock, &mut ts) };
+    assert_eq!(rc, 0, "CPU-time clocks are always available on Linux");
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
@@ -128,20 +136,4 @@ pub fn print_json(rows: &[BenchResult]) {
     for r in rows {
         println!("{}", r.to_json());
     }
-}
-
-/// CPU time of the whole process (every thread, the kernel's io_uring workers included), in
-/// nanoseconds.
-pub fn process_cpu_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec; the clock id is a constant the kernel knows.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
-    assert_eq!(
-        rc, 0,
-        "CLOCK_PROCESS_CPUTIME_ID is always available on Linux"
-    );
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
