@@ -11,7 +11,10 @@
 //!   records, on memory the first half faulted in. `run<i>_cpu_ms_per_checkpoint` is the CPU a run took beyond the same records
 //!   without checkpoints, per checkpoint completed.
 //!   Per-record latency (records carry their creation time) is measured at half the peak rate
-//!   just measured, with and without checkpoints; the row's p50..max are the run with them.
+//!   just measured, with and without checkpoints, configured as the runtime suite's latency
+//!   row; the row's p50..max are the run with them. `latency_run_alignment_max_ms`,
+//!   `latency_run_sync_max_ms` and `latency_run_state_stall_ms` say where a checkpoint of
+//!   that run can have held records up.
 //! * `checkpoint_duration_<S>MiB_1pct`: a keyed state of S MiB (1 KiB values), 1% of its keys
 //!   updated per checkpoint interval. p50/p99 are checkpoint durations (trigger to durable
 //!   metadata); per_wall/per_cpu are updates processed per second. For this row `baseline` is
@@ -45,7 +48,7 @@ use weir_runtime::source::{
 };
 use weir_runtime::{FnProcess, Job, JobConfig, JobHandle, KeyedContext, StartError};
 
-use crate::runtime::{keyed_count, new_hist, LatencySink, LIVE_STEP};
+use crate::runtime::{keyed_count, new_hist, LatencySink, LATENCY_BATCH_RECORDS, LIVE_STEP};
 use crate::{process_cpu_ns, BenchResult, Opts};
 
 const SHARDS: usize = 2;
@@ -90,6 +93,18 @@ fn ckpt_median(
         .map(f)
         .collect();
     median_f(&v)
+}
+
+/// Largest `f` over the completed checkpoints in `m`'s history (0 when none).
+fn ckpt_max(
+    m: &CheckpointMetrics,
+    f: impl Fn(&weir_runtime::checkpoint::CheckpointStats) -> f64,
+) -> f64 {
+    m.history
+        .iter()
+        .filter(|c| c.failure.is_none())
+        .map(f)
+        .fold(0.0, f64::max)
 }
 
 fn median_f(v: &[f64]) -> f64 {
@@ -233,6 +248,9 @@ struct KeyedRun {
     ckpt_async_ms: f64,
     ckpt_start_delay_ms: f64,
     ckpt_size_bytes: f64,
+    /// Largest over the completed checkpoints: barrier alignment and synchronous part, in ms.
+    ckpt_alignment_max_ms: f64,
+    ckpt_sync_max_ms: f64,
 }
 
 impl KeyedRun {
@@ -279,7 +297,14 @@ fn keyed_run(
     let mut cfg = config();
     if rate_per_shard.is_some() {
         // Latency runs: shards poll instead of sleeping when idle, as the runtime suite's.
-        cfg = cfg.with_idle_sleep_max_us(0);
+        // And tuned for latency as the runtime suite's latency row is (steps of at most
+        // LATENCY_BATCH_RECORDS records, memtable memory faulted in before the first record),
+        // so that the run without checkpoints measures what that row does: its p99 went from
+        // 1.4-3.5 ms to 30-60 us; with checkpoints it stayed 6-33 ms either way.
+        cfg = cfg
+            .with_idle_sleep_max_us(0)
+            .with_batch_records(LATENCY_BATCH_RECORDS)
+            .with_prefault_state_memory(true);
     }
     if let Some(i) = interval {
         cfg = cfg.with_checkpointing(ck(dir.path(), i));
@@ -338,6 +363,10 @@ fn keyed_run(
         ckpt_async_ms: ckpt_median(&summary.checkpoints, |c| c.async_duration_ns as f64 / 1e6),
         ckpt_start_delay_ms: ckpt_median(&summary.checkpoints, |c| c.start_delay_ns as f64 / 1e6),
         ckpt_size_bytes: ckpt_median(&summary.checkpoints, |c| c.size_bytes as f64),
+        ckpt_alignment_max_ms: ckpt_max(&summary.checkpoints, |c| {
+            c.alignment_duration_ns as f64 / 1e6
+        }),
+        ckpt_sync_max_ms: ckpt_max(&summary.checkpoints, |c| c.sync_duration_ns as f64 / 1e6),
         stall_ns: summary
             .metrics
             .heads
@@ -472,6 +501,21 @@ fn overhead(opts: &Opts) -> BenchResult {
     }
     extra.push(("latency_offered_rate".into(), (rate * SHARDS as u64) as f64));
     extra.push(("latency_run_checkpoints".into(), lat_with.completed as f64));
+    // Where a checkpoint can hold records up: barrier alignment, the synchronous part, a
+    // shard stopped for its store's flushes.
+    extra.push((
+        "latency_run_alignment_max_ms".into(),
+        lat_with.ckpt_alignment_max_ms,
+    ));
+    extra.push(("latency_run_sync_max_ms".into(), lat_with.ckpt_sync_max_ms));
+    extra.push((
+        "latency_run_state_stall_ms".into(),
+        lat_with.stall_ns as f64 / 1e6,
+    ));
+    extra.push((
+        "latency_run_checkpoint_duration_p50_ms".into(),
+        lat_with.ckpt_duration_ms,
+    ));
     BenchResult {
         bench: "checkpoint_overhead_keyed_100ms".into(),
         per_wall_sec: med(&with, KeyedRun::per_wall),

@@ -97,7 +97,7 @@ const SCHEDULE_START_NS: u64 = 500_000_000;
 
 /// Records per step in the latency job (the throughput jobs use 4096). Same machine, four runs
 /// each: p99 19-32 us with 64, 41-178 us with 256, 1.5-6.7 ms with 4096 (and no prefault).
-const LATENCY_BATCH_RECORDS: usize = 64;
+pub(crate) const LATENCY_BATCH_RECORDS: usize = 64;
 
 fn config(shards: usize) -> JobConfig {
     JobConfig::new()
