@@ -8,8 +8,8 @@
 //!   background work included). The bounded job then waits for its final checkpoint;
 //!   `ratio_per_cpu_to_end` counts until the job finished, and `run<i>_with_final_wait_ms` is
 //!   that wait. `ratio_per_cpu_second_half` is the ratio over the second half of the
-//!   records, on memory the first half faulted in. `run<i>_cpu_ms_per_checkpoint` is the CPU a run took beyond the same records
-//!   without checkpoints, per checkpoint completed.
+//!   records, on memory the first half faulted in. `run<i>_cpu_ms_per_checkpoint` is the CPU
+//!   a run took beyond the same records without checkpoints, per checkpoint completed.
 //!   Per-record latency (records carry their creation time) is measured at half the peak rate
 //!   just measured, with and without checkpoints, configured as the runtime suite's latency
 //!   row; the row's p50..max are the run with them. `latency_run_alignment_max_ms`,
@@ -235,9 +235,9 @@ struct KeyedRun {
     window_records: u64,
     window_wall_ns: u64,
     window_cpu_ns: u64,
-    /// (records, wall, CPU) when half the records had reached the sink: the second half of
-    /// the window runs on memory the first half faulted in (`per_cpu_second_half`).
-    half: Option<(u64, u64, u64)>,
+    /// (records, CPU) when half the records had reached the sink: the second half of the
+    /// window runs on memory the first half faulted in (`per_cpu_second_half`).
+    half: Option<(u64, u64)>,
     hist: Histogram<u64>,
     completed: u64,
     /// Time shards stopped for their stores' flushes (`weir_runtime::STATE_STALL`).
@@ -264,7 +264,7 @@ impl KeyedRun {
     /// [`Self::per_cpu`] over the window's second half (NaN if the watcher missed it).
     fn per_cpu_second_half(&self) -> f64 {
         match self.half {
-            Some((r, _, c)) if self.window_cpu_ns > c => {
+            Some((r, c)) if self.window_cpu_ns > c => {
                 (self.window_records - r) as f64 * 1e9 / (self.window_cpu_ns - c) as f64
             }
             _ => f64::NAN,
@@ -300,7 +300,7 @@ fn keyed_run(
         // And tuned for latency as the runtime suite's latency row is (steps of at most
         // LATENCY_BATCH_RECORDS records, memtable memory faulted in before the first record),
         // so that the run without checkpoints measures what that row does: its p99 went from
-        // 1.4-3.5 ms to 30-60 us; with checkpoints it stayed 6-33 ms either way.
+        // 1.4-3.5 ms to 24-44 us; with checkpoints it stayed 6-33 ms either way.
         cfg = cfg
             .with_idle_sleep_max_us(0)
             .with_batch_records(LATENCY_BATCH_RECORDS)
@@ -330,12 +330,12 @@ fn keyed_run(
             let mut half = None;
             while !done.load(Ordering::Relaxed) {
                 let seen = live.load(Ordering::Relaxed);
-                let now = || (seen, w0.elapsed().as_nanos() as u64, process_cpu_ns() - c0);
                 if seen >= all_but {
-                    return (Some(now()), half);
+                    let at = (seen, w0.elapsed().as_nanos() as u64, process_cpu_ns() - c0);
+                    return (Some(at), half);
                 }
                 if half.is_none() && seen >= n / 2 {
-                    half = Some(now());
+                    half = Some((seen, process_cpu_ns() - c0));
                 }
                 std::thread::sleep(Duration::from_micros(500));
             }
@@ -433,7 +433,7 @@ fn overhead(opts: &Opts) -> BenchResult {
         // a run, which the ratio alone counts against them.
         extra.push((
             format!("run{i}_cpu_ms_per_checkpoint"),
-            (w.window_records as f64 / w.per_cpu() - w.window_records as f64 / o.per_cpu()) * 1e3
+            (w.window_cpu_ns as f64 / 1e6 - w.window_records as f64 * 1e3 / o.per_cpu())
                 / w.completed.max(1) as f64,
         ));
         extra.push((

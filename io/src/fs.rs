@@ -21,9 +21,10 @@ pub trait Fs: Send + Sync + Debug {
     ///
     /// Why: a buffered write copies into page-cache pages, fresh ones for a new file, and a
     /// page's first touch costs microseconds on this VM (PLATFORM.md). In the keyed job
-    /// checkpointing every 100 ms that copy was a third of the CPU checkpoints cost, and `dd`
-    /// wrote 100 MiB at 1.4-2.1 GB/s direct against 0.4-1.3 GB/s buffered. The pages are read
-    /// in from the device instead when the file is mapped, without a copy by the CPU.
+    /// checkpointing every 100 ms that copy was about a quarter of the CPU checkpoints cost
+    /// (0.56-0.67 s of 1.7-2.4 s a run), and `dd` wrote 100 MiB at 1.4-2.1 GB/s direct
+    /// against 0.4-1.3 GB/s buffered. The pages are read in from the device instead when the
+    /// file is mapped, without a copy by the CPU.
     fn create_direct(&self, path: &Path) -> Result<Box<dyn FsFile>, IoError> {
         self.create(path)
     }
