@@ -438,7 +438,7 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
         // Warm-up: touch the pages once (PLATFORM.md: first touch is expensive on this VM).
         for _ in 0..gets / 4 {
             key_of(rng.next() % keys, &mut k);
-            found += u64::from(store.get(&k).is_some());
+            found += u64::from(store.get(&k).expect("get").is_some());
         }
         // Gets as a keyed operator issues them: in batches (`Store::multi_get`), whose steps
         // overlap the cache misses of neighbouring keys; single gets beside them.
@@ -448,14 +448,16 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
                 for b in batch.iter_mut() {
                     key_of(rng.next() % keys, b);
                 }
-                store.multi_get(&batch, |_, f| found += u64::from(f.is_some()));
+                store
+                    .multi_get(&batch, |_, f| found += u64::from(f.is_some()))
+                    .expect("multi_get");
             }
         });
         let mut single_found = 0u64;
         let t_single = timed(|| {
             for _ in 0..gets {
                 key_of(rng.next() % keys, &mut k);
-                single_found += u64::from(store.get(&k).is_some());
+                single_found += u64::from(store.get(&k).expect("get").is_some());
             }
         });
         let mut base_map: hashbrown::HashMap<[u8; 12], [u8; 16], hashbrown::DefaultHashBuilder> =
@@ -495,7 +497,9 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
                 for b in batch.iter_mut() {
                     key_of(keys + rng.next() % keys, b);
                 }
-                store.multi_get(&batch, |_, f| absent_found += u64::from(f.is_some()));
+                store
+                    .multi_get(&batch, |_, f| absent_found += u64::from(f.is_some()))
+                    .expect("multi_get");
             }
         });
         let neg = store.metrics().bloom_negatives - bloom_before;
@@ -503,7 +507,7 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
         let t_single = timed(|| {
             for _ in 0..gets {
                 key_of(keys + rng.next() % keys, &mut k);
-                single_absent_found += u64::from(store.get(&k).is_some());
+                single_absent_found += u64::from(store.get(&k).expect("get").is_some());
             }
         });
         let base_t = timed(|| {
@@ -717,7 +721,7 @@ fn hot_path(fs: &Arc<dyn Fs>, dir: &Path, opts: &Opts) -> BenchResult {
     let n_keys: u64 = 100_000;
     let ops: u64 = if opts.quick { 1_000_000 } else { 20_000_000 };
     let store = Store::open(fs.clone(), &dir.join("hot"), StoreConfig::default()).expect("open");
-    let mut be = KeyedBackend::new(store, KeyGroupRange::all(128));
+    let mut be = KeyedBackend::new(store, KeyGroupRange::all(128)).expect("backend");
     let id = be.state_id("count");
     let keys: Vec<[u8; 8]> = (0..n_keys).map(|i| (i * 7919).to_be_bytes()).collect();
     let kgs: Vec<u16> = keys

@@ -260,7 +260,8 @@ impl ShardState {
             None => Store::open(fs, &dir, store_config)
                 .map_err(|e| err(format!("{}: {e}", dir.display())))?,
         };
-        let be = KeyedBackend::new(store, range);
+        let be = KeyedBackend::new(store, range)
+            .map_err(|e| err(format!("{}: reading timers: {e}", dir.display())))?;
         let maint = if ctx.real_io {
             Some(Self::spawn(shard, dir.clone()).map_err(err)?)
         } else {
@@ -620,8 +621,7 @@ impl ShardState {
         ns: &[u8],
     ) -> Result<(), StateError> {
         self.with(kg, key, ns, |be| {
-            weir_state::ListState::<u8>::from_id(id.0).clear(be);
-            Ok(())
+            weir_state::ListState::<u8>::from_id(id.0).clear(be)
         })
     }
 
@@ -801,7 +801,7 @@ mod tests {
 
     fn get(s: &ShardState, k: &[u8]) -> Option<Vec<u8>> {
         let i = s.inner.borrow();
-        i.be.store().get(k).map(|f| f.value.to_vec())
+        i.be.store().get(k).unwrap().map(|f| f.value.to_vec())
     }
 
     /// The restored store shadows the older segment's values with the newer one's tombstones,

@@ -160,20 +160,21 @@ fn deser<V: StateValue>(a: &V::Archived, state_id: u16) -> Result<V, StateError>
 impl KeyedBackend {
     /// A backend over `store` for the key groups `range`; rebuilds the timer queues from the
     /// store (so a restored store brings its timers back).
-    pub fn new(mut store: Store, range: KeyGroupRange) -> KeyedBackend {
+    pub fn new(mut store: Store, range: KeyGroupRange) -> Result<KeyedBackend, StateError> {
         let max_parallelism = store.config().max_parallelism;
         let mut timers: [BTreeSet<Timer>; 2] = [BTreeSet::new(), BTreeSet::new()];
         for kg in range.first..=range.last {
             let mut prefix = Vec::with_capacity(4);
             prefix.extend_from_slice(&kg.to_be_bytes());
             prefix.extend_from_slice(&TIMER_STATE_ID.to_be_bytes());
-            for (k, _) in store.scan_prefix(&prefix) {
+            for e in store.scan_prefix(&prefix) {
+                let (k, _) = e?;
                 if let Some((domain, t)) = decode_timer_key(k) {
                     timers[domain as usize].insert(t);
                 }
             }
         }
-        KeyedBackend {
+        Ok(KeyedBackend {
             store,
             range,
             max_parallelism,
@@ -189,7 +190,7 @@ impl KeyedBackend {
             ser_arena: SerArena::default(),
             names: Default::default(),
             timers,
-        }
+        })
     }
 
     pub fn store(&self) -> &Store {
@@ -353,10 +354,10 @@ impl KeyedBackend {
 
     /// Look up the value key built by [`Self::value_key`], remembering its memtable position.
     #[inline]
-    fn get_value(&mut self) -> Option<Found<'_>> {
-        let (found, hint) = self.store.get_hinted(&self.kbuf, self.kbuf_hash);
+    fn get_value(&mut self) -> Result<Option<Found<'_>>, StateError> {
+        let (found, hint) = self.store.get_hinted(&self.kbuf, self.kbuf_hash)?;
         self.hint = hint;
-        found
+        Ok(found)
     }
 
     /// Serialize `v` into the reused aligned buffer with the reused arena.
@@ -432,15 +433,16 @@ impl KeyedBackend {
         Ok(())
     }
 
-    fn delete_prefix(&mut self) {
+    fn delete_prefix(&mut self) -> Result<(), StateError> {
         let keys: Vec<Vec<u8>> = self
             .store
             .scan_prefix(&self.kbuf)
-            .map(|(k, _)| k.to_vec())
-            .collect();
+            .map(|e| e.map(|(k, _)| k.to_vec()))
+            .collect::<Result<_, _>>()?;
         for k in keys {
             self.store.delete(&k);
         }
+        Ok(())
     }
 
     // --- timers --------------------------------------------------------------------------
@@ -577,7 +579,7 @@ impl<V: StateValue> ValueState<V> {
     /// The archived value of the current key, if any.
     pub fn get<'a>(&self, be: &'a mut KeyedBackend) -> Result<Option<&'a V::Archived>, StateError> {
         be.value_key(self.id);
-        match be.get_value() {
+        match be.get_value()? {
             Some(f) => access::<V>(self.id, f).map(Some),
             None => Ok(None),
         }
@@ -667,7 +669,14 @@ impl<V: StateValue> ListState<V> {
         be.build_key(self.id);
         let prefix = std::mem::take(&mut be.kbuf);
         let mut res = Ok(());
-        for (_, found) in be.store.scan_prefix(&prefix) {
+        for e in be.store.scan_prefix(&prefix) {
+            let found = match e {
+                Ok((_, found)) => found,
+                Err(e) => {
+                    res = Err(e);
+                    break;
+                }
+            };
             match access::<V>(self.id, found) {
                 Ok(a) => f(a),
                 Err(e) => {
@@ -690,14 +699,14 @@ impl<V: StateValue> ListState<V> {
         err.map_or(Ok(out), Err)
     }
 
-    pub fn clear(&self, be: &mut KeyedBackend) {
+    pub fn clear(&self, be: &mut KeyedBackend) -> Result<(), StateError> {
         be.build_key(self.id);
-        be.delete_prefix();
+        be.delete_prefix()
     }
 
     /// Replace the list.
     pub fn update(&self, be: &mut KeyedBackend, values: &[V]) -> Result<(), StateError> {
-        self.clear(be);
+        self.clear(be)?;
         for v in values {
             self.add(be, v)?;
         }
@@ -751,15 +760,15 @@ impl<K: KeyCodec + ?Sized, V: StateValue> MapState<K, V> {
         mk: &K,
     ) -> Result<Option<&'a V::Archived>, StateError> {
         self.build(be, mk);
-        match be.store.get(&be.kbuf) {
+        match be.store.get(&be.kbuf)? {
             Some(f) => access::<V>(self.id, f).map(Some),
             None => Ok(None),
         }
     }
 
-    pub fn contains(&self, be: &mut KeyedBackend, mk: &K) -> bool {
+    pub fn contains(&self, be: &mut KeyedBackend, mk: &K) -> Result<bool, StateError> {
         self.build(be, mk);
-        be.store.get(&be.kbuf).is_some()
+        Ok(be.store.get(&be.kbuf)?.is_some())
     }
 
     pub fn put(&self, be: &mut KeyedBackend, mk: &K, v: &V) -> Result<(), StateError> {
@@ -781,7 +790,14 @@ impl<K: KeyCodec + ?Sized, V: StateValue> MapState<K, V> {
         be.build_key(self.id);
         let prefix = std::mem::take(&mut be.kbuf);
         let mut res = Ok(());
-        for (k, found) in be.store.scan_prefix(&prefix) {
+        for e in be.store.scan_prefix(&prefix) {
+            let (k, found) = match e {
+                Ok(kf) => kf,
+                Err(e) => {
+                    res = Err(e);
+                    break;
+                }
+            };
             let mut rest = &k[prefix.len()..];
             let Some(mk) = K::decode_key(&mut rest) else {
                 res = Err(StateError::BadValue {
@@ -813,9 +829,9 @@ impl<K: KeyCodec + ?Sized, V: StateValue> MapState<K, V> {
         err.map_or(Ok(out), Err)
     }
 
-    pub fn clear(&self, be: &mut KeyedBackend) {
+    pub fn clear(&self, be: &mut KeyedBackend) -> Result<(), StateError> {
         be.build_key(self.id);
-        be.delete_prefix();
+        be.delete_prefix()
     }
 }
 

@@ -9,7 +9,7 @@
 //! only mapped, exactly their length, never written or truncated again.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use weir_io::{decode_block, BlockHeader, FormatError, Fs, FsFile, Mapped};
@@ -673,9 +673,41 @@ pub(crate) struct Segment {
     /// Where the data blocks end.
     data_end: usize,
     bloom: Bloom,
+    /// Which data blocks have passed their CRC check (see [`Segment::open_written`]).
+    checked: CheckedBlocks,
     file: Arc<SegmentFile>,
     /// Counts the index and filter of a flush's or compaction's output until installed.
     building: Option<BuildGauge>,
+}
+
+/// One bit per data block: set once the block's header and CRC have been checked against the
+/// mapped bytes. Relaxed atomics: a bit only says that the (immutable, mapped) block was
+/// found intact; two readers racing on a block both check it, which is harmless.
+#[derive(Debug)]
+struct CheckedBlocks(Box<[AtomicU64]>);
+
+impl CheckedBlocks {
+    fn new(blocks: usize, checked: bool) -> CheckedBlocks {
+        let word = if checked { u64::MAX } else { 0 };
+        CheckedBlocks(
+            (0..blocks.div_ceil(64))
+                .map(|_| AtomicU64::new(word))
+                .collect(),
+        )
+    }
+
+    #[inline]
+    fn has(&self, bi: usize) -> bool {
+        self.0[bi / 64].load(Ordering::Relaxed) & (1 << (bi % 64)) != 0
+    }
+
+    fn set(&self, bi: usize) {
+        self.0[bi / 64].fetch_or(1 << (bi % 64), Ordering::Relaxed);
+    }
+
+    fn bytes(&self) -> usize {
+        self.0.len() * 8
+    }
 }
 
 /// A segment's file on disk, shared by the open segment and by whatever else names it
@@ -939,17 +971,22 @@ impl Segment {
             index: BlockIndex::new(&offsets, &prefixes),
             data_end: index_offset,
             bloom,
+            // Every block was checked above, its structure too.
+            checked: CheckedBlocks::new(offsets.len(), true),
             file: SegmentFile::new(fs, p.to_owned(), owned),
             building: None,
         })
     }
 
-    /// Open a segment this process has just written and fsynced, without a second pass over
-    /// its structure: the writer produced it and knows its blocks, filter and totals. What
-    /// the reader would check again is the bytes themselves, so the whole file's CRC-32 is
-    /// computed from the map and compared with the writer's (a device or cache returning other
-    /// bytes than written is caught here, before the segment is used), and the size too.
-    /// Segments from anywhere else (restore) go through [`Segment::open`].
+    /// Open a segment this process has just written and fsynced, without a pass over it: the
+    /// writer produced it and knows its blocks, filter and totals, which stay in memory. What
+    /// a reader would check again is the bytes of the data blocks, the only part of the file
+    /// it reads: each block's header and CRC are checked the first time a read touches it
+    /// (see [`Segment::blk`]), so a device or cache returning other bytes than written is
+    /// caught before they are used, and only for what is read. A whole-file check here read
+    /// every segment back from the device (its pieces bypass the page cache) and took 30-50%
+    /// of a flush's wall time. The size is checked here. Segments from anywhere else (restore)
+    /// go through [`Segment::open`].
     pub fn open_written(fs: Arc<dyn Fs>, w: Written) -> Result<Segment, StateError> {
         let map = fs.map_readonly(&w.path)?;
         let mismatch = |what, expected: u64, actual: u64| StateError::HandleMismatch {
@@ -965,31 +1002,25 @@ impl Segment {
                 map.len() as u64,
             ));
         }
-        let crc32 = weir_io::crc32(&[&map]);
-        if crc32 != w.crc32 {
-            return Err(mismatch(
-                "crc32 of the written segment",
-                u64::from(w.crc32),
-                u64::from(crc32),
-            ));
-        }
         let index = BlockIndex::new(&w.offsets, &w.prefixes);
+        let checked = CheckedBlocks::new(w.offsets.len(), false);
         let building = w.gauge;
         if let Some(g) = &building {
-            g.set(index.bytes() + w.bloom.bytes());
+            g.set(index.bytes() + checked.bytes() + w.bloom.bytes());
         }
         Ok(Segment {
             id: w.id,
             file: SegmentFile::new(fs, w.path.clone(), true),
             path: w.path,
             size_bytes: w.size_bytes,
-            crc32,
+            crc32: w.crc32,
             entry_count: w.entry_count,
             key_groups: w.key_groups,
             map,
             index,
             data_end: w.data_end as usize,
             bloom: w.bloom,
+            checked,
             building,
         })
     }
@@ -1015,7 +1046,7 @@ impl Segment {
     }
 
     pub fn index_bytes(&self) -> usize {
-        self.index.bytes()
+        self.index.bytes() + self.checked.bytes()
     }
 
     pub fn filter_bytes(&self) -> usize {
@@ -1027,9 +1058,50 @@ impl Segment {
         self.index.len()
     }
 
-    /// Data block `bi` (< `block_count`): payload offset, entry count and table offset.
+    /// Data block `bi` (< `block_count`): payload offset, entry count and table offset. The
+    /// block's CRC is checked the first time (see [`Self::open_written`]).
     #[inline]
-    fn blk(&self, bi: usize) -> Blk {
+    fn blk(&self, bi: usize) -> Result<Blk, StateError> {
+        if !self.checked.has(bi) {
+            self.check_block(bi)?;
+        }
+        Ok(self.blk_checked(bi))
+    }
+
+    /// Check data block `bi`'s header (file id, block index, kind, length) and CRC.
+    #[cold]
+    #[inline(never)]
+    fn check_block(&self, bi: usize) -> Result<(), StateError> {
+        let payload = self.index.offset(bi) as usize;
+        // Blocks are contiguous, each payload after its header (as the writer laid them out).
+        let start = payload.saturating_sub(BLOCK_HEADER_LEN);
+        let end = if bi + 1 < self.block_count() {
+            (self.index.offset(bi + 1) as usize).saturating_sub(BLOCK_HEADER_LEN)
+        } else {
+            self.data_end
+        };
+        let b: &[u8] = &self.map;
+        let Some(bytes) = b.get(start..end).filter(|_| start < payload) else {
+            return Err(malformed(&self.path, start, "data block outside the file"));
+        };
+        decode_block(
+            &self.path,
+            bytes,
+            start as u64,
+            BlockHeader {
+                file_id: self.id,
+                block_index: bi as u32,
+                kind: KIND_DATA,
+                payload_len: (end - payload) as u32,
+            },
+        )?;
+        self.checked.set(bi);
+        Ok(())
+    }
+
+    /// [`Self::blk`] of a block already checked.
+    #[inline]
+    fn blk_checked(&self, bi: usize) -> Blk {
         let b: &[u8] = &self.map;
         let payload = self.index.offset(bi) as usize;
         Blk {
@@ -1065,34 +1137,34 @@ impl Segment {
         )
     }
 
-    fn block_last_key(&self, bi: usize) -> &[u8] {
-        let blk = self.blk(bi);
-        self.entry_key(&blk, blk.count - 1)
+    fn block_last_key(&self, bi: usize) -> Result<&[u8], StateError> {
+        let blk = self.blk(bi)?;
+        Ok(self.entry_key(&blk, blk.count - 1))
     }
 
     /// Index of the first block whose last key is >= `key`. Searches the 16-byte key
     /// prefixes in memory (see [`BlockIndex`]); only blocks whose prefix ties with the key's
     /// compare full keys in the map.
     #[inline]
-    fn find_block(&self, key: &[u8]) -> usize {
+    fn find_block(&self, key: &[u8]) -> Result<usize, StateError> {
         let pk = key_prefix(key);
         let mut bi = self.index.lower_bound(pk);
         while bi < self.block_count()
             && self.index.prefix(bi) == pk
-            && self.block_last_key(bi) < key
+            && self.block_last_key(bi)? < key
         {
             bi += 1;
         }
-        bi
+        Ok(bi)
     }
 
     /// Position of the first entry with key >= `key`: (block, entry).
-    fn seek(&self, key: &[u8]) -> (usize, u32) {
-        let bi = self.find_block(key);
+    fn seek(&self, key: &[u8]) -> Result<(usize, u32), StateError> {
+        let bi = self.find_block(key)?;
         if bi == self.block_count() {
-            return (bi, 0);
+            return Ok((bi, 0));
         }
-        (bi, self.lower_bound(&self.blk(bi), key))
+        Ok((bi, self.lower_bound(&self.blk(bi)?, key)))
     }
 
     /// Index of the first entry >= `key` in `blk`.
@@ -1131,13 +1203,13 @@ impl Segment {
     }
 
     /// Point lookup; `hash` is `xxh3_64(key)`.
-    pub fn get(&self, key: &[u8], hash: u64) -> Probe<'_> {
+    pub fn get(&self, key: &[u8], hash: u64) -> Result<Probe<'_>, StateError> {
         if !self.bloom.may_contain(hash) {
-            return Probe::BloomNegative;
+            return Ok(Probe::BloomNegative);
         }
-        let bi = self.find_block(key);
+        let bi = self.find_block(key)?;
         if bi == self.block_count() {
-            return Probe::Absent;
+            return Ok(Probe::Absent);
         }
         self.prefetch_block(bi);
         self.get_in_block(key, bi)
@@ -1166,40 +1238,56 @@ impl Segment {
 
     /// Step three: find the block and start loading it; `None` if no block can hold `key`.
     #[inline]
-    pub fn batch_locate(&self, key: &[u8]) -> Option<u32> {
-        let bi = self.find_block(key);
-        (bi < self.block_count()).then(|| {
+    pub fn batch_locate(&self, key: &[u8]) -> Result<Option<u32>, StateError> {
+        let bi = self.find_block(key)?;
+        Ok((bi < self.block_count()).then(|| {
             self.prefetch_block(bi);
             bi as u32
-        })
+        }))
     }
 
     /// Last step: search block `bi` (from [`Self::batch_locate`]) for `key`.
-    pub fn get_in_block(&self, key: &[u8], bi: usize) -> Probe<'_> {
-        let blk = self.blk(bi);
+    pub fn get_in_block(&self, key: &[u8], bi: usize) -> Result<Probe<'_>, StateError> {
+        let blk = self.blk(bi)?;
         let i = self.lower_bound(&blk, key);
         if i == blk.count {
-            return Probe::Absent;
+            return Ok(Probe::Absent);
         }
         let (k, v) = self.entry(&blk, i);
-        if k == key {
+        Ok(if k == key {
             Probe::Found(v)
         } else {
             Probe::Absent
-        }
+        })
     }
 
-    /// Iterate entries with key >= `start`.
+    /// Iterate entries with key >= `start`. A block that fails its check ends the iteration;
+    /// the error is then in [`SegmentIter::take_error`].
     pub fn iter_from(&self, start: &[u8]) -> SegmentIter<'_> {
-        let (block, idx) = self.seek(start);
-        let cur = (block < self.block_count()).then(|| self.blk(block));
-        SegmentIter {
+        let mut it = SegmentIter {
             seg: self,
-            block,
-            ahead: cur.map_or(0, |b| b.payload),
-            cur,
-            idx,
+            block: self.block_count(),
+            ahead: 0,
+            cur: None,
+            idx: 0,
+            failed: None,
+        };
+        let opened = self.seek(start).and_then(|(block, idx)| {
+            let cur = if block < self.block_count() {
+                Some(self.blk(block)?)
+            } else {
+                None
+            };
+            Ok((block, idx, cur))
+        });
+        match opened {
+            Ok((block, idx, cur)) => {
+                (it.block, it.idx, it.cur) = (block, idx, cur);
+                it.ahead = cur.map_or(0, |b| b.payload);
+            }
+            Err(e) => it.failed = Some(e),
         }
+        it
     }
 }
 
@@ -1222,6 +1310,17 @@ pub(crate) struct SegmentIter<'a> {
     idx: u32,
     /// File offset up to which the data has been prefetched (see [`SCAN_PREFETCH_BYTES`]).
     ahead: usize,
+    /// The block check that ended the iteration, if one did. Kept aside rather than in the
+    /// items: a compaction moves every entry through several iterators, and an item the size
+    /// of an error made each of them slower.
+    failed: Option<StateError>,
+}
+
+impl SegmentIter<'_> {
+    /// Why the iteration ended early, if it did (a block failed its check).
+    pub fn take_error(&mut self) -> Option<StateError> {
+        self.failed.take()
+    }
 }
 
 /// How far ahead of the current block a forward iteration prefetches the file's data. The
@@ -1255,7 +1354,16 @@ impl<'a> Iterator for SegmentIter<'a> {
             }
             self.block += 1;
             self.idx = 0;
-            self.cur = (self.block < self.seg.block_count()).then(|| self.seg.blk(self.block));
+            self.cur = None;
+            if self.block < self.seg.block_count() {
+                match self.seg.blk(self.block) {
+                    Ok(b) => self.cur = Some(b),
+                    Err(e) => {
+                        self.failed = Some(e);
+                        return None;
+                    }
+                }
+            }
         }
     }
 }
@@ -1456,7 +1564,7 @@ mod tests {
         assert_eq!(rd_u64(b, fo + F_INDEX_OFFSET), 0xa0);
         assert_eq!(rd_u64(b, fo + F_FILTER_OFFSET), 0xe0);
         let key = [0, 5, 0, 1, 0, 0, 0, 1, b'a'];
-        match seg.get(&key, xxh3_64(&key)) {
+        match seg.get(&key, xxh3_64(&key)).unwrap() {
             Probe::Found(v) => {
                 assert_eq!(v.bytes, &42u64.to_le_bytes());
                 // Values are 16-aligned in the file, so in the map.
@@ -1466,7 +1574,7 @@ mod tests {
         }
         let key_b = [0, 5, 0, 1, 0, 0, 0, 1, b'b'];
         assert!(matches!(
-            seg.get(&key_b, xxh3_64(&key_b)),
+            seg.get(&key_b, xxh3_64(&key_b)).unwrap(),
             Probe::Found(ValueRef {
                 tombstone: true,
                 ..
@@ -1474,7 +1582,7 @@ mod tests {
         ));
         let absent = [0, 5, 0, 1, 0, 0, 0, 1, b'c'];
         assert!(!matches!(
-            seg.get(&absent, xxh3_64(&absent)),
+            seg.get(&absent, xxh3_64(&absent)).unwrap(),
             Probe::Found(_)
         ));
     }
@@ -1528,7 +1636,7 @@ mod tests {
         }
         for i in 0..N {
             let k = key(i);
-            match seg.get(&k, xxh3_64(&k)) {
+            match seg.get(&k, xxh3_64(&k)).unwrap() {
                 Probe::Found(v) => assert_eq!(v.bytes, &vec![i as u8; (i % 40) as usize][..]),
                 other => panic!("{i}: {other:?}"),
             }
@@ -1628,7 +1736,7 @@ mod tests {
             for seg in [&full, &fast] {
                 for i in 0..3000u32 {
                     let k = key(i);
-                    match seg.get(&k, xxh3_64(&k)) {
+                    match seg.get(&k, xxh3_64(&k)).unwrap() {
                         Probe::Found(v) => assert_eq!(v.bytes, &i.to_le_bytes()),
                         other => panic!("{i}: {other:?}"),
                     }
@@ -1639,7 +1747,7 @@ mod tests {
                         a
                     };
                     assert!(!matches!(
-                        seg.get(&absent, xxh3_64(&absent)),
+                        seg.get(&absent, xxh3_64(&absent)).unwrap(),
                         Probe::Found(_)
                     ));
                 }
@@ -1647,18 +1755,48 @@ mod tests {
                     seg.iter_from(&key(1500)).map(|(k, _)| k.to_vec()).collect();
                 assert_eq!(from.len(), 1500);
                 assert_eq!(from[0], key(1500));
-                assert_eq!(seg.iter_from(&[0, 4]).count(), 0);
-                assert_eq!(seg.iter_from(&[]).count(), 3000);
+                let mut it = seg.iter_from(&[0, 4]);
+                assert_eq!(it.by_ref().count(), 0);
+                assert!(it.take_error().is_none());
+                let mut it = seg.iter_from(&[]);
+                assert_eq!(it.by_ref().count(), 3000);
+                assert!(it.take_error().is_none());
             }
+            let bad_block = 3;
+            let bad_key = full.entry_key(&full.blk_checked(bad_block), 0).to_vec();
             drop((full, fast));
-            // A byte that differs from what was written: the writer's CRC catches it.
+            // A byte that differs from what was written: the block's CRC catches it when a
+            // read first touches the block, naming file and block offset; other blocks read.
+            let at = written.offsets[bad_block] as usize + 5;
+            let block_start = written.offsets[bad_block] - BLOCK_HEADER_LEN as u64;
             let mut bytes = std::fs::read(&p).unwrap();
-            bytes[100] ^= 1;
+            bytes[at] ^= 1;
             std::fs::remove_file(&p).unwrap();
             std::fs::write(&p, &bytes).unwrap();
             let fs: Arc<dyn Fs> = Arc::new(StdFs);
-            match Segment::open_written(fs, written) {
-                Err(StateError::HandleMismatch { what, .. }) => assert!(what.contains("crc32")),
+            let seg = Segment::open_written(fs, written).unwrap();
+            seg.keep_file();
+            let caught = |r: Result<(), StateError>| match r {
+                Err(StateError::Format(FormatError::ChecksumMismatch { file, offset, .. })) => {
+                    assert_eq!((file, offset), (p.clone(), block_start));
+                }
+                other => panic!("{other:?}"),
+            };
+            caught(seg.get(&bad_key, xxh3_64(&bad_key)).map(drop));
+            // Every read path: the error each time, never the block's entries.
+            caught(seg.get_in_block(&bad_key, bad_block).map(drop));
+            let mut it = seg.iter_from(&bad_key);
+            assert_eq!(it.by_ref().count(), 0);
+            caught(it.take_error().map_or(Ok(()), Err));
+            // A scan from the start yields the blocks before it, then ends with the error.
+            let mut it = seg.iter_from(&[]);
+            let before = it.by_ref().count();
+            assert!(before > 0 && before < 3000, "{before}");
+            caught(it.take_error().map_or(Ok(()), Err));
+            // A block before it (these keys tie on their prefixes, so a lookup of a later key
+            // compares last keys block by block from the first, and meets the bad one).
+            match seg.get(&key(0), xxh3_64(&key(0))).unwrap() {
+                Probe::Found(v) => assert_eq!(v.bytes, &0u32.to_le_bytes()),
                 other => panic!("{other:?}"),
             }
         }

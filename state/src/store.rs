@@ -309,7 +309,7 @@ impl Ctx {
         &self,
         id: u64,
         max_keys: u64,
-        entries: impl Iterator<Item = (&'a [u8], ValueRef<'a>)>,
+        entries: impl Iterator<Item = Result<(&'a [u8], ValueRef<'a>), StateError>>,
         counted: bool,
     ) -> Result<Option<Arc<Segment>>, StateError> {
         let path = self.path_for(id);
@@ -323,7 +323,8 @@ impl Ctx {
                 w.count_in(self.building.clone());
             }
             let mut n = 0u64;
-            for (k, v) in entries {
+            for e in entries {
+                let (k, v) = e?;
                 w.add(k, v)?;
                 n += 1;
             }
@@ -334,7 +335,7 @@ impl Ctx {
             }
             let written = w.finish()?;
             self.fs.sync_dir(&self.dir)?;
-            // Checks the bytes read back (whole-file CRC) against what the writer computed.
+            // Its blocks are checked against their CRCs when first read.
             let seg = Segment::open_written(self.fs.clone(), written)?;
             Ok(Some(Arc::new(seg)))
         })();
@@ -689,8 +690,9 @@ impl Store {
             .map(|s| Src::Seg(s.iter_from(&start)))
             .collect();
         let merged = Merge::new(srcs, end)
-            .filter(|(_, v, _)| !(bottom && v.tombstone))
-            .map(|(k, v, _)| (k, v));
+            .checked()
+            .filter(|e| !e.as_ref().is_ok_and(|(_, v, _)| bottom && v.tombstone))
+            .map(|e| e.map(|(k, v, _)| (k, v)));
         let id = self.alloc_segment_id();
         let max_keys = run.iter().map(|s| s.entry_count).sum();
         let written = self.ctx.write_segment(id, max_keys, merged, false)?;
@@ -871,25 +873,29 @@ impl Store {
         })
     }
 
-    /// Point lookup.
-    pub fn get(&self, key: &[u8]) -> Option<Found<'_>> {
-        self.get_hinted(key, xxh3_64(key)).0
+    /// Point lookup. Fails only if a segment block it reads fails its check.
+    pub fn get(&self, key: &[u8]) -> Result<Option<Found<'_>>, StateError> {
+        Ok(self.get_hinted(key, xxh3_64(key))?.0)
     }
 
     /// [`Store::get`] with `hash = xxh3_64(key)` computed by the caller; also returns where
     /// the key is in the mutable memtable, if it is there (for [`Store::put_hinted`]).
-    pub(crate) fn get_hinted(&self, key: &[u8], hash: u64) -> (Option<Found<'_>>, Option<MemHint>) {
+    pub(crate) fn get_hinted(
+        &self,
+        key: &[u8],
+        hash: u64,
+    ) -> Result<(Option<Found<'_>>, Option<MemHint>), StateError> {
         debug_assert_eq!(hash, xxh3_64(key));
         if let Some((v, hint)) = self.mem.get_hinted(key, hash) {
             self.gets.set(self.gets.get() + 1);
             self.recent.count(false);
-            return (self.visible(v, true), Some(hint));
+            return Ok((self.visible(v, true), Some(hint)));
         }
-        let found = self.get_cold(key, hash);
+        let found = self.get_cold(key, hash)?;
         // In memory but not in the mutable memtable: a frozen or retained one answered.
         self.recent
             .count(found.as_ref().is_some_and(|f| f.in_memory));
-        (found, None)
+        Ok((found, None))
     }
 
     /// Start loading the mutable memtable's index slot for a key with hash `hash` (its
@@ -933,7 +939,8 @@ impl Store {
     }
 
     /// Look up every key of `keys`, calling `f(i, value)` for each in order; the same answers
-    /// as [`Store::get`] for each key. Lookups from segments are bounded by memory latency (a
+    /// as [`Store::get`] for each key, up to the first that fails (returned, with no call for
+    /// it or the keys after it). Lookups from segments are bounded by memory latency (a
     /// filter line, a block record, the block: each a miss); here each key's lookup runs in
     /// steps issued `BATCH_STEP` keys apart, each prefetching what the next step reads, so the
     /// misses of neighbouring keys overlap instead of adding up.
@@ -941,7 +948,7 @@ impl Store {
         &self,
         keys: &[K],
         mut f: impl FnMut(usize, Option<Found<'_>>),
-    ) {
+    ) -> Result<(), StateError> {
         const S: usize = BATCH_STEP;
         let n = keys.len();
         // Newest first, as lookups visit them.
@@ -983,7 +990,11 @@ impl Store {
             if let Some(j) = t.checked_sub(2 * S).filter(|&j| j < n) {
                 let b = &mut ring[j % BATCH_RING];
                 if let Some(i) = b.seg {
-                    b.block = segs[i].batch_locate(keys[j].as_ref());
+                    match segs[i].batch_locate(keys[j].as_ref()) {
+                        Ok(block) => b.block = block,
+                        // The last step looks the key up unbatched and meets the error.
+                        Err(_) => b.seg = None,
+                    }
                 }
             }
             if let Some(j) = t.checked_sub(3 * S).filter(|&j| j < n) {
@@ -994,15 +1005,16 @@ impl Store {
                         self.gets.set(self.gets.get() + 1);
                         self.visible(v, true)
                     }
-                    None => self.get_cold_batched(key, b.hash, Some(&b)),
+                    None => self.get_cold_batched(key, b.hash, Some(&b))?,
                 };
                 f(j, found);
             }
         }
+        Ok(())
     }
 
     /// The part of a lookup after the mutable memtable.
-    fn get_cold(&self, key: &[u8], hash: u64) -> Option<Found<'_>> {
+    fn get_cold(&self, key: &[u8], hash: u64) -> Result<Option<Found<'_>>, StateError> {
         self.get_cold_batched(key, hash, None)
     }
 
@@ -1013,12 +1025,12 @@ impl Store {
         key: &[u8],
         hash: u64,
         batched: Option<&Batched>,
-    ) -> Option<Found<'_>> {
+    ) -> Result<Option<Found<'_>>, StateError> {
         self.gets.set(self.gets.get() + 1);
         // Sealed epochs hold empty memtables: passing them costs a length check.
         for f in self.frozen.iter().rev() {
             if let Some(v) = f.mem.get_hashed(key, hash) {
-                return self.visible(v, true);
+                return Ok(self.visible(v, true));
             }
         }
         // Retained memtables hold exactly what their segments hold, and they are the newest
@@ -1027,7 +1039,7 @@ impl Store {
         for f in self.retained.list.iter().rev() {
             if let Some(v) = f.mem.get_hashed(key, hash) {
                 self.retained_hits.set(self.retained_hits.get() + 1);
-                return self.visible(v, true);
+                return Ok(self.visible(v, true));
             }
         }
         for (i, s) in self.segments.iter().rev().enumerate() {
@@ -1035,18 +1047,18 @@ impl Store {
                 // Filters the batch already tested negative.
                 Some(b) if i < b.filtered => Probe::BloomNegative,
                 Some(b) if b.seg == Some(i) => match b.block {
-                    Some(bi) => s.get_in_block(key, bi as usize),
+                    Some(bi) => s.get_in_block(key, bi as usize)?,
                     None => Probe::Absent,
                 },
-                _ => s.get(key, hash),
+                _ => s.get(key, hash)?,
             };
             match probe {
                 Probe::BloomNegative => self.bloom_negatives.set(self.bloom_negatives.get() + 1),
                 Probe::Absent => {}
-                Probe::Found(v) => return self.visible(v, false),
+                Probe::Found(v) => return Ok(self.visible(v, false)),
             }
         }
-        None
+        Ok(None)
     }
 
     /// Entries with `start <= key < end` (`end: None` = unbounded), in key order.
@@ -1548,7 +1560,7 @@ impl FlushJob {
     /// checkpoint does not wait for the whole flush or compaction.
     pub fn run_yielding(self, yield_now: &mut dyn FnMut()) -> FlushDone {
         let f = &self.frozen;
-        let entries = yielding(f.entries(), yield_now);
+        let entries = yielding(f.entries().map(Ok), yield_now);
         FlushDone {
             gen: f.gen,
             result: self
@@ -1590,22 +1602,26 @@ impl CompactionJob {
             .map(|s| Src::Seg(s.iter_from(&[])))
             .collect();
         let (bottom, now) = (self.bottom, self.now_ms);
-        let merged = Merge::new(srcs, None).filter_map(move |(k, v, _)| {
+        let merged = Merge::new(srcs, None).checked().filter_map(move |e| {
+            let (k, v, _) = match e {
+                Ok(it) => it,
+                Err(e) => return Some(Err(e)),
+            };
             let expired = v.expire_at_ms <= now;
             if bottom && (v.tombstone || expired) {
                 None
             } else if expired {
                 // Above the bottom an expired entry still shadows older versions.
-                Some((
+                Some(Ok((
                     k,
                     ValueRef {
                         bytes: &[],
                         expire_at_ms: NO_EXPIRY,
                         tombstone: true,
                     },
-                ))
+                )))
             } else {
-                Some((k, v))
+                Some(Ok((k, v)))
             }
         });
         let max_keys = self.inputs.iter().map(|s| s.entry_count).sum();
@@ -1706,9 +1722,10 @@ impl SnapshotJob {
                 Part::Listed(l) => segs.push(l),
                 Part::Write(f, id) => {
                     let written = match &result {
-                        Ok(()) => self
-                            .ctx
-                            .write_segment(id, f.len() as u64, f.entries(), false),
+                        Ok(()) => {
+                            self.ctx
+                                .write_segment(id, f.len() as u64, f.entries().map(Ok), false)
+                        }
                         Err(_) => Ok(None),
                     };
                     let mut reg = lock(&self.registry);
@@ -1830,6 +1847,15 @@ impl<'a> Src<'a> {
             Src::Seg(it) => it.next().map(|(k, v)| (k, v, false)),
         }
     }
+
+    /// Why the source ended early, if it did: only a segment's can (a block failing its
+    /// check).
+    fn take_error(&mut self) -> Option<StateError> {
+        match self {
+            Src::Seg(it) => it.take_error(),
+            _ => None,
+        }
+    }
 }
 
 /// K-way merge of sources in priority order (index 0 newest); yields the newest version of
@@ -1852,6 +1878,9 @@ struct Merge<'a> {
     /// Scratch: indexes of the sources holding the smallest key, in priority order.
     ties: Vec<usize>,
     end: Option<Vec<u8>>,
+    /// A source's read failed: the merge ends (without that source it could yield shadowed
+    /// versions), and [`Merge::checked`] or [`ScanIter`] return the error.
+    failed: Option<StateError>,
 }
 
 impl<'a> Merge<'a> {
@@ -1862,15 +1891,31 @@ impl<'a> Merge<'a> {
             items: Vec::with_capacity(srcs.len()),
             ties: Vec::with_capacity(srcs.len()),
             end,
+            failed: None,
         };
         for mut s in srcs {
-            if let Some(it) = s.next() {
-                m.prefixes.push(key_prefix(it.0));
-                m.items.push(it);
-                m.srcs.push(s);
+            match s.next() {
+                Some(it) => {
+                    m.prefixes.push(key_prefix(it.0));
+                    m.items.push(it);
+                    m.srcs.push(s);
+                }
+                None => {
+                    if let Some(e) = s.take_error() {
+                        m.failed.get_or_insert(e);
+                    }
+                }
             }
         }
         m
+    }
+
+    /// The merged entries, and after them the error that ended the merge early, if one did.
+    fn checked(mut self) -> impl Iterator<Item = Result<Item<'a>, StateError>> {
+        std::iter::from_fn(move || match self.next() {
+            Some(it) => Some(Ok(it)),
+            None => self.failed.take().map(Err),
+        })
     }
 
     /// Whether `a` (with prefix `pa`) orders before, equal to or after `b` (prefix `pb`).
@@ -1894,6 +1939,9 @@ impl<'a> Merge<'a> {
                 self.items[i] = it;
             }
             None => {
+                if let Some(e) = self.srcs[i].take_error() {
+                    self.failed.get_or_insert(e);
+                }
                 self.srcs.remove(i);
                 self.prefixes.remove(i);
                 self.items.remove(i);
@@ -1905,6 +1953,13 @@ impl<'a> Merge<'a> {
 impl<'a> Iterator for Merge<'a> {
     type Item = Item<'a>;
     fn next(&mut self) -> Option<Item<'a>> {
+        if self.failed.is_some() {
+            // Ended for good, also once the error is taken.
+            self.srcs.clear();
+            self.prefixes.clear();
+            self.items.clear();
+            return None;
+        }
         let n = self.prefixes.len();
         if n == 0 {
             return None;
@@ -1979,20 +2034,23 @@ impl std::fmt::Debug for ScanIter<'_> {
 }
 
 impl<'a> Iterator for ScanIter<'a> {
-    type Item = (&'a [u8], Found<'a>);
+    /// An entry, or the error that ended the scan (a segment block failing its check).
+    type Item = Result<(&'a [u8], Found<'a>), StateError>;
     fn next(&mut self) -> Option<Self::Item> {
         loop {
-            let (k, v, in_memory) = self.merge.next()?;
+            let Some((k, v, in_memory)) = self.merge.next() else {
+                return self.merge.failed.take().map(Err);
+            };
             if v.tombstone || v.expire_at_ms <= self.now_ms {
                 continue;
             }
-            return Some((
+            return Some(Ok((
                 k,
                 Found {
                     value: v.bytes,
                     in_memory,
                 },
-            ));
+            )));
         }
     }
 }
@@ -2065,7 +2123,7 @@ mod tests {
         for i in 0..n {
             let k = key(i);
             let h = xxh3_64(&k);
-            let (found, hint) = store.get_hinted(&k, h);
+            let (found, hint) = store.get_hinted(&k, h).unwrap();
             assert_eq!(found.unwrap().value, i.to_le_bytes());
             store.put_hinted(&k, h, &(i + 1).to_le_bytes(), hint);
         }
@@ -2073,7 +2131,7 @@ mod tests {
         // Now every key is in the mutable memtable: one window later it is off.
         for i in 0..n {
             let k = key(i);
-            let (found, _) = store.get_hinted(&k, xxh3_64(&k));
+            let (found, _) = store.get_hinted(&k, xxh3_64(&k)).unwrap();
             assert_eq!(found.unwrap().value, (i + 1).to_le_bytes());
         }
         assert!(
@@ -2150,7 +2208,7 @@ mod tests {
             }
             let got: Vec<(Vec<u8>, Vec<u8>)> = store
                 .scan_range(&[], None)
-                .map(|(k, f)| (k.to_vec(), f.value.to_vec()))
+                .map(|e| e.map(|(k, f)| (k.to_vec(), f.value.to_vec())).unwrap())
                 .collect();
             let want: Vec<(Vec<u8>, Vec<u8>)> =
                 model.iter().map(|(k, v)| (k.clone(), v.clone())).collect();

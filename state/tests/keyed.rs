@@ -48,6 +48,7 @@ fn backend(dir: &std::path::Path, mp: u16) -> KeyedBackend {
         Store::open(fs, dir, cfg(mp)).unwrap(),
         KeyGroupRange::all(mp),
     )
+    .unwrap()
 }
 
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Debug, PartialEq, Clone)]
@@ -141,8 +142,8 @@ fn every_state_kind_round_trips_through_segments() {
     }
     be.set_current_key(&5u64);
     prices.remove(&mut be, &"item1".to_owned());
-    assert!(!prices.contains(&mut be, &"item1".to_owned()));
-    bids.clear(&mut be);
+    assert!(!prices.contains(&mut be, &"item1".to_owned()).unwrap());
+    bids.clear(&mut be).unwrap();
     assert!(bids.get(&mut be).unwrap().is_empty());
     count.clear(&mut be);
     assert_eq!(count.value(&mut be).unwrap(), None);
@@ -214,7 +215,7 @@ fn timers_order_dedupe_delete_and_survive_restore_on_other_shards() {
             range,
         )
         .unwrap();
-        let mut rb = KeyedBackend::new(store, range);
+        let mut rb = KeyedBackend::new(store, range).unwrap();
         while let Some(t) = rb.pop_due(TimeDomain::EventTime, u64::MAX) {
             assert!(t.time_ms > 110 && range.contains(t.key_group));
             assert_eq!(t.namespace, {

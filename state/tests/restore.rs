@@ -85,7 +85,7 @@ fn check(
         for k in keys {
             let kg = u16::from_be_bytes([k[0], k[1]]);
             let want = model.get(k).filter(|_| range.contains(kg));
-            let got = s.get(k).map(|f| f.value.to_vec());
+            let got = s.get(k).unwrap().map(|f| f.value.to_vec());
             assert_eq!(got.as_ref(), want, "{what}, {pass}: get {k:?}");
         }
         s.flush_and_compact_all().unwrap();

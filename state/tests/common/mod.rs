@@ -14,6 +14,9 @@ pub fn key(kg: u16, user: u16) -> Vec<u8> {
 pub fn all(store: &mut Store) -> Vec<(Vec<u8>, Vec<u8>)> {
     store
         .scan_range(&[], None)
-        .map(|(k, f)| (k.to_vec(), f.value.to_vec()))
+        .map(|e| {
+            let (k, f) = e.expect("scan");
+            (k.to_vec(), f.value.to_vec())
+        })
         .collect()
 }
