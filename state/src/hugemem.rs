@@ -192,6 +192,32 @@ impl<T: Pod> ZeroedBuf<T> {
     }
 
     /// Zero every element again (for reuse when a cheaper reset is not possible).
+    /// The buffer as `U`s of the same size, each made by `f` from the `T` in its place: no
+    /// second buffer (a fresh one costs its page faults again, PLATFORM.md).
+    pub fn map_in_place<U: Pod>(mut self, f: impl Fn(T) -> U) -> ZeroedBuf<U> {
+        assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<U>());
+        assert!(
+            std::mem::align_of::<U>() <= 16,
+            "ZeroedBuf aligns to 16 bytes"
+        );
+        let p = self.base_mut();
+        for i in 0..self.len {
+            // SAFETY: element `i < len` lies within the backing, which is 64-byte aligned (see
+            // `deref`) and so aligned for both types of this one size; the `T` there is
+            // initialised and read before its bytes are overwritten with a `U`, and every bit
+            // pattern is valid for both (Pod), so the buffer stays initialised as `U`s.
+            unsafe {
+                let t = p.cast::<T>().add(i).read();
+                p.cast::<U>().add(i).write(f(t));
+            }
+        }
+        ZeroedBuf {
+            backing: self.backing,
+            len: self.len,
+            _t: PhantomData,
+        }
+    }
+
     pub fn zero(&mut self) {
         let bytes = self.len * std::mem::size_of::<T>();
         let p = self.base_mut();
@@ -357,6 +383,19 @@ pub(crate) fn prefetch_read<T>(p: *const T) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn map_in_place_converts_every_element_of_either_backing() {
+        for len in [3usize, MAP_BYTES / 8 + 5] {
+            let mut b = ZeroedBuf::<u64>::new(len);
+            for (i, x) in b.iter_mut().enumerate() {
+                *x = (i as u64) << 32 | 7;
+            }
+            let m = b.map_in_place(|x| x.rotate_left(32) as u32 as u64 * 3);
+            assert_eq!(m.len(), len);
+            assert!(m.iter().enumerate().all(|(i, &x)| x == i as u64 * 3));
+        }
+    }
 
     #[test]
     fn small_and_huge_buffers_are_zeroed_aligned_and_writable() {

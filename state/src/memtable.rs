@@ -1556,11 +1556,8 @@ fn order_of(arena: &Arena, n: usize, loc_at: impl Fn(usize) -> Loc) -> ZeroedBuf
         |p| arena.key(unpack(p)),
         |p| arena.prefetch_loc(unpack(p)),
     );
-    let mut order = ZeroedBuf::new(sorted.v.len());
-    for (slot, p) in order.iter_mut().zip(sorted.payloads()) {
-        *slot = unpack(p);
-    }
-    order
+    let mask = sorted.payload_mask;
+    sorted.v.map_in_place(|e| unpack(e & mask))
 }
 
 /// The records one epoch of a memtable wrote, sealed by a snapshot ([`Memtable::seal`]):
