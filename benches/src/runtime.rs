@@ -260,6 +260,8 @@ pub(crate) const LIVE_STEP: u64 = 1024;
 
 struct LatencyWriter {
     epoch: Instant,
+    /// Records written (a record whose time field is 0 carries no stamp and is only counted).
+    records: u64,
     h: Histogram<u64>,
     out: Arc<Mutex<Histogram<u64>>>,
     count: Arc<std::sync::atomic::AtomicU64>,
@@ -269,8 +271,11 @@ struct LatencyWriter {
 
 impl SinkWriter<(u64, u64)> for LatencyWriter {
     fn write(&mut self, rec: (u64, u64), _ts: i64) -> std::io::Result<()> {
-        let now = self.epoch.elapsed().as_nanos() as u64;
-        let _ = self.h.record(now.saturating_sub(rec.1).max(1));
+        self.records += 1;
+        if rec.1 != 0 {
+            let now = self.epoch.elapsed().as_nanos() as u64;
+            let _ = self.h.record(now.saturating_sub(rec.1).max(1));
+        }
         if let Some(live) = &self.live {
             self.unreported += 1;
             if self.unreported == LIVE_STEP {
@@ -286,7 +291,7 @@ impl SinkWriter<(u64, u64)> for LatencyWriter {
             self.unreported = 0;
         }
         self.count
-            .fetch_add(self.h.len(), std::sync::atomic::Ordering::Relaxed);
+            .fetch_add(self.records, std::sync::atomic::Ordering::Relaxed);
         let _ = self
             .out
             .lock()
@@ -304,6 +309,7 @@ impl Sink<(u64, u64)> for LatencySink {
     ) -> Result<Box<dyn SinkWriter<(u64, u64)>>, StartError> {
         Ok(Box::new(LatencyWriter {
             epoch: self.epoch,
+            records: 0,
             h: new_hist(),
             out: self.out.clone(),
             count: self.count.clone(),
