@@ -1044,6 +1044,68 @@ fn raw_uploads_link_the_source_and_are_verified_like_framed_ones() {
     st.verify(1).unwrap();
 }
 
+/// An upload with the size and CRC its writer computed: a raw upload records them without
+/// reading the file, so a file that no longer holds what its writer wrote is caught by
+/// verification (not vouched for with a CRC of its new bytes); a copy compares them with what
+/// it copied; a size that differs fails either way. Each error names the file.
+#[test]
+fn uploads_with_the_writers_crc_record_it_and_a_copy_checks_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+    let content = bytes(20_000, 11);
+    let crc = weir_io::crc32(&[&content]);
+    let seg = segment(&local, "s", 20_000, 11);
+    for opts in [RAW_OPTS, OPTS] {
+        let _ = std::fs::remove_dir_all(&root);
+        let st = CheckpointStorage::open_with(Arc::new(StdFs), &root, "job", opts).unwrap();
+        // Right size and CRC: the same reference as an upload that reads the file.
+        let p = st.begin(1).unwrap();
+        let mut w = p.writer();
+        let f = w.upload_shared_known(&seg, "seg", 20_000, crc).unwrap();
+        w.finish().unwrap();
+        st.commit(p, info(1)).unwrap();
+        assert_eq!((f.size_bytes, f.crc32), (20_000, crc));
+        assert_eq!(st.read_file(&f).unwrap(), content);
+        st.verify(1).unwrap();
+        // A size other than the writer's.
+        let p = st.begin(2).unwrap();
+        let mut w = p.writer();
+        let e = w.upload_shared_known(&seg, "seg", 20_001, crc).unwrap_err();
+        assert!(
+            matches!(&e, CheckpointError::Format(FormatError::Malformed { file, offset: 20_000, .. })
+                if *file == seg),
+            "{e}"
+        );
+        drop(w);
+        st.abort(p).unwrap();
+        // A CRC other than the writer's (the file changed after it was written).
+        let p = st.begin(3).unwrap();
+        let mut w = p.writer();
+        let r = w.upload_shared_known(&seg, "seg", 20_000, crc ^ 1);
+        if opts.link_uploads {
+            let f = r.unwrap();
+            w.finish().unwrap();
+            st.commit(p, info(3)).unwrap();
+            assert_eq!(f.crc32, crc ^ 1, "the writer's CRC, not the file's");
+            let e = expect_corrupt(st.verify(3));
+            assert!(
+                matches!(&e, FormatError::ChecksumMismatch { expected, actual, .. }
+                    if *expected == crc ^ 1 && *actual == crc),
+                "{e}"
+            );
+        } else {
+            let e = r.unwrap_err();
+            assert!(
+                matches!(&e, CheckpointError::Format(FormatError::ChecksumMismatch { file, offset: 0, .. })
+                    if *file == seg),
+                "{e}"
+            );
+            drop(w);
+            st.abort(p).unwrap();
+        }
+    }
+}
+
 /// Where the file system cannot link, a raw upload falls back to a framed copy, and a raw
 /// file's restore copy to a verified byte copy.
 #[test]

@@ -492,7 +492,13 @@ impl ShardState {
                             f.clone()
                         }
                         None => {
-                            let f = store.upload_shared(id, shard, &seg.path)?;
+                            let f = store.upload_shared(
+                                id,
+                                shard,
+                                &seg.path,
+                                seg.size_bytes,
+                                seg.crc32,
+                            )?;
                             new.push((seg.segment_id, f.clone()));
                             f
                         }

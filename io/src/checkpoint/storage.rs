@@ -25,7 +25,7 @@ use crate::checkpoint::format::{
 use crate::checkpoint::read::{
     copy_span_to, read_metadata_file, read_span, verify_files, Span, VerifyReport,
 };
-use crate::error::IoError;
+use crate::error::{FormatError, IoError};
 use crate::frame::{crc32, encode_block, BlockHeader};
 use crate::fs::{publish_file, DirLock, Fs, FsFile};
 
@@ -828,6 +828,34 @@ pub struct WriterStats {
     pub files_synced: usize,
 }
 
+/// A file uploaded with its writer's size and CRC (`expected_*`) must have them.
+fn check_known(
+    src: &Path,
+    expected_size: u64,
+    expected_crc: u32,
+    size: u64,
+    crc: u32,
+) -> Result<(), CheckpointError> {
+    if size != expected_size {
+        return Err(FormatError::Malformed {
+            file: src.to_owned(),
+            offset: size.min(expected_size),
+            reason: format!("{size} bytes where its writer wrote {expected_size}"),
+        }
+        .into());
+    }
+    if crc != expected_crc {
+        return Err(FormatError::ChecksumMismatch {
+            file: src.to_owned(),
+            offset: 0,
+            expected: expected_crc,
+            actual: crc,
+        }
+        .into());
+    }
+    Ok(())
+}
+
 impl CheckpointWriter {
     /// Put the immutable local file `src` (an LSM segment) into `shared/` and return its
     /// reference. Not yet durable: see [`finish`](Self::finish).
@@ -844,14 +872,37 @@ impl CheckpointWriter {
         src: &Path,
         name_hint: &str,
     ) -> Result<FileRef, CheckpointError> {
-        let r = self.upload_inner(src, name_hint);
+        let r = self.upload_inner(src, name_hint, None);
         r.map_err(|e| self.inner.fail(e))
     }
 
-    fn upload_inner(&mut self, src: &Path, name_hint: &str) -> Result<FileRef, CheckpointError> {
+    /// [`upload_shared`](Self::upload_shared) of a file whose size and whole-file CRC-32 its
+    /// writer computed from the bytes it wrote (a segment's). A raw file takes them as they
+    /// are, checking only the size, instead of reading the file for its CRC: a segment's pieces
+    /// bypass the page cache, so that read came from the device, and a checkpoint listing a
+    /// gigabyte of segments spent seconds in it. The writer's CRC is also the better one to
+    /// record: a file that no longer holds what was written fails its restore instead of
+    /// having its new bytes vouched for. A copy compares the CRC of what it copied.
+    pub fn upload_shared_known(
+        &mut self,
+        src: &Path,
+        name_hint: &str,
+        size_bytes: u64,
+        crc32: u32,
+    ) -> Result<FileRef, CheckpointError> {
+        let r = self.upload_inner(src, name_hint, Some((size_bytes, crc32)));
+        r.map_err(|e| self.inner.fail(e))
+    }
+
+    fn upload_inner(
+        &mut self,
+        src: &Path,
+        name_hint: &str,
+        known: Option<(u64, u32)>,
+    ) -> Result<FileRef, CheckpointError> {
         let sh = self.inner.storage.clone();
         if sh.options.link_uploads {
-            if let Some(r) = self.link_raw(&sh, src, &sanitize_hint(name_hint))? {
+            if let Some(r) = self.link_raw(&sh, src, &sanitize_hint(name_hint), known)? {
                 return Ok(r);
             }
         }
@@ -859,6 +910,9 @@ impl CheckpointWriter {
         let mut p =
             self.create_physical(FILE_KIND_UPLOAD, SHARED_DIR, &sanitize_hint(name_hint))?;
         let (_, _, crc) = Self::append(&mut p, &source, sh.options.block_payload_bytes_max)?;
+        if let Some((size, expected)) = known {
+            check_known(src, size, expected, source.len() as u64, crc)?;
+        }
         let r = FileRef {
             path: p.rel.clone(),
             size_bytes: source.len() as u64,
@@ -880,10 +934,18 @@ impl CheckpointWriter {
         sh: &Arc<Shared>,
         src: &Path,
         hint: &str,
+        known: Option<(u64, u32)>,
     ) -> Result<Option<FileRef>, CheckpointError> {
-        let (size_bytes, crc) = {
-            let source = sh.fs.map_readonly(src)?;
-            (source.len() as u64, crc32(&[&source]))
+        let (size_bytes, crc) = match known {
+            Some((size, crc)) => {
+                let len = sh.fs.open(src)?.len()?;
+                check_known(src, size, crc, len, crc)?;
+                (size, crc)
+            }
+            None => {
+                let source = sh.fs.map_readonly(src)?;
+                (source.len() as u64, crc32(&[&source]))
+            }
         };
         let rel = Path::new(SHARED_DIR).join(raw_file_name(
             self.inner.checkpoint_id,

@@ -21,8 +21,16 @@ pub(crate) struct CommitInfo {
 
 pub(crate) trait CheckpointStore: Send + Sync {
     fn begin(&self, id: u64) -> Result<(), String>;
-    /// Copies an immutable local file into shared storage for checkpoint `id`.
-    fn upload_shared(&self, id: u64, shard: usize, src: &Path) -> Result<FileRefData, String>;
+    /// Puts an immutable local file into shared storage for checkpoint `id`; `size_bytes` and
+    /// `crc32` are its writer's (see `CheckpointWriter::upload_shared_known`).
+    fn upload_shared(
+        &self,
+        id: u64,
+        shard: usize,
+        src: &Path,
+        size_bytes: u64,
+        crc32: u32,
+    ) -> Result<FileRefData, String>;
     /// Checkpoint `id` references a shared file an earlier checkpoint uploaded.
     fn reuse_shared(&self, id: u64, shard: usize, f: &FileRefData) -> Result<(), String>;
     /// Appends a small file to the shard's merged task-owned file of checkpoint `id`.
@@ -101,7 +109,14 @@ impl CheckpointStore for IoCheckpointStore {
         Ok(())
     }
 
-    fn upload_shared(&self, id: u64, shard: usize, src: &Path) -> Result<FileRefData, String> {
+    fn upload_shared(
+        &self,
+        id: u64,
+        shard: usize,
+        src: &Path,
+        size_bytes: u64,
+        crc32: u32,
+    ) -> Result<FileRefData, String> {
         let mut w = self.writer(id)?;
         let hint = format!(
             "s{shard}-{}",
@@ -109,7 +124,9 @@ impl CheckpointStore for IoCheckpointStore {
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default()
         );
-        let r = w.upload_shared(src, &hint).map_err(|e| e.to_string())?;
+        let r = w
+            .upload_shared_known(src, &hint, size_bytes, crc32)
+            .map_err(|e| e.to_string())?;
         w.finish().map_err(|e| e.to_string())?;
         Ok(from_ref(&r))
     }
