@@ -1081,7 +1081,10 @@ impl Segment {
             self.data_end
         };
         let b: &[u8] = &self.map;
-        let Some(bytes) = b.get(start..end).filter(|_| start < payload) else {
+        let Some(bytes) = b
+            .get(start..end)
+            .filter(|_| start < payload && payload <= end)
+        else {
             return Err(malformed(&self.path, start, "data block outside the file"));
         };
         decode_block(
