@@ -1534,19 +1534,28 @@ pub struct FlushDone {
 }
 
 /// Entries a flush or compaction writes between two calls of its yield hook
-/// ([`FlushJob::run_yielding`]): about 2-5 ms of work here.
+/// ([`FlushJob::run_yielding`]): about 2-5 ms of work here for small values.
 const YIELD_EVERY_ENTRIES: u64 = 1 << 16;
+/// Key and value bytes after which it yields sooner: with 1 KiB values the entry count alone
+/// came every ~70 MB, and a checkpoint's snapshot job waited that long for its turn.
+const YIELD_EVERY_BYTES: usize = 4 << 20;
 
-/// `entries`, calling `yield_now` every [`YIELD_EVERY_ENTRIES`] of them.
-fn yielding<'y, T>(
-    entries: impl Iterator<Item = T> + 'y,
+/// `entries`, calling `yield_now` every [`YIELD_EVERY_ENTRIES`] of them or every
+/// [`YIELD_EVERY_BYTES`] of their keys and values, whichever comes first.
+fn yielding<'a: 'y, 'y>(
+    entries: impl Iterator<Item = Result<(&'a [u8], ValueRef<'a>), StateError>> + 'y,
     yield_now: &'y mut dyn FnMut(),
-) -> impl Iterator<Item = T> + 'y {
-    entries.enumerate().map(move |(i, e)| {
-        if i as u64 % YIELD_EVERY_ENTRIES == YIELD_EVERY_ENTRIES - 1 {
-            yield_now();
+) -> impl Iterator<Item = Result<(&'a [u8], ValueRef<'a>), StateError>> + 'y {
+    let (mut n, mut bytes) = (0u64, 0usize);
+    entries.inspect(move |e| {
+        n += 1;
+        if let Ok((k, v)) = e {
+            bytes += k.len() + v.bytes.len();
         }
-        e
+        if n == YIELD_EVERY_ENTRIES || bytes >= YIELD_EVERY_BYTES {
+            yield_now();
+            (n, bytes) = (0, 0);
+        }
     })
 }
 
