@@ -1157,6 +1157,32 @@ fn delta_snapshots_list_the_previous_snapshot_and_the_epochs_since() {
     }
 }
 
+/// Flushes (and compactions, through the same writer loop) of large values yield by bytes,
+/// not only by entry count: 10 000 entries of 1 KiB (far fewer than the entry period) still
+/// give the hook a turn every 4 MiB.
+#[test]
+fn large_values_yield_every_few_megabytes() {
+    let root = tempfile::tempdir().unwrap();
+    let fs: Arc<dyn Fs> = Arc::new(StdFs);
+    let config = StoreConfig {
+        memtable_budget_bytes: 256 << 20,
+        ..small_config(8)
+    };
+    let mut s = Store::open(fs, root.path(), config).unwrap();
+    let value = [7u8; 1024];
+    for i in 0..10_000u16 {
+        s.put(&key(i % 8, i), &value);
+    }
+    s.freeze();
+    let job = s.flush_job().expect("a frozen memtable");
+    let mut yields = 0;
+    let done = job.run_yielding(&mut || yields += 1);
+    s.install(done).unwrap();
+    // 10 000 x (1 KiB + key) = ~10 MB: two 4 MiB periods.
+    assert_eq!(yields, 2);
+    assert_eq!(s.get(&key(3, 9_995)).unwrap().unwrap().value, &value[..]);
+}
+
 /// The runtime's maintenance thread runs a waiting snapshot job inside a flush's or
 /// compaction's yield hook, so that a checkpoint need not wait for a long compaction: both
 /// jobs finish, the snapshot restores to the state at the snapshot, the store keeps the rest.
