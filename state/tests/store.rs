@@ -1157,6 +1157,50 @@ fn delta_snapshots_list_the_previous_snapshot_and_the_epochs_since() {
     }
 }
 
+/// A flush may run and install while a compaction is in flight: the compaction then installs
+/// its output where its inputs are, below the newer flush, and every read sees the newest
+/// version.
+#[test]
+fn a_flush_installs_while_a_compaction_is_in_flight() {
+    let root = tempfile::tempdir().unwrap();
+    let fs: Arc<dyn Fs> = Arc::new(StdFs);
+    let config = StoreConfig {
+        memtable_budget_bytes: 16 << 20,
+        ..small_config(8)
+    };
+    let mut s = Store::open(fs, root.path(), config).unwrap();
+    let mut model = Model::new();
+    for round in 0..4u8 {
+        for u in 0..500u16 {
+            let k = key(u % 8, u);
+            s.put(&k, &[round; 8]);
+            model.insert(k, vec![round; 8]);
+        }
+        flush(&mut s);
+    }
+    let compaction = s.full_compaction_job().expect("four segments");
+    // Newer writes, a deletion among them, flushed and installed first.
+    for u in 0..100u16 {
+        let k = key(u % 8, u);
+        s.put(&k, b"newest");
+        model.insert(k, b"newest".to_vec());
+    }
+    s.delete(&key(3, 403));
+    model.remove(&key(3, 403));
+    s.freeze();
+    let f = s.flush_job().expect("the frozen memtable");
+    assert!(s.compaction_job().is_none(), "one compaction at a time");
+    s.install(f.run()).unwrap();
+    assert_eq!(s.metrics().segments, 5);
+    s.install(compaction.run()).unwrap();
+    assert_eq!(
+        s.metrics().segments,
+        2,
+        "the four merged, the flush above them"
+    );
+    assert_eq!(all(&mut s), model.into_iter().collect::<Vec<_>>());
+}
+
 /// Flushes (and compactions, through the same writer loop) of large values yield by bytes,
 /// not only by entry count: 10 000 entries of 1 KiB (far fewer than the entry period) still
 /// give the hook a turn every 4 MiB.
