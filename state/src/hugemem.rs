@@ -191,7 +191,6 @@ impl<T: Pod> ZeroedBuf<T> {
         false
     }
 
-    /// Zero every element again (for reuse when a cheaper reset is not possible).
     /// The buffer as `U`s of the same size, each made by `f` from the `T` in its place: no
     /// second buffer (a fresh one costs its page faults again, PLATFORM.md).
     pub fn map_in_place<U: Pod>(mut self, f: impl Fn(T) -> U) -> ZeroedBuf<U> {
@@ -218,6 +217,7 @@ impl<T: Pod> ZeroedBuf<T> {
         }
     }
 
+    /// Zero every element again (for reuse when a cheaper reset is not possible).
     pub fn zero(&mut self) {
         let bytes = self.len * std::mem::size_of::<T>();
         let p = self.base_mut();

@@ -828,28 +828,13 @@ pub struct WriterStats {
     pub files_synced: usize,
 }
 
-/// A file uploaded with its writer's size and CRC (`expected_*`) must have them.
-fn check_known(
-    src: &Path,
-    expected_size: u64,
-    expected_crc: u32,
-    size: u64,
-    crc: u32,
-) -> Result<(), CheckpointError> {
-    if size != expected_size {
+/// A file uploaded with its writer's size (`expected`) must have it.
+fn check_known_size(src: &Path, expected: u64, size: u64) -> Result<(), CheckpointError> {
+    if size != expected {
         return Err(FormatError::Malformed {
             file: src.to_owned(),
-            offset: size.min(expected_size),
-            reason: format!("{size} bytes where its writer wrote {expected_size}"),
-        }
-        .into());
-    }
-    if crc != expected_crc {
-        return Err(FormatError::ChecksumMismatch {
-            file: src.to_owned(),
-            offset: 0,
-            expected: expected_crc,
-            actual: crc,
+            offset: size.min(expected),
+            reason: format!("{size} bytes where its writer wrote {expected}"),
         }
         .into());
     }
@@ -911,7 +896,16 @@ impl CheckpointWriter {
             self.create_physical(FILE_KIND_UPLOAD, SHARED_DIR, &sanitize_hint(name_hint))?;
         let (_, _, crc) = Self::append(&mut p, &source, sh.options.block_payload_bytes_max)?;
         if let Some((size, expected)) = known {
-            check_known(src, size, expected, source.len() as u64, crc)?;
+            check_known_size(src, size, source.len() as u64)?;
+            if crc != expected {
+                return Err(FormatError::ChecksumMismatch {
+                    file: src.to_owned(),
+                    offset: 0,
+                    expected,
+                    actual: crc,
+                }
+                .into());
+            }
         }
         let r = FileRef {
             path: p.rel.clone(),
@@ -938,8 +932,7 @@ impl CheckpointWriter {
     ) -> Result<Option<FileRef>, CheckpointError> {
         let (size_bytes, crc) = match known {
             Some((size, crc)) => {
-                let len = sh.fs.open(src)?.len()?;
-                check_known(src, size, crc, len, crc)?;
+                check_known_size(src, size, sh.fs.open(src)?.len()?)?;
                 (size, crc)
             }
             None => {
