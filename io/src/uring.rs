@@ -490,6 +490,74 @@ impl FsFile for UringFile {
             offset,
         )
     }
+    fn read_upto(&self, offset: u64, buf: &mut [u8]) -> Result<usize, IoError> {
+        let n = self.len()?.saturating_sub(offset).min(buf.len() as u64) as usize;
+        if n == 0 {
+            return Ok(0);
+        }
+        if !(self.direct.get() && direct_aligned(buf.as_ptr(), buf.len(), offset)) {
+            self.read_at(offset, &mut buf[..n])?;
+            return Ok(n);
+        }
+        let fd = self.inner.file.as_raw_fd();
+        let whole = n / DIRECT_ALIGN * DIRECT_ALIGN;
+        if whole > 0 {
+            match transfer(
+                fd,
+                &self.inner.path,
+                Dir::Read,
+                buf.as_mut_ptr(),
+                whole,
+                offset,
+            ) {
+                Err(IoError::Os { source, .. }) if source.raw_os_error() == Some(libc::EINVAL) => {
+                    // The device wants a larger alignment than DIRECT_ALIGN: read through the
+                    // page cache from here on.
+                    self.read_at(offset, &mut buf[..n])?;
+                    return Ok(n);
+                }
+                r => r?,
+            }
+        }
+        if whole < n {
+            // The file's last, partial page: a direct read must ask for a whole one (`buf` has
+            // room: its length is a multiple of the page, and `whole < n <= buf.len()`), and
+            // it stops at the end of the file.
+            let page = &mut buf[whole..whole + DIRECT_ALIGN];
+            let at = offset + whole as u64;
+            let mut got = 0usize;
+            while got < n - whole {
+                // SAFETY: `page[got..]` is a live, exclusively borrowed buffer of
+                // `DIRECT_ALIGN - got` bytes; pread writes at most that many.
+                let r = unsafe {
+                    libc::pread(
+                        fd,
+                        page[got..].as_mut_ptr().cast(),
+                        DIRECT_ALIGN - got,
+                        (at + got as u64) as libc::off_t,
+                    )
+                };
+                if r < 0 {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() == std::io::ErrorKind::Interrupted {
+                        continue;
+                    }
+                    return Err(IoError::os("read", &self.inner.path, e));
+                }
+                if r == 0 {
+                    return Err(IoError::Short {
+                        op: "read",
+                        path: self.inner.path.clone(),
+                        offset: at,
+                        wanted: (n - whole) as u64,
+                        done: got as u64,
+                    });
+                }
+                got += r as usize;
+            }
+        }
+        Ok(n)
+    }
     fn sync(&mut self) -> Result<(), IoError> {
         self.drain_behind()?;
         fdatasync(self.inner.file.as_raw_fd(), &self.inner.path)
@@ -589,6 +657,13 @@ impl Fs for UringFs {
     }
     fn open(&self, path: &Path) -> Result<Box<dyn FsFile>, IoError> {
         Ok(Box::new(UringFile::new(fs::std_open(path)?)))
+    }
+    fn open_direct(&self, path: &Path) -> Result<Box<dyn FsFile>, IoError> {
+        let f = UringFile::new(fs::std_open_read(path)?);
+        // Refused (a file system without direct I/O): buffered reads, as from `open`.
+        f.direct
+            .set(set_direct(f.inner.file.as_raw_fd(), true).is_ok());
+        Ok(Box::new(f))
     }
     fn rename(&self, from: &Path, to: &Path) -> Result<(), IoError> {
         fs::std_rename(from, to)
@@ -782,6 +857,55 @@ mod tests {
         // What followed the unaligned write went through the page cache.
         assert!(pages[direct_pages..].iter().all(|r| *r));
         assert!(std::fs::read(&p).unwrap() == expect);
+    }
+
+    #[test]
+    fn direct_reads_stop_at_the_end_of_the_file_and_skip_the_page_cache() {
+        let Some(fs) = uring_or_skip() else { return };
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("data");
+        // Three whole pages and a partial one.
+        let data: Vec<u8> = (0..3 * DIRECT_ALIGN + 100)
+            .map(|i| (i * 7 % 253) as u8)
+            .collect();
+        std::fs::write(&p, &data).unwrap();
+        let f = std::fs::File::open(&p).unwrap();
+        // Clean pages only leave the page cache: written back first.
+        f.sync_all().unwrap();
+        // SAFETY: plain advice about the page cache; `f` is open.
+        let r = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        assert_eq!(r, 0);
+        let direct_ok = {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(&p)
+                .is_ok()
+        };
+        let f = fs.open_direct(&p).unwrap();
+        let mut buf = memmap2::MmapMut::map_anon(4 * DIRECT_ALIGN).unwrap();
+        assert_eq!(f.read_upto(0, &mut buf).unwrap(), data.len());
+        assert!(buf[..data.len()] == data[..]);
+        // From a page in the middle: up to the end of the file, partial page included.
+        let mut small = memmap2::MmapMut::map_anon(2 * DIRECT_ALIGN).unwrap();
+        let at = DIRECT_ALIGN as u64;
+        assert_eq!(f.read_upto(at, &mut small).unwrap(), 2 * DIRECT_ALIGN);
+        assert!(small[..] == data[DIRECT_ALIGN..3 * DIRECT_ALIGN]);
+        assert_eq!(f.read_upto(2 * at, &mut small).unwrap(), DIRECT_ALIGN + 100);
+        assert!(small[..DIRECT_ALIGN + 100] == data[2 * DIRECT_ALIGN..]);
+        assert_eq!(f.read_upto(data.len() as u64, &mut small).unwrap(), 0);
+        assert_eq!(f.read_upto(1 << 20, &mut small).unwrap(), 0);
+        if direct_ok {
+            // The reads above were direct: the page cache holds none of the file.
+            assert!(resident(&p).iter().all(|r| !r), "a direct read was cached");
+        }
+        // An unaligned read is buffered, and the reads after it too; all stay correct.
+        let mut odd = vec![0u8; 5000];
+        assert_eq!(f.read_upto(3, &mut odd).unwrap(), 5000);
+        assert!(odd[..] == data[3..5003]);
+        assert_eq!(f.read_upto(0, &mut buf).unwrap(), data.len());
+        assert!(buf[..data.len()] == data[..]);
     }
 
     #[test]
