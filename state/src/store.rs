@@ -48,8 +48,8 @@ use crate::handle::{SegmentRef, SnapshotHandle};
 use crate::key::{KeyGroupRange, DEFAULT_MAX_PARALLELISM};
 use crate::memtable::{key_prefix, Frozen, Loc, MemHint, Memtable, ValueRef, NO_EXPIRY};
 use crate::segment::{
-    write_behind_buffer_bytes, Probe, Segment, SegmentFile, SegmentIter, SegmentWriter,
-    WriterOptions,
+    write_behind_buffer_bytes, Probe, Segment, SegmentFile, SegmentIter, SegmentStream,
+    SegmentWriter, WriterOptions,
 };
 
 /// Store configuration. Every bound is named.
@@ -305,11 +305,11 @@ impl Ctx {
     /// number of entries (sizes the bloom filter up front). `counted`: a flush's or
     /// compaction's output, whose index and filter count in `building` until installed. On
     /// error the partial file is removed (best effort) and never used.
-    fn write_segment<'a>(
+    fn write_segment(
         &self,
         id: u64,
         max_keys: u64,
-        entries: impl Iterator<Item = Result<(&'a [u8], ValueRef<'a>), StateError>>,
+        mut entries: impl EntrySource,
         counted: bool,
     ) -> Result<Option<Arc<Segment>>, StateError> {
         let path = self.path_for(id);
@@ -323,7 +323,7 @@ impl Ctx {
                 w.count_in(self.building.clone());
             }
             let mut n = 0u64;
-            for e in entries {
+            while let Some(e) = entries.next_entry() {
                 let (k, v) = e?;
                 w.add(k, v)?;
                 n += 1;
@@ -695,7 +695,9 @@ impl Store {
             .map(|e| e.map(|(k, v, _)| (k, v)));
         let id = self.alloc_segment_id();
         let max_keys = run.iter().map(|s| s.entry_count).sum();
-        let written = self.ctx.write_segment(id, max_keys, merged, false)?;
+        let written = self
+            .ctx
+            .write_segment(id, max_keys, Entries::new(merged), false)?;
         report.rewritten_inputs += run.len();
         report.rewritten_bytes_in += run.iter().map(|s| s.size_bytes).sum::<u64>();
         for s in run.drain(..) {
@@ -1540,23 +1542,70 @@ const YIELD_EVERY_ENTRIES: u64 = 1 << 16;
 /// came every ~70 MB, and a checkpoint's snapshot job waited that long for its turn.
 const YIELD_EVERY_BYTES: usize = 4 << 20;
 
-/// `entries`, calling `yield_now` every [`YIELD_EVERY_ENTRIES`] of them or every
+/// Entries in key order for [`Ctx::write_segment`], each one borrowed only until the next
+/// call: a compaction's come from read buffers that the next read reuses
+/// ([`CompactionEntries`]).
+trait EntrySource {
+    fn next_entry(&mut self) -> Option<Result<(&[u8], ValueRef<'_>), StateError>>;
+}
+
+/// An iterator's entries as an [`EntrySource`] (they outlive every call: `'a` is in the type,
+/// so a borrow of it is shorter than `'a`).
+struct Entries<'a, I>(I, std::marker::PhantomData<&'a ()>);
+
+impl<'a, I> Entries<'a, I>
+where
+    I: Iterator<Item = Result<(&'a [u8], ValueRef<'a>), StateError>>,
+{
+    fn new(it: I) -> Self {
+        Entries(it, std::marker::PhantomData)
+    }
+}
+
+impl<'a, I> EntrySource for Entries<'a, I>
+where
+    I: Iterator<Item = Result<(&'a [u8], ValueRef<'a>), StateError>>,
+{
+    #[inline]
+    fn next_entry(&mut self) -> Option<Result<(&[u8], ValueRef<'_>), StateError>> {
+        self.0.next()
+    }
+}
+
+/// `inner`'s entries, calling `yield_now` every [`YIELD_EVERY_ENTRIES`] of them or every
 /// [`YIELD_EVERY_BYTES`] of their keys and values, whichever comes first.
-fn yielding<'a: 'y, 'y>(
-    entries: impl Iterator<Item = Result<(&'a [u8], ValueRef<'a>), StateError>> + 'y,
+struct Yielding<'y, S> {
+    inner: S,
     yield_now: &'y mut dyn FnMut(),
-) -> impl Iterator<Item = Result<(&'a [u8], ValueRef<'a>), StateError>> + 'y {
-    let (mut n, mut bytes) = (0u64, 0usize);
-    entries.inspect(move |e| {
-        n += 1;
-        if let Ok((k, v)) = e {
-            bytes += k.len() + v.bytes.len();
+    n: u64,
+    bytes: usize,
+}
+
+impl<'y, S: EntrySource> Yielding<'y, S> {
+    fn new(inner: S, yield_now: &'y mut dyn FnMut()) -> Self {
+        Yielding {
+            inner,
+            yield_now,
+            n: 0,
+            bytes: 0,
         }
-        if n == YIELD_EVERY_ENTRIES || bytes >= YIELD_EVERY_BYTES {
-            yield_now();
-            (n, bytes) = (0, 0);
+    }
+}
+
+impl<S: EntrySource> EntrySource for Yielding<'_, S> {
+    #[inline]
+    fn next_entry(&mut self) -> Option<Result<(&[u8], ValueRef<'_>), StateError>> {
+        let e = self.inner.next_entry()?;
+        self.n += 1;
+        if let Ok((k, v)) = &e {
+            self.bytes += k.len() + v.bytes.len();
         }
-    })
+        if self.n == YIELD_EVERY_ENTRIES || self.bytes >= YIELD_EVERY_BYTES {
+            (self.yield_now)();
+            (self.n, self.bytes) = (0, 0);
+        }
+        Some(e)
+    }
 }
 
 impl FlushJob {
@@ -1569,7 +1618,7 @@ impl FlushJob {
     /// checkpoint does not wait for the whole flush or compaction.
     pub fn run_yielding(self, yield_now: &mut dyn FnMut()) -> FlushDone {
         let f = &self.frozen;
-        let entries = yielding(f.entries().map(Ok), yield_now);
+        let entries = Yielding::new(Entries::new(f.entries().map(Ok)), yield_now);
         FlushDone {
             gen: f.gen,
             result: self
@@ -1604,43 +1653,73 @@ impl CompactionJob {
 
     /// [`CompactionJob::run`] with a yield hook, as [`FlushJob::run_yielding`].
     pub fn run_yielding(self, yield_now: &mut dyn FnMut()) -> CompactionDone {
-        let srcs: Vec<Src<'_>> = self
-            .inputs
-            .iter()
-            .rev()
-            .map(|s| Src::Seg(s.iter_from(&[])))
-            .collect();
-        let (bottom, now) = (self.bottom, self.now_ms);
-        let merged = Merge::new(srcs, None).checked().filter_map(move |e| {
-            let (k, v, _) = match e {
-                Ok(it) => it,
-                Err(e) => return Some(Err(e)),
-            };
-            let expired = v.expire_at_ms <= now;
-            if bottom && (v.tombstone || expired) {
-                None
-            } else if expired {
-                // Above the bottom an expired entry still shadows older versions.
-                Some(Ok((
-                    k,
-                    ValueRef {
-                        bytes: &[],
-                        expire_at_ms: NO_EXPIRY,
-                        tombstone: true,
-                    },
-                )))
-            } else {
-                Some(Ok((k, v)))
-            }
-        });
         let max_keys = self.inputs.iter().map(|s| s.entry_count).sum();
-        let result = self
-            .ctx
-            .write_segment(self.id, max_keys, yielding(merged, yield_now), true);
+        let result = CompactionEntries::new(&*self.ctx.fs, &self.inputs, self.bottom, self.now_ms)
+            .and_then(|entries| {
+                self.ctx
+                    .write_segment(self.id, max_keys, Yielding::new(entries, yield_now), true)
+            });
         CompactionDone {
             input_ids: self.inputs.iter().map(|s| s.id).collect(),
             bytes_in: self.inputs.iter().map(|s| s.size_bytes).sum(),
             result,
+        }
+    }
+}
+
+/// A compaction's merged input: the newest version of each key, with tombstones and expired
+/// entries dropped at the bottom, from [`SegmentStream`]s of the inputs.
+///
+/// Lends its entries ([`EntrySource`]): they live in the streams' buffers. The merge inside
+/// holds them as `'static` (see [`Src::Stream`]), and this type is the only owner of such a
+/// merge, handing each entry out borrowed from itself until the next call.
+struct CompactionEntries {
+    merge: Merge<'static>,
+    bottom: bool,
+    now_ms: u64,
+}
+
+impl CompactionEntries {
+    fn new(
+        fs: &dyn Fs,
+        inputs: &[Arc<Segment>],
+        bottom: bool,
+        now_ms: u64,
+    ) -> Result<Self, StateError> {
+        // Newest first: the merge's priority order.
+        let srcs = inputs
+            .iter()
+            .rev()
+            .map(|s| Ok(Src::Stream(Box::new(SegmentStream::new(fs, s.clone())?))))
+            .collect::<Result<Vec<_>, StateError>>()?;
+        Ok(CompactionEntries {
+            merge: Merge::new(srcs, None),
+            bottom,
+            now_ms,
+        })
+    }
+}
+
+impl EntrySource for CompactionEntries {
+    fn next_entry(&mut self) -> Option<Result<(&[u8], ValueRef<'_>), StateError>> {
+        loop {
+            let Some((k, v, _)) = self.merge.next() else {
+                return self.merge.failed.take().map(Err);
+            };
+            let expired = v.expire_at_ms <= self.now_ms;
+            if self.bottom && (v.tombstone || expired) {
+                continue;
+            }
+            if expired {
+                // Above the bottom an expired entry still shadows older versions.
+                let gone = ValueRef {
+                    bytes: &[],
+                    expire_at_ms: NO_EXPIRY,
+                    tombstone: true,
+                };
+                return Some(Ok((k, gone)));
+            }
+            return Some(Ok((k, v)));
         }
     }
 }
@@ -1731,10 +1810,12 @@ impl SnapshotJob {
                 Part::Listed(l) => segs.push(l),
                 Part::Write(f, id) => {
                     let written = match &result {
-                        Ok(()) => {
-                            self.ctx
-                                .write_segment(id, f.len() as u64, f.entries().map(Ok), false)
-                        }
+                        Ok(()) => self.ctx.write_segment(
+                            id,
+                            f.len() as u64,
+                            Entries::new(f.entries().map(Ok)),
+                            false,
+                        ),
                         Err(_) => Ok(None),
                     };
                     let mut reg = lock(&self.registry);
@@ -1822,6 +1903,12 @@ enum Src<'a> {
         locs: &'a [Loc],
     },
     Seg(SegmentIter<'a>),
+    /// A segment read into a buffer of its own ([`SegmentStream`]). Its items are handed out
+    /// as `'a` but live only until this source advances, when the buffer may be read over.
+    /// Only [`CompactionEntries`] makes these sources; it lends each item out until the next
+    /// call, and [`Merge`] advances a source only in the call after the one that returned its
+    /// item.
+    Stream(Box<SegmentStream>),
 }
 
 type Item<'a> = (&'a [u8], ValueRef<'a>, bool);
@@ -1854,6 +1941,19 @@ impl<'a> Src<'a> {
                 Some((k, v, true))
             }
             Src::Seg(it) => it.next().map(|(k, v)| (k, v, false)),
+            Src::Stream(s) => s.next_entry().map(|(k, v)| {
+                // SAFETY: the stream's buffer is a heap or mapped allocation that stays put
+                // while the stream lives (moving the box moves no bytes), and per the variant's
+                // contract nothing reads this item after the source advances again, the only
+                // time the buffer is written.
+                let (k, bytes) = unsafe { (&*(k as *const [u8]), &*(v.bytes as *const [u8])) };
+                let v = ValueRef {
+                    bytes,
+                    expire_at_ms: v.expire_at_ms,
+                    tombstone: v.tombstone,
+                };
+                (k, v, false)
+            }),
         }
     }
 
@@ -1862,6 +1962,7 @@ impl<'a> Src<'a> {
     fn take_error(&mut self) -> Option<StateError> {
         match self {
             Src::Seg(it) => it.take_error(),
+            Src::Stream(s) => s.take_error(),
             _ => None,
         }
     }
@@ -1880,12 +1981,17 @@ impl<'a> Src<'a> {
 /// collects every source holding the smallest. Exhausted sources leave the arrays (order kept:
 /// index order is priority order).
 /// In a compaction this merge and the reads under it were 45% of the maintenance thread.
+///
+/// The sources whose item was returned advance at the start of the next call, not before the
+/// return: a [`Src::Stream`]'s item lives in a buffer that its next read may overwrite.
 struct Merge<'a> {
     srcs: Vec<Src<'a>>,
     prefixes: Vec<u128>,
     items: Vec<Item<'a>>,
     /// Scratch: indexes of the sources holding the smallest key, in priority order.
     ties: Vec<usize>,
+    /// Sources to advance before the next search.
+    due: Due,
     end: Option<Vec<u8>>,
     /// A source's read failed: the merge ends (without that source it could yield shadowed
     /// versions), and [`Merge::checked`] or [`ScanIter`] return the error.
@@ -1899,6 +2005,7 @@ impl<'a> Merge<'a> {
             prefixes: Vec::with_capacity(srcs.len()),
             items: Vec::with_capacity(srcs.len()),
             ties: Vec::with_capacity(srcs.len()),
+            due: Due::Nothing,
             end,
             failed: None,
         };
@@ -1959,9 +2066,30 @@ impl<'a> Merge<'a> {
     }
 }
 
+/// Which sources of a [`Merge`] returned the last item and must advance.
+#[derive(Debug, Clone, Copy)]
+enum Due {
+    Nothing,
+    One(usize),
+    /// Every source in `Merge::ties`.
+    Ties,
+}
+
 impl<'a> Iterator for Merge<'a> {
     type Item = Item<'a>;
     fn next(&mut self) -> Option<Item<'a>> {
+        match std::mem::replace(&mut self.due, Due::Nothing) {
+            Due::Nothing => {}
+            Due::One(i) => self.advance(i),
+            Due::Ties => {
+                // Highest index first, so that dropping an exhausted source moves none still
+                // to visit.
+                for t in (0..self.ties.len()).rev() {
+                    let i = self.ties[t];
+                    self.advance(i);
+                }
+            }
+        }
         if self.failed.is_some() {
             // Ended for good, also once the error is taken.
             self.srcs.clear();
@@ -1993,7 +2121,7 @@ impl<'a> Iterator for Merge<'a> {
             if self.end.as_deref().is_some_and(|e| out.0 >= e) {
                 return None;
             }
-            self.advance(best);
+            self.due = Due::One(best);
             return Some(out);
         }
         // The smallest key and every source holding it; among equal keys the first source
@@ -2021,11 +2149,7 @@ impl<'a> Iterator for Merge<'a> {
         if self.end.as_deref().is_some_and(|e| out.0 >= e) {
             return None;
         }
-        // Highest index first, so that dropping an exhausted source moves none still to visit.
-        for t in (0..self.ties.len()).rev() {
-            let i = self.ties[t];
-            self.advance(i);
-        }
+        self.due = Due::Ties;
         Some(out)
     }
 }
