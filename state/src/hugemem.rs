@@ -171,6 +171,12 @@ impl<T: Pod> ZeroedBuf<T> {
             }
             let map_len = bytes.div_ceil(HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES;
             let old_len = m.len();
+            if old_len >= HUGE_PAGE_BYTES {
+                // Advice on part of a mapping splits it in the kernel, and mremap cannot grow
+                // a range of several pieces (EFAULT). The whole old range lies inside the new
+                // length, so it will be filled: advise all of it, which joins the pieces.
+                let _ = m.advise_range(memmap2::Advice::HugePage, 0, old_len);
+            }
             // SAFETY: an anonymous private mapping, so no part of it lies past the end of a
             // file; `&mut self` means no slice into it is alive, so moving it invalidates no
             // reference (every access goes through `base` again).
@@ -438,6 +444,15 @@ mod tests {
                 .enumerate()
                 .all(|(i, &x)| x == i as u128 + 1));
             assert!(b[small..].iter().all(|&x| x == 0), "new elements are zero");
+        }
+        // A mapping advised in part (huge pages only where it is full) is two pieces in the
+        // kernel; it grows all the same, and again.
+        let part = HUGE_PAGE_BYTES / 16 + 3;
+        let mut p = ZeroedBuf::<u128>::new(part);
+        p[part - 1] = 9;
+        for len in [5 * HUGE_PAGE_BYTES / 16 + 1, 9 * HUGE_PAGE_BYTES / 16 + 1] {
+            assert!(p.grow_in_place(len), "a split mapping grows to {len}");
+            assert_eq!((p[part - 1], p[len - 1]), (9, 0));
         }
         let mut h = ZeroedBuf::<u128>::new(4);
         assert!(!h.grow_in_place(small));
