@@ -87,6 +87,24 @@ pub trait FsFile: Send + Debug {
         }
         Ok(n)
     }
+    /// Start a [`Self::read_upto`] of `buf.bytes_mut()` at `offset` and return before it is
+    /// done, so that the caller's work overlaps the read; [`Self::wait_ahead`] hands the
+    /// buffer back filled. The file owns `buf` meanwhile. At most one such read is in flight:
+    /// a call while one is waits for it and drops it. Returns the finished read at once where
+    /// it was not started in the background (implementations that read at once, an empty
+    /// range, a read the bypass does not take).
+    fn read_ahead(
+        &mut self,
+        offset: u64,
+        mut buf: Box<dyn ReadBuf>,
+    ) -> Result<Option<ReadAhead>, IoError> {
+        let len = self.read_upto(offset, buf.bytes_mut())?;
+        Ok(Some(ReadAhead { buf, offset, len }))
+    }
+    /// Wait for the read [`Self::read_ahead`] left in flight, if any; its buffer and length.
+    fn wait_ahead(&mut self) -> Result<Option<ReadAhead>, IoError> {
+        Ok(None)
+    }
     /// fdatasync.
     fn sync(&mut self) -> Result<(), IoError>;
     /// Start writing `len` bytes at `offset` back to the device, without waiting for them. A
@@ -149,6 +167,37 @@ unsafe impl WriteBuf for Vec<u8> {
     }
     fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
         self
+    }
+}
+
+/// A buffer that [`FsFile::read_ahead`] owns while the kernel writes into it.
+///
+/// # Safety
+///
+/// Every call of [`ReadBuf::bytes_mut`] on a value returns the same memory, which stays valid
+/// for as long as the value lives and is accessed by nobody else: a read in flight writes it
+/// after `bytes_mut` returned, without a borrow.
+pub unsafe trait ReadBuf: Send + 'static {
+    /// The bytes to read into.
+    fn bytes_mut(&mut self) -> &mut [u8];
+    /// The buffer as its own type again (`downcast`).
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send>;
+}
+
+/// A finished [`FsFile::read_ahead`]: `len` bytes of the file from `offset` at the start of
+/// `buf` (fewer than its length only at the end of the file).
+pub struct ReadAhead {
+    pub buf: Box<dyn ReadBuf>,
+    pub offset: u64,
+    pub len: usize,
+}
+
+impl Debug for ReadAhead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReadAhead")
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
     }
 }
 

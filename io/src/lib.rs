@@ -31,5 +31,7 @@ pub use faulty::{FaultConfig, FaultyFs};
 pub use frame::{
     crc32, decode_block, encode_block, BlockHeader, BLOCK_HEADER_LEN, CHECKSUM_CRC32_IEEE,
 };
-pub use fs::{publish_file, DirLock, Fs, FsFile, Mapped, StdFs, WriteBuf, DIRECT_ALIGN};
+pub use fs::{
+    publish_file, DirLock, Fs, FsFile, Mapped, ReadAhead, ReadBuf, StdFs, WriteBuf, DIRECT_ALIGN,
+};
 pub use uring::{UringFs, URING_CHUNK_BYTES, URING_DEPTH};

@@ -248,6 +248,43 @@ struct UringFile {
     /// The buffer of a write-behind drained early (to leave direct mode), for the next
     /// `write_behind` to return.
     returned: Option<Box<dyn crate::WriteBuf>>,
+    /// The read started by `read_ahead`, on a ring of the file's own (as `behind`).
+    ahead: Option<Ahead>,
+}
+
+/// `read_ahead`'s ring and the read in flight on it (at most one).
+struct Ahead {
+    ring: IoUring,
+    in_flight: Option<AheadRead>,
+}
+
+struct AheadRead {
+    buf: Box<dyn crate::ReadBuf>,
+    offset: u64,
+    /// Bytes up to the end of the file (the read asks for whole pages, at most the buffer).
+    len: usize,
+}
+
+impl Ahead {
+    /// Wait for the read in flight; it and its result. On a ring failure the buffer the kernel
+    /// may still write is leaked, never freed.
+    fn wait(&mut self, path: &Path) -> Result<Option<(AheadRead, i32)>, IoError> {
+        let Some(r) = self.in_flight.take() else {
+            return Ok(None);
+        };
+        loop {
+            if let Some(c) = self.ring.completion().next() {
+                return Ok(Some((r, c.result())));
+            }
+            if let Err(e) = self.ring.submit_and_wait(1) {
+                if e.raw_os_error() == Some(libc::EINTR) {
+                    continue;
+                }
+                std::mem::forget(r.buf);
+                return Err(IoError::os("io_uring_enter (read ahead)", path, e));
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for UringFile {
@@ -359,6 +396,7 @@ impl UringFile {
             behind: None,
             direct: Cell::new(false),
             returned: None,
+            ahead: None,
         }
     }
 
@@ -459,6 +497,9 @@ impl Drop for UringFile {
         // a write nobody synced: the file was abandoned, and its writer reported or will
         // report the error that made it do so.
         let _ = self.drain_behind();
+        if let Some(a) = &mut self.ahead {
+            let _ = a.wait(&self.inner.path);
+        }
     }
 }
 
@@ -557,6 +598,87 @@ impl FsFile for UringFile {
             }
         }
         Ok(n)
+    }
+    fn read_ahead(
+        &mut self,
+        offset: u64,
+        mut buf: Box<dyn crate::ReadBuf>,
+    ) -> Result<Option<crate::ReadAhead>, IoError> {
+        drop(self.wait_ahead()?);
+        let b = buf.bytes_mut();
+        let (ptr, cap) = (b.as_mut_ptr(), b.len());
+        let len = self.len()?.saturating_sub(offset).min(cap as u64) as usize;
+        if len == 0 || !(self.direct.get() && direct_aligned(ptr, cap, offset)) {
+            let len = self.read_upto(offset, buf.bytes_mut())?;
+            return Ok(Some(crate::ReadAhead { buf, offset, len }));
+        }
+        let a = match &mut self.ahead {
+            Some(a) => a,
+            None => self.ahead.insert(Ahead {
+                ring: IoUring::new(2).map_err(unavailable)?,
+                in_flight: None,
+            }),
+        };
+        // Whole pages (`cap` is a multiple of the page, so they fit): a direct read stops at
+        // the end of the file by itself.
+        let want = len.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
+        let entry = opcode::Read::new(types::Fd(self.inner.file.as_raw_fd()), ptr, want as u32)
+            .offset(offset)
+            .build()
+            .user_data(0);
+        // SAFETY: the entry points into `buf`'s memory, which `ReadBuf` keeps valid and
+        // unaliased while the box lives; the box moves into `in_flight` below and is freed only
+        // after the completion is reaped (`Ahead::wait`, also from `drop`), or leaked.
+        if unsafe { a.ring.submission().push(&entry) }.is_err() {
+            let len = self.read_upto(offset, buf.bytes_mut())?;
+            return Ok(Some(crate::ReadAhead { buf, offset, len }));
+        }
+        a.in_flight = Some(AheadRead { buf, offset, len });
+        // A failed submit leaves the entry queued: `wait` submits it again.
+        let _ = a.ring.submit();
+        Ok(None)
+    }
+    fn wait_ahead(&mut self) -> Result<Option<crate::ReadAhead>, IoError> {
+        let Some(a) = &mut self.ahead else {
+            return Ok(None);
+        };
+        let Some((mut r, res)) = a.wait(&self.inner.path)? else {
+            return Ok(None);
+        };
+        let done = if res < 0 {
+            let e = -res;
+            if e != libc::EINVAL && e != libc::EINTR && e != libc::EAGAIN {
+                return Err(IoError::os(
+                    "read",
+                    &self.inner.path,
+                    std::io::Error::from_raw_os_error(e),
+                ));
+            }
+            // Refused alignment or an interruption: read it again, waiting.
+            0
+        } else {
+            (res as usize).min(r.len)
+        };
+        if done < r.len {
+            // What the read did not bring (rare: a short direct read), read now. Unaligned,
+            // so buffered from here on.
+            let b = r.buf.bytes_mut();
+            let got = self.read_upto(r.offset + done as u64, &mut b[done..r.len])?;
+            if done + got < r.len {
+                return Err(IoError::Short {
+                    op: "read",
+                    path: self.inner.path.clone(),
+                    offset: r.offset,
+                    wanted: r.len as u64,
+                    done: (done + got) as u64,
+                });
+            }
+        }
+        Ok(Some(crate::ReadAhead {
+            buf: r.buf,
+            offset: r.offset,
+            len: r.len,
+        }))
     }
     fn sync(&mut self) -> Result<(), IoError> {
         self.drain_behind()?;
@@ -791,6 +913,89 @@ mod tests {
         }
         fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
             self
+        }
+    }
+
+    // SAFETY: an anonymous map does not move while it lives, and only its owner touches it.
+    unsafe impl crate::ReadBuf for Aligned {
+        fn bytes_mut(&mut self) -> &mut [u8] {
+            &mut self.0
+        }
+        fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+            self
+        }
+    }
+
+    /// Reads ahead land whole, up to the end of the file, in the buffer they own, through the
+    /// ring in the background when direct reads are possible, and at once otherwise; a second
+    /// read ahead drops the first.
+    #[test]
+    fn reads_ahead_return_their_buffer_filled() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("data");
+        let data: Vec<u8> = (0..5 * DIRECT_ALIGN + 77)
+            .map(|i| (i * 13 % 251) as u8)
+            .collect();
+        std::fs::write(&p, &data).unwrap();
+        let buf = |pages: usize| {
+            Box::new(Aligned(
+                memmap2::MmapMut::map_anon(pages * DIRECT_ALIGN).unwrap(),
+            ))
+        };
+        let bytes = |r: crate::ReadAhead| -> Vec<u8> {
+            let a = r.buf.into_any().downcast::<Aligned>().unwrap();
+            a.0[..r.len].to_vec()
+        };
+        let mut fss: Vec<Box<dyn Fs>> = vec![Box::new(crate::StdFs)];
+        if let Some(u) = uring_or_skip() {
+            fss.push(Box::new(u));
+        }
+        let direct_ok = {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(&p)
+                .is_ok()
+        };
+        for (i, fs) in fss.iter().enumerate() {
+            let mut f = fs.open_direct(&p).unwrap();
+            let started = f.read_ahead(DIRECT_ALIGN as u64, buf(2)).unwrap();
+            if i == 1 && direct_ok {
+                assert!(started.is_none(), "io_uring reads ahead in the background");
+            }
+            let r = match started {
+                Some(r) => r,
+                None => f.wait_ahead().unwrap().expect("the read in flight"),
+            };
+            assert_eq!((r.offset, r.len), (DIRECT_ALIGN as u64, 2 * DIRECT_ALIGN));
+            assert!(bytes(r) == data[DIRECT_ALIGN..3 * DIRECT_ALIGN]);
+            assert!(
+                f.wait_ahead().unwrap().is_none(),
+                "nothing is left in flight"
+            );
+            // The tail: the last partial page, and nothing past the end.
+            let at = 4 * DIRECT_ALIGN as u64;
+            let r = match f.read_ahead(at, buf(4)).unwrap() {
+                Some(r) => r,
+                None => f.wait_ahead().unwrap().unwrap(),
+            };
+            assert_eq!(r.len, DIRECT_ALIGN + 77);
+            assert!(bytes(r) == data[4 * DIRECT_ALIGN..]);
+            let past = f.read_ahead(data.len() as u64, buf(1)).unwrap().unwrap();
+            assert_eq!(past.len, 0);
+            // Two in a row: the first is dropped, the second arrives.
+            let first = f.read_ahead(0, buf(1)).unwrap();
+            let second = match f.read_ahead(2 * DIRECT_ALIGN as u64, buf(1)).unwrap() {
+                Some(r) => r,
+                None => f.wait_ahead().unwrap().unwrap(),
+            };
+            drop(first);
+            assert_eq!(second.offset, 2 * DIRECT_ALIGN as u64);
+            assert!(bytes(second) == data[2 * DIRECT_ALIGN..3 * DIRECT_ALIGN]);
+            // A read ahead left in flight is waited for when the file drops.
+            let _ = f.read_ahead(0, buf(3)).unwrap();
+            drop(f);
         }
     }
 
