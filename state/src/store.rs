@@ -323,10 +323,12 @@ impl Ctx {
                 w.count_in(self.building.clone());
             }
             let mut n = 0u64;
-            while let Some(e) = entries.next_entry() {
-                let (k, v) = e?;
+            while let Some((k, v)) = entries.next_entry() {
                 w.add(k, v)?;
                 n += 1;
+            }
+            if let Some(e) = entries.take_error() {
+                return Err(e);
             }
             if n == 0 {
                 drop(w);
@@ -1544,21 +1546,25 @@ const YIELD_EVERY_BYTES: usize = 4 << 20;
 
 /// Entries in key order for [`Ctx::write_segment`], each one borrowed only until the next
 /// call: a compaction's come from read buffers that the next read reuses
-/// ([`CompactionEntries`]).
+/// ([`CompactionEntries`]). An error ends the entries and waits in [`Self::take_error`]:
+/// carried in each item, the error's size made every entry a wide move through each layer (a
+/// third of the compaction loop's time, in stalls on those moves).
 trait EntrySource {
-    fn next_entry(&mut self) -> Option<Result<(&[u8], ValueRef<'_>), StateError>>;
+    fn next_entry(&mut self) -> Option<(&[u8], ValueRef<'_>)>;
+    /// Why the entries ended early, if they did.
+    fn take_error(&mut self) -> Option<StateError>;
 }
 
 /// An iterator's entries as an [`EntrySource`] (they outlive every call: `'a` is in the type,
 /// so a borrow of it is shorter than `'a`).
-struct Entries<'a, I>(I, std::marker::PhantomData<&'a ()>);
+struct Entries<'a, I>(I, Option<StateError>, std::marker::PhantomData<&'a ()>);
 
 impl<'a, I> Entries<'a, I>
 where
     I: Iterator<Item = Result<(&'a [u8], ValueRef<'a>), StateError>>,
 {
     fn new(it: I) -> Self {
-        Entries(it, std::marker::PhantomData)
+        Entries(it, None, std::marker::PhantomData)
     }
 }
 
@@ -1567,8 +1573,21 @@ where
     I: Iterator<Item = Result<(&'a [u8], ValueRef<'a>), StateError>>,
 {
     #[inline]
-    fn next_entry(&mut self) -> Option<Result<(&[u8], ValueRef<'_>), StateError>> {
-        self.0.next()
+    fn next_entry(&mut self) -> Option<(&[u8], ValueRef<'_>)> {
+        if self.1.is_some() {
+            return None;
+        }
+        match self.0.next()? {
+            Ok(e) => Some(e),
+            Err(e) => {
+                self.1 = Some(e);
+                None
+            }
+        }
+    }
+
+    fn take_error(&mut self) -> Option<StateError> {
+        self.1.take()
     }
 }
 
@@ -1594,17 +1613,19 @@ impl<'y, S: EntrySource> Yielding<'y, S> {
 
 impl<S: EntrySource> EntrySource for Yielding<'_, S> {
     #[inline]
-    fn next_entry(&mut self) -> Option<Result<(&[u8], ValueRef<'_>), StateError>> {
-        let e = self.inner.next_entry()?;
+    fn next_entry(&mut self) -> Option<(&[u8], ValueRef<'_>)> {
+        let (k, v) = self.inner.next_entry()?;
         self.n += 1;
-        if let Ok((k, v)) = &e {
-            self.bytes += k.len() + v.bytes.len();
-        }
+        self.bytes += k.len() + v.bytes.len();
         if self.n == YIELD_EVERY_ENTRIES || self.bytes >= YIELD_EVERY_BYTES {
             (self.yield_now)();
             (self.n, self.bytes) = (0, 0);
         }
-        Some(e)
+        Some((k, v))
+    }
+
+    fn take_error(&mut self) -> Option<StateError> {
+        self.inner.take_error()
     }
 }
 
@@ -1701,11 +1722,9 @@ impl CompactionEntries {
 }
 
 impl EntrySource for CompactionEntries {
-    fn next_entry(&mut self) -> Option<Result<(&[u8], ValueRef<'_>), StateError>> {
+    fn next_entry(&mut self) -> Option<(&[u8], ValueRef<'_>)> {
         loop {
-            let Some((k, v, _)) = self.merge.next() else {
-                return self.merge.failed.take().map(Err);
-            };
+            let (k, v, _) = self.merge.next()?;
             let expired = v.expire_at_ms <= self.now_ms;
             if self.bottom && (v.tombstone || expired) {
                 continue;
@@ -1717,10 +1736,14 @@ impl EntrySource for CompactionEntries {
                     expire_at_ms: NO_EXPIRY,
                     tombstone: true,
                 };
-                return Some(Ok((k, gone)));
+                return Some((k, gone));
             }
-            return Some(Ok((k, v)));
+            return Some((k, v));
         }
+    }
+
+    fn take_error(&mut self) -> Option<StateError> {
+        self.merge.failed.take()
     }
 }
 
