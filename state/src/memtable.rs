@@ -296,11 +296,11 @@ impl Arena {
         let v = REC_HEADER + round16(klen);
         (
             &r[REC_HEADER..REC_HEADER + klen],
-            ValueRef {
-                bytes: &r[v..v + vlen],
+            ValueRef::new(
+                &r[v..v + vlen],
                 expire_at_ms,
-                tombstone: h[R_FLAGS] & REC_TOMBSTONE != 0,
-            },
+                h[R_FLAGS] & REC_TOMBSTONE != 0,
+            ),
         )
     }
 
@@ -639,7 +639,27 @@ impl Index {
 pub(crate) struct ValueRef<'a> {
     pub bytes: &'a [u8],
     pub expire_at_ms: u64,
-    pub tombstone: bool,
+    /// 1 for a tombstone, else 0. A word, not a `bool`: a `bool`'s seven padding bytes were
+    /// copied in two overlapping moves wherever an entry moved through the merge, and
+    /// reading them back stalled on store forwarding (most of the compaction loop's samples).
+    tombstone: u64,
+}
+
+impl<'a> ValueRef<'a> {
+    #[inline]
+    pub fn new(bytes: &'a [u8], expire_at_ms: u64, tombstone: bool) -> Self {
+        ValueRef {
+            bytes,
+            expire_at_ms,
+            tombstone: u64::from(tombstone),
+        }
+    }
+
+    /// Whether this is a deletion.
+    #[inline]
+    pub fn tombstone(&self) -> bool {
+        self.tombstone != 0
+    }
 }
 
 /// Where a key was found in the mutable memtable: valid while the memtable's
@@ -1828,7 +1848,7 @@ mod tests {
         let v = m.get_hashed(b"k1", xxh3_64(b"k1")).unwrap();
         assert_eq!((v.bytes, v.expire_at_ms), (&[7u8; 40][..], 5));
         m.put(b"k1", b"", NO_EXPIRY, true);
-        assert!(m.get_hashed(b"k1", xxh3_64(b"k1")).unwrap().tombstone);
+        assert!(m.get_hashed(b"k1", xxh3_64(b"k1")).unwrap().tombstone());
         assert_eq!(m.len(), 1);
     }
 
@@ -1904,7 +1924,7 @@ mod tests {
         assert!(m.overwrite_hinted(moved, &[6; 1], 9, true));
         let v = m.get_hashed(b"k", h).unwrap();
         assert_eq!(
-            (v.bytes, v.expire_at_ms, v.tombstone),
+            (v.bytes, v.expire_at_ms, v.tombstone()),
             (&[6u8][..], 9, true)
         );
         assert!(m.overwrite_hinted(moved, &[7; 48], NO_EXPIRY, false));

@@ -396,7 +396,7 @@ impl SegmentWriter {
             .push((self.buf.len() - payload_start) as u32);
         let mut head = [0u8; ENTRY_HEADER_LEN];
         head[E_KEY_LEN..E_KEY_LEN + 2].copy_from_slice(&(key.len() as u16).to_le_bytes());
-        head[E_FLAGS] = if v.tombstone { FLAG_TOMBSTONE } else { 0 };
+        head[E_FLAGS] = if v.tombstone() { FLAG_TOMBSTONE } else { 0 };
         head[E_VAL_LEN..E_VAL_LEN + 4].copy_from_slice(&(v.bytes.len() as u32).to_le_bytes());
         head[E_EXPIRE_AT_MS..E_EXPIRE_AT_MS + 8].copy_from_slice(&v.expire_at_ms.to_le_bytes());
         self.buf.reserve(value_at - abs + v.bytes.len());
@@ -1132,11 +1132,11 @@ impl Segment {
         let v = (k + klen).div_ceil(VALUE_ALIGN) * VALUE_ALIGN;
         (
             &b[k..k + klen],
-            ValueRef {
-                bytes: &b[v..v + vlen],
-                expire_at_ms: rd_u64(b, e + E_EXPIRE_AT_MS),
-                tombstone: b[e + E_FLAGS] & FLAG_TOMBSTONE != 0,
-            },
+            ValueRef::new(
+                &b[v..v + vlen],
+                rd_u64(b, e + E_EXPIRE_AT_MS),
+                b[e + E_FLAGS] & FLAG_TOMBSTONE != 0,
+            ),
         )
     }
 
@@ -1460,11 +1460,7 @@ impl SegmentStream {
                         let b: &[u8] = &self.buf;
                         return Some((
                             &b[k..k + klen],
-                            ValueRef {
-                                bytes: &b[v..v + vlen],
-                                expire_at_ms,
-                                tombstone,
-                            },
+                            ValueRef::new(&b[v..v + vlen], expire_at_ms, tombstone),
                         ));
                     }
                     None => {
@@ -1835,17 +1831,10 @@ mod tests {
             },
         )
         .unwrap();
-        let v = ValueRef {
-            bytes: &42u64.to_le_bytes(),
-            expire_at_ms: NO_EXPIRY,
-            tombstone: false,
-        };
+        let forty_two = 42u64.to_le_bytes();
+        let v = ValueRef::new(&forty_two, NO_EXPIRY, false);
         w.add(&[0, 5, 0, 1, 0, 0, 0, 1, b'a'], v).unwrap();
-        let t = ValueRef {
-            bytes: &[],
-            expire_at_ms: NO_EXPIRY,
-            tombstone: true,
-        };
+        let t = ValueRef::new(&[], NO_EXPIRY, true);
         w.add(&[0, 5, 0, 1, 0, 0, 0, 1, b'b'], t).unwrap();
         w.finish().unwrap();
         p
@@ -1902,10 +1891,7 @@ mod tests {
         let key_b = [0, 5, 0, 1, 0, 0, 0, 1, b'b'];
         assert!(matches!(
             seg.get(&key_b, xxh3_64(&key_b)).unwrap(),
-            Probe::Found(ValueRef {
-                tombstone: true,
-                ..
-            })
+            Probe::Found(v) if v.tombstone()
         ));
         let absent = [0, 5, 0, 1, 0, 0, 0, 1, b'c'];
         assert!(!matches!(
@@ -1937,11 +1923,7 @@ mod tests {
         for i in 0..N {
             // Values of varying length so entries do not tile pages evenly.
             let v = vec![i as u8; (i % 40) as usize];
-            let vr = ValueRef {
-                bytes: &v,
-                expire_at_ms: NO_EXPIRY,
-                tombstone: false,
-            };
+            let vr = ValueRef::new(&v, NO_EXPIRY, false);
             w.add(&key(i), vr).unwrap();
         }
         let written = w.finish().unwrap();
@@ -1993,11 +1975,7 @@ mod tests {
                 (i % 50) as usize
             };
             let v = vec![i as u8; len];
-            let vr = ValueRef {
-                bytes: &v,
-                expire_at_ms: if i % 7 == 0 { 99 } else { NO_EXPIRY },
-                tombstone: i % 11 == 0,
-            };
+            let vr = ValueRef::new(&v, if i % 7 == 0 { 99 } else { NO_EXPIRY }, i % 11 == 0);
             w.add(&k, vr).unwrap();
         }
         w.finish().unwrap();
@@ -2009,13 +1987,13 @@ mod tests {
             let seg = Arc::new(Segment::open(fs.clone(), &p, Some(5), false).unwrap());
             let want: Vec<(Vec<u8>, Vec<u8>, u64, bool)> = seg
                 .iter_from(&[])
-                .map(|(k, v)| (k.to_vec(), v.bytes.to_vec(), v.expire_at_ms, v.tombstone))
+                .map(|(k, v)| (k.to_vec(), v.bytes.to_vec(), v.expire_at_ms, v.tombstone()))
                 .collect();
             assert_eq!(want.len(), 50_000);
             let mut st = SegmentStream::new(&**fs, seg.clone()).unwrap();
             let mut got = Vec::new();
             while let Some((k, v)) = st.next_entry() {
-                got.push((k.to_vec(), v.bytes.to_vec(), v.expire_at_ms, v.tombstone));
+                got.push((k.to_vec(), v.bytes.to_vec(), v.expire_at_ms, v.tombstone()));
             }
             assert!(st.take_error().is_none());
             assert!(
@@ -2080,11 +2058,7 @@ mod tests {
             for i in 0..n {
                 let mut k = vec![0u8, 5, 0, 1];
                 k.extend_from_slice(&i.to_be_bytes());
-                let vr = ValueRef {
-                    bytes: &value[..(i as usize % 1000) + 1],
-                    expire_at_ms: NO_EXPIRY,
-                    tombstone: false,
-                };
+                let vr = ValueRef::new(&value[..(i as usize % 1000) + 1], NO_EXPIRY, false);
                 w.add(&k, vr).unwrap();
             }
             let written = w.finish().unwrap();
@@ -2126,11 +2100,7 @@ mod tests {
             let mut w = SegmentWriter::create(&StdFs, &p, 7, opts).unwrap();
             for i in 0..3000u32 {
                 let v = i.to_le_bytes();
-                let vr = ValueRef {
-                    bytes: &v,
-                    expire_at_ms: NO_EXPIRY,
-                    tombstone: false,
-                };
+                let vr = ValueRef::new(&v, NO_EXPIRY, false);
                 w.add(&key(i), vr).unwrap();
             }
             let written = w.finish().unwrap();

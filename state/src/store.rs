@@ -693,7 +693,7 @@ impl Store {
             .collect();
         let merged = Merge::new(srcs, end)
             .checked()
-            .filter(|e| !e.as_ref().is_ok_and(|(_, v, _)| bottom && v.tombstone))
+            .filter(|e| !e.as_ref().is_ok_and(|(_, v, _)| bottom && v.tombstone()))
             .map(|e| e.map(|(k, v, _)| (k, v)));
         let id = self.alloc_segment_id();
         let max_keys = run.iter().map(|s| s.entry_count).sum();
@@ -868,7 +868,7 @@ impl Store {
     }
 
     fn visible<'a>(&self, v: ValueRef<'a>, in_memory: bool) -> Option<Found<'a>> {
-        if v.tombstone || v.expire_at_ms <= self.now_ms {
+        if v.tombstone() || v.expire_at_ms <= self.now_ms {
             return None;
         }
         Some(Found {
@@ -1726,16 +1726,12 @@ impl EntrySource for CompactionEntries {
         loop {
             let (k, v, _) = self.merge.next()?;
             let expired = v.expire_at_ms <= self.now_ms;
-            if self.bottom && (v.tombstone || expired) {
+            if self.bottom && (v.tombstone() || expired) {
                 continue;
             }
             if expired {
                 // Above the bottom an expired entry still shadows older versions.
-                let gone = ValueRef {
-                    bytes: &[],
-                    expire_at_ms: NO_EXPIRY,
-                    tombstone: true,
-                };
+                let gone = ValueRef::new(&[], NO_EXPIRY, true);
                 return Some((k, gone));
             }
             return Some((k, v));
@@ -1970,11 +1966,7 @@ impl<'a> Src<'a> {
                 // contract nothing reads this item after the source advances again, the only
                 // time the buffer is written.
                 let (k, bytes) = unsafe { (&*(k as *const [u8]), &*(v.bytes as *const [u8])) };
-                let v = ValueRef {
-                    bytes,
-                    expire_at_ms: v.expire_at_ms,
-                    tombstone: v.tombstone,
-                };
+                let v = ValueRef::new(bytes, v.expire_at_ms, v.tombstone());
                 (k, v, false)
             }),
         }
@@ -2197,7 +2189,7 @@ impl<'a> Iterator for ScanIter<'a> {
             let Some((k, v, in_memory)) = self.merge.next() else {
                 return self.merge.failed.take().map(Err);
             };
-            if v.tombstone || v.expire_at_ms <= self.now_ms {
+            if v.tombstone() || v.expire_at_ms <= self.now_ms {
                 continue;
             }
             return Some(Ok((
