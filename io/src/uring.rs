@@ -950,14 +950,7 @@ mod tests {
         if let Some(u) = uring_or_skip() {
             fss.push(Box::new(u));
         }
-        let direct_ok = {
-            use std::os::unix::fs::OpenOptionsExt;
-            std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_DIRECT)
-                .open(&p)
-                .is_ok()
-        };
+        let direct_ok = opens_direct(&p);
         for (i, fs) in fss.iter().enumerate() {
             let mut f = fs.open_direct(&p).unwrap();
             let started = f.read_ahead(DIRECT_ALIGN as u64, buf(2)).unwrap();
@@ -997,6 +990,16 @@ mod tests {
             let _ = f.read_ahead(0, buf(3)).unwrap();
             drop(f);
         }
+    }
+
+    /// Whether the file system of `p` (an existing file) opens it for direct reads.
+    fn opens_direct(p: &Path) -> bool {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(p)
+            .is_ok()
     }
 
     /// Which pages of the file at `p` are in the page cache.
@@ -1080,14 +1083,7 @@ mod tests {
         // SAFETY: plain advice about the page cache; `f` is open.
         let r = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
         assert_eq!(r, 0);
-        let direct_ok = {
-            use std::os::unix::fs::OpenOptionsExt;
-            std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_DIRECT)
-                .open(&p)
-                .is_ok()
-        };
+        let direct_ok = opens_direct(&p);
         let f = fs.open_direct(&p).unwrap();
         let mut buf = memmap2::MmapMut::map_anon(4 * DIRECT_ALIGN).unwrap();
         assert_eq!(f.read_upto(0, &mut buf).unwrap(), data.len());

@@ -1072,14 +1072,7 @@ impl Segment {
     #[cold]
     #[inline(never)]
     fn check_block(&self, bi: usize) -> Result<(), StateError> {
-        let payload = self.index.offset(bi) as usize;
-        // Blocks are contiguous, each payload after its header (as the writer laid them out).
-        let start = payload.saturating_sub(BLOCK_HEADER_LEN);
-        let end = if bi + 1 < self.block_count() {
-            (self.index.offset(bi + 1) as usize).saturating_sub(BLOCK_HEADER_LEN)
-        } else {
-            self.data_end
-        };
+        let (start, payload, end) = self.block_span(bi);
         let b: &[u8] = &self.map;
         let Some(bytes) = b
             .get(start..end)
@@ -1100,6 +1093,28 @@ impl Segment {
         )?;
         self.checked.set(bi);
         Ok(())
+    }
+
+    /// File offsets of data block `bi`'s start, payload and end. Blocks are contiguous, each
+    /// payload after its header (as the writer laid them out); the last ends at the index.
+    #[inline]
+    fn block_span(&self, bi: usize) -> (usize, usize, usize) {
+        let payload = self.index.offset(bi) as usize;
+        (
+            payload.saturating_sub(BLOCK_HEADER_LEN),
+            payload,
+            self.block_end(bi),
+        )
+    }
+
+    /// Where data block `bi` ends (see [`Self::block_span`]).
+    #[inline]
+    fn block_end(&self, bi: usize) -> usize {
+        if bi + 1 < self.block_count() {
+            (self.index.offset(bi + 1) as usize).saturating_sub(BLOCK_HEADER_LEN)
+        } else {
+            self.data_end
+        }
     }
 
     /// [`Self::blk`] of a block already checked.
@@ -1502,13 +1517,7 @@ impl SegmentStream {
     #[cold]
     fn load(&mut self, bi: usize) -> Result<(usize, u32, usize, usize), StateError> {
         let seg = Arc::clone(&self.seg);
-        let payload = seg.index.offset(bi) as usize;
-        let start = payload.saturating_sub(BLOCK_HEADER_LEN);
-        let end = if bi + 1 < seg.block_count() {
-            (seg.index.offset(bi + 1) as usize).saturating_sub(BLOCK_HEADER_LEN)
-        } else {
-            seg.data_end
-        };
+        let (start, payload, end) = seg.block_span(bi);
         if !(start < payload && payload <= end && end as u64 <= seg.size_bytes) {
             return Err(malformed(&seg.path, start, "data block outside the file"));
         }
@@ -1602,18 +1611,11 @@ impl SegmentStream {
         let seg = &*self.seg;
         let count = seg.block_count();
         let win_end = self.win_off + self.win_len;
-        let block_end = |b: usize| {
-            if b + 1 < count {
-                (seg.index.offset(b + 1) as usize).saturating_sub(BLOCK_HEADER_LEN)
-            } else {
-                seg.data_end
-            }
-        };
         // Block ends ascend: the first one past the window.
         let (mut lo, mut hi) = (bi, count);
         while lo < hi {
             let mid = lo + (hi - lo) / 2;
-            if block_end(mid) > win_end {
+            if seg.block_end(mid) > win_end {
                 hi = mid;
             } else {
                 lo = mid + 1;
@@ -1622,10 +1624,10 @@ impl SegmentStream {
         if lo >= count {
             return Ok(());
         }
-        let start = (seg.index.offset(lo) as usize).saturating_sub(BLOCK_HEADER_LEN);
+        let (start, _, end) = seg.block_span(lo);
         let align = weir_io::DIRECT_ALIGN;
         let off = start / align * align;
-        if off >= seg.data_end || block_end(lo) - off > STREAM_WINDOW_BYTES {
+        if off >= seg.data_end || end.saturating_sub(off) > STREAM_WINDOW_BYTES {
             // Past the data, or a block larger than a window: read when needed.
             return Ok(());
         }
