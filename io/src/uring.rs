@@ -566,35 +566,38 @@ impl FsFile for UringFile {
             // it stops at the end of the file.
             let page = &mut buf[whole..whole + DIRECT_ALIGN];
             let at = offset + whole as u64;
-            let mut got = 0usize;
-            while got < n - whole {
-                // SAFETY: `page[got..]` is a live, exclusively borrowed buffer of
-                // `DIRECT_ALIGN - got` bytes; pread writes at most that many.
+            let tail = n - whole;
+            let got = loop {
+                // SAFETY: `page` is a live, exclusively borrowed buffer of `DIRECT_ALIGN`
+                // bytes; pread writes at most that many.
                 let r = unsafe {
                     libc::pread(
                         fd,
-                        page[got..].as_mut_ptr().cast(),
-                        DIRECT_ALIGN - got,
-                        (at + got as u64) as libc::off_t,
+                        page.as_mut_ptr().cast(),
+                        DIRECT_ALIGN,
+                        at as libc::off_t,
                     )
                 };
-                if r < 0 {
-                    let e = std::io::Error::last_os_error();
-                    if e.kind() == std::io::ErrorKind::Interrupted {
-                        continue;
-                    }
+                if r >= 0 {
+                    break r as usize;
+                }
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
                     return Err(IoError::os("read", &self.inner.path, e));
                 }
-                if r == 0 {
-                    return Err(IoError::Short {
-                        op: "read",
-                        path: self.inner.path.clone(),
-                        offset: at,
-                        wanted: (n - whole) as u64,
-                        done: got as u64,
-                    });
-                }
-                got += r as usize;
+            };
+            if got == 0 {
+                return Err(IoError::Short {
+                    op: "read",
+                    path: self.inner.path.clone(),
+                    offset: at,
+                    wanted: tail as u64,
+                    done: 0,
+                });
+            }
+            if got < tail {
+                // A short direct read: the rest is unaligned, so buffered.
+                self.read_at(at + got as u64, &mut page[got..tail])?;
             }
         }
         Ok(n)
@@ -612,13 +615,21 @@ impl FsFile for UringFile {
             let len = self.read_upto(offset, buf.bytes_mut())?;
             return Ok(Some(crate::ReadAhead { buf, offset, len }));
         }
-        let a = match &mut self.ahead {
+        let ahead = match self.ahead.take() {
             Some(a) => a,
-            None => self.ahead.insert(Ahead {
-                ring: IoUring::new(2).map_err(unavailable)?,
-                in_flight: None,
-            }),
+            None => match IoUring::new(2) {
+                Ok(ring) => Ahead {
+                    ring,
+                    in_flight: None,
+                },
+                // No ring of its own (memlock): the read happens now instead.
+                Err(_) => {
+                    let len = self.read_upto(offset, buf.bytes_mut())?;
+                    return Ok(Some(crate::ReadAhead { buf, offset, len }));
+                }
+            },
         };
+        let a = self.ahead.insert(ahead);
         // Whole pages (`cap` is a multiple of the page, so they fit): a direct read stops at
         // the end of the file by itself.
         let want = len.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;

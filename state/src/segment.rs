@@ -1458,7 +1458,7 @@ impl SegmentStream {
         })
     }
 
-    /// Why the stream ended early, if it did (a read failed, or a block its check).
+    /// Why the stream ended early, if it did (a read failed, or a block failed its check).
     pub fn take_error(&mut self) -> Option<StateError> {
         self.failed.take()
     }
