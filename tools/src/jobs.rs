@@ -83,10 +83,14 @@ fn prepare_output(dir: &Path) -> Result<(), String> {
 }
 
 fn parse_int(field: &str, column: &str) -> Result<i64, String> {
-    field
-        .trim()
-        .parse::<i64>()
-        .map_err(|_| format!("column `{column}`: `{field}` is not an integer"))
+    let t = field.trim();
+    t.parse::<i64>().map_err(|_| {
+        if t.parse::<i128>().is_ok() {
+            format!("column `{column}`: `{field}` is outside the 64-bit integer range")
+        } else {
+            format!("column `{column}`: `{field}` is not an integer")
+        }
+    })
 }
 
 pub fn keyed_sum(a: &KeyedSumArgs) -> Result<(), String> {
@@ -95,7 +99,9 @@ pub fn keyed_sum(a: &KeyedSumArgs) -> Result<(), String> {
         a.input.input.clone(),
         format(a.input.format),
         &[a.key.as_str(), a.value.as_str()],
-        move |f: &[&str], _| Ok((f[0].to_string(), parse_int(f[1], &value_col)?)),
+        // Values are 64-bit; sums are 128-bit, so that no sum is clamped or wraps: reaching
+        // 2^127 takes more than 2^64 records.
+        move |f: &[&str], _| Ok((f[0].to_string(), i128::from(parse_int(f[1], &value_col)?))),
     )
     .error_policy(policy(&a.input.on_error));
     let skipped = source.skipped();
@@ -103,13 +109,13 @@ pub fn keyed_sum(a: &KeyedSumArgs) -> Result<(), String> {
     let sums = job
         .source(source)
         .uid("input")
-        .key_by(|(k, _): &(String, i64)| k.clone())
-        .reduce(|(k, a), (_, b)| (k, a.saturating_add(b)))
+        .key_by(|(k, _): &(String, i128)| k.clone())
+        .reduce(|(k, a), (_, b)| (k, a + b))
         .uid("keyed-sum");
     write_output(
         sums,
         &a.input,
-        |(k, s): &(String, i64), line: &mut String| {
+        |(k, s): &(String, i128), line: &mut String| {
             let _ = write!(line, "{},{}", csv_field(k), s);
         },
     )?;

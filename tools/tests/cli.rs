@@ -275,6 +275,74 @@ fn malformed_lines_follow_the_error_policy() {
     assert_eq!(rows[1]["line"], 5);
 }
 
+/// `weir run keyed-sum` over one CSV text: exit code, stderr, sorted output lines.
+fn keyed_sum_csv(text: &str) -> (Option<i32>, String, Vec<String>) {
+    let dir = tempfile::tempdir().expect("tmp");
+    let input = dir.path().join("in.csv");
+    std::fs::write(&input, text).expect("write");
+    let out = dir.path().join("out");
+    let r = weir(&[
+        "run",
+        "keyed-sum",
+        "--input",
+        input.to_str().expect("utf8"),
+        "--format",
+        "csv",
+        "--key",
+        "k",
+        "--value",
+        "v",
+        "--output",
+        out.to_str().expect("utf8"),
+    ]);
+    let mut lines = if out.exists() {
+        output_lines(&out)
+    } else {
+        Vec::new()
+    };
+    lines.sort();
+    (r.status.code(), stderr(&r), lines)
+}
+
+#[test]
+fn sums_past_the_64_bit_range_are_exact_and_values_past_it_are_errors() {
+    let max = i64::MAX;
+    let (code, e, lines) = keyed_sum_csv(&format!("k,v\na,{max}\na,{max}\nb,{}\nb,-1\n", i64::MIN));
+    assert_eq!(code, Some(0), "{e}");
+    let twice = 2 * i128::from(max);
+    let below = i128::from(i64::MIN) - 1;
+    let mut want = vec![
+        format!("a,{max}"),
+        format!("a,{twice}"),
+        format!("b,{}", i64::MIN),
+        format!("b,{below}"),
+    ];
+    want.sort();
+    assert_eq!(lines, want, "neither clamped nor wrapped");
+
+    let (code, e, _) = keyed_sum_csv("k,v\na,1\na,99999999999999999999\n");
+    assert_eq!(code, Some(1));
+    assert!(
+        e.contains("in.csv:3") && e.contains("outside the 64-bit integer range"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_csv_header_naming_a_wanted_column_twice_is_an_error() {
+    let (code, e, lines) = keyed_sum_csv("k,v,k\na,1,b\n");
+    assert_eq!(code, Some(1));
+    assert!(
+        e.contains("in.csv:1") && e.contains("column `k` is both field 1 and field 3"),
+        "{e}"
+    );
+    assert!(lines.is_empty(), "{lines:?}");
+    // A repeated column the job does not read is no ambiguity.
+    let (code, e, lines) = keyed_sum_csv("k,x,v,x\na,0,1,0\n");
+    assert_eq!(code, Some(0), "{e}");
+    assert_eq!(lines, vec!["a,1"]);
+}
+
 #[test]
 fn errors_name_what_and_where_with_the_right_exit_code() {
     let dir = tempfile::tempdir().expect("tmp");

@@ -23,7 +23,8 @@
 //! for each line that has a string with escapes in it.)
 //!
 //! Bad input never panics (design invariant 6): a malformed line follows the [`ErrorPolicy`];
-//! a file that cannot be read at all (missing, unknown column, broken CSV header) is an error.
+//! a file that cannot be read at all (missing, unknown column, broken CSV header, a wanted column
+//! named twice in the header) is an error.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufRead, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
@@ -580,7 +581,7 @@ impl<T: 'static> FileReader<T> {
 
     /// Reads the header of the open CSV file and maps the wanted columns to field indexes.
     fn read_header(&mut self) -> Result<(), SourceError> {
-        loop {
+        let header_line = loop {
             let line = self.open.as_ref().map_or(1, |o| o.line);
             let at_start = self.open.as_ref().is_some_and(|o| o.offset == 0);
             match self.read_csv_record(at_start)? {
@@ -594,9 +595,9 @@ impl<T: 'static> FileReader<T> {
                         reason: format!("CSV header: {reason}"),
                     })
                 }
-                CsvRead::Fields => break,
+                CsvRead::Fields => break line,
             }
-        }
+        };
         let Some(open) = self.open.as_mut() else {
             return Ok(());
         };
@@ -606,7 +607,24 @@ impl<T: 'static> FileReader<T> {
             let found = (0..open.width)
                 .find(|&i| csv_field(&self.csv_buf, &self.csv_ends, i) == Some(column.as_bytes()));
             match found {
-                Some(i) => open.map.push(i),
+                Some(i) => {
+                    // Two fields of one name: which one the job reads would be a guess.
+                    let again = (i + 1..open.width).find(|&j| {
+                        csv_field(&self.csv_buf, &self.csv_ends, j) == Some(column.as_bytes())
+                    });
+                    if let Some(j) = again {
+                        return Err(SourceError::Malformed {
+                            file: self.loc.file.clone(),
+                            line: header_line,
+                            reason: format!(
+                                "CSV header: column `{column}` is both field {} and field {}",
+                                i + 1,
+                                j + 1
+                            ),
+                        });
+                    }
+                    open.map.push(i)
+                }
                 None => {
                     let available = (0..open.width)
                         .map(|i| {
