@@ -216,11 +216,62 @@ impl JobConfig {
         if self.batch_records == 0 {
             return bad("batch_records", "must be at least 1".into());
         }
+        if let Some(c) = &self.checkpoint {
+            if c.interval.is_some_and(|d| d.is_zero()) {
+                return bad("checkpoint.interval", "must be more than 0".into());
+            }
+            if c.timeout.is_zero() {
+                return bad("checkpoint.timeout", "must be more than 0".into());
+            }
+            if c.max_concurrent == 0 {
+                return bad("checkpoint.max_concurrent", "must be at least 1".into());
+            }
+        }
         if self.restore.is_some() && self.checkpoint.is_none() {
             if let Some(RestoreFrom::Latest) = self.restore {
                 return bad("restore", "`latest` needs a checkpoint directory".into());
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::CheckpointConfig;
+    use std::time::Duration;
+
+    fn key_of(c: JobConfig) -> Option<String> {
+        match c.validate() {
+            Err(crate::StartError::Config { key, .. }) => Some(key),
+            _ => None,
+        }
+    }
+
+    /// Checkpoint settings a builder or a field let through that would make every checkpoint
+    /// fail or trigger without pause are refused at start, by name.
+    #[test]
+    fn zero_checkpoint_interval_timeout_or_concurrency_are_refused_by_name() {
+        let ck = || CheckpointConfig::new("/tmp/unused", "j");
+        let with = |c: CheckpointConfig| JobConfig::new().with_checkpointing(c);
+        assert_eq!(
+            key_of(with(ck().with_interval(Duration::from_millis(5)))),
+            None
+        );
+        assert_eq!(
+            key_of(with(ck().with_interval(Duration::ZERO))).as_deref(),
+            Some("checkpoint.interval")
+        );
+        assert_eq!(
+            key_of(with(ck().with_timeout(Duration::ZERO))).as_deref(),
+            Some("checkpoint.timeout")
+        );
+        let mut c = ck();
+        c.max_concurrent = 0;
+        assert_eq!(
+            key_of(with(c)).as_deref(),
+            Some("checkpoint.max_concurrent")
+        );
     }
 }

@@ -54,7 +54,7 @@ pub struct CheckpointArgs {
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
     /// Interval between checkpoints.
-    #[arg(long, value_parser = parse_duration_ms, default_value = "1s")]
+    #[arg(long, value_parser = parse_positive_ms, default_value = "1s")]
     pub checkpoint_interval: i64,
     #[arg(long, value_enum, default_value = "exactly-once")]
     pub mode: ModeArg,
@@ -159,7 +159,7 @@ pub fn apply_checkpointing(
         });
     };
     let mut ck = CheckpointConfig::new(dir, a.job_id.as_deref().unwrap_or(default_job_id))
-        .with_interval(Duration::from_millis(a.checkpoint_interval.max(1) as u64))
+        .with_interval(Duration::from_millis(a.checkpoint_interval.unsigned_abs()))
         .with_mode(match a.mode {
             ModeArg::ExactlyOnce => CheckpointMode::ExactlyOnce,
             ModeArg::AtLeastOnce => CheckpointMode::AtLeastOnce,
@@ -183,7 +183,18 @@ pub fn apply_checkpointing(
 fn parse_duration_ms(s: &str) -> Result<i64, String> {
     let d: Duration = humantime::parse_duration(s)
         .map_err(|e| format!("`{s}`: {e} (examples: 10s, 500ms, 2m)"))?;
+    if !d.subsec_nanos().is_multiple_of(1_000_000) {
+        return Err(format!("`{s}` is not a whole number of milliseconds"));
+    }
     i64::try_from(d.as_millis()).map_err(|_| format!("`{s}` is too long"))
+}
+
+/// A duration that must not be zero (a window size, a checkpoint interval).
+fn parse_positive_ms(s: &str) -> Result<i64, String> {
+    match parse_duration_ms(s)? {
+        0 => Err(format!("`{s}` must be more than 0")),
+        ms => Ok(ms),
+    }
 }
 
 #[derive(Args)]
@@ -208,7 +219,7 @@ pub struct WindowCountArgs {
     #[arg(long)]
     pub timestamp: String,
     /// Window size, e.g. 10s.
-    #[arg(long, value_parser = parse_duration_ms)]
+    #[arg(long, value_parser = parse_positive_ms)]
     pub window: i64,
     /// How late a record may arrive relative to the largest timestamp seen, e.g. 2s.
     #[arg(long, value_parser = parse_duration_ms, default_value = "0ms")]

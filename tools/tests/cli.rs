@@ -426,6 +426,48 @@ fn errors_name_what_and_where_with_the_right_exit_code() {
         o,
     ]);
     assert_eq!(r.status.code(), Some(2));
+    // A zero (or sub-millisecond) window or checkpoint interval is refused, not rounded up.
+    for window in ["0s", "500us"] {
+        let r = weir(&[
+            "run",
+            "window-count",
+            "--input",
+            i,
+            "--format",
+            "csv",
+            "--key",
+            "user",
+            "--timestamp",
+            "amount",
+            "--window",
+            window,
+            "--output",
+            o,
+        ]);
+        assert_eq!(r.status.code(), Some(2), "--window {window}");
+        assert!(stderr(&r).contains(window), "{}", stderr(&r));
+    }
+    let ck = dir.path().join("ck");
+    let r = weir(&[
+        "run",
+        "keyed-sum",
+        "--input",
+        i,
+        "--format",
+        "csv",
+        "--key",
+        "user",
+        "--value",
+        "amount",
+        "--output",
+        o,
+        "--checkpoint-dir",
+        ck.to_str().expect("utf8"),
+        "--checkpoint-interval",
+        "0ms",
+    ]);
+    assert_eq!(r.status.code(), Some(2));
+    assert!(stderr(&r).contains("must be more than 0"), "{}", stderr(&r));
     let r = weir(&["run", "nope"]);
     assert_eq!(r.status.code(), Some(2));
     assert!(!stderr(&r).contains("panicked"));

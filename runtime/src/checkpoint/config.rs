@@ -169,8 +169,13 @@ impl CheckpointConfig {
             })
             .transpose()
         };
-        c.interval = dur("interval", raw.interval)?;
-        if let Some(d) = dur("timeout", raw.timeout)? {
+        // A zero interval would trigger without pause, a zero timeout abort every checkpoint.
+        let positive = |key: &str, d: Option<Duration>| match d {
+            Some(d) if d.is_zero() => Err(ConfigError::new(key, "must be more than 0")),
+            d => Ok(d),
+        };
+        c.interval = positive("interval", dur("interval", raw.interval)?)?;
+        if let Some(d) = positive("timeout", dur("timeout", raw.timeout)?)? {
             c.timeout = d;
         }
         if let Some(d) = dur("min-pause", raw.min_pause)? {
@@ -376,6 +381,14 @@ mod tests {
         let e = CheckpointConfig::from_toml("dir = \"/d\"\n[restart]\nstrategy = \"sometimes\"\n")
             .expect_err("bad strategy");
         assert_eq!(e.key, "restart.strategy");
+        for key in ["interval", "timeout"] {
+            let e = CheckpointConfig::from_toml(&format!("dir = \"/d\"\n{key} = \"0ms\"\n"))
+                .expect_err("zero");
+            assert_eq!(
+                (e.key.as_str(), e.reason.as_str()),
+                (key, "must be more than 0")
+            );
+        }
         let e = CheckpointConfig::from_toml("interval = \"1s\"\n").expect_err("no dir");
         assert_eq!(e.key, "dir");
         let e =
