@@ -1,10 +1,14 @@
-//! `weir checkpoints list|verify DIR`: the checkpoint directory needs nothing but itself.
+//! `weir checkpoints list|verify|inspect|clean DIR`: the checkpoint directory needs nothing
+//! but itself.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use clap::Args;
-use weir_io::{CheckpointStorage, StdFs, VerifyError};
+use weir_io::{
+    CheckpointError, CheckpointKind, CheckpointMetadata, CheckpointStorage, Savepoint, StdFs,
+    VerifyError,
+};
 
 #[derive(Args)]
 pub struct ListArgs {
@@ -22,6 +26,28 @@ pub struct VerifyArgs {
     /// Verify only checkpoint N (default: every complete checkpoint).
     #[arg(long)]
     pub checkpoint: Option<u64>,
+}
+
+#[derive(Args)]
+pub struct InspectArgs {
+    /// A checkpoint directory holding one job, one job's directory, a `chk-<n>` directory or a
+    /// savepoint directory.
+    pub dir: PathBuf,
+    /// Inspect checkpoint N of the job (default: its newest complete checkpoint).
+    #[arg(long)]
+    pub checkpoint: Option<u64>,
+    /// One JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+pub struct CleanArgs {
+    /// A checkpoint directory (holding job directories) or one job's directory.
+    pub dir: PathBuf,
+    /// Complete checkpoints to keep per job, newest first.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub keep: u64,
 }
 
 /// Why verification did not pass.
@@ -158,6 +184,204 @@ pub fn verify(a: &VerifyArgs) -> Result<(), VerifyFailed> {
             "{}: no complete checkpoint to verify",
             a.dir.display()
         )));
+    }
+    Ok(())
+}
+
+/// A metadata read that failed: a corrupt file is [`VerifyFailed::Corrupt`] (exit 3).
+fn metadata_failed(what: &str, e: CheckpointError) -> VerifyFailed {
+    let msg = format!("{what}: {e}");
+    match e {
+        CheckpointError::Format(_) => VerifyFailed::Corrupt(msg),
+        _ => VerifyFailed::Other(msg),
+    }
+}
+
+/// The verified metadata `a` designates.
+fn inspected(a: &InspectArgs) -> Result<CheckpointMetadata, VerifyFailed> {
+    if a.dir.join(weir_io::METADATA_FILE).is_file() {
+        let shown = a.dir.display().to_string();
+        // A `chk-<n>` directory is read through its job, which checks that it belongs there.
+        let chk = a
+            .dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix("chk-"))
+            .and_then(|n| n.parse::<u64>().ok());
+        let job_dir = a.dir.parent().filter(|p| is_job_dir(p));
+        if let (Some(id), Some(job_dir)) = (chk, job_dir) {
+            let (root, job) = jobs(job_dir).map_err(VerifyFailed::Other)?.remove(0);
+            let s = open(&root, &job).map_err(VerifyFailed::Other)?;
+            return s.read_metadata(id).map_err(|e| metadata_failed(&shown, e));
+        }
+        return Savepoint::open(Arc::new(StdFs), &a.dir)
+            .map(|sp| sp.metadata().clone())
+            .map_err(|e| metadata_failed(&shown, e));
+    }
+    let mut jobs = jobs(&a.dir).map_err(VerifyFailed::Other)?;
+    if jobs.len() > 1 {
+        let names: Vec<_> = jobs.iter().map(|(_, j)| j.as_str()).collect();
+        return Err(VerifyFailed::Other(format!(
+            "{}: holds the jobs {}; name one's directory",
+            a.dir.display(),
+            names.join(", ")
+        )));
+    }
+    let (root, job) = jobs.remove(0);
+    let s = open(&root, &job).map_err(VerifyFailed::Other)?;
+    let id = match a.checkpoint {
+        Some(id) => id,
+        None => {
+            s.latest_complete()
+                .map_err(|e| VerifyFailed::Other(format!("{job}: {e}")))?
+                .ok_or_else(|| VerifyFailed::Other(format!("{job}: no complete checkpoint")))?
+                .id
+        }
+    };
+    s.read_metadata(id).map_err(|e| metadata_failed(&job, e))
+}
+
+/// `weir checkpoints inspect`: what a checkpoint holds, from its metadata alone.
+pub fn inspect(a: &InspectArgs) -> Result<(), VerifyFailed> {
+    let m = inspected(a)?;
+    let layout = weir_runtime::checkpoint::layout(&m.sections).map_err(|e| {
+        VerifyFailed::Corrupt(format!("{} checkpoint {}: {e}", m.job_id, m.checkpoint_id))
+    })?;
+    let kind = match m.kind {
+        CheckpointKind::Savepoint => "savepoint",
+        _ => "checkpoint",
+    };
+    let size_bytes = m.size_bytes();
+    if a.json {
+        let files: Vec<_> = m
+            .files
+            .iter()
+            .map(|f| {
+                serde_json::json!({
+                    "path": f.path.display().to_string(),
+                    "size_bytes": f.size_bytes,
+                    "crc32": f.crc32,
+                })
+            })
+            .collect();
+        let logical: Vec<_> = m
+            .logical_files
+            .iter()
+            .map(|l| {
+                serde_json::json!({
+                    "physical": l.physical.display().to_string(),
+                    "offset": l.offset,
+                    "size_bytes": l.size_bytes,
+                    "crc32": l.crc32,
+                })
+            })
+            .collect();
+        let pair = |v: &[(String, u64)], name: &str| -> Vec<serde_json::Value> {
+            v.iter()
+                .map(|(p, n)| serde_json::json!({ name: p, "size_bytes": n }))
+                .collect()
+        };
+        let parts: Vec<_> = layout
+            .parts
+            .iter()
+            .map(|p| {
+                serde_json::json!({
+                    "shard": p.shard,
+                    "operator": p.operator,
+                    "kind": p.kind,
+                    "inline_bytes": p.inline_bytes,
+                    "files": pair(&p.files, "path"),
+                    "logical_files": pair(&p.logical, "physical"),
+                })
+            })
+            .collect();
+        let v = serde_json::json!({
+            "job": m.job_id,
+            "checkpoint": m.checkpoint_id,
+            "kind": kind,
+            "trigger_timestamp_ms": m.trigger_timestamp_ms,
+            "completion_timestamp_ms": m.completion_timestamp_ms,
+            "size_bytes": size_bytes,
+            "new_bytes": m.new_bytes,
+            "shards": layout.shards,
+            "max_parallelism": layout.max_parallelism,
+            "format_version": layout.format_version,
+            "files": files,
+            "logical_files": logical,
+            "parts": parts,
+        });
+        println!("{v}");
+        return Ok(());
+    }
+    println!("job {}  {kind} {}", m.job_id, m.checkpoint_id);
+    println!(
+        "triggered_ms {}  completed_ms {}",
+        m.trigger_timestamp_ms, m.completion_timestamp_ms
+    );
+    println!(
+        "size_bytes {size_bytes}  new_bytes {}  files {}  logical_files {}",
+        m.new_bytes,
+        m.files.len(),
+        m.logical_files.len()
+    );
+    println!(
+        "shards {}  max_parallelism {}  format_version {}",
+        layout.shards, layout.max_parallelism, layout.format_version
+    );
+    println!(
+        "{:>5} {:<24} {:<9} {:>12} {:>6} {:>14} {:>8} {:>14}",
+        "shard",
+        "operator",
+        "kind",
+        "inline_bytes",
+        "files",
+        "file_bytes",
+        "logical",
+        "logical_bytes"
+    );
+    for p in &layout.parts {
+        println!(
+            "{:>5} {:<24} {:<9} {:>12} {:>6} {:>14} {:>8} {:>14}",
+            p.shard,
+            p.operator,
+            p.kind,
+            p.inline_bytes,
+            p.files.len(),
+            p.files.iter().map(|f| f.1).sum::<u64>(),
+            p.logical.len(),
+            p.logical.iter().map(|f| f.1).sum::<u64>()
+        );
+    }
+    Ok(())
+}
+
+/// `weir checkpoints clean`: keep the newest complete checkpoints of each job and delete
+/// everything nothing kept refers to. Takes the job directory's lock, so it refuses to run
+/// beside the job.
+pub fn clean(a: &CleanArgs) -> Result<(), String> {
+    for (root, job) in jobs(&a.dir)? {
+        let job_dir = root.join(&job);
+        let s = CheckpointStorage::open(Arc::new(StdFs), &root, &job)
+            .map_err(|e| format!("{}: {e}", job_dir.display()))?;
+        let keep = usize::try_from(a.keep).unwrap_or(usize::MAX);
+        let r = s
+            .retain(keep)
+            .map_err(|e| format!("{}: {e}", job_dir.display()))?;
+        let kept: Vec<u64> = s
+            .list()
+            .map_err(|e| format!("{}: {e}", job_dir.display()))?
+            .iter()
+            .filter(|i| i.complete)
+            .map(|i| i.id)
+            .collect();
+        let ids = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
+        println!(
+            "{job}: kept [{}], dropped [{}], removed incomplete [{}], deleted {} files",
+            ids(&kept),
+            ids(&r.dropped_checkpoints),
+            ids(&r.removed_incomplete),
+            r.deleted_files.len()
+        );
     }
     Ok(())
 }

@@ -1,4 +1,4 @@
-//! `weir`: run jobs, and (with checkpointing) list, verify and inspect checkpoints.
+//! `weir`: run jobs, and (with checkpointing) list, verify, inspect and clean checkpoints.
 //!
 //! Exit codes: 0 success, 1 a failure of the job or its input (one line on stderr naming what
 //! and where), 2 a usage error.
@@ -33,7 +33,7 @@ enum Command {
     /// Run a built-in job.
     #[command(subcommand)]
     Run(RunCommand),
-    /// List and verify checkpoints.
+    /// List, verify, inspect and clean checkpoints.
     #[command(subcommand)]
     Checkpoints(CheckpointsCommand),
 }
@@ -44,6 +44,11 @@ enum CheckpointsCommand {
     List(checkpoints::ListArgs),
     /// Check every CRC of every file a checkpoint uses; exit 3 on corruption.
     Verify(checkpoints::VerifyArgs),
+    /// Show what a checkpoint or savepoint holds: its files and each shard's parts.
+    Inspect(checkpoints::InspectArgs),
+    /// Keep the newest complete checkpoints (--keep, default 1) and delete what nothing kept
+    /// uses; refuses while the job runs.
+    Clean(checkpoints::CleanArgs),
 }
 
 /// Checkpointing of `weir run` jobs.
@@ -242,6 +247,18 @@ pub struct DemoArgs {
     pub checkpoint: CheckpointArgs,
 }
 
+/// Corruption exits with code 3 (after its error line); other failures go on as usual.
+fn corrupt_is_3(r: Result<(), checkpoints::VerifyFailed>) -> Result<(), String> {
+    match r {
+        Ok(()) => Ok(()),
+        Err(checkpoints::VerifyFailed::Corrupt(msg)) => {
+            eprintln!("error: {msg}");
+            std::process::exit(3);
+        }
+        Err(checkpoints::VerifyFailed::Other(msg)) => Err(msg),
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.command {
@@ -249,14 +266,13 @@ fn main() -> ExitCode {
         Command::Run(RunCommand::WindowCount(a)) => jobs::window_count(&a),
         Command::Run(RunCommand::Demo(a)) => demo::run(&a),
         Command::Checkpoints(CheckpointsCommand::List(a)) => checkpoints::list(&a),
-        Command::Checkpoints(CheckpointsCommand::Verify(a)) => match checkpoints::verify(&a) {
-            Ok(()) => Ok(()),
-            Err(checkpoints::VerifyFailed::Corrupt(msg)) => {
-                eprintln!("error: {msg}");
-                return ExitCode::from(3);
-            }
-            Err(checkpoints::VerifyFailed::Other(msg)) => Err(msg),
-        },
+        Command::Checkpoints(CheckpointsCommand::Verify(a)) => {
+            corrupt_is_3(checkpoints::verify(&a))
+        }
+        Command::Checkpoints(CheckpointsCommand::Inspect(a)) => {
+            corrupt_is_3(checkpoints::inspect(&a))
+        }
+        Command::Checkpoints(CheckpointsCommand::Clean(a)) => checkpoints::clean(&a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

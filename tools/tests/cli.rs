@@ -671,6 +671,145 @@ fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
 }
 
 #[test]
+fn checkpoints_inspect_shows_the_parts_and_clean_keeps_the_newest() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let recs = records(200_000, 97);
+    let input = dir.path().join("in.csv");
+    write_csv(&input, &recs);
+    let (out, ck) = (dir.path().join("out"), dir.path().join("ckpt"));
+    let ck_s = ck.to_str().expect("utf8");
+    let r = weir(&[
+        "run",
+        "keyed-sum",
+        "--input",
+        input.to_str().expect("utf8"),
+        "--format",
+        "csv",
+        "--key",
+        "user",
+        "--value",
+        "amount",
+        "--output",
+        out.to_str().expect("utf8"),
+        "--shards",
+        "2",
+        "--checkpoint-dir",
+        ck_s,
+        "--checkpoint-interval",
+        "5ms",
+        "--retained",
+        "4",
+    ]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let complete = || -> Vec<u64> {
+        let l = weir(&["checkpoints", "list", ck_s, "--json"]);
+        assert!(l.status.success(), "{}", stderr(&l));
+        String::from_utf8_lossy(&l.stdout)
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json"))
+            .filter(|v| v["status"] == "complete")
+            .map(|v| v["checkpoint"].as_u64().expect("id"))
+            .collect()
+    };
+    let before = complete();
+    assert!(
+        before.len() >= 2,
+        "several retained checkpoints: {before:?}"
+    );
+    let newest = *before.last().expect("one");
+
+    // Inspect the newest: the job's shape and every shard's parts.
+    let i = weir(&["checkpoints", "inspect", ck_s, "--json"]);
+    assert!(i.status.success(), "{}", stderr(&i));
+    let v: serde_json::Value = serde_json::from_slice(&i.stdout).expect("one JSON object");
+    assert_eq!(v["job"], "keyed-sum");
+    assert_eq!(v["checkpoint"].as_u64(), Some(newest));
+    assert_eq!(v["kind"], "checkpoint");
+    assert_eq!(v["shards"], 2);
+    let parts = v["parts"].as_array().expect("parts");
+    for shard in 0..2 {
+        let kinds: Vec<&str> = parts
+            .iter()
+            .filter(|p| p["shard"] == shard)
+            .map(|p| p["kind"].as_str().expect("kind"))
+            .collect();
+        for k in ["source", "keyed", "sink"] {
+            assert!(
+                kinds.contains(&k),
+                "shard {shard} has a {k} part: {kinds:?}"
+            );
+        }
+    }
+    // The parts' files are the checkpoint's files.
+    let mut part_files: Vec<&str> = parts
+        .iter()
+        .flat_map(|p| p["files"].as_array().expect("files"))
+        .map(|f| f["path"].as_str().expect("path"))
+        .collect();
+    part_files.sort_unstable();
+    let files: Vec<&str> = v["files"]
+        .as_array()
+        .expect("files")
+        .iter()
+        .map(|f| f["path"].as_str().expect("path"))
+        .collect();
+    assert!(!files.is_empty());
+    assert_eq!(part_files, files);
+    // An older one by number, or by its directory; text names the operator.
+    let older = before[0].to_string();
+    let i = weir(&["checkpoints", "inspect", ck_s, "--checkpoint", &older]);
+    assert!(i.status.success(), "{}", stderr(&i));
+    let text = String::from_utf8_lossy(&i.stdout);
+    assert!(
+        text.contains(&format!("checkpoint {older}")) && text.contains("keyed-sum"),
+        "{text}"
+    );
+    let chk = ck.join("keyed-sum").join(format!("chk-{older}"));
+    let i = weir(&["checkpoints", "inspect", chk.to_str().expect("utf8")]);
+    assert!(i.status.success(), "{}", stderr(&i));
+    let i = weir(&["checkpoints", "inspect", ck_s, "--checkpoint", "999999"]);
+    assert_eq!(i.status.code(), Some(1), "{}", stderr(&i));
+
+    // Clean refuses while the job's directory is locked (a running job holds the lock).
+    let lock = weir_io::DirLock::acquire(&ck.join("keyed-sum")).expect("lock");
+    let c = weir(&["checkpoints", "clean", ck_s]);
+    assert_eq!(c.status.code(), Some(1), "{}", stderr(&c));
+    assert_eq!(complete(), before, "nothing removed while locked");
+    drop(lock);
+    let c = weir(&["checkpoints", "clean", ck_s, "--keep", "1"]);
+    assert!(c.status.success(), "{}", stderr(&c));
+    assert!(
+        String::from_utf8_lossy(&c.stdout).contains(&format!("kept [{newest}]")),
+        "{}",
+        String::from_utf8_lossy(&c.stdout)
+    );
+    assert_eq!(complete(), vec![newest]);
+    // What is left verifies, and every file left is one the kept checkpoint uses.
+    let ver = weir(&["checkpoints", "verify", ck_s]);
+    assert!(ver.status.success(), "{}", stderr(&ver));
+    let mut left: Vec<String> = std::fs::read_dir(ck.join("keyed-sum").join("shared"))
+        .expect("shared")
+        .flatten()
+        .map(|e| format!("shared/{}", e.file_name().to_string_lossy()))
+        .collect();
+    left.sort();
+    assert_eq!(left, files);
+    // A corrupt metadata file is exit code 3 for inspect too, naming the file.
+    let meta = ck
+        .join("keyed-sum")
+        .join(format!("chk-{newest}"))
+        .join("_metadata");
+    let mut bytes = std::fs::read(&meta).expect("metadata");
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x5a;
+    std::fs::write(&meta, bytes).expect("write");
+    let chk = ck.join("keyed-sum").join(format!("chk-{newest}"));
+    let i = weir(&["checkpoints", "inspect", chk.to_str().expect("utf8")]);
+    assert_eq!(i.status.code(), Some(3), "{}", stderr(&i));
+    assert!(stderr(&i).contains("_metadata"), "{}", stderr(&i));
+}
+
+#[test]
 fn a_too_small_memlock_limit_is_a_clear_error_with_a_hint() {
     let o = Command::new("bash")
         .arg("-c")

@@ -12,6 +12,7 @@
 
 pub mod config;
 pub(crate) mod coordinator;
+pub mod layout;
 pub(crate) mod restore;
 pub(crate) mod shard;
 pub(crate) mod snapshot;
@@ -19,6 +20,7 @@ pub(crate) mod store;
 
 pub use config::{CheckpointConfig, CheckpointMode, ConfigError, RestartStrategy};
 pub use coordinator::{CheckpointMetrics, CheckpointStats};
+pub use layout::{layout, CheckpointLayout, PartLayout};
 
 /// Whether operators with several inputs hold back inputs that delivered a barrier until the
 /// others did (exactly once), or only wait for the last barrier (at least once).
