@@ -617,6 +617,44 @@ fn gc_spares_an_older_checkpoint_still_in_progress() {
 }
 
 #[test]
+fn a_pinned_checkpoint_outlives_retention_until_its_pin_drops() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+    let st = open(Arc::new(StdFs), &root);
+    let job = st.job_dir().to_owned();
+    let c1 = write_checkpoint(&st, 1, &local, None).unwrap();
+    assert!(
+        st.pin(7).is_err(),
+        "only a complete checkpoint can be pinned"
+    );
+    let pin = st.pin(1).unwrap();
+    let again = st.pin(1).unwrap();
+    assert_eq!(pin.checkpoint_id(), 1);
+    let c2 = write_checkpoint(&st, 2, &local, None).unwrap();
+    let r = st.retain(1).unwrap();
+    assert!(r.dropped_checkpoints.is_empty(), "{r:?}");
+    st.verify(1).unwrap();
+    // A savepoint copied out of the pinned checkpoint while newer ones complete.
+    let c3 = write_checkpoint(&st, 3, &local, None).unwrap();
+    assert_eq!(st.retain(1).unwrap().dropped_checkpoints, vec![2]);
+    let sp = pin
+        .export_savepoint(&tmp.path().join("sp"), "savepoint-1")
+        .unwrap();
+    let opened = weir_io::Savepoint::open(Arc::new(StdFs), &sp).unwrap();
+    opened.verify().unwrap();
+    assert_eq!(opened.metadata().files, c1.metadata.files);
+    // Two pins: the checkpoint stays until the last goes.
+    drop(pin);
+    assert!(st.retain(1).unwrap().dropped_checkpoints.is_empty());
+    drop(again);
+    let r = st.retain(1).unwrap();
+    assert_eq!(r.dropped_checkpoints, vec![1]);
+    let on_disk: BTreeSet<PathBuf> = data_files(&job).into_iter().map(|(p, _)| p).collect();
+    assert_eq!(on_disk, c3.metadata.physical_paths());
+    assert!(!job.join("chk-2").exists() && c2.metadata.checkpoint_id == 2);
+}
+
+#[test]
 fn commit_fails_when_a_reused_file_is_gone() {
     let tmp = tempfile::tempdir().unwrap();
     let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));

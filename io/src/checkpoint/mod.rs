@@ -29,6 +29,6 @@ pub use format::{
 };
 pub use read::{Savepoint, VerifyReport};
 pub use storage::{
-    CheckpointInfo, CheckpointStorage, CheckpointWriter, CommitInfo, CompletedCheckpoint, GcReport,
-    PendingCheckpoint, StorageOptions, WriterStats,
+    savepoint_dir_name, CheckpointInfo, CheckpointPin, CheckpointStorage, CheckpointWriter,
+    CommitInfo, CompletedCheckpoint, GcReport, PendingCheckpoint, StorageOptions, WriterStats,
 };

@@ -60,6 +60,8 @@ struct Registry {
     /// In-progress checkpoint id -> relative paths it created or reuses (GC skips them).
     in_progress: BTreeMap<u64, BTreeSet<PathBuf>>,
     latest_complete: Option<u64>,
+    /// Complete checkpoints held by [`CheckpointPin`]s, with their pin counts: GC keeps them.
+    pinned: BTreeMap<u64, usize>,
 }
 
 #[derive(Debug)]
@@ -566,11 +568,12 @@ impl CheckpointStorage {
             });
         }
         let _gc = lock(&sh.gc);
-        let (in_progress_ids, mut referenced) = {
+        let (in_progress_ids, mut referenced, pinned) = {
             let reg = lock(&sh.registry);
             let ids: BTreeSet<u64> = reg.in_progress.keys().copied().collect();
             let paths: BTreeSet<PathBuf> = reg.in_progress.values().flatten().cloned().collect();
-            (ids, paths)
+            let pinned: BTreeSet<u64> = reg.pinned.keys().copied().collect();
+            (ids, paths, pinned)
         };
         let scan = self.scan()?;
         let complete: Vec<(u64, &PathBuf, &CheckpointMetadata)> = scan
@@ -585,10 +588,15 @@ impl CheckpointStorage {
             return Ok(report);
         };
         let split = complete.len().saturating_sub(keep);
-        for (_, _, m) in &complete[split..] {
-            referenced.extend(m.physical_paths());
+        for (id, _, m) in &complete {
+            if *id >= complete[split].0 || pinned.contains(id) {
+                referenced.extend(m.physical_paths());
+            }
         }
         for &(id, dir, _) in &complete[..split] {
+            if pinned.contains(&id) {
+                continue;
+            }
             sh.fs.remove(&dir.join(METADATA_FILE))?;
             // The removal must be durable before any file it referenced goes.
             sh.fs.sync_dir(dir)?;
@@ -629,6 +637,22 @@ impl CheckpointStorage {
         Ok(report)
     }
 
+    /// Hold complete checkpoint `checkpoint_id` against retention until the pin is dropped
+    /// (a savepoint being copied out of it, say). Fails if it is not complete.
+    pub fn pin(&self, checkpoint_id: u64) -> Result<CheckpointPin, CheckpointError> {
+        // Under the GC lock: no retain can drop the checkpoint between the check and the pin.
+        let _gc = lock(&self.shared.gc);
+        self.read_metadata(checkpoint_id)?;
+        *lock(&self.shared.registry)
+            .pinned
+            .entry(checkpoint_id)
+            .or_default() += 1;
+        Ok(CheckpointPin {
+            storage: self.clone(),
+            checkpoint_id,
+        })
+    }
+
     /// Export complete checkpoint `checkpoint_id` as a self-contained savepoint in
     /// `<savepoint_root>/<name>`: every file it needs is copied under the same relative path,
     /// verified, made durable, and the metadata (kind savepoint) is published last.
@@ -662,6 +686,54 @@ impl CheckpointStorage {
         sh.fs.sync_dir(savepoint_root)?;
         publish_file(&*sh.fs, &target.join(METADATA_FILE), &metadata.encode())?;
         Ok(target)
+    }
+}
+
+/// A fresh directory name for a savepoint of checkpoint `checkpoint_id`:
+/// `savepoint-<id>-<12 hex digits of the clock>`, distinct for calls of one process.
+/// [`CheckpointStorage::export_savepoint`] refuses a name that exists.
+pub fn savepoint_dir_name(checkpoint_id: u64) -> String {
+    static CALLS: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let n = nanos.wrapping_add(CALLS.fetch_add(1, Ordering::Relaxed)) & 0xffff_ffff_ffff;
+    format!("savepoint-{checkpoint_id}-{n:012x}")
+}
+
+/// A complete checkpoint that [`CheckpointStorage::retain`] keeps while this lives, whatever
+/// the retained count.
+#[derive(Debug)]
+pub struct CheckpointPin {
+    storage: CheckpointStorage,
+    checkpoint_id: u64,
+}
+
+impl CheckpointPin {
+    pub fn checkpoint_id(&self) -> u64 {
+        self.checkpoint_id
+    }
+
+    /// [`CheckpointStorage::export_savepoint`] of the pinned checkpoint.
+    pub fn export_savepoint(
+        &self,
+        savepoint_root: &Path,
+        name: &str,
+    ) -> Result<PathBuf, CheckpointError> {
+        self.storage
+            .export_savepoint(self.checkpoint_id, savepoint_root, name)
+    }
+}
+
+impl Drop for CheckpointPin {
+    fn drop(&mut self) {
+        let mut reg = lock(&self.storage.shared.registry);
+        if let Some(n) = reg.pinned.get_mut(&self.checkpoint_id) {
+            *n -= 1;
+            if *n == 0 {
+                reg.pinned.remove(&self.checkpoint_id);
+            }
+        }
     }
 }
 
