@@ -50,6 +50,25 @@ pub enum StartError {
     Restore { reason: String },
 }
 
+/// Why [`JobHandle::trigger_savepoint`](crate::JobHandle::trigger_savepoint) took no
+/// savepoint.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SavepointError {
+    #[error("the job has no checkpoint directory: a savepoint is a checkpoint copied out")]
+    NoCheckpointing,
+    #[error("the savepoint's checkpoint failed: {reason}")]
+    CheckpointFailed { reason: String },
+    #[error("the job ended before its savepoint's checkpoint completed")]
+    JobEnded,
+    #[error("copying checkpoint {checkpoint_id} to {dir}: {reason}")]
+    Export {
+        checkpoint_id: u64,
+        dir: PathBuf,
+        reason: String,
+    },
+}
+
 /// Why a running job failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

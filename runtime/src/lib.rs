@@ -40,7 +40,7 @@ mod window;
 
 pub use config::{JobConfig, Pinning, RestoreFrom};
 pub use data::Data;
-pub use error::{JobError, StartError};
+pub use error::{JobError, SavepointError, StartError};
 pub use join::{CoProcessFunction, ConnectedStreams, Either};
 pub use keyed::{
     shard_for_key_group, AggregateFunction, FnProcess, KeyedContext, KeyedProcessFunction,

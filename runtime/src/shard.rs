@@ -24,7 +24,7 @@ use crate::checkpoint::snapshot::PartKind;
 use crate::checkpoint::store::{IoCheckpointStore, SavepointReader, StorageReader};
 use crate::checkpoint::{CheckpointMetrics, RestartStrategy};
 use crate::config::{JobConfig, Pinning, RestoreFrom};
-use crate::error::{JobError, StartError};
+use crate::error::{JobError, SavepointError, StartError};
 use crate::graph::{BuildCtx, FailCell, Gate, Graph, HeadStatus, Root};
 use crate::metrics::{JobMetrics, Registry};
 
@@ -117,6 +117,51 @@ impl JobHandle {
         }
         self.ctl.requests.manual.fetch_add(1, Ordering::AcqRel);
         Ok(())
+    }
+
+    /// Takes a savepoint (Flink's triggered savepoint): triggers a checkpoint now, waits for
+    /// it to complete, and copies everything it uses into a self-contained directory
+    /// `dir/savepoint-<checkpoint>-<nonce>`, which it returns. A savepoint belongs to the user:
+    /// retention never deletes it, and `--restore PATH` (or [`RestoreFrom::Path`]) starts a
+    /// job from it, on any number of shards. Blocks the calling thread, never a shard; the
+    /// checkpoint is pinned against retention while it is copied.
+    pub fn trigger_savepoint(&self, dir: &Path) -> Result<PathBuf, SavepointError> {
+        if !self.ctl.checkpointing {
+            return Err(SavepointError::NoCheckpointing);
+        }
+        let (tx, rx) = mpsc::channel();
+        lock(&self.ctl.requests.savepoints).push(tx);
+        let pin = loop {
+            match rx.recv_timeout(Duration::from_millis(20)) {
+                Ok(Ok(pin)) => break pin,
+                Ok(Err(reason)) => return Err(SavepointError::CheckpointFailed { reason }),
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    // A request no coordinator took before the job ended is never served.
+                    if self.is_finished() {
+                        return Err(SavepointError::JobEnded);
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(if self.is_finished() {
+                        SavepointError::JobEnded
+                    } else {
+                        SavepointError::CheckpointFailed {
+                            reason: "the job failed over before it completed".into(),
+                        }
+                    })
+                }
+            }
+        };
+        let id = pin.checkpoint_id();
+        let name = weir_io::savepoint_dir_name(id);
+        let export = |e: String| SavepointError::Export {
+            checkpoint_id: id,
+            dir: dir.to_owned(),
+            reason: e,
+        };
+        std::fs::create_dir_all(dir).map_err(|e| export(e.to_string()))?;
+        pin.export_savepoint(dir, &name)
+            .map_err(|e| export(e.to_string()))
     }
 
     /// How many times the job restarted after a failure so far.
@@ -278,7 +323,7 @@ fn initial_restore(
             let Some(store) = store else {
                 return Err(err("`latest` needs a checkpoint directory".into()));
             };
-            match latest_restore(config, store)? {
+            match latest_restore(config, store, 0)? {
                 Some(r) => {
                     eprintln!("weir: restoring from checkpoint {}", r.checkpoint_id);
                     Ok(Some(r))
@@ -296,11 +341,13 @@ fn initial_restore(
     }
 }
 
-/// The newest complete checkpoint that verifies. An older one is used only where that cannot
-/// duplicate committed output (DESIGN invariant 4), or when the user allowed it.
+/// The newest complete checkpoint with an id of at least `min_id` that verifies. An older one
+/// is used only where that cannot duplicate committed output (DESIGN invariant 4), or when the
+/// user allowed it.
 fn latest_restore(
     config: &JobConfig,
     store: &IoCheckpointStore,
+    min_id: u64,
 ) -> Result<Option<Arc<RestoreState>>, StartError> {
     let err = |reason: String| StartError::Restore { reason };
     let infos = store.storage.list().map_err(|e| err(e.to_string()))?;
@@ -308,7 +355,11 @@ fn latest_restore(
         "list: {:?}",
         infos.iter().map(|i| (i.id, i.complete)).collect::<Vec<_>>()
     );
-    let mut complete: Vec<u64> = infos.iter().filter(|i| i.complete).map(|i| i.id).collect();
+    let mut complete: Vec<u64> = infos
+        .iter()
+        .filter(|i| i.complete && i.id >= min_id)
+        .map(|i| i.id)
+        .collect();
     complete.sort_unstable();
     let mut skipped: Vec<(u64, String)> = Vec::new();
     for id in complete.into_iter().rev() {
@@ -423,6 +474,11 @@ fn supervise(
     let mut failures: Vec<Instant> = Vec::new();
     let mut delay = None::<Duration>;
     let mut last_failure = Instant::now();
+    // A failover restores this run's newest checkpoint; before the run has one, what the run
+    // started from (Flink: the savepoint it was started from), never a checkpoint an earlier
+    // run left in the directory.
+    let initial = restore.clone();
+    let first_id = next_checkpoint_id(plan, initial.as_deref());
     loop {
         let r = run_attempt(plan, restore.clone(), ctl);
         let e = match r {
@@ -490,7 +546,9 @@ fn supervise(
             );
         }
         let store = plan.store.as_deref().ok_or(e)?;
-        restore = latest_restore(&plan.config, store).map_err(JobError::Start)?;
+        restore = latest_restore(&plan.config, store, first_id)
+            .map_err(JobError::Start)?
+            .or_else(|| initial.clone());
         ctl.restarts.fetch_add(1, Ordering::AcqRel);
         lock(&ctl.checkpoints).last_checkpoint_restore_timestamp =
             Some(crate::checkpoint::coordinator::now_ms());

@@ -499,3 +499,172 @@ fn restore_onto_another_number_of_shards_keeps_keyed_state() {
         );
     }
 }
+
+/// A savepoint taken from a running 2-shard job is self-contained: with the job's checkpoint
+/// directory deleted, a job on 3 shards starts from it and continues every key's state.
+/// Retention never touches it, and a savepoint of a job without checkpointing is an error.
+#[test]
+fn a_savepoint_restores_onto_another_number_of_shards_without_the_checkpoints() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (ckpt, savepoints) = (dir.path().join("ckpt"), dir.path().join("savepoints"));
+    let n = 200_000u64;
+    let data: Vec<(u64, i64, u64)> = (0..n)
+        .map(|i| (i * 7919 % 101, (i % 13) as i64 - 6, i))
+        .collect();
+    let mut expected: HashMap<u64, i64> = HashMap::new();
+    let mut at: HashMap<u64, i64> = HashMap::new();
+    for (k, v, i) in &data {
+        let s = expected.entry(*k).or_default();
+        *s += v;
+        at.insert(*i, *s);
+    }
+    // The restored run fails once, at its first record: before it took any checkpoint, so
+    // the failover must restore the savepoint again (not start from the beginning).
+    let failed = Arc::new(AtomicBool::new(false));
+    let run = |shards: usize, ck_dir: &std::path::Path, restore: Option<RestoreFrom>| {
+        // The first run is slowed down, so that it is still running when the savepoint is taken.
+        let slow = restore.is_none();
+        let failed = failed.clone();
+        let mut c = JobConfig::new()
+            .with_shards(shards)
+            .with_pinning(Pinning::Never)
+            .with_checkpointing(ck(ck_dir, CheckpointMode::ExactlyOnce).with_retained(1));
+        if let Some(r) = restore {
+            c = c.with_restore(r);
+        }
+        let job = Job::new(c);
+        let out = job
+            .from_vec(data.clone())
+            .uid("input")
+            .inspect(move |r: &(u64, i64, u64)| {
+                if slow && r.2.is_multiple_of(500) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                if !slow && !failed.swap(true, Ordering::AcqRel) {
+                    panic!("injected failure before the restored run's first checkpoint");
+                }
+            })
+            .key_by(|r| r.0)
+            .reduce(|a, b| (a.0, a.1 + b.1, b.2))
+            .uid("sum")
+            .collect();
+        (job.start().expect("start"), out)
+    };
+    let (h, _) = run(2, &ckpt, None);
+    // Past the first checkpoint, so that the savepoint's sources are past the start.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while h.checkpoint_metrics().number_of_completed_checkpoints < 1 {
+        assert!(std::time::Instant::now() < deadline, "no checkpoint");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let sp = h.trigger_savepoint(&savepoints).expect("savepoint");
+    assert!(sp.starts_with(&savepoints), "{}", sp.display());
+    let taken = h
+        .checkpoint_metrics()
+        .last_completed_checkpoint_id
+        .expect("its checkpoint completed");
+    // Newer checkpoints complete and retention (1 kept) drops the savepoint's checkpoint.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while h
+        .checkpoint_metrics()
+        .last_completed_checkpoint_id
+        .is_none_or(|id| id < taken + 2)
+    {
+        assert!(std::time::Instant::now() < deadline, "no newer checkpoint");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    h.cancel();
+    assert!(matches!(h.wait(), Err(weir_runtime::JobError::Cancelled)));
+    let opened = weir_io::Savepoint::open(std::sync::Arc::new(weir_io::StdFs), &sp)
+        .expect("a savepoint directory");
+    opened.verify().expect("every byte of it verifies");
+    std::fs::remove_dir_all(&ckpt).expect("drop the checkpoints");
+
+    let (h, out) = run(3, &dir.path().join("ckpt2"), Some(RestoreFrom::Path(sp)));
+    let summary = h.wait().expect("job restored from the savepoint");
+    assert_eq!(summary.restarts, 1);
+    let got = out.take();
+    assert!(
+        !got.is_empty() && (got.len() as u64) < n,
+        "resumed mid-way: {} records",
+        got.len()
+    );
+    assert!(
+        got.iter().all(|r| r.2 > 0),
+        "the failover restored the savepoint again: nothing from the start"
+    );
+    let mut last: HashMap<u64, (u64, i64)> = HashMap::new();
+    for (k, sum, i) in &got {
+        assert_eq!(Some(sum), at.get(i), "key {k} at record {i}");
+        let e = last.entry(*k).or_insert((*i, *sum));
+        if *i >= e.0 {
+            *e = (*i, *sum);
+        }
+    }
+    for (k, total) in &expected {
+        assert_eq!(last.get(k).map(|l| l.1), Some(*total), "key {k} total");
+    }
+
+    let job = Job::new(JobConfig::new().with_shards(1));
+    job.from_vec(vec![1u64]).for_each(|_| {});
+    let h = job.start().expect("start");
+    assert!(matches!(
+        h.trigger_savepoint(&savepoints),
+        Err(weir_runtime::SavepointError::NoCheckpointing)
+    ));
+    let _ = h.wait();
+}
+
+/// A job started without a restore, into a directory where an earlier run left checkpoints,
+/// fails before its own first checkpoint: the failover starts it from the beginning again,
+/// not from the earlier run's state (which would offset every sum).
+#[test]
+fn a_failover_never_restores_a_checkpoint_of_an_earlier_run() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let run = |values: i64, fail: Option<Arc<AtomicBool>>, interval: Duration| {
+        let n = 50_000u64;
+        let data: Vec<(u64, i64, u64)> = (0..n).map(|i| (i % 17, values, i)).collect();
+        let c = JobConfig::new()
+            .with_shards(2)
+            .with_pinning(Pinning::Never)
+            .with_checkpointing(
+                ck(dir.path(), CheckpointMode::ExactlyOnce).with_interval(interval),
+            );
+        let job = Job::new(c);
+        let out = job
+            .from_vec(data)
+            .uid("input")
+            .inspect(move |r: &(u64, i64, u64)| {
+                if let Some(f) = &fail {
+                    if r.2 == 30_000 && !f.swap(true, Ordering::AcqRel) {
+                        panic!("injected failure");
+                    }
+                }
+            })
+            .key_by(|r| r.0)
+            .reduce(|a, b| (a.0, a.1 + b.1, b.2))
+            .uid("sum")
+            .collect();
+        let summary = job.start().expect("start").wait().expect("job");
+        (summary, out.take())
+    };
+    // The earlier run leaves complete checkpoints of a state made of large values.
+    let (first, _) = run(1_000_000, None, Duration::from_millis(5));
+    assert!(first.checkpoints.number_of_completed_checkpoints >= 1);
+    let (summary, got) = run(
+        1,
+        Some(Arc::new(AtomicBool::new(false))),
+        Duration::from_secs(3600),
+    );
+    assert_eq!(summary.restarts, 1);
+    assert!(summary
+        .checkpoints
+        .last_checkpoint_restore_timestamp
+        .is_some());
+    for (k, sum, i) in &got {
+        // Record i of key k is that key's (i / 17 + 1)-th record, each of value 1.
+        assert_eq!(*sum, (i / 17 + 1) as i64, "key {k} at record {i}");
+    }
+    let seen: std::collections::HashSet<u64> = got.iter().map(|r| r.2).collect();
+    assert_eq!(seen.len(), 50_000, "every record reached the sink");
+}

@@ -70,10 +70,16 @@ struct Pending {
     acked: usize,
 }
 
-/// Requests to the coordinator from the job handle.
+/// Where a savepoint request hears of its checkpoint: pinned once complete, or why not.
+pub(crate) type SavepointWaiter = mpsc::Sender<Result<weir_io::CheckpointPin, String>>;
+
+/// Requests to the coordinator from the job handle. They outlive an attempt: a request the
+/// coordinator of a failed attempt did not take is served after the restart.
 #[derive(Default)]
 pub(crate) struct Requests {
     pub manual: std::sync::atomic::AtomicU64,
+    /// Savepoint requests waiting for a checkpoint to be triggered for them.
+    pub savepoints: Mutex<Vec<SavepointWaiter>>,
 }
 
 pub(crate) struct Coordinator {
@@ -88,6 +94,8 @@ pub(crate) struct Coordinator {
     consecutive_failures: u32,
     manual_seen: u64,
     requests: Arc<Requests>,
+    /// Savepoint requests and the checkpoint that serves them.
+    savepoint_waiters: Vec<(u64, SavepointWaiter)>,
     pub metrics: Arc<Mutex<CheckpointMetrics>>,
     /// Set when checkpoint failures exceed the tolerable number: the job must fail.
     pub failure: Arc<Mutex<Option<String>>>,
@@ -128,6 +136,7 @@ impl Coordinator {
             consecutive_failures: 0,
             manual_seen,
             requests,
+            savepoint_waiters: Vec::new(),
             metrics,
             failure,
         }
@@ -183,6 +192,27 @@ impl Coordinator {
         let paused = self
             .last_completion
             .is_some_and(|t| now.duration_since(t) < self.shared.config.min_pause);
+        let waiting = std::mem::take(
+            &mut *self
+                .requests
+                .savepoints
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
+        if !waiting.is_empty() {
+            // A savepoint ignores the minimum pause, as a manual checkpoint does.
+            match self.trigger(now) {
+                Some(id) => self
+                    .savepoint_waiters
+                    .extend(waiting.into_iter().map(|w| (id, w))),
+                None => {
+                    for w in waiting {
+                        let _ = w.send(Err("the checkpoint could not begin".into()));
+                    }
+                }
+            }
+            return;
+        }
         let manual = self.requests.manual.load(Ordering::Acquire);
         if manual > self.manual_seen {
             self.manual_seen = manual;
@@ -324,6 +354,10 @@ impl Coordinator {
                     push_history(&mut m.history, p.stats);
                 }
                 self.update_in_progress();
+                // Pinned before retention runs: no later checkpoint can drop it meanwhile.
+                for (_, w) in self.waiters_of(id) {
+                    let _ = w.send(self.shared.store.pin(id));
+                }
                 if let Err(e) = self.shared.store.retain(self.shared.config.retained) {
                     tracing::warn!("checkpoint retention after {id} failed: {e}");
                 }
@@ -350,8 +384,20 @@ impl Coordinator {
         }
     }
 
+    /// The savepoint requests served by checkpoint `id`, taken out.
+    fn waiters_of(&mut self, id: u64) -> Vec<(u64, SavepointWaiter)> {
+        let (mine, rest) = std::mem::take(&mut self.savepoint_waiters)
+            .into_iter()
+            .partition(|(c, _)| *c == id);
+        self.savepoint_waiters = rest;
+        mine
+    }
+
     fn fail_checkpoint(&mut self, id: u64, reason: String) {
         tracing::debug!("ckpt {id} failed: {reason}");
+        for (_, w) in self.waiters_of(id) {
+            let _ = w.send(Err(reason.clone()));
+        }
         tracing::warn!("checkpoint {id} failed: {reason}");
         self.shared.aborted.fetch_max(id, Ordering::AcqRel);
         self.consecutive_failures += 1;

@@ -44,6 +44,8 @@ pub(crate) trait CheckpointStore: Send + Sync {
     ) -> Result<CommitInfo, String>;
     fn abort(&self, id: u64);
     fn retain(&self, keep: usize) -> Result<(), String>;
+    /// Hold complete checkpoint `id` against retention (for a savepoint copied out of it).
+    fn pin(&self, id: u64) -> Result<weir_io::CheckpointPin, String>;
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -205,6 +207,10 @@ impl CheckpointStore for IoCheckpointStore {
             .retain(keep)
             .map(|_| ())
             .map_err(|e| e.to_string())
+    }
+
+    fn pin(&self, id: u64) -> Result<weir_io::CheckpointPin, String> {
+        self.storage.pin(id).map_err(|e| e.to_string())
     }
 }
 

@@ -564,7 +564,8 @@ impl TransactionalFileWriter {
                 io::ErrorKind::NotFound,
                 format!(
                     "checkpoint {checkpoint} refers to output file {} that is gone: neither \
-                     pending {} nor published {} exists",
+                     pending {} nor published {} exists (a restore must write to the output \
+                     directory the checkpointed job wrote to)",
                     final_name(shard, f.seq),
                     hidden.display(),
                     visible.display()
