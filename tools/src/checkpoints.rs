@@ -50,6 +50,18 @@ pub struct CleanArgs {
     pub keep: u64,
 }
 
+#[derive(Args)]
+pub struct SavepointArgs {
+    /// A checkpoint directory holding one job, or one job's directory.
+    pub dir: PathBuf,
+    /// The checkpoint to copy (default: the newest complete one).
+    #[arg(long)]
+    pub checkpoint: Option<u64>,
+    /// The directory to create the savepoint in (as `savepoint-<n>-<hex>`).
+    #[arg(long)]
+    pub to: PathBuf,
+}
+
 /// Why verification did not pass.
 pub enum VerifyFailed {
     /// A checkpoint is corrupt (exit code 3); the message names checkpoint, file and offset.
@@ -218,17 +230,7 @@ fn inspected(a: &InspectArgs) -> Result<CheckpointMetadata, VerifyFailed> {
             .map(|sp| sp.metadata().clone())
             .map_err(|e| metadata_failed(&shown, e));
     }
-    let mut jobs = jobs(&a.dir).map_err(VerifyFailed::Other)?;
-    if jobs.len() > 1 {
-        let names: Vec<_> = jobs.iter().map(|(_, j)| j.as_str()).collect();
-        return Err(VerifyFailed::Other(format!(
-            "{}: holds the jobs {}; name one's directory",
-            a.dir.display(),
-            names.join(", ")
-        )));
-    }
-    let (root, job) = jobs.remove(0);
-    let s = open(&root, &job).map_err(VerifyFailed::Other)?;
+    let (job, s) = one_job(&a.dir).map_err(VerifyFailed::Other)?;
     let id = match a.checkpoint {
         Some(id) => id,
         None => {
@@ -383,5 +385,52 @@ pub fn clean(a: &CleanArgs) -> Result<(), String> {
             r.deleted_files.len()
         );
     }
+    Ok(())
+}
+
+/// The one job `dir` designates, opened for reading.
+fn one_job(dir: &Path) -> Result<(String, CheckpointStorage), String> {
+    let mut jobs = jobs(dir)?;
+    if jobs.len() > 1 {
+        let names: Vec<_> = jobs.iter().map(|(_, j)| j.as_str()).collect();
+        return Err(format!(
+            "{}: holds the jobs {}; name one's directory",
+            dir.display(),
+            names.join(", ")
+        ));
+    }
+    let (root, job) = jobs.remove(0);
+    let s = open(&root, &job)?;
+    Ok((job, s))
+}
+
+/// `weir checkpoints savepoint`: copy a complete checkpoint into a self-contained savepoint
+/// directory, verified before its metadata is published. Reads only: it may run beside the
+/// job (if the job's retention deletes the checkpoint meanwhile, the copy fails; run it again).
+pub fn savepoint(a: &SavepointArgs) -> Result<(), VerifyFailed> {
+    let (job, s) = one_job(&a.dir).map_err(VerifyFailed::Other)?;
+    let id = match a.checkpoint {
+        Some(id) => id,
+        None => {
+            s.latest_complete()
+                .map_err(|e| VerifyFailed::Other(format!("{job}: {e}")))?
+                .ok_or_else(|| VerifyFailed::Other(format!("{job}: no complete checkpoint")))?
+                .id
+        }
+    };
+    std::fs::create_dir_all(&a.to)
+        .map_err(|e| VerifyFailed::Other(format!("{}: {e}", a.to.display())))?;
+    let path = s
+        .export_savepoint(id, &a.to, &weir_io::savepoint_dir_name(id))
+        .map_err(|e| {
+            let corrupt = matches!(e, CheckpointError::Format(_));
+            let msg = format!("{job} checkpoint {id}: {e}");
+            if corrupt {
+                VerifyFailed::Corrupt(msg)
+            } else {
+                VerifyFailed::Other(msg)
+            }
+        })?;
+    println!("{}", path.display());
     Ok(())
 }

@@ -33,7 +33,7 @@ enum Command {
     /// Run a built-in job.
     #[command(subcommand)]
     Run(RunCommand),
-    /// List, verify, inspect and clean checkpoints.
+    /// List, verify, inspect and clean checkpoints; make savepoints of them.
     #[command(subcommand)]
     Checkpoints(CheckpointsCommand),
 }
@@ -49,6 +49,9 @@ enum CheckpointsCommand {
     /// Keep the newest complete checkpoints (--keep, default 1) and delete what nothing kept
     /// uses; refuses while the job runs.
     Clean(checkpoints::CleanArgs),
+    /// Copy a complete checkpoint into a self-contained savepoint directory (for --restore
+    /// PATH, on any number of shards); prints its path.
+    Savepoint(checkpoints::SavepointArgs),
 }
 
 /// Checkpointing of `weir run` jobs.
@@ -273,6 +276,9 @@ fn main() -> ExitCode {
             corrupt_is_3(checkpoints::inspect(&a))
         }
         Command::Checkpoints(CheckpointsCommand::Clean(a)) => checkpoints::clean(&a),
+        Command::Checkpoints(CheckpointsCommand::Savepoint(a)) => {
+            corrupt_is_3(checkpoints::savepoint(&a))
+        }
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -794,6 +794,48 @@ fn checkpoints_inspect_shows_the_parts_and_clean_keeps_the_newest() {
         .collect();
     left.sort();
     assert_eq!(left, files);
+    // A savepoint of the kept checkpoint: self-contained, inspectable, restorable.
+    let sps = dir.path().join("savepoints");
+    let s = weir(&[
+        "checkpoints",
+        "savepoint",
+        ck_s,
+        "--to",
+        sps.to_str().expect("utf8"),
+    ]);
+    assert!(s.status.success(), "{}", stderr(&s));
+    let sp = String::from_utf8_lossy(&s.stdout).trim().to_string();
+    assert!(
+        sp.starts_with(sps.to_str().expect("utf8")) && sp.contains(&format!("savepoint-{newest}-")),
+        "{sp}"
+    );
+    let i = weir(&["checkpoints", "inspect", &sp, "--json"]);
+    assert!(i.status.success(), "{}", stderr(&i));
+    let v: serde_json::Value = serde_json::from_slice(&i.stdout).expect("json");
+    assert_eq!(v["kind"], "savepoint");
+    assert_eq!(v["checkpoint"].as_u64(), Some(newest));
+    let r = weir(&[
+        "run",
+        "keyed-sum",
+        "--input",
+        input.to_str().expect("utf8"),
+        "--format",
+        "csv",
+        "--key",
+        "user",
+        "--value",
+        "amount",
+        "--output",
+        out.to_str().expect("utf8"),
+        "--shards",
+        "3",
+        "--checkpoint-dir",
+        dir.path().join("ckpt-restored").to_str().expect("utf8"),
+        "--restore",
+        &sp,
+    ]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert_eq!(parse_sums(&committed_lines(&out)), running_sums(&recs));
     // A corrupt metadata file is exit code 3 for inspect too, naming the file.
     let meta = ck
         .join("keyed-sum")
