@@ -21,7 +21,8 @@ pub struct ListArgs {
 
 #[derive(Args)]
 pub struct VerifyArgs {
-    /// A checkpoint directory (holding job directories) or one job's directory.
+    /// A checkpoint directory (holding job directories), one job's directory, a `chk-<n>`
+    /// directory or a savepoint directory.
     pub dir: PathBuf,
     /// Verify only checkpoint N (default: every complete checkpoint).
     #[arg(long)]
@@ -157,7 +158,56 @@ pub fn list(a: &ListArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// `verify` of one `chk-<n>` or savepoint directory.
+fn verify_one(a: &VerifyArgs) -> Result<(), VerifyFailed> {
+    let shown = a.dir.display().to_string();
+    if let Some((job, s, id)) = chk_dir(&a.dir)? {
+        if a.checkpoint.is_some_and(|n| n != id) {
+            return Err(VerifyFailed::Other(format!(
+                "{shown} is checkpoint {id}, not {}",
+                a.checkpoint.unwrap_or_default()
+            )));
+        }
+        let r = s
+            .verify(id)
+            .map_err(|e| VerifyFailed::Corrupt(format!("{job}: {e}")))?;
+        println!(
+            "ok {job} checkpoint {id}: {} files, {} logical files, {} bytes checked",
+            r.files, r.logical_files, r.bytes_checked
+        );
+        return Ok(());
+    }
+    let sp = Savepoint::open(Arc::new(StdFs), &a.dir).map_err(|e| metadata_failed(&shown, e))?;
+    let r = sp
+        .verify()
+        .map_err(|e| VerifyFailed::Corrupt(format!("{shown}: {e}")))?;
+    println!(
+        "ok savepoint {shown} (checkpoint {}): {} files, {} logical files, {} bytes checked",
+        r.checkpoint_id, r.files, r.logical_files, r.bytes_checked
+    );
+    Ok(())
+}
+
+/// A `chk-<n>` directory of a job directory, opened through its job: (job, storage, n).
+fn chk_dir(dir: &Path) -> Result<Option<(String, CheckpointStorage, u64)>, VerifyFailed> {
+    let chk = dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("chk-"))
+        .and_then(|n| n.parse::<u64>().ok());
+    let job_dir = dir.parent().filter(|p| is_job_dir(p));
+    let (Some(id), Some(job_dir)) = (chk, job_dir) else {
+        return Ok(None);
+    };
+    let (root, job) = jobs(job_dir).map_err(VerifyFailed::Other)?.remove(0);
+    let s = open(&root, &job).map_err(VerifyFailed::Other)?;
+    Ok(Some((job, s, id)))
+}
+
 pub fn verify(a: &VerifyArgs) -> Result<(), VerifyFailed> {
+    if a.dir.join(weir_io::METADATA_FILE).is_file() {
+        return verify_one(a);
+    }
     let jobs = jobs(&a.dir).map_err(VerifyFailed::Other)?;
     let mut checked = 0;
     for (root, job) in jobs {
@@ -214,16 +264,7 @@ fn inspected(a: &InspectArgs) -> Result<CheckpointMetadata, VerifyFailed> {
     if a.dir.join(weir_io::METADATA_FILE).is_file() {
         let shown = a.dir.display().to_string();
         // A `chk-<n>` directory is read through its job, which checks that it belongs there.
-        let chk = a
-            .dir
-            .file_name()
-            .and_then(|n| n.to_str())
-            .and_then(|n| n.strip_prefix("chk-"))
-            .and_then(|n| n.parse::<u64>().ok());
-        let job_dir = a.dir.parent().filter(|p| is_job_dir(p));
-        if let (Some(id), Some(job_dir)) = (chk, job_dir) {
-            let (root, job) = jobs(job_dir).map_err(VerifyFailed::Other)?.remove(0);
-            let s = open(&root, &job).map_err(VerifyFailed::Other)?;
+        if let Some((_, s, id)) = chk_dir(&a.dir)? {
             return s.read_metadata(id).map_err(|e| metadata_failed(&shown, e));
         }
         return Savepoint::open(Arc::new(StdFs), &a.dir)

@@ -809,6 +809,12 @@ fn checkpoints_inspect_shows_the_parts_and_clean_keeps_the_newest() {
         sp.starts_with(sps.to_str().expect("utf8")) && sp.contains(&format!("savepoint-{newest}-")),
         "{sp}"
     );
+    let ver = weir(&["checkpoints", "verify", &sp]);
+    assert!(ver.status.success(), "{}", stderr(&ver));
+    assert!(String::from_utf8_lossy(&ver.stdout).starts_with("ok savepoint"));
+    let chk = ck.join("keyed-sum").join(format!("chk-{newest}"));
+    let ver = weir(&["checkpoints", "verify", chk.to_str().expect("utf8")]);
+    assert!(ver.status.success(), "{}", stderr(&ver));
     let i = weir(&["checkpoints", "inspect", &sp, "--json"]);
     assert!(i.status.success(), "{}", stderr(&i));
     let v: serde_json::Value = serde_json::from_slice(&i.stdout).expect("json");
