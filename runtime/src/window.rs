@@ -148,7 +148,9 @@ pub struct WindowedStream<T, K> {
 
 /// How a window's contents are kept and turned into output.
 trait Contents<K, T, R>: Send + Sync + 'static {
-    fn add(&self, ctx: &mut KeyedContext<'_, K, R>, rec: T);
+    /// Adds `rec` to the window of the context's namespace. Returns false when the window
+    /// already held contents for this key, so that its timers are registered already.
+    fn add(&self, ctx: &mut KeyedContext<'_, K, R>, rec: T) -> bool;
     /// Moves the contents of the context's namespace into window `into` (session merges).
     fn merge_into<'a>(&self, ctx: &mut KeyedContext<'a, K, R>, into: &'a [u8]);
     fn fire(&self, ctx: &mut KeyedContext<'_, K, R>, w: Window);
@@ -173,10 +175,12 @@ where
     Merge: Fn(A, A) -> A + Send + Sync + 'static,
     Emit: Fn(&K, Window, &A) -> R + Send + Sync + 'static,
 {
-    fn add(&self, ctx: &mut KeyedContext<'_, K, R>, rec: T) {
+    fn add(&self, ctx: &mut KeyedContext<'_, K, R>, rec: T) -> bool {
         let acc = ctx.value::<A>("window");
+        let fresh = acc.is_none();
         let acc = (self.add)(acc, rec);
         ctx.set_value("window", &acc);
+        fresh
     }
 
     fn merge_into<'a>(&self, ctx: &mut KeyedContext<'a, K, R>, into: &'a [u8]) {
@@ -219,8 +223,10 @@ where
     R: Data,
     F: Fn(&K, Window, Vec<T>, &mut Vec<R>) + Send + Sync + 'static,
 {
-    fn add(&self, ctx: &mut KeyedContext<'_, K, R>, rec: T) {
+    fn add(&self, ctx: &mut KeyedContext<'_, K, R>, rec: T) -> bool {
+        // Appends without reading the list: whether it was empty is unknown.
         ctx.append("window", &rec);
+        true
     }
 
     fn merge_into<'a>(&self, ctx: &mut KeyedContext<'a, K, R>, into: &'a [u8]) {
@@ -480,19 +486,18 @@ where
             }
             windows[0] = self.merge_session(&key, w);
         }
-        let live: Vec<Window> = windows
-            .iter()
-            .copied()
-            .filter(|w| !self.is_late(w))
-            .collect();
+        // Late windows drop out in place: no list allocated per record.
+        let assigned = windows.len();
+        windows.retain(|w| !self.is_late(w));
         bump(
             &self.counters.records_dropped,
-            (windows.len() - live.len()) as u64,
+            (assigned - windows.len()) as u64,
         );
-        let n = live.len();
+        let n = windows.len();
         let mut emitted = 0;
+        let session = self.assigner.is_session();
         let mut rec = Some(rec);
-        for (i, w) in live.into_iter().enumerate() {
+        for (i, &w) in windows.iter().enumerate() {
             let ns = w.encode();
             let contents = self.contents.clone();
             let watermark = self.ops.watermark;
@@ -501,12 +506,15 @@ where
             ctx.ts = ts;
             // The last window takes the record itself; the others a copy.
             let r = if i + 1 == n { rec.take() } else { rec.clone() };
-            if let Some(r) = r {
-                contents.add(&mut ctx, r);
-            }
-            ctx.register_event_timer(w.max_timestamp());
-            if lateness > 0 {
-                ctx.register_event_timer(w.max_timestamp() + lateness);
+            let fresh = r.is_some_and(|r| contents.add(&mut ctx, r));
+            // A timer per window and key, registered with its first record: one per record
+            // was a timer-key allocation and a tree insert for every window of every record.
+            // A merged session window got its contents by the merge, so it always registers.
+            if fresh || session {
+                ctx.register_event_timer(w.max_timestamp());
+                if lateness > 0 {
+                    ctx.register_event_timer(w.max_timestamp() + lateness);
+                }
             }
             if w.max_timestamp() <= watermark {
                 // A late record within the allowed lateness: fire the window again at once.

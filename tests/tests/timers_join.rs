@@ -263,3 +263,47 @@ fn event_time_timers_in_the_driver_match_sequential() {
     got.sort();
     assert_eq!(got, quiet_oracle(&events));
 }
+
+/// Allowed lateness: a window fires at the watermark, again for each late record within the
+/// lateness (with everything so far), and drops records after it; the firings are those of a
+/// sequential reading of the same input.
+#[test]
+fn late_records_within_the_allowed_lateness_fire_their_window_again() {
+    let mut d = TestDriver::new(|s| {
+        s.key_by(|e: &(u32, i64)| e.0)
+            .window(weir_runtime::WindowAssigner::tumbling(100))
+            .allowed_lateness(50)
+            .count_with(|k, w, n| (*k, w.start, n))
+    })
+    .expect("driver");
+    // Key 1's window [0, 100) closes at watermark 99; its lateness ends at 149.
+    for (rec, ts, watermark) in [
+        ((1, 10), 10, None),
+        ((1, 20), 20, None),
+        ((2, 60), 60, Some(120)),
+        ((1, 30), 30, None),
+        ((1, 40), 40, Some(200)),
+        ((1, 50), 50, None),
+        ((1, 210), 210, None),
+    ] {
+        d.push_at(rec, ts);
+        if let Some(w) = watermark {
+            d.watermark(w);
+        }
+        d.run_until_idle().expect("run");
+    }
+    let got = d.finish().expect("finish");
+    assert_eq!(
+        got,
+        vec![
+            // At watermark 120: both windows of [0, 100).
+            (1, 0, 2),
+            (2, 0, 1),
+            // Late, within the lateness: fired again with 3, then 4 records.
+            (1, 0, 3),
+            (1, 0, 4),
+            // (1, 50) came after watermark 200 passed 149: dropped. The end fires [200, 300).
+            (1, 200, 1),
+        ]
+    );
+}
