@@ -5,6 +5,7 @@
 //! (this machine is shared and noisy), beside a baseline measured in the same run.
 
 pub mod checkpoint;
+pub mod nexmark;
 pub mod report;
 pub mod ring;
 pub mod runtime;

@@ -40,7 +40,7 @@ pub fn peak_rss_bytes() -> u64 {
 }
 
 #[derive(Clone, Copy, Debug)]
-struct Measured {
+pub(crate) struct Measured {
     records: u64,
     wall_ns: u64,
     cpu_ns: u64,
@@ -55,7 +55,7 @@ impl Measured {
     }
 }
 
-fn measure(f: impl FnOnce() -> u64) -> Measured {
+pub(crate) fn measure(f: impl FnOnce() -> u64) -> Measured {
     let (w0, c0) = (Instant::now(), process_cpu_ns());
     let records = f();
     Measured {
@@ -71,7 +71,12 @@ fn median(mut runs: Vec<Measured>) -> (Measured, Vec<Measured>) {
     (runs[runs.len() / 2], all)
 }
 
-fn row(bench: &str, ours: Vec<Measured>, baseline: &str, base: Vec<Measured>) -> BenchResult {
+pub(crate) fn row(
+    bench: &str,
+    ours: Vec<Measured>,
+    baseline: &str,
+    base: Vec<Measured>,
+) -> BenchResult {
     let (m, all) = median(ours);
     let (b, ball) = median(base);
     let mut extra = Vec::new();
@@ -101,7 +106,7 @@ const SCHEDULE_START_NS: u64 = 500_000_000;
 /// each: p99 19-32 us with 64, 41-178 us with 256, 1.5-6.7 ms with 4096 (and no prefault).
 pub(crate) const LATENCY_BATCH_RECORDS: usize = 64;
 
-fn config(shards: usize) -> JobConfig {
+pub(crate) fn config(shards: usize) -> JobConfig {
     JobConfig::new()
         .with_shards(shards)
         .with_batch_records(4096)

@@ -12,6 +12,8 @@ enum Suite {
     State,
     /// Checkpoints: overhead, duration, unaligned under backpressure, recovery.
     Checkpoint,
+    /// Nexmark queries q0-q3, q5, q7, q8 against the same queries as sequential loops.
+    Nexmark,
     /// Every suite.
     All,
 }
@@ -51,6 +53,9 @@ fn main() {
     }
     if matches!(cli.suite, Suite::Checkpoint | Suite::All) {
         rows.extend(weir_benches::checkpoint::run(&opts));
+    }
+    if matches!(cli.suite, Suite::Nexmark | Suite::All) {
+        rows.extend(weir_benches::nexmark::run(&opts));
     }
     if opts.json {
         print_json(&rows);
