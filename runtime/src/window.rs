@@ -420,14 +420,23 @@ where
             }
         }
         let into = merged.encode();
-        let contents = self.contents.clone();
+        // Borrowed, not cloned (see `collect`).
+        let contents = &*self.contents;
         let lateness = self.lateness;
         for o in absorbed {
             if o == merged {
                 continue;
             }
             let ns = o.encode();
-            let mut ctx = self.context(key, &ns);
+            let mut ctx = KeyedContext {
+                key,
+                ts: crate::operator::NO_TS,
+                op: &mut self.ops,
+                timers: &mut self.timers,
+                namespace: &ns,
+                out: &mut self.down,
+                emitted: 0,
+            };
             contents.merge_into(&mut ctx, &into);
             ctx.delete_timer(TimeDomain::EventTime, o.max_timestamp());
             if lateness > 0 {
@@ -497,13 +506,21 @@ where
         let mut emitted = 0;
         let session = self.assigner.is_session();
         let mut rec = Some(rec);
+        let (watermark, lateness) = (self.ops.watermark, self.lateness);
+        // Borrowed, not cloned: a clone and drop per window and record is a locked increment
+        // and decrement of a count that every shard's operator shares.
+        let contents = &*self.contents;
         for (i, &w) in windows.iter().enumerate() {
             let ns = w.encode();
-            let contents = self.contents.clone();
-            let watermark = self.ops.watermark;
-            let lateness = self.lateness;
-            let mut ctx = self.context(&key, &ns);
-            ctx.ts = ts;
+            let mut ctx = KeyedContext {
+                key: &key,
+                ts,
+                op: &mut self.ops,
+                timers: &mut self.timers,
+                namespace: &ns,
+                out: &mut self.down,
+                emitted: 0,
+            };
             // The last window takes the record itself; the others a copy.
             let r = if i + 1 == n { rec.take() } else { rec.clone() };
             let fresh = r.is_some_and(|r| contents.add(&mut ctx, r));
