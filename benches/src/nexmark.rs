@@ -307,6 +307,14 @@ fn bids(job: &Job, n: u64) -> Stream<Bid> {
     })
 }
 
+/// Bids with their event time and watermarks.
+fn timed_bids(job: &Job, n: u64) -> Stream<Bid> {
+    bids(job, n).assign_timestamps(WatermarkStrategy::bounded_out_of_orderness(
+        OUT_OF_ORDERNESS_MS,
+        |b: &Bid| b.ts,
+    ))
+}
+
 /// Every event of the loop's side, in index order.
 fn each_event(n: u64, mut f: impl FnMut(Event)) {
     for i in 0..n {
@@ -483,11 +491,7 @@ impl KeyedProcessFunction<i64, (u64, i64, u64), (u64, i64, u64)> for MaxPerWindo
 // q5: hot items.
 fn q5_job(n: u64) -> Digest {
     run_job(n, |job, n| {
-        bids(job, n)
-            .assign_timestamps(WatermarkStrategy::bounded_out_of_orderness(
-                OUT_OF_ORDERNESS_MS,
-                |b: &Bid| b.ts,
-            ))
+        timed_bids(job, n)
             .key_by(|b: &Bid| b.auction)
             .window(WindowAssigner::sliding(WINDOW_MS, SLIDE_MS))
             .count_with(|auction, w, count| (*auction, w.end, count))
@@ -536,11 +540,7 @@ fn q5_loop(n: u64) -> Digest {
 // highest price (per auction first, then over the window).
 fn q7_job(n: u64) -> Digest {
     run_job(n, |job, n| {
-        bids(job, n)
-            .assign_timestamps(WatermarkStrategy::bounded_out_of_orderness(
-                OUT_OF_ORDERNESS_MS,
-                |b: &Bid| b.ts,
-            ))
+        timed_bids(job, n)
             .key_by(|b: &Bid| b.auction)
             .window(WindowAssigner::tumbling(WINDOW_MS))
             .aggregate_with(HighestBid, |auction, w, (price, times)| {

@@ -420,6 +420,57 @@ fn a_checkpoint_that_outlives_its_timeout_is_aborted_and_counted() {
     );
 }
 
+/// Records `(key, value, index)` over 101 keys, with each key's total and the running sum at
+/// every index: what a keyed running sum must emit.
+struct Sums {
+    data: Vec<(u64, i64, u64)>,
+    expected: HashMap<u64, i64>,
+    at: HashMap<u64, i64>,
+}
+
+impl Sums {
+    fn new(n: u64) -> Sums {
+        let data: Vec<(u64, i64, u64)> = (0..n)
+            .map(|i| (i * 7919 % 101, (i % 13) as i64 - 6, i))
+            .collect();
+        let (mut expected, mut at) = (HashMap::new(), HashMap::new());
+        for (k, v, i) in &data {
+            let s: &mut i64 = expected.entry(*k).or_default();
+            *s += v;
+            at.insert(*i, *s);
+        }
+        Sums { data, expected, at }
+    }
+}
+
+/// Every emitted `(key, sum, index)` is the running sum at its index (the state was restored
+/// as it was), and every key ends at its total.
+fn assert_resumed_sums(
+    got: &[(u64, i64, u64)],
+    at: &HashMap<u64, i64>,
+    expected: &HashMap<u64, i64>,
+) {
+    let mut last: HashMap<u64, (u64, i64)> = HashMap::new();
+    for (k, sum, i) in got {
+        assert_eq!(
+            Some(sum),
+            at.get(i),
+            "key {k} at record {i}: state restored"
+        );
+        let e = last.entry(*k).or_insert((*i, *sum));
+        if *i >= e.0 {
+            *e = (*i, *sum);
+        }
+    }
+    for (k, total) in expected {
+        assert_eq!(
+            last.get(k).map(|l| l.1),
+            Some(*total),
+            "key {k} ends at its total"
+        );
+    }
+}
+
 /// A job checkpoints on 2 shards and is cancelled; the same job restored onto 3 shards
 /// continues from the checkpoint: every key's state moved with its key group, so every sum it
 /// emits equals the sequential running sum at that record, and it ends at the key's total.
@@ -427,16 +478,7 @@ fn a_checkpoint_that_outlives_its_timeout_is_aborted_and_counted() {
 fn restore_onto_another_number_of_shards_keeps_keyed_state() {
     let dir = tempfile::tempdir().expect("tmp");
     let n = 200_000u64;
-    let data: Vec<(u64, i64, u64)> = (0..n)
-        .map(|i| (i * 7919 % 101, (i % 13) as i64 - 6, i))
-        .collect();
-    let mut expected: HashMap<u64, i64> = HashMap::new();
-    let mut at: HashMap<u64, i64> = HashMap::new();
-    for (k, v, i) in &data {
-        let s = expected.entry(*k).or_default();
-        *s += v;
-        at.insert(*i, *s);
-    }
+    let Sums { data, expected, at } = Sums::new(n);
     let run = |shards: usize, restore: bool, slow: bool| {
         let mut c = JobConfig::new()
             .with_shards(shards)
@@ -479,25 +521,7 @@ fn restore_onto_another_number_of_shards_keeps_keyed_state() {
         "resumed mid-way: {} records",
         got.len()
     );
-    let mut last: HashMap<u64, (u64, i64)> = HashMap::new();
-    for (k, sum, i) in &got {
-        assert_eq!(
-            Some(sum),
-            at.get(i),
-            "key {k} at record {i}: state restored across the rescale"
-        );
-        let e = last.entry(*k).or_insert((*i, *sum));
-        if *i >= e.0 {
-            *e = (*i, *sum);
-        }
-    }
-    for (k, total) in &expected {
-        assert_eq!(
-            last.get(k).map(|l| l.1),
-            Some(*total),
-            "key {k} ends at its total"
-        );
-    }
+    assert_resumed_sums(&got, &at, &expected);
 }
 
 /// A savepoint taken from a running 2-shard job is self-contained: with the job's checkpoint
@@ -508,16 +532,7 @@ fn a_savepoint_restores_onto_another_number_of_shards_without_the_checkpoints() 
     let dir = tempfile::tempdir().expect("tmp");
     let (ckpt, savepoints) = (dir.path().join("ckpt"), dir.path().join("savepoints"));
     let n = 200_000u64;
-    let data: Vec<(u64, i64, u64)> = (0..n)
-        .map(|i| (i * 7919 % 101, (i % 13) as i64 - 6, i))
-        .collect();
-    let mut expected: HashMap<u64, i64> = HashMap::new();
-    let mut at: HashMap<u64, i64> = HashMap::new();
-    for (k, v, i) in &data {
-        let s = expected.entry(*k).or_default();
-        *s += v;
-        at.insert(*i, *s);
-    }
+    let Sums { data, expected, at } = Sums::new(n);
     // The restored run fails once, at its first record: before it took any checkpoint, so
     // the failover must restore the savepoint again (not start from the beginning).
     let failed = Arc::new(AtomicBool::new(false));
@@ -593,17 +608,7 @@ fn a_savepoint_restores_onto_another_number_of_shards_without_the_checkpoints() 
         got.iter().all(|r| r.2 > 0),
         "the failover restored the savepoint again: nothing from the start"
     );
-    let mut last: HashMap<u64, (u64, i64)> = HashMap::new();
-    for (k, sum, i) in &got {
-        assert_eq!(Some(sum), at.get(i), "key {k} at record {i}");
-        let e = last.entry(*k).or_insert((*i, *sum));
-        if *i >= e.0 {
-            *e = (*i, *sum);
-        }
-    }
-    for (k, total) in &expected {
-        assert_eq!(last.get(k).map(|l| l.1), Some(*total), "key {k} total");
-    }
+    assert_resumed_sums(&got, &at, &expected);
 
     let job = Job::new(JobConfig::new().with_shards(1));
     job.from_vec(vec![1u64]).for_each(|_| {});

@@ -272,15 +272,7 @@ fn inspected(a: &InspectArgs) -> Result<CheckpointMetadata, VerifyFailed> {
             .map_err(|e| metadata_failed(&shown, e));
     }
     let (job, s) = one_job(&a.dir).map_err(VerifyFailed::Other)?;
-    let id = match a.checkpoint {
-        Some(id) => id,
-        None => {
-            s.latest_complete()
-                .map_err(|e| VerifyFailed::Other(format!("{job}: {e}")))?
-                .ok_or_else(|| VerifyFailed::Other(format!("{job}: no complete checkpoint")))?
-                .id
-        }
-    };
+    let id = chosen(&job, &s, a.checkpoint)?;
     s.read_metadata(id).map_err(|e| metadata_failed(&job, e))
 }
 
@@ -429,6 +421,18 @@ pub fn clean(a: &CleanArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// Checkpoint `n` if given, else the job's newest complete one.
+fn chosen(job: &str, s: &CheckpointStorage, n: Option<u64>) -> Result<u64, VerifyFailed> {
+    match n {
+        Some(id) => Ok(id),
+        None => Ok(s
+            .latest_complete()
+            .map_err(|e| VerifyFailed::Other(format!("{job}: {e}")))?
+            .ok_or_else(|| VerifyFailed::Other(format!("{job}: no complete checkpoint")))?
+            .id),
+    }
+}
+
 /// The one job `dir` designates, opened for reading.
 fn one_job(dir: &Path) -> Result<(String, CheckpointStorage), String> {
     let mut jobs = jobs(dir)?;
@@ -450,15 +454,7 @@ fn one_job(dir: &Path) -> Result<(String, CheckpointStorage), String> {
 /// job (if the job's retention deletes the checkpoint meanwhile, the copy fails; run it again).
 pub fn savepoint(a: &SavepointArgs) -> Result<(), VerifyFailed> {
     let (job, s) = one_job(&a.dir).map_err(VerifyFailed::Other)?;
-    let id = match a.checkpoint {
-        Some(id) => id,
-        None => {
-            s.latest_complete()
-                .map_err(|e| VerifyFailed::Other(format!("{job}: {e}")))?
-                .ok_or_else(|| VerifyFailed::Other(format!("{job}: no complete checkpoint")))?
-                .id
-        }
-    };
+    let id = chosen(&job, &s, a.checkpoint)?;
     std::fs::create_dir_all(&a.to)
         .map_err(|e| VerifyFailed::Other(format!("{}: {e}", a.to.display())))?;
     let path = s
