@@ -20,7 +20,8 @@
 //! selection (`auction % 123 == 0`); q3 local item suggestion (join of category-10 auctions
 //! with their sellers in OR, ID or CA); q5 hot items (the auctions with the most bids per
 //! sliding window, 10 s every 2 s); q7 highest bid per 10 s tumbling window; q8 new users
-//! (persons who opened an auction in the 10 s window they registered in). Sources that read
+//! (persons who opened an auction in the 10 s window they registered in); q11 user sessions
+//! (bids per bidder per session window, 10 s gap). Sources that read
 //! two kinds (q3, q8) run the generator twice, each keeping one kind; the loop generates once.
 
 use std::collections::{HashMap, HashSet};
@@ -241,7 +242,7 @@ pub struct Query {
     pub baseline: fn(u64) -> Digest,
 }
 
-pub const QUERIES: [Query; 7] = [
+pub const QUERIES: [Query; 8] = [
     Query {
         name: "q0",
         job: q0_job,
@@ -276,6 +277,11 @@ pub const QUERIES: [Query; 7] = [
         name: "q8",
         job: q8_job,
         baseline: q8_loop,
+    },
+    Query {
+        name: "q11",
+        job: q11_job,
+        baseline: q11_loop,
     },
 ];
 
@@ -688,6 +694,44 @@ fn q8_loop(n: u64) -> Digest {
         }
         Event::Bid(_) => {}
     });
+    d
+}
+
+// q11: user sessions: bids per bidder per session (a gap of 10 s closes one).
+const SESSION_GAP_MS: i64 = 10_000;
+
+fn q11_job(n: u64) -> Digest {
+    run_job(n, |job, n| {
+        timed_bids(job, n)
+            .key_by(|b: &Bid| b.bidder)
+            .window(WindowAssigner::session(SESSION_GAP_MS))
+            .count_with(|bidder, w, count| (*bidder, count, w.start, w.end))
+            .uid("sessions")
+    })
+}
+
+fn q11_loop(n: u64) -> Digest {
+    // Per bidder, its sessions as (start, end, bids): a bid opens [ts, ts + gap), which
+    // absorbs every session it touches.
+    let mut sessions: HashMap<u64, Vec<(i64, i64, u64)>> = HashMap::new();
+    each_bid(n, |b| {
+        let list = sessions.entry(b.bidder).or_default();
+        let (mut start, mut end, mut count) = (b.ts, b.ts + SESSION_GAP_MS, 1);
+        list.retain(|&(s, e, c)| {
+            let touches = s <= end && e >= start;
+            if touches {
+                (start, end, count) = (start.min(s), end.max(e), count + c);
+            }
+            !touches
+        });
+        list.push((start, end, count));
+    });
+    let mut d = Digest::default();
+    for (bidder, list) in sessions {
+        for (start, end, count) in list {
+            d.add(&(bidder, count, start, end));
+        }
+    }
     d
 }
 

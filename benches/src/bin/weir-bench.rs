@@ -12,7 +12,7 @@ enum Suite {
     State,
     /// Checkpoints: overhead, duration, unaligned under backpressure, recovery.
     Checkpoint,
-    /// Nexmark queries q0-q3, q5, q7, q8 against the same queries as sequential loops.
+    /// Nexmark queries q0-q3, q5, q7, q8, q11 against the same queries as sequential loops.
     Nexmark,
     /// Every suite.
     All,
