@@ -842,6 +842,30 @@ fn checkpoints_inspect_shows_the_parts_and_clean_keeps_the_newest() {
     ]);
     assert!(r.status.success(), "{}", stderr(&r));
     assert_eq!(parse_sums(&committed_lines(&out)), running_sums(&recs));
+    // Into another output directory: the savepoint's output stays where it was written, and
+    // the restored job (past the end of its input) adds nothing.
+    let elsewhere = dir.path().join("out-elsewhere");
+    let r = weir(&[
+        "run",
+        "keyed-sum",
+        "--input",
+        input.to_str().expect("utf8"),
+        "--format",
+        "csv",
+        "--key",
+        "user",
+        "--value",
+        "amount",
+        "--output",
+        elsewhere.to_str().expect("utf8"),
+        "--checkpoint-dir",
+        dir.path().join("ckpt-elsewhere").to_str().expect("utf8"),
+        "--restore",
+        &sp,
+    ]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert!(committed_lines(&elsewhere).is_empty());
+    assert_eq!(parse_sums(&committed_lines(&out)), running_sums(&recs));
     // A corrupt metadata file is exit code 3 for inspect too, naming the file.
     let meta = ck
         .join("keyed-sum")

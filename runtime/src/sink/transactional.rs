@@ -26,9 +26,9 @@ const WRITE_BUFFER_BYTES: usize = 64 * 1024;
 
 /// Magic of a pre-commit description ("weir transactional sink").
 const STATE_MAGIC: [u8; 4] = *b"WTXS";
-/// Version of the pre-commit description format.
-const STATE_VERSION: u8 = 1;
-/// Bytes before the first entry.
+/// Version of the pre-commit description format written (version 1 is still read).
+const STATE_VERSION: u8 = 2;
+/// Bytes of the fixed header (version 2 follows it with the directory).
 const STATE_HEADER_LEN: usize = 32;
 /// Bytes of the trailing CRC.
 const STATE_TRAILER_LEN: usize = 4;
@@ -167,6 +167,9 @@ struct State {
     checkpoint: u64,
     shard: u32,
     next_seq: u64,
+    /// The writer's directory, absolute (version 2; `None` in version 1: the restoring
+    /// writer's own).
+    dir: Option<PathBuf>,
     files: Vec<PendingFile>,
 }
 
@@ -261,6 +264,9 @@ fn file_crc(fs: &dyn Fs, path: &Path) -> io::Result<(u64, u32)> {
 pub struct TransactionalFileWriter {
     fs: Arc<dyn Fs>,
     dir: PathBuf,
+    /// `dir` made absolute (symbolic links resolved): what descriptions record, and what a
+    /// restore compares their directory with.
+    abs_dir: PathBuf,
     shard: u32,
     part_size: u64,
     /// Sequence number of the next part file; never goes down.
@@ -287,9 +293,11 @@ impl TransactionalFileWriter {
             )
         })?;
         fs.create_dir_all(dir).map_err(to_io)?;
+        let abs_dir = std::fs::canonicalize(dir)?;
         let mut w = Self {
             fs,
             dir: dir.to_owned(),
+            abs_dir,
             shard,
             part_size: part_size.max(1),
             next_seq: 0,
@@ -465,6 +473,7 @@ impl TransactionalFileWriter {
             checkpoint,
             shard: self.shard,
             next_seq: self.next_seq,
+            dir: Some(self.abs_dir.clone()),
             files: self.pending.clone(),
         }))
     }
@@ -495,8 +504,21 @@ impl TransactionalFileWriter {
                     state.checkpoint
                 )));
             }
+            // A job restored into another output directory (from a savepoint, say) finds the
+            // checkpoint's files where they were written, and publishes them there, as
+            // Flink's file sink commits its recovered files at their recorded paths.
+            let dir = match &state.dir {
+                Some(d) if *d != self.abs_dir => d.clone(),
+                _ => self.dir.clone(),
+            };
+            let mut published = false;
             for f in &state.files {
-                changed |= self.publish_restored(state.shard, f, checkpoint)?;
+                published |= self.publish_restored(&dir, state.shard, f, checkpoint)?;
+            }
+            if dir == self.dir {
+                changed |= published;
+            } else if published {
+                self.fs.sync_dir(&dir).map_err(to_io)?;
             }
             if state.shard == self.shard {
                 self.own_state_restored = true;
@@ -526,10 +548,17 @@ impl TransactionalFileWriter {
         Ok(())
     }
 
-    /// Publishes one file listed by a restored description; `Ok(true)` if it renamed it.
-    fn publish_restored(&self, shard: u32, f: &PendingFile, checkpoint: u64) -> io::Result<bool> {
-        let hidden = self.path(&pending_name(shard, f.seq, f.checkpoint));
-        let visible = self.path(&final_name(shard, f.seq));
+    /// Publishes one file listed by a restored description, in `dir`; `Ok(true)` if it
+    /// renamed it.
+    fn publish_restored(
+        &self,
+        dir: &Path,
+        shard: u32,
+        f: &PendingFile,
+        checkpoint: u64,
+    ) -> io::Result<bool> {
+        let hidden = dir.join(pending_name(shard, f.seq, f.checkpoint));
+        let visible = dir.join(final_name(shard, f.seq));
         if let Some(len) = file_len(&*self.fs, &hidden)? {
             // Check the bytes before making them visible: a pending file that does not match
             // its description must not be published.
@@ -564,8 +593,7 @@ impl TransactionalFileWriter {
                 io::ErrorKind::NotFound,
                 format!(
                     "checkpoint {checkpoint} refers to output file {} that is gone: neither \
-                     pending {} nor published {} exists (a restore must write to the output \
-                     directory the checkpointed job wrote to)",
+                     pending {} nor published {} exists",
                     final_name(shard, f.seq),
                     hidden.display(),
                     visible.display()
@@ -609,6 +637,10 @@ fn encode_state(s: &State) -> Vec<u8> {
     // The count fits: a writer cannot have 2^32 files pending.
     out.extend_from_slice(&(s.files.len() as u32).to_le_bytes());
     out.extend_from_slice(&s.next_seq.to_le_bytes());
+    let dir = s.dir.as_deref().map(path_bytes).unwrap_or_default();
+    // A directory path longer than 64 KiB is refused by every file system first.
+    out.extend_from_slice(&(dir.len() as u16).to_le_bytes());
+    out.extend_from_slice(dir);
     for f in &s.files {
         out.extend_from_slice(&f.seq.to_le_bytes());
         out.extend_from_slice(&f.checkpoint.to_le_bytes());
@@ -691,9 +723,9 @@ fn decode_state(bytes: &[u8]) -> io::Result<State> {
         )));
     }
     let [version, algo, _, _] = r.array::<4>("version")?;
-    if version != STATE_VERSION {
+    if version != 1 && version != STATE_VERSION {
         return Err(invalid_state(format!(
-            "unsupported version {version} (supported: {STATE_VERSION})"
+            "unsupported version {version} (supported: 1, {STATE_VERSION})"
         )));
     }
     if algo != CHECKSUM_CRC32_IEEE {
@@ -728,11 +760,26 @@ fn decode_state(bytes: &[u8]) -> io::Result<State> {
     let shard = r.u32("shard")?;
     let count = r.u32("file count")? as usize;
     let next_seq = r.u64("next sequence number")?;
-    let room = (body_len - STATE_HEADER_LEN) / STATE_MIN_ENTRY_LEN;
+    let dir = if version >= 2 {
+        let at = r.pos;
+        let len = r.u16("directory length")? as usize;
+        let raw = r.take(len, "directory")?;
+        let dir = bytes_path(raw);
+        if !dir.is_absolute() {
+            return Err(invalid_state(format!(
+                "directory at offset {at} is {:?}, not an absolute path",
+                dir.display()
+            )));
+        }
+        Some(dir)
+    } else {
+        None
+    };
+    let room = (body_len - r.pos) / STATE_MIN_ENTRY_LEN;
     if count > room {
         return Err(invalid_state(format!(
             "file count {count} cannot fit in {} bytes",
-            body_len - STATE_HEADER_LEN
+            body_len - r.pos
         )));
     }
     let mut files = Vec::with_capacity(count);
@@ -780,8 +827,20 @@ fn decode_state(bytes: &[u8]) -> io::Result<State> {
         checkpoint,
         shard,
         next_seq,
+        dir,
         files,
     })
+}
+
+/// A path's bytes as stored in a description (Unix paths are bytes).
+fn path_bytes(p: &Path) -> &[u8] {
+    use std::os::unix::ffi::OsStrExt;
+    p.as_os_str().as_bytes()
+}
+
+fn bytes_path(b: &[u8]) -> PathBuf {
+    use std::os::unix::ffi::OsStrExt;
+    PathBuf::from(std::ffi::OsStr::from_bytes(b))
 }
 
 #[cfg(test)]
@@ -1140,6 +1199,7 @@ mod tests {
                 checkpoint: good.checkpoint,
                 shard: good.shard,
                 next_seq: good.next_seq,
+                dir: good.dir.clone(),
                 files: good.files.clone(),
             };
             f(&mut s2);
@@ -1151,8 +1211,14 @@ mod tests {
             "repeated seq",
         );
         check(&reencode(&|s| s.files[0].checkpoint = 2), "from the future");
+        check(
+            &reencode(&|s| s.dir = Some(PathBuf::from("relative/out"))),
+            "relative directory",
+        );
         let mut bad_name = st.clone();
-        let at = STATE_HEADER_LEN + 28 + 2 + 1; // first byte after ".", inside "part"
+        // The entries follow the header and the directory.
+        let entries = STATE_HEADER_LEN + 2 + path_bytes(good.dir.as_deref().expect("dir")).len();
+        let at = entries + 28 + 2 + 1; // first byte after ".", inside "part"
         bad_name[at] = b'/';
         let body = bad_name.len() - 4;
         let crc = crc32(&[&bad_name[..body]]);
@@ -1167,6 +1233,68 @@ mod tests {
         let mut w = writer(&s, 0);
         w.restore(1, &st).expect("restore");
         assert_eq!(visible_lines(tmp.path()), lines("a", 0..4));
+    }
+
+    /// A job restored into another output directory (from a savepoint) publishes the
+    /// checkpoint's files where they were written, and writes its own output to its new
+    /// directory only.
+    #[test]
+    fn a_restore_into_another_directory_publishes_where_the_files_were_written() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let (old, new) = (tmp.path().join("old"), tmp.path().join("new"));
+        let s_old = sink(&old).with_part_size_bytes(1);
+        let mut w = writer(&s_old, 0);
+        write_all(&mut *w, &lines("a", 0..3));
+        let st = w.pre_commit(1).expect("pre-commit");
+        // The process dies before checkpoint 1's commit: its files stay pending in `old`.
+        drop(w);
+        assert!(visible(&old).is_empty());
+        let s_new = sink(&new);
+        let mut w = writer(&s_new, 0);
+        w.restore(1, &st).expect("restore into the new directory");
+        assert_eq!(visible_lines(&old), lines("a", 0..3));
+        assert!(visible(&new).is_empty());
+        write_all(&mut *w, &lines("b", 0..2));
+        w.pre_commit(2).expect("pre-commit");
+        w.commit(2).expect("commit");
+        assert_eq!(visible_lines(&new), lines("b", 0..2));
+        assert_eq!(
+            visible_lines(&old),
+            lines("a", 0..3),
+            "the old output is untouched"
+        );
+        // The same description restored where it was written is idempotent.
+        writer(&s_old, 0).restore(1, &st).expect("restore in place");
+        assert_eq!(visible_lines(&old), lines("a", 0..3));
+    }
+
+    /// Version 1 descriptions (no directory) still restore, into the restoring writer's own
+    /// directory.
+    #[test]
+    fn version_1_descriptions_restore_in_the_writers_directory() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let s = sink(tmp.path()).with_part_size_bytes(1);
+        let mut w = writer(&s, 0);
+        write_all(&mut *w, &lines("a", 0..2));
+        let v2 = w.pre_commit(1).expect("pre-commit");
+        drop(w);
+        // The same description as version 1 wrote it: no directory field.
+        let dir_len = usize::from(u16::from_le_bytes([
+            v2[STATE_HEADER_LEN],
+            v2[STATE_HEADER_LEN + 1],
+        ]));
+        let mut v1 = v2[..STATE_HEADER_LEN].to_vec();
+        v1[4] = 1;
+        v1.extend_from_slice(&v2[STATE_HEADER_LEN + 2 + dir_len..v2.len() - STATE_TRAILER_LEN]);
+        let crc = crc32(&[&v1]);
+        v1.extend_from_slice(&crc.to_le_bytes());
+        assert_eq!(decode_state(&v1).expect("v1").dir, None);
+        writer(&s, 0).restore(1, &v1).expect("restore v1");
+        assert_eq!(visible_lines(tmp.path()), lines("a", 0..2));
+        let mut v3 = v1.clone();
+        v3[4] = 3;
+        let err = decode_state(&v3).expect_err("unknown version");
+        assert!(err.to_string().contains("unsupported version 3"), "{err}");
     }
 
     #[test]
