@@ -23,6 +23,12 @@ fn write_output<T: weir_runtime::Data>(
     input: &InputArgs,
     format: impl Fn(&T, &mut String) + Send + Sync + 'static,
 ) -> Result<(), String> {
+    if input.output.exists() && !input.output.is_dir() {
+        return Err(format!(
+            "--output {}: exists and is not a directory",
+            input.output.display()
+        ));
+    }
     if input.checkpoint.checkpoint_dir.is_some() {
         // Committed output of earlier runs stays: restore publishes or discards what was
         // pending, and the job continues where its checkpoint left off.

@@ -468,6 +468,27 @@ fn errors_name_what_and_where_with_the_right_exit_code() {
     ]);
     assert_eq!(r.status.code(), Some(2));
     assert!(stderr(&r).contains("must be more than 0"), "{}", stderr(&r));
+    // An output path that is a file.
+    let r = weir(&[
+        "run",
+        "keyed-sum",
+        "--input",
+        i,
+        "--format",
+        "csv",
+        "--key",
+        "user",
+        "--value",
+        "amount",
+        "--output",
+        i,
+    ]);
+    assert_eq!(r.status.code(), Some(1));
+    assert!(
+        stderr(&r).contains("exists and is not a directory"),
+        "{}",
+        stderr(&r)
+    );
     let r = weir(&["run", "nope"]);
     assert_eq!(r.status.code(), Some(2));
     assert!(!stderr(&r).contains("panicked"));
