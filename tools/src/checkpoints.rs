@@ -264,12 +264,18 @@ fn inspected(a: &InspectArgs) -> Result<CheckpointMetadata, VerifyFailed> {
     if a.dir.join(weir_io::METADATA_FILE).is_file() {
         let shown = a.dir.display().to_string();
         // A `chk-<n>` directory is read through its job, which checks that it belongs there.
-        if let Some((_, s, id)) = chk_dir(&a.dir)? {
-            return s.read_metadata(id).map_err(|e| metadata_failed(&shown, e));
+        let m = match chk_dir(&a.dir)? {
+            Some((_, s, id)) => s.read_metadata(id),
+            None => Savepoint::open(Arc::new(StdFs), &a.dir).map(|sp| sp.metadata().clone()),
         }
-        return Savepoint::open(Arc::new(StdFs), &a.dir)
-            .map(|sp| sp.metadata().clone())
-            .map_err(|e| metadata_failed(&shown, e));
+        .map_err(|e| metadata_failed(&shown, e))?;
+        if let Some(n) = a.checkpoint.filter(|&n| n != m.checkpoint_id) {
+            return Err(VerifyFailed::Other(format!(
+                "{shown} is checkpoint {}, not {n}",
+                m.checkpoint_id
+            )));
+        }
+        return Ok(m);
     }
     let (job, s) = one_job(&a.dir).map_err(VerifyFailed::Other)?;
     let id = chosen(&job, &s, a.checkpoint)?;

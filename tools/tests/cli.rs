@@ -788,6 +788,18 @@ fn checkpoints_inspect_shows_the_parts_and_clean_keeps_the_newest() {
     let chk = ck.join("keyed-sum").join(format!("chk-{older}"));
     let i = weir(&["checkpoints", "inspect", chk.to_str().expect("utf8")]);
     assert!(i.status.success(), "{}", stderr(&i));
+    let i = weir(&[
+        "checkpoints",
+        "inspect",
+        chk.to_str().expect("utf8"),
+        "--checkpoint",
+        "999999",
+    ]);
+    assert_eq!(
+        i.status.code(),
+        Some(1),
+        "a chk-<n> and another --checkpoint"
+    );
     let i = weir(&["checkpoints", "inspect", ck_s, "--checkpoint", "999999"]);
     assert_eq!(i.status.code(), Some(1), "{}", stderr(&i));
 
