@@ -529,6 +529,17 @@ fn restore_onto_another_number_of_shards_keeps_keyed_state() {
 /// Retention never touches it, and a savepoint of a job without checkpointing is an error.
 #[test]
 fn a_savepoint_restores_onto_another_number_of_shards_without_the_checkpoints() {
+    savepoint_round_trip(false);
+}
+
+/// The same with unaligned checkpoints: the savepoint may hold channel state, which the
+/// restore onto 3 shards replays.
+#[test]
+fn an_unaligned_savepoint_restores_onto_another_number_of_shards() {
+    savepoint_round_trip(true);
+}
+
+fn savepoint_round_trip(unaligned: bool) {
     let dir = tempfile::tempdir().expect("tmp");
     let (ckpt, savepoints) = (dir.path().join("ckpt"), dir.path().join("savepoints"));
     let n = 200_000u64;
@@ -543,7 +554,15 @@ fn a_savepoint_restores_onto_another_number_of_shards_without_the_checkpoints() 
         let mut c = JobConfig::new()
             .with_shards(shards)
             .with_pinning(Pinning::Never)
-            .with_checkpointing(ck(ck_dir, CheckpointMode::ExactlyOnce).with_retained(1));
+            .with_checkpointing(
+                ck_with(
+                    ck_dir,
+                    CheckpointMode::ExactlyOnce,
+                    unaligned,
+                    Duration::ZERO,
+                )
+                .with_retained(1),
+            );
         if let Some(r) = restore {
             c = c.with_restore(r);
         }
