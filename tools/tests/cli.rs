@@ -16,6 +16,26 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// `weir run keyed-sum` of column `amount` by `user`, with `extra` flags after the output.
+fn keyed_sum(input: &Path, format: &str, output: &Path, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "run",
+        "keyed-sum",
+        "--input",
+        input.to_str().expect("utf8"),
+        "--format",
+        format,
+        "--key",
+        "user",
+        "--value",
+        "amount",
+        "--output",
+        output.to_str().expect("utf8"),
+    ];
+    args.extend_from_slice(extra);
+    weir(&args)
+}
+
 /// Every line of every part file of `dir`.
 fn output_lines(dir: &Path) -> Vec<String> {
     let mut lines = Vec::new();
@@ -469,20 +489,7 @@ fn errors_name_what_and_where_with_the_right_exit_code() {
     assert_eq!(r.status.code(), Some(2));
     assert!(stderr(&r).contains("must be more than 0"), "{}", stderr(&r));
     // An output path that is a file.
-    let r = weir(&[
-        "run",
-        "keyed-sum",
-        "--input",
-        i,
-        "--format",
-        "csv",
-        "--key",
-        "user",
-        "--value",
-        "amount",
-        "--output",
-        i,
-    ]);
+    let r = keyed_sum(&input, "csv", &input, &[]);
     assert_eq!(r.status.code(), Some(1));
     assert!(
         stderr(&r).contains("exists and is not a directory"),
@@ -699,28 +706,21 @@ fn checkpoints_inspect_shows_the_parts_and_clean_keeps_the_newest() {
     write_csv(&input, &recs);
     let (out, ck) = (dir.path().join("out"), dir.path().join("ckpt"));
     let ck_s = ck.to_str().expect("utf8");
-    let r = weir(&[
-        "run",
-        "keyed-sum",
-        "--input",
-        input.to_str().expect("utf8"),
-        "--format",
+    let r = keyed_sum(
+        &input,
         "csv",
-        "--key",
-        "user",
-        "--value",
-        "amount",
-        "--output",
-        out.to_str().expect("utf8"),
-        "--shards",
-        "2",
-        "--checkpoint-dir",
-        ck_s,
-        "--checkpoint-interval",
-        "5ms",
-        "--retained",
-        "4",
-    ]);
+        &out,
+        &[
+            "--shards",
+            "2",
+            "--checkpoint-dir",
+            ck_s,
+            "--checkpoint-interval",
+            "5ms",
+            "--retained",
+            "4",
+        ],
+    );
     assert!(r.status.success(), "{}", stderr(&r));
     let complete = || -> Vec<u64> {
         let l = weir(&["checkpoints", "list", ck_s, "--json"]);
@@ -853,49 +853,37 @@ fn checkpoints_inspect_shows_the_parts_and_clean_keeps_the_newest() {
     let v: serde_json::Value = serde_json::from_slice(&i.stdout).expect("json");
     assert_eq!(v["kind"], "savepoint");
     assert_eq!(v["checkpoint"].as_u64(), Some(newest));
-    let r = weir(&[
-        "run",
-        "keyed-sum",
-        "--input",
-        input.to_str().expect("utf8"),
-        "--format",
+    let restored = dir.path().join("ckpt-restored");
+    let r = keyed_sum(
+        &input,
         "csv",
-        "--key",
-        "user",
-        "--value",
-        "amount",
-        "--output",
-        out.to_str().expect("utf8"),
-        "--shards",
-        "3",
-        "--checkpoint-dir",
-        dir.path().join("ckpt-restored").to_str().expect("utf8"),
-        "--restore",
-        &sp,
-    ]);
+        &out,
+        &[
+            "--shards",
+            "3",
+            "--checkpoint-dir",
+            restored.to_str().expect("utf8"),
+            "--restore",
+            &sp,
+        ],
+    );
     assert!(r.status.success(), "{}", stderr(&r));
     assert_eq!(parse_sums(&committed_lines(&out)), running_sums(&recs));
     // Into another output directory: the savepoint's output stays where it was written, and
     // the restored job (past the end of its input) adds nothing.
     let elsewhere = dir.path().join("out-elsewhere");
-    let r = weir(&[
-        "run",
-        "keyed-sum",
-        "--input",
-        input.to_str().expect("utf8"),
-        "--format",
+    let ck_elsewhere = dir.path().join("ckpt-elsewhere");
+    let r = keyed_sum(
+        &input,
         "csv",
-        "--key",
-        "user",
-        "--value",
-        "amount",
-        "--output",
-        elsewhere.to_str().expect("utf8"),
-        "--checkpoint-dir",
-        dir.path().join("ckpt-elsewhere").to_str().expect("utf8"),
-        "--restore",
-        &sp,
-    ]);
+        &elsewhere,
+        &[
+            "--checkpoint-dir",
+            ck_elsewhere.to_str().expect("utf8"),
+            "--restore",
+            &sp,
+        ],
+    );
     assert!(r.status.success(), "{}", stderr(&r));
     assert!(committed_lines(&elsewhere).is_empty());
     assert_eq!(parse_sums(&committed_lines(&out)), running_sums(&recs));
