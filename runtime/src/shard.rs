@@ -11,7 +11,7 @@
 //! shards than cores (tests run 4 shards on 2 cores) still share the machine fairly.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -40,6 +40,47 @@ struct Control {
     requests: Arc<Requests>,
     restarts: AtomicU64,
     checkpointing: bool,
+    /// A [`JobStatus`] as its `u8`; the shards of an attempt set `Running`.
+    status: Arc<AtomicU8>,
+}
+
+/// Where a job is in its life, in Flink's terms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum JobStatus {
+    /// An attempt's shards are being built: operators made, state restored, state memory
+    /// faulted in. No source reads yet.
+    Initializing = 0,
+    /// Every shard of the current attempt is built and its loop runs.
+    Running = 1,
+    /// An attempt failed and the restart strategy allows another; its delay runs. The next
+    /// attempt is `Initializing`, then `Running`.
+    Restarting = 2,
+    /// Every source ended and every record went through ([`JobHandle::wait`] returns the
+    /// summary).
+    Finished = 3,
+    /// The job failed and will not restart ([`JobHandle::wait`] returns why).
+    Failed = 4,
+    /// [`JobHandle::cancel`] stopped it.
+    Cancelled = 5,
+}
+
+impl JobStatus {
+    fn from_u8(v: u8) -> Self {
+        match v {
+            0 => Self::Initializing,
+            1 => Self::Running,
+            2 => Self::Restarting,
+            3 => Self::Finished,
+            4 => Self::Failed,
+            _ => Self::Cancelled,
+        }
+    }
+
+    /// True for `Finished`, `Failed` and `Cancelled`.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Finished | Self::Failed | Self::Cancelled)
+    }
 }
 
 /// A running job.
@@ -95,6 +136,12 @@ impl JobHandle {
     /// True once the job ended.
     pub fn is_finished(&self) -> bool {
         self.ctl.finished.load(Ordering::Acquire)
+    }
+
+    /// The job's status now. `Running` means every shard is built and reading: what a caller
+    /// that measures steady-state behaviour waits for.
+    pub fn status(&self) -> JobStatus {
+        JobStatus::from_u8(self.ctl.status.load(Ordering::Acquire))
     }
 
     /// A snapshot of the current attempt's metrics.
@@ -277,6 +324,7 @@ pub(crate) fn start(config: JobConfig, graph: Graph) -> Result<JobHandle, StartE
         requests: Arc::new(Requests::default()),
         restarts: AtomicU64::new(0),
         checkpointing: config.checkpoint.is_some(),
+        status: Arc::new(AtomicU8::new(JobStatus::Initializing as u8)),
     });
     if restore.is_some() {
         lock(&ctl.checkpoints).last_checkpoint_restore_timestamp =
@@ -296,6 +344,12 @@ pub(crate) fn start(config: JobConfig, graph: Graph) -> Result<JobHandle, StartE
         .name("weir-supervisor".into())
         .spawn(move || {
             let r = supervise(&plan, restore, &ctl2);
+            let end = match &r {
+                Ok(()) => JobStatus::Finished,
+                Err(e) if e.is_cancellation() => JobStatus::Cancelled,
+                Err(_) => JobStatus::Failed,
+            };
+            ctl2.status.store(end as u8, Ordering::Release);
             ctl2.finished.store(true, Ordering::Release);
             r
         })
@@ -534,6 +588,8 @@ fn supervise(
         let Some(wait) = wait else {
             return Err(e);
         };
+        ctl.status
+            .store(JobStatus::Restarting as u8, Ordering::Release);
         tracing::warn!("job failed ({e}); restarting in {wait:?}");
         eprintln!("weir: job failed: {e}; restarting in {wait:?}");
         let until = Instant::now() + wait;
@@ -574,6 +630,8 @@ fn run_attempt(
     let shards = plan.config.shards;
     let registry = Registry::new();
     *lock(&ctl.metrics) = registry.clone();
+    ctl.status
+        .store(JobStatus::Initializing as u8, Ordering::Release);
     let cancel = Arc::new(AtomicBool::new(false));
     let running = Arc::new(AtomicUsize::new(shards));
     // Shards whose operators are built (state restored, memory faulted in).
@@ -628,7 +686,7 @@ fn run_attempt(
     let mut threads = Vec::with_capacity(shards);
     let mut spawn_error = None;
     for (shard, exchanges) in endpoints.into_iter().enumerate() {
-        let (built, supervisor) = (built.clone(), supervisor.clone());
+        let (built, supervisor, status) = (built.clone(), supervisor.clone(), ctl.status.clone());
         let (config, roots, registry, cancel2, running2, sentinel, state_dir, shared, restore) = (
             plan.config.clone(),
             plan.roots.clone(),
@@ -675,7 +733,9 @@ fn run_attempt(
                     // No shard runs before every shard is built: a source would otherwise
                     // fill the rings of a shard still restoring its state, and those records
                     // would wait out the restore.
-                    built.fetch_add(1, Ordering::AcqRel);
+                    if built.fetch_add(1, Ordering::AcqRel) + 1 == config.shards {
+                        status.store(JobStatus::Running as u8, Ordering::Release);
+                    }
                     while built.load(Ordering::Acquire) < config.shards {
                         if cancel2.load(Ordering::Acquire) {
                             return Err(JobError::Cancelled);

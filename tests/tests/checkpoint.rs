@@ -692,3 +692,62 @@ fn a_failover_never_restores_a_checkpoint_of_an_earlier_run() {
     let seen: std::collections::HashSet<u64> = got.iter().map(|r| r.2).collect();
     assert_eq!(seen.len(), 50_000, "every record reached the sink");
 }
+
+/// A failed attempt shows as `Restarting` for the restart delay, the next attempt as
+/// `Running` again, and the job ends `Finished`.
+#[test]
+fn the_job_status_shows_a_restart_between_running_attempts() {
+    use weir_runtime::JobStatus;
+    let dir = tempfile::tempdir().expect("tmp");
+    let c = JobConfig::new()
+        .with_shards(2)
+        .with_pinning(Pinning::Never)
+        .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce).with_restart(
+            RestartStrategy::FixedDelay {
+                attempts: 1,
+                delay: Duration::from_millis(400),
+            },
+        ));
+    let job = Job::new(c);
+    let (failed, release) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let (f2, r2) = (failed.clone(), release.clone());
+    // Each shard of each attempt makes its readers once: the count tells the attempt.
+    let made = Arc::new(AtomicU64::new(0));
+    job.from_iter(move |_, shards| {
+        let attempt = made.fetch_add(1, Ordering::AcqRel) / shards as u64;
+        (0u64..200).map(move |x| (x, attempt))
+    })
+    .uid("input")
+    .inspect(move |&(x, attempt)| {
+        if x == 100 && !f2.swap(true, Ordering::AcqRel) {
+            panic!("injected failure");
+        }
+        // The second attempt holds its last record until the test saw it run.
+        while x == 199 && attempt == 1 && !r2.load(Ordering::Acquire) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    })
+    .key_by(|r| r.0 % 3)
+    .reduce(|a, b| (a.0 + b.0, a.1))
+    .uid("sum")
+    .for_each(|_| {});
+    let h = job.start().expect("start");
+    let saw = |want: JobStatus| {
+        let until = std::time::Instant::now() + Duration::from_secs(20);
+        while h.status() != want && std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        h.status()
+    };
+    assert_eq!(saw(JobStatus::Restarting), JobStatus::Restarting);
+    assert!(failed.load(Ordering::Acquire));
+    assert_eq!(h.restarts(), 0, "the delay runs before the restart counts");
+    assert_eq!(saw(JobStatus::Running), JobStatus::Running);
+    release.store(true, Ordering::Release);
+    assert_eq!(saw(JobStatus::Finished), JobStatus::Finished);
+    let s = h.wait().expect("job");
+    assert_eq!(s.restarts, 1);
+}

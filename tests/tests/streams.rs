@@ -4,7 +4,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use weir_runtime::{Job, JobConfig, JobError, Pinning, WatermarkStrategy, WindowAssigner};
+use weir_runtime::{
+    Job, JobConfig, JobError, JobStatus, Pinning, WatermarkStrategy, WindowAssigner,
+};
 
 fn config(shards: usize) -> JobConfig {
     JobConfig::new()
@@ -256,6 +258,53 @@ impl weir_runtime::sink::Sink<u64> for SlowToBuild {
         }
         Ok(Box::new(Discard))
     }
+}
+
+/// Polls `h.status()` until `want` or 20 s passed; returns what it saw last.
+fn await_status(h: &weir_runtime::JobHandle, want: JobStatus) -> JobStatus {
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let s = h.status();
+        if s == want || s.is_terminal() || std::time::Instant::now() > until {
+            return s;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn the_job_status_is_initializing_until_every_shard_is_built_then_running() {
+    let job = Job::new(config(2));
+    let built_at = Arc::new(std::sync::Mutex::new(None));
+    job.from_iter(|_, _| 0u64..).rebalance().sink(SlowToBuild {
+        built_at: built_at.clone(),
+    });
+    let h = job.start().expect("start");
+    // The last shard's sink takes 300 ms to build.
+    assert_eq!(h.status(), JobStatus::Initializing);
+    assert_eq!(await_status(&h, JobStatus::Running), JobStatus::Running);
+    assert!(
+        built_at.lock().unwrap().is_some(),
+        "running before the last shard was built"
+    );
+    h.cancel();
+    assert_eq!(await_status(&h, JobStatus::Cancelled), JobStatus::Cancelled);
+    assert!(matches!(h.wait(), Err(JobError::Cancelled)));
+
+    let job = Job::new(config(2));
+    job.from_iter(|_, _| 0..1000u64).for_each(|_| {});
+    let h = job.start().expect("start");
+    assert_eq!(await_status(&h, JobStatus::Finished), JobStatus::Finished);
+    assert!(h.is_finished());
+    h.wait().expect("finished");
+
+    let job = Job::new(config(2));
+    job.from_iter(|_, _| 0..1000u64)
+        .map(|x| if x == 500 { panic!("bad record") } else { x })
+        .for_each(|_| {});
+    let h = job.start().expect("start");
+    assert_eq!(await_status(&h, JobStatus::Failed), JobStatus::Failed);
+    assert!(matches!(h.wait(), Err(JobError::Panic { .. })));
 }
 
 #[test]
