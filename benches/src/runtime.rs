@@ -11,9 +11,11 @@
 //!   per-record source-to-sink latency, from the time each record was due on the generator's
 //!   fixed schedule (so time a shard spends unable to poll its source counts: no coordinated
 //!   omission), with 64 records per step and prefaulted state memory. The schedule starts
-//!   `schedule_start_ms` after the job is made; that wait is in the wall time. Each run has
-//!   its own histogram; the row is the run with the median p99, beside the raw ring's run
-//!   with the median p99 (`raw_spsc_*`), and every run's p99, max and steal are in `extra`.
+//!   when the job's status is `Running` (every shard built), `schedule_start_ms` after the
+//!   job is made; wall and CPU time count from then to the job's end, so `ratio` is the
+//!   share of the offered rate the job kept. Each run has its own histogram; the row is the
+//!   run with the median p99, beside the raw ring's run with the median p99 (`raw_spsc_*`),
+//!   and every run's p99, max, steal and startup are in `extra`.
 //!
 //! Every figure is the median of several runs; all runs are listed in `extra`.
 
@@ -22,8 +24,8 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use weir_runtime::sink::{Sink, SinkWriter};
-use weir_runtime::source::{splitmix64, GeneratorSource};
-use weir_runtime::{Job, JobConfig, StartError, Stream};
+use weir_runtime::source::{splitmix64, GeneratorSource, ScheduleStart};
+use weir_runtime::{Job, JobConfig, JobStatus, StartError, Stream};
 
 use crate::{process_cpu_ns, BenchResult, Opts};
 
@@ -99,9 +101,6 @@ pub(crate) fn row(
     }
 }
 
-/// When the latency job's schedule starts, after the job is made.
-const SCHEDULE_START_NS: u64 = 500_000_000;
-
 /// Records per step in the latency job (the throughput jobs use 4096). Same machine, four runs
 /// each: p99 19-32 us with 64, 41-178 us with 256, 1.5-6.7 ms with 4096 (and no prefault).
 pub(crate) const LATENCY_BATCH_RECORDS: usize = 64;
@@ -146,58 +145,77 @@ fn chain_baseline(n: u64) -> u64 {
 }
 
 /// generator -> key_by -> keyed count -> sink on `shards` shards; returns records counted.
-fn keyed_job(
+fn keyed_job(n: u64, keys: u64, shards: usize) -> u64 {
+    let count = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    // The field is the index: a clock read per record would cost the job.
+    let gen = GeneratorSource::new(Some(n), 3, move |i: u64, r: u64| (r % keys, i));
+    let job = Job::new(config(shards));
+    keyed_count(job.source(gen)).sink(CountSink(count.clone()));
+    job.run().expect("keyed job");
+    count.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The keyed job on `shards` shards, each generator throttled to `rate_per_shard` on a fixed
+/// schedule that starts once the job runs, every record stamped with its due time, and each
+/// record's latency at the sink in `h`. Returns what was measured from the schedule's start
+/// to the job's end, and how long the job took to start (made to `Running`).
+fn latency_job(
     n: u64,
     keys: u64,
     shards: usize,
-    rate_per_shard: Option<u64>,
-    latency: Option<Arc<Mutex<Histogram<u64>>>>,
-) -> u64 {
+    rate_per_shard: u64,
+    h: Arc<Mutex<Histogram<u64>>>,
+) -> (Measured, Duration) {
     let count = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let epoch = Instant::now();
-    // With latency measured, each record carries its due time on a fixed schedule that starts
-    // SCHEDULE_START_NS after the job is made (time enough to build the shards): latency
-    // counts from when the record should have entered, not from when the source got to it.
-    // Without, the field is the index (a clock read per record would cost the job).
-    let due_rate = latency.as_ref().and(rate_per_shard);
+    // Latency counts from when a record should have entered, not from when the source got
+    // to it (no coordinated omission). The schedule starts when every shard is built: its
+    // state memory faulted in, which took 0.3-0.7 s per shard on a busy host (a fixed 500 ms
+    // start then put that wait into the first records' latency, and into the p99).
+    let schedule = ScheduleStart::new();
+    let origin_ns = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let origin2 = origin_ns.clone();
     let per_shard = shards as u64;
-    let mut gen = GeneratorSource::new(Some(n), 3, move |i: u64, r: u64| {
-        let t = match due_rate {
-            Some(rate) => SCHEDULE_START_NS + (i / per_shard) * 1_000_000_000 / rate,
-            None => i,
-        };
-        (r % keys, t)
-    });
-    if let Some(rate) = rate_per_shard {
-        gen = gen.with_rate_per_shard(rate);
-        if due_rate.is_some() {
-            gen = gen.with_schedule_origin(epoch + Duration::from_nanos(SCHEDULE_START_NS));
-        }
-    }
-    let stamp = latency.is_some();
-    let mut cfg = config(shards);
-    if stamp {
-        // Tuned for latency, as Flink's buffer timeout is: a step moves at most
-        // LATENCY_BATCH_RECORDS records, so a burst after a stall is not queued behind 4096 of
-        // them, and the memtables' pages are faulted in before any record is generated (shards
-        // start together once all are built). Startup stays in the wall time.
-        cfg = cfg
-            .with_batch_records(LATENCY_BATCH_RECORDS)
-            .with_prefault_state_memory(true);
-    }
+    let gen = GeneratorSource::new(Some(n), 3, move |i: u64, r: u64| {
+        let origin = origin2.load(std::sync::atomic::Ordering::Relaxed);
+        (
+            r % keys,
+            origin + (i / per_shard) * 1_000_000_000 / rate_per_shard,
+        )
+    })
+    .with_rate_per_shard(rate_per_shard)
+    .with_schedule(schedule.clone());
+    // Tuned for latency, as Flink's buffer timeout is: a step moves at most
+    // LATENCY_BATCH_RECORDS records, so a burst after a stall is not queued behind 4096 of
+    // them, and the memtables' pages are faulted in before any record is generated.
+    let cfg = config(shards)
+        .with_batch_records(LATENCY_BATCH_RECORDS)
+        .with_prefault_state_memory(true);
     let job = Job::new(cfg);
-    let counted = keyed_count(job.source(gen));
-    match latency {
-        Some(h) => counted.sink(LatencySink {
-            epoch,
-            out: h,
-            count: count.clone(),
-            live: None,
-        }),
-        None => counted.sink(CountSink(count.clone())),
+    keyed_count(job.source(gen)).sink(LatencySink {
+        epoch,
+        out: h,
+        count: count.clone(),
+        live: None,
+    });
+    let handle = job.start().expect("latency job");
+    while handle.status() == JobStatus::Initializing {
+        std::thread::sleep(Duration::from_micros(200));
     }
-    job.run().expect("keyed job");
-    count.load(std::sync::atomic::Ordering::Relaxed)
+    assert_eq!(handle.status(), JobStatus::Running, "latency job");
+    let started = epoch.elapsed();
+    let origin = Instant::now();
+    // Read by the generators only after the schedule starts (its start publishes this).
+    origin_ns.store(
+        (origin - epoch).as_nanos() as u64,
+        std::sync::atomic::Ordering::Relaxed,
+    );
+    let m = measure(|| {
+        schedule.start_at(origin);
+        handle.wait().expect("latency job");
+        count.load(std::sync::atomic::Ordering::Relaxed)
+    });
+    (m, started)
 }
 
 /// `(key, field)` -> key_by -> keyed count: the keyed job of the runtime and checkpoint suites.
@@ -407,7 +425,7 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
     let keys = 1_000_000;
     let rss_before = peak_rss_bytes();
     let ours: Vec<Measured> = (0..reps)
-        .map(|_| measure(|| keyed_job(n, keys, 2, None, None)))
+        .map(|_| measure(|| keyed_job(n, keys, 2)))
         .collect();
     let rss = peak_rss_bytes();
     let base: Vec<Measured> = (0..reps)
@@ -441,30 +459,27 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
     for _ in 0..reps {
         let h = Arc::new(Mutex::new(new_hist()));
         let steal0 = steal_ms();
-        let m = measure(|| keyed_job(n, keys, 2, Some(rate), Some(h.clone())));
+        let (m, started) = latency_job(n, keys, 2, rate, h.clone());
         let steal = steal_ms() - steal0;
         let h = h.lock().unwrap_or_else(|p| p.into_inner()).clone();
         // The same number of records per shard, on one shard's schedule, through a raw ring.
         let steal1 = steal_ms();
         let raw = raw_latency_baseline(n / 2, rate);
         let raw_steal = steal_ms() - steal1;
-        runs.push((m, steal, h, raw, raw_steal));
+        runs.push((m, steal, h, raw, raw_steal, started));
     }
     let mut order: Vec<usize> = (0..runs.len()).collect();
     order.sort_by_key(|&i| runs[i].2.value_at_quantile(0.99));
-    let (m, steal, h, _, _) = &runs[order[order.len() / 2]];
+    let (m, steal, h, _, _, started) = &runs[order[order.len() / 2]];
     // The raw baseline's figures are its own median run (by its p99).
     let mut raw_order: Vec<usize> = (0..runs.len()).collect();
     raw_order.sort_by_key(|&i| runs[i].3.value_at_quantile(0.99));
-    let (_, _, _, raw, raw_steal) = &runs[raw_order[raw_order.len() / 2]];
+    let (_, _, _, raw, raw_steal, _) = &runs[raw_order[raw_order.len() / 2]];
     let mut extra = vec![
         ("samples".into(), h.len() as f64),
         ("batch_records".into(), LATENCY_BATCH_RECORDS as f64),
         ("prefault_state_memory".into(), 1.0),
-        (
-            "schedule_start_ms".into(),
-            (SCHEDULE_START_NS / 1_000_000) as f64,
-        ),
+        ("schedule_start_ms".into(), started.as_secs_f64() * 1e3),
         ("steal_ms".into(), *steal as f64),
         ("raw_spsc_p50_ns".into(), raw.value_at_quantile(0.5) as f64),
         ("raw_spsc_p99_ns".into(), raw.value_at_quantile(0.99) as f64),
@@ -476,7 +491,8 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
         ("raw_spsc_steal_ms".into(), *raw_steal as f64),
         ("runs".into(), runs.len() as f64),
     ];
-    for (i, (_, steal, h, raw, _)) in runs.iter().enumerate() {
+    for (i, (_, steal, h, raw, _, started)) in runs.iter().enumerate() {
+        extra.push((format!("run{i}_startup_ms"), started.as_secs_f64() * 1e3));
         extra.push((format!("run{i}_p99_ns"), h.value_at_quantile(0.99) as f64));
         extra.push((format!("run{i}_max_ns"), h.max() as f64));
         extra.push((format!("run{i}_steal_ms"), *steal as f64));

@@ -1,6 +1,6 @@
 //! A seeded, deterministic generator source.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use super::{Source, SourceError, SourcePoll, SourceReader};
@@ -23,8 +23,40 @@ pub struct GeneratorSource<F> {
     total: Option<u64>,
     seed: u64,
     rate_per_sec: Option<u64>,
-    origin: Option<Instant>,
+    origin: Option<ScheduleStart>,
     f: Arc<F>,
+}
+
+/// The origin of a generator's fixed schedule, set once and shared by every shard's reader
+/// and by whoever measures against the schedule. Until it is set, a throttled generator on
+/// this schedule makes nothing. A benchmark sets it once [`crate::JobHandle::status`] says the
+/// job runs, so that startup (state memory faulted in, state restored) is not counted as
+/// latency.
+#[derive(Clone, Debug, Default)]
+pub struct ScheduleStart(Arc<OnceLock<Instant>>);
+
+impl ScheduleStart {
+    /// A schedule not started yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A schedule that starts at `origin`.
+    pub fn at(origin: Instant) -> Self {
+        let s = Self::new();
+        s.start_at(origin);
+        s
+    }
+
+    /// Starts the schedule at `origin`; false (and no change) if it had started already.
+    pub fn start_at(&self, origin: Instant) -> bool {
+        self.0.set(origin).is_ok()
+    }
+
+    /// The origin, once set.
+    pub fn get(&self) -> Option<Instant> {
+        self.0.get().copied()
+    }
 }
 
 impl<F> GeneratorSource<F> {
@@ -50,8 +82,13 @@ impl<F> GeneratorSource<F> {
     /// that stamps records with their due time measures latency from when each record should
     /// have entered, so the time a shard could not poll its source counts too (no
     /// coordinated omission).
-    pub fn with_schedule_origin(mut self, origin: Instant) -> Self {
-        self.origin = Some(origin);
+    pub fn with_schedule_origin(self, origin: Instant) -> Self {
+        self.with_schedule(ScheduleStart::at(origin))
+    }
+
+    /// As [`Self::with_schedule_origin`], from an origin set later (see [`ScheduleStart`]).
+    pub fn with_schedule(mut self, start: ScheduleStart) -> Self {
+        self.origin = Some(start);
         self
     }
 }
@@ -64,7 +101,8 @@ struct GenReader<F> {
     total: Option<u64>,
     seed: u64,
     rate_per_sec: Option<u64>,
-    origin: Option<Instant>,
+    /// The fixed schedule, if any; `started` caches its origin once set.
+    origin: Option<ScheduleStart>,
     started: Option<Instant>,
     /// Records made since the schedule started (with an origin: since index `first`).
     emitted: u64,
@@ -75,9 +113,13 @@ impl<T: 'static, F: Fn(u64, u64) -> T + Send + Sync + 'static> SourceReader<T> f
     fn poll(&mut self, out: &mut Vec<T>, max: usize) -> Result<SourcePoll, SourceError> {
         let mut budget = max as u64;
         if let Some(rate) = self.rate_per_sec {
-            let started = match self.origin {
-                Some(o) => o,
-                None => *self.started.get_or_insert_with(Instant::now),
+            let started = match (self.started, &self.origin) {
+                (Some(s), _) => s,
+                (None, None) => *self.started.get_or_insert(Instant::now()),
+                (None, Some(o)) => match o.get() {
+                    Some(s) => *self.started.get_or_insert(s),
+                    None => return Ok(SourcePoll::Idle),
+                },
             };
             let allowed =
                 (started.elapsed().as_nanos() as u64).saturating_mul(rate) / 1_000_000_000;
@@ -132,7 +174,7 @@ impl<T: 'static, F: Fn(u64, u64) -> T + Send + Sync + 'static> Source<T> for Gen
             total: self.total,
             seed: self.seed,
             rate_per_sec: self.rate_per_sec,
-            origin: self.origin,
+            origin: self.origin.clone(),
             started: None,
             emitted: 0,
             f: self.f.clone(),
@@ -213,5 +255,39 @@ mod tests {
             out.len()
         );
         assert!(out.first().is_none_or(|&i| i == 1 + 2 * made));
+    }
+
+    #[test]
+    fn a_schedule_started_later_makes_nothing_until_then_and_is_shared() {
+        let start = ScheduleStart::new();
+        let g = GeneratorSource::new(None, 1, |i, _| i)
+            .with_rate_per_shard(1000)
+            .with_schedule(start.clone());
+        let (mut r0, mut r1) = (
+            g.create_reader(0, 2).expect("reader"),
+            g.create_reader(1, 2).expect("reader"),
+        );
+        let mut out = Vec::new();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(r0.poll(&mut out, 100).expect("poll"), SourcePoll::Idle);
+        assert!(out.is_empty(), "nothing before the schedule starts");
+        // Started 50 ms in the past: both readers owe 50 records at once (the schedule runs
+        // from the origin, not from when they were made or first polled).
+        let origin = Instant::now() - std::time::Duration::from_millis(50);
+        assert!(start.start_at(origin));
+        assert!(!start.start_at(Instant::now()), "an origin is set once");
+        assert_eq!(start.get(), Some(origin));
+        r0.poll(&mut out, 1000).expect("poll");
+        let made0 = out.len();
+        out.clear();
+        r1.poll(&mut out, 1000).expect("poll");
+        let due = origin.elapsed().as_millis() as usize + 1;
+        assert!((50..=due).contains(&made0), "{made0} made, {due} due");
+        assert!(
+            (50..=due).contains(&out.len()),
+            "{} made, {due} due",
+            out.len()
+        );
+        assert!(out.iter().enumerate().all(|(k, &i)| i == 1 + 2 * k as u64));
     }
 }

@@ -13,7 +13,7 @@ mod ingress;
 mod iter;
 
 pub use file::{ErrorPolicy, FileFormat, FileSource, Location};
-pub use generator::{splitmix64, GeneratorSource};
+pub use generator::{splitmix64, GeneratorSource, ScheduleStart};
 pub use ingress::{ingress, Closed, Ingress, IngressSource};
 pub use iter::IterSource;
 
