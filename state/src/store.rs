@@ -127,7 +127,8 @@ pub struct StoreMetrics {
     pub memtable_entries: usize,
     pub frozen_memtables: usize,
     pub frozen_bytes: usize,
-    /// Memory of the flushed memtable kept for reuse (0 if none). The budget bounds
+    /// Memory of the flushed memtable kept for reuse (0 if none; one that a snapshot still
+    /// reads counts once the snapshot let go). The budget bounds
     /// `memtable_bytes + frozen_bytes + spare_memtable_bytes`, but for what a stalled writer
     /// adds before it stops.
     pub spare_memtable_bytes: usize,
@@ -374,6 +375,12 @@ pub struct Store {
     mem: Memtable,
     /// A flushed memtable kept for reuse as the next mutable one (its memory is faulted in).
     spare: Option<Memtable>,
+    /// A flushed memtable that a snapshot job or an iterator still held when it could have
+    /// become the spare: it becomes the spare at the next freeze if they let go by then.
+    /// Without this, a job checkpointing all the time froze into fresh memtables only (every
+    /// flushed one was still in a checkpoint's hands), and faulting in 70 MB of fresh pages
+    /// per freeze cost more CPU than the checkpoints' writes.
+    late_spare: Option<Arc<Frozen>>,
     frozen: Vec<Arc<Frozen>>,
     /// Which memtable the mutable one is (a count): frozen memtables and sealed epochs name
     /// the memtable they come from.
@@ -525,6 +532,7 @@ impl Store {
             _lock: lock,
             mem: Memtable::with_budget(budget_bytes),
             spare: None,
+            late_spare: None,
             frozen: Vec::new(),
             mem_owner: 1,
             sealed_segments: Vec::new(),
@@ -840,6 +848,15 @@ impl Store {
             self.seal();
             if self.next_gen != gen {
                 self.tails.push((gen, None));
+            }
+        }
+        if self.spare.is_none() {
+            if let Some(f) = self.late_spare.take() {
+                let used = self.mem.approx_bytes().min(self.freeze_at()) + self.frozen_bytes();
+                let room = memtables_budget(&self.config).saturating_sub(used);
+                // Still held: it is dropped, its memory goes back when the holder lets go.
+                let mut late = None;
+                Self::keep_spare(&mut self.spare, &mut late, room, f);
             }
         }
         let fresh = match self.spare.take() {
@@ -1159,7 +1176,13 @@ impl Store {
         // (past it, it freezes as soon as this flush is installed, and the one kept is next).
         let used = self.mem.approx_bytes().min(self.freeze_at()) + self.frozen_bytes();
         let room = memtables_budget(&self.config).saturating_sub(used);
-        Self::retire(&mut self.retained, &mut self.spare, room, f);
+        Self::retire(
+            &mut self.retained,
+            &mut self.spare,
+            &mut self.late_spare,
+            room,
+            f,
+        );
         if let Some(seg) = seg {
             seg.installed();
             self.segments.push(seg);
@@ -1176,24 +1199,43 @@ impl Store {
 
     /// A flushed memtable leaves the frozen list: keep it readable within the retention budget;
     /// what the budget pushes out is recycled.
-    fn retire(retained: &mut Retained, spare: &mut Option<Memtable>, room: usize, f: Arc<Frozen>) {
+    fn retire(
+        retained: &mut Retained,
+        spare: &mut Option<Memtable>,
+        late: &mut Option<Arc<Frozen>>,
+        room: usize,
+        f: Arc<Frozen>,
+    ) {
         for old in retained.push(f) {
-            Self::keep_spare(spare, room, old);
+            Self::keep_spare(spare, late, room, old);
         }
     }
 
     /// Keep a flushed memtable for reuse if nothing else (snapshot job, iterator) holds it and
-    /// its memory fits in `room` (what the budget leaves); otherwise its memory goes back.
-    fn keep_spare(spare: &mut Option<Memtable>, room: usize, f: Arc<Frozen>) {
+    /// its memory fits in `room` (what the budget leaves); otherwise its memory goes back. One
+    /// still held waits in `late` (if that is free) for the next freeze to try again.
+    fn keep_spare(
+        spare: &mut Option<Memtable>,
+        late: &mut Option<Arc<Frozen>>,
+        room: usize,
+        f: Arc<Frozen>,
+    ) {
         if spare.is_some() {
             return;
         }
-        if let Ok(f) = Arc::try_unwrap(f) {
-            let mut m = f.mem;
-            m.recycle();
-            if m.held_bytes() <= room {
-                *spare = Some(m);
+        let f = match Arc::try_unwrap(f) {
+            Ok(f) => f,
+            Err(f) => {
+                if late.is_none() {
+                    *late = Some(f);
+                }
+                return;
             }
+        };
+        let mut m = f.mem;
+        m.recycle();
+        if m.held_bytes() <= room {
+            *spare = Some(m);
         }
     }
 
@@ -1463,7 +1505,12 @@ impl Store {
             memtable_entries: self.mem.len(),
             frozen_memtables: self.frozen_memtables(),
             frozen_bytes: self.frozen_bytes(),
-            spare_memtable_bytes: self.spare.as_ref().map_or(0, Memtable::held_bytes),
+            spare_memtable_bytes: self.spare.as_ref().map_or(0, Memtable::held_bytes)
+                + self
+                    .late_spare
+                    .as_ref()
+                    .filter(|f| Arc::strong_count(f) == 1)
+                    .map_or(0, |f| f.mem.held_bytes()),
             sealed_epochs: self.frozen.iter().filter(|f| f.is_sealed()).count(),
             sealed_segments: self.sealed_segments.len(),
             segments: self.segments.len(),
@@ -2246,6 +2293,60 @@ mod tests {
     }
 
     use super::*;
+
+    /// A flushed memtable that a snapshot job still held when its flush was installed is
+    /// reused by the next freeze once the job let go, instead of a fresh one whose pages all
+    /// fault again.
+    #[test]
+    fn a_memtable_a_snapshot_held_at_its_flush_is_reused_once_released() {
+        let root = tempfile::tempdir().unwrap();
+        let fs: Arc<dyn Fs> = Arc::new(weir_io::StdFs);
+        let config = StoreConfig {
+            retained_memtable_bytes: 0,
+            ..StoreConfig::default()
+        };
+        let mut store = Store::open(fs, root.path(), config).unwrap();
+        let key = |i: u32| {
+            let mut k = vec![0u8, 1, 0, 7];
+            k.extend_from_slice(&i.to_be_bytes());
+            k
+        };
+        for i in 0..50_000 {
+            store.put(&key(i), &[7; 16]);
+        }
+        store.freeze();
+        let held = store.frozen[0].mem.held_bytes();
+        let flush = store.flush_job().expect("a flush");
+        // The snapshot takes the frozen memtable too, and is not run yet.
+        let snapshot = store.snapshot(1);
+        store.install(flush.run()).unwrap();
+        assert!(store.spare.is_none(), "the snapshot still reads it");
+        assert!(store.late_spare.is_some());
+        assert_eq!(store.metrics().spare_memtable_bytes, 0);
+        let handle = snapshot.run().unwrap();
+        drop(handle);
+        assert_eq!(store.metrics().spare_memtable_bytes, held);
+        for i in 0..1000 {
+            store.put(&key(i), &[8; 16]);
+        }
+        store.freeze();
+        assert!(store.late_spare.is_none() && store.spare.is_none());
+        // Recycled, it keeps its arena chunks (7.5 of 8.5 MB here); a fresh successor has
+        // only its index (2 MB).
+        assert!(
+            store.mem.held_bytes() > held / 2,
+            "the new memtable is the old one: {} bytes, the old held {held}",
+            store.mem.held_bytes()
+        );
+        for i in 0..1000 {
+            let k = key(i);
+            assert_eq!(store.get(&k).unwrap().unwrap().value, [8; 16]);
+        }
+        for i in 1000..50_000 {
+            let k = key(i);
+            assert_eq!(store.get(&k).unwrap().unwrap().value, [7; 16]);
+        }
+    }
 
     /// Prefetching into older memtables follows where hinted lookups are answered: on after a
     /// freeze, off once a window's lookups come from the mutable memtable, on at the next
