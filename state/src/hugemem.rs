@@ -39,10 +39,13 @@ enum Backing {
     Map(memmap2::MmapMut),
 }
 
-/// A fixed-length, zero-initialised slice of `T`, 64-byte (cache line) aligned.
+/// A fixed-length, zero-initialised slice of `T`, 64-byte (cache line) aligned (but see
+/// [`ZeroedBuf::scratch`]).
 pub(crate) struct ZeroedBuf<T: Pod> {
     backing: Backing,
     len: usize,
+    /// Made by `scratch` from a used mapping: bytes past `len` are not known to be zero.
+    dirty: bool,
     _t: PhantomData<T>,
 }
 
@@ -104,7 +107,42 @@ impl<T: Pod> ZeroedBuf<T> {
         ZeroedBuf {
             backing,
             len,
+            dirty: false,
             _t: PhantomData,
+        }
+    }
+
+    /// `len` elements of unspecified value (every bit pattern is a valid `T`), for a buffer
+    /// that is written before it is read: the sort's buffers, a segment writer's write
+    /// buffers. From 2 MiB it reuses a mapping given back with [`Self::recycle`], if one is
+    /// large enough (see [`ScratchPool`]).
+    ///
+    /// Why: every flush and snapshot made these fresh, and a fresh 2 MiB page costs its fault
+    /// and zeroing: 1 ms (PLATFORM.md) to 15 ms (a busy host) per page. A flush of 2 M entries
+    /// faulted ~40 MB of them, more than it took to write its 77 MB segment.
+    pub fn scratch(len: usize) -> ZeroedBuf<T> {
+        let bytes = len * std::mem::size_of::<T>();
+        if bytes < HUGE_PAGE_BYTES {
+            return ZeroedBuf::new(len);
+        }
+        match SCRATCH.take(bytes) {
+            Some(m) => ZeroedBuf {
+                backing: Backing::Map(m),
+                len,
+                dirty: true,
+                _t: PhantomData,
+            },
+            None => ZeroedBuf::new(len),
+        }
+    }
+
+    /// Give this buffer's mapping to the scratch pool (see [`Self::scratch`]) instead of
+    /// unmapping it; small heap-backed buffers are freed as usual.
+    pub fn recycle(self) {
+        if let Backing::Map(m) = self.backing {
+            if m.len() >= HUGE_PAGE_BYTES {
+                SCRATCH.give(m);
+            }
         }
     }
 
@@ -164,8 +202,18 @@ impl<T: Pod> ZeroedBuf<T> {
         #[cfg(target_os = "linux")]
         if let Backing::Map(m) = &mut self.backing {
             let bytes = len * std::mem::size_of::<T>();
+            let old_bytes = self.len * std::mem::size_of::<T>();
+            if self.dirty {
+                // A used mapping: what becomes visible of its old extent is zeroed here (the
+                // pages a remap adds are zero).
+                let end = bytes.min(m.len());
+                if end > old_bytes {
+                    m[old_bytes..end].fill(0);
+                }
+            }
             if bytes <= m.len() {
-                // The mapping's tail past the old length was never written: zeroes.
+                // The mapping's tail past the old length was never written (or was zeroed
+                // just now): zeroes.
                 self.len = len;
                 return true;
             }
@@ -219,6 +267,7 @@ impl<T: Pod> ZeroedBuf<T> {
         ZeroedBuf {
             backing: self.backing,
             len: self.len,
+            dirty: self.dirty,
             _t: PhantomData,
         }
     }
@@ -239,8 +288,9 @@ impl<T: Pod> std::ops::Deref for ZeroedBuf<T> {
     fn deref(&self) -> &[T] {
         // SAFETY: the backing is at least `len * size_of::<T>()` bytes, 64-byte aligned (a
         // `Vec<Line>` or a page-aligned mapping) which satisfies `T`'s alignment (checked in
-        // `new`), initialised (zeroed, then only written through this type), and every bit
-        // pattern is a valid `T` (Pod). The borrow of `self` bounds the slice's lifetime.
+        // `new`), initialised (zeroed when mapped or allocated, then only written through
+        // this type or an earlier `ZeroedBuf` of a pooled mapping), and every bit pattern is a
+        // valid `T` (Pod). The borrow of `self` bounds the slice's lifetime.
         unsafe { std::slice::from_raw_parts(self.base().cast::<T>(), self.len) }
     }
 }
@@ -251,6 +301,78 @@ impl<T: Pod> std::ops::DerefMut for ZeroedBuf<T> {
         let len = self.len;
         // SAFETY: as in `deref`; the unique borrow of `self` makes the slice unique.
         unsafe { std::slice::from_raw_parts_mut(self.base_mut().cast::<T>(), len) }
+    }
+}
+
+/// Mappings given back for reuse by [`ZeroedBuf::scratch`], at most [`SCRATCH_POOL_MAX`] of
+/// them and [`SCRATCH_POOL_BYTES`] in all, shared by the process's threads: a frozen
+/// memtable's key order is made by a flush on a maintenance thread but usually dropped on a
+/// shard's thread, and the next flush's sort takes it back.
+///
+/// What it holds is what a flush needs at once (the sort's two buffers, the writer's two),
+/// memory that the stores' budgets set aside for their flushes (`memtables_budget`, the sort
+/// reserve in `Memtable::prefault`): the store's memory figure stays the same (`weir-bench
+/// state`, `state_memory`).
+pub(crate) struct ScratchPool {
+    maps: std::sync::Mutex<Vec<memmap2::MmapMut>>,
+    max: usize,
+    max_bytes: usize,
+}
+
+/// See [`ScratchPool`].
+const SCRATCH_POOL_MAX: usize = 4;
+/// See [`ScratchPool`]: the sort buffers and write buffers of a flush of 2 M entries.
+const SCRATCH_POOL_BYTES: usize = 48 << 20;
+
+static SCRATCH: ScratchPool = ScratchPool::new(SCRATCH_POOL_MAX, SCRATCH_POOL_BYTES);
+
+impl ScratchPool {
+    const fn new(max: usize, max_bytes: usize) -> ScratchPool {
+        ScratchPool {
+            maps: std::sync::Mutex::new(Vec::new()),
+            max,
+            max_bytes,
+        }
+    }
+
+    fn maps(&self) -> std::sync::MutexGuard<'_, Vec<memmap2::MmapMut>> {
+        self.maps.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The smallest pooled mapping of at least `bytes`. When none is large enough the largest
+    /// one goes back to the kernel, so that the pool and the fresh buffer together hold no
+    /// more than before.
+    fn take(&self, bytes: usize) -> Option<memmap2::MmapMut> {
+        let mut p = self.maps();
+        let best = (0..p.len())
+            .filter(|&i| p[i].len() >= bytes)
+            .min_by_key(|&i| p[i].len());
+        match best {
+            Some(i) => Some(p.swap_remove(i)),
+            None => {
+                if let Some(i) = (0..p.len()).max_by_key(|&i| p[i].len()) {
+                    drop(p.swap_remove(i));
+                }
+                None
+            }
+        }
+    }
+
+    fn give(&self, m: memmap2::MmapMut) {
+        let mut p = self.maps();
+        p.push(m);
+        // Over the limits, the smallest go first: the large ones are the expensive ones.
+        while p.len() > self.max || p.iter().map(|m| m.len()).sum::<usize>() > self.max_bytes {
+            let Some(i) = (0..p.len()).min_by_key(|&i| p[i].len()) else {
+                break;
+            };
+            drop(p.swap_remove(i));
+        }
+    }
+
+    #[cfg(test)]
+    fn bytes(&self) -> usize {
+        self.maps().iter().map(|m| m.len()).sum()
     }
 }
 
@@ -292,6 +414,20 @@ impl<T: Pod> MapVec<T> {
             buf: ZeroedBuf::new(n),
             len: 0,
         }
+    }
+
+    /// An empty vector whose capacity comes from [`ZeroedBuf::scratch`] (a vector reads only
+    /// what it wrote, so stale bytes past its length are never seen).
+    pub fn scratch_with_capacity(n: usize) -> MapVec<T> {
+        MapVec {
+            buf: ZeroedBuf::scratch(n),
+            len: 0,
+        }
+    }
+
+    /// Give the buffer back for reuse (see [`ZeroedBuf::recycle`]).
+    pub fn recycle(self) {
+        self.buf.recycle();
     }
 
     pub fn capacity(&self) -> usize {
@@ -389,6 +525,57 @@ pub(crate) fn prefetch_read<T>(p: *const T) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_scratch_pool_hands_out_the_smallest_fit_within_its_limits() {
+        // A pool of its own: tests on other threads use the process's.
+        let pool = ScratchPool::new(SCRATCH_POOL_MAX, 20 * HUGE_PAGE_BYTES);
+        let map = |pages: usize| memmap2::MmapMut::map_anon(pages * HUGE_PAGE_BYTES).unwrap();
+        for pages in [6usize, 1, 5, 2, 4, 3] {
+            pool.give(map(pages));
+        }
+        // Four at most and 20 pages in all, the smallest dropped first: 6, 5, 4, 3 are 18.
+        assert_eq!(pool.bytes(), 18 * HUGE_PAGE_BYTES);
+        let m = pool.take(3 * HUGE_PAGE_BYTES + 1).expect("a fit");
+        assert_eq!(m.len(), 4 * HUGE_PAGE_BYTES, "the smallest that fits");
+        assert_eq!(pool.bytes(), 14 * HUGE_PAGE_BYTES);
+        // Nothing fits: the largest goes back to the kernel, so the pool and the fresh
+        // mapping the caller makes hold no more than before.
+        assert!(pool.take(7 * HUGE_PAGE_BYTES).is_none());
+        assert_eq!(pool.bytes(), 8 * HUGE_PAGE_BYTES);
+    }
+
+    #[test]
+    fn a_scratch_buffer_is_any_bytes_but_grows_with_zeroes() {
+        // A used mapping as `scratch` hands it out: stale bytes throughout.
+        let n = HUGE_PAGE_BYTES / 8 * 3;
+        let mut m = memmap2::MmapMut::map_anon(2 * HUGE_PAGE_BYTES).unwrap();
+        m.fill(0xAB);
+        let b = ZeroedBuf::<u64> {
+            backing: Backing::Map(m),
+            len: n / 2,
+            dirty: true,
+            _t: PhantomData,
+        };
+        assert_eq!(b[0], 0xABAB_ABAB_ABAB_ABAB);
+        let mut v = MapVec::<u64> { buf: b, len: n / 2 };
+        // Within the mapping, then past it (a remap): either way the new part reads zero.
+        for extra in [1000, n] {
+            let len = v.len;
+            v.reserve(extra);
+            let cap = v.capacity();
+            assert!(v.buf[len..cap].iter().all(|&x| x == 0), "grown to {cap}");
+            v.resize(len + extra, 1);
+        }
+        assert!(
+            v[..n / 2].iter().all(|&x| x == 0xABAB_ABAB_ABAB_ABAB),
+            "kept"
+        );
+        v.recycle();
+        // Small buffers never come from the pool: zeroed as always.
+        let small = ZeroedBuf::<u8>::scratch(1000);
+        assert!(small.iter().all(|&x| x == 0));
+    }
 
     #[test]
     fn map_in_place_converts_every_element_of_either_backing() {

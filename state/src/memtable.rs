@@ -887,7 +887,8 @@ fn sort_by_key<'a>(
         or |= p;
         and &= p;
     }
-    let mut v = ZeroedBuf::<u64>::new(n);
+    // Every element is written below before any is read.
+    let mut v = ZeroedBuf::<u64>::scratch(n);
     let mut guessed = true;
     let (packer, radix, len_min, len_max) = loop {
         let packer = Packer::new(or, and, payload_bits);
@@ -974,7 +975,8 @@ impl Radix {
 
     fn sort(&self, v: &mut ZeroedBuf<u64>) {
         let n = v.len();
-        let mut tmp = ZeroedBuf::<u64>::new(n);
+        // The first pass writes every element before any is read.
+        let mut tmp = ZeroedBuf::<u64>::scratch(n);
         let mut in_tmp = false;
         let mut counts = self.first.clone();
         let mut next_counts = Box::new([0u32; RADIX_BUCKETS]);
@@ -1017,6 +1019,8 @@ impl Radix {
         if in_tmp {
             std::mem::swap(v, &mut tmp);
         }
+        // The next sort's buffer (or a segment writer's): its pages stay faulted in.
+        tmp.recycle();
     }
 }
 
@@ -1602,11 +1606,13 @@ impl Sealed {
     /// The epoch's live records in key order. A key has at most one: within an epoch its
     /// record is updated in place, and a record that moves is marked dead.
     fn order(&self) -> ZeroedBuf<Loc> {
-        let mut live = MapVec::with_capacity(self.log.len());
+        let mut live = MapVec::scratch_with_capacity(self.log.len());
         for &l in self.log.iter().filter(|&&l| !self.arena.is_dead(l)) {
             live.push(l);
         }
-        order_of(&self.arena, live.len(), |i| live[i])
+        let order = order_of(&self.arena, live.len(), |i| live[i]);
+        live.recycle();
+        order
     }
 }
 
@@ -1620,7 +1626,18 @@ pub(crate) struct Frozen {
     /// Which memtable of the store this is or was sealed from (the store's count).
     pub owner: u64,
     sealed: Option<Sealed>,
-    order: OnceLock<ZeroedBuf<Loc>>,
+    order: OnceLock<Order>,
+}
+
+/// A frozen memtable's records in key order. Its mapping goes back to the scratch pool when
+/// the frozen memtable goes (usually on a shard's thread), for the next flush's sort.
+#[derive(Debug)]
+struct Order(ZeroedBuf<Loc>);
+
+impl Drop for Order {
+    fn drop(&mut self) {
+        std::mem::replace(&mut self.0, ZeroedBuf::new(0)).recycle();
+    }
 }
 
 /// How many records ahead an ordered walk over a frozen memtable prefetches.
@@ -1671,10 +1688,15 @@ impl Frozen {
 
     /// Records in key order, computed once.
     pub fn order(&self) -> &[Loc] {
-        self.order.get_or_init(|| match &self.sealed {
-            Some(s) => s.order(),
-            None => self.mem.full_order(),
-        })
+        &self
+            .order
+            .get_or_init(|| {
+                Order(match &self.sealed {
+                    Some(s) => s.order(),
+                    None => self.mem.full_order(),
+                })
+            })
+            .0
     }
 
     /// Number of entries (live records).

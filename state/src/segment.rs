@@ -290,7 +290,9 @@ impl SegmentWriter {
         // Written in aligned 2 MiB pieces from mapped buffers (`flush_aligned`), then read
         // through a map only: the pieces may bypass the page cache.
         let file = fs.create_direct(path)?;
-        let mut buf = MapVec::with_capacity(WRITE_BUFFER_BYTES + opts.block_target_bytes * 2);
+        // From this thread's scratch pool: the last writer's buffer, its pages faulted in.
+        let mut buf =
+            MapVec::scratch_with_capacity(WRITE_BUFFER_BYTES + opts.block_target_bytes * 2);
         buf.extend_from_slice(&FILE_MAGIC);
         buf.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
         buf.push(CHECKSUM_CRC32_IEEE);
@@ -504,7 +506,7 @@ impl SegmentWriter {
         let mut next = self
             .spare
             .take()
-            .unwrap_or_else(|| MapVec::with_capacity(self.buf.capacity()));
+            .unwrap_or_else(|| MapVec::scratch_with_capacity(self.buf.capacity()));
         next.clear();
         next.extend_from_slice(&self.buf[n..]);
         self.buf.truncate(n);
@@ -618,8 +620,16 @@ impl SegmentWriter {
         f[F_CRC..].copy_from_slice(&crc.to_le_bytes());
         self.buf.extend_from_slice(&f);
         self.flush_buf()?;
-        self.file.wait_behind()?;
-        self.spare = None;
+        let behind = self.file.wait_behind()?;
+        // Both write buffers go back to the pool for the next writer on this thread.
+        let behind = behind.and_then(|b| b.into_any().downcast::<MapVec<u8>>().ok());
+        for b in [behind.map(|b| *b), self.spare.take()]
+            .into_iter()
+            .flatten()
+        {
+            b.recycle();
+        }
+        std::mem::take(&mut self.buf).recycle();
         self.file.sync()?;
         Ok(Written {
             path: self.path.clone(),
