@@ -852,8 +852,7 @@ impl Store {
         }
         if self.spare.is_none() {
             if let Some(f) = self.late_spare.take() {
-                let used = self.mem.approx_bytes().min(self.freeze_at()) + self.frozen_bytes();
-                let room = memtables_budget(&self.config).saturating_sub(used);
+                let room = self.spare_room();
                 // Still held: it is dropped, its memory goes back when the holder lets go.
                 let mut late = None;
                 Self::keep_spare(&mut self.spare, &mut late, room, f);
@@ -1172,10 +1171,7 @@ impl Store {
             return;
         }
         let owner = f.owner;
-        // Room for a memtable kept for reuse: the mutable one counts as at most its share
-        // (past it, it freezes as soon as this flush is installed, and the one kept is next).
-        let used = self.mem.approx_bytes().min(self.freeze_at()) + self.frozen_bytes();
-        let room = memtables_budget(&self.config).saturating_sub(used);
+        let room = self.spare_room();
         Self::retire(
             &mut self.retained,
             &mut self.spare,
@@ -1237,6 +1233,13 @@ impl Store {
         if m.held_bytes() <= room {
             *spare = Some(m);
         }
+    }
+
+    /// Room in the budget for a memtable kept for reuse: the mutable one counts as at most its
+    /// share (past it, it freezes as soon as a flush is installed, and the one kept is next).
+    fn spare_room(&self) -> usize {
+        let used = self.mem.approx_bytes().min(self.freeze_at()) + self.frozen_bytes();
+        memtables_budget(&self.config).saturating_sub(used)
     }
 
     /// Memory of the frozen memtables waiting for their flush (sealed epochs share the

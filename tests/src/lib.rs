@@ -1,1 +1,18 @@
-//! placeholder crate root, replaced below
+//! Support shared by weir's integration tests (`tests/tests/*.rs`).
+
+use std::time::{Duration, Instant};
+
+use weir_runtime::{JobHandle, JobStatus};
+
+/// Polls `h.status()` every millisecond until it is `want`, the job ended, or 20 s passed;
+/// returns the status seen last.
+pub fn await_status(h: &JobHandle, want: JobStatus) -> JobStatus {
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let s = h.status();
+        if s == want || s.is_terminal() || Instant::now() > until {
+            return s;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}

@@ -735,13 +735,7 @@ fn the_job_status_shows_a_restart_between_running_attempts() {
     .uid("sum")
     .for_each(|_| {});
     let h = job.start().expect("start");
-    let saw = |want: JobStatus| {
-        let until = std::time::Instant::now() + Duration::from_secs(20);
-        while h.status() != want && std::time::Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        h.status()
-    };
+    let saw = |want: JobStatus| weir_tests::await_status(&h, want);
     assert_eq!(saw(JobStatus::Restarting), JobStatus::Restarting);
     assert!(failed.load(Ordering::Acquire));
     assert_eq!(h.restarts(), 0, "the delay runs before the restart counts");

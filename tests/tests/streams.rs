@@ -7,6 +7,7 @@ use std::sync::Arc;
 use weir_runtime::{
     Job, JobConfig, JobError, JobStatus, Pinning, WatermarkStrategy, WindowAssigner,
 };
+use weir_tests::await_status;
 
 fn config(shards: usize) -> JobConfig {
     JobConfig::new()
@@ -257,18 +258,6 @@ impl weir_runtime::sink::Sink<u64> for SlowToBuild {
             *self.built_at.lock().unwrap() = Some(std::time::Instant::now());
         }
         Ok(Box::new(Discard))
-    }
-}
-
-/// Polls `h.status()` until `want` or 20 s passed; returns what it saw last.
-fn await_status(h: &weir_runtime::JobHandle, want: JobStatus) -> JobStatus {
-    let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    loop {
-        let s = h.status();
-        if s == want || s.is_terminal() || std::time::Instant::now() > until {
-            return s;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }
 
