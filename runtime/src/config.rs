@@ -87,7 +87,11 @@ impl Default for JobConfig {
             // and their flush's sort (fewer entries froze them more often, and checkpoints that
             // include a frozen memtable are the large ones).
             memtable_budget_bytes: 160 << 20,
-            retained_memtable_bytes: 64 << 20,
+            // More than a memtable at its freeze (80 MiB with its tables), or the cache holds
+            // nothing: at 64 MiB every flushed memtable went straight to reuse, and after each
+            // freeze the keys not yet written again were read from the new segment (4.4% of
+            // the shards' CPU in the checkpointed keyed job, 0.3% with this).
+            retained_memtable_bytes: 96 << 20,
             prefault_state_memory: false,
             auto_watermark_interval_ms: 200,
             latency_marker_interval_ms: 100,
