@@ -13,8 +13,7 @@
 //! control bytes, the slot and the record, and nothing else (the entry table, id -> record, is
 //! only read by scans).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -65,10 +64,7 @@ unsafe impl Pod for Loc {}
 
 /// One arena chunk. Shared (`Arc`) between the memtable that writes it and the [`Sealed`]
 /// epochs whose records it holds: those are read by a snapshot job on another thread while
-/// the shard goes on writing records above the seal mark. Its bytes are zero only when it is
-/// fresh: one from a [`ChunkPool`] holds an earlier memtable's records. Nothing depends on
-/// them: a record is written whole (all 16 header bytes, key, value) before anything reads
-/// it, and reads stop at the lengths in its header (or mask what follows the key).
+/// the shard goes on writing records above the seal mark.
 struct Chunk {
     /// Owns the memory; never borrowed after construction except uniquely (`populate`).
     buf: ZeroedBuf<u128>,
@@ -76,75 +72,6 @@ struct Chunk {
     /// no reference to the whole chunk is ever alive while another thread reads part of it.
     ptr: *mut u8,
     bytes: usize,
-    /// Where the chunk's memory goes when the last holder lets go (standard-size chunks of a
-    /// store's memtables); `None`: back to the kernel.
-    pool: Option<Arc<ChunkPool>>,
-}
-
-impl Drop for Chunk {
-    fn drop(&mut self) {
-        if let Some(pool) = self.pool.take() {
-            // An empty buffer is a heap `Vec` of no lines: no allocation.
-            pool.give(std::mem::replace(&mut self.buf, ZeroedBuf::new(0)));
-        }
-    }
-}
-
-/// Arena chunks the memtables of one store no longer use, kept in memory for the next ones,
-/// within what the store's budget leaves ([`Self::set_cap`]).
-///
-/// Why: under frequent checkpoints a memtable's arena grows by a copy of every record updated
-/// after a seal, and memtables are replaced more often; every chunk they took was a fresh
-/// mapping. On this VM memory given back is reported to the host, and touching it again cost
-/// 1-15 ms per 2 MiB chunk (`clear_page_erms`): 12-16% of the shards' CPU in the keyed job
-/// checkpointing every 100 ms (`weir-bench checkpoint --only overhead`, perf). Chunks freed by
-/// a snapshot job that finished on the maintenance thread come back here too.
-#[derive(Debug, Default)]
-pub(crate) struct ChunkPool {
-    free: Mutex<Vec<ZeroedBuf<u128>>>,
-    /// Bytes in `free`.
-    bytes: AtomicUsize,
-    /// Most bytes `free` may hold.
-    cap: AtomicUsize,
-}
-
-impl ChunkPool {
-    fn free(&self) -> std::sync::MutexGuard<'_, Vec<ZeroedBuf<u128>>> {
-        self.free.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Bytes the pool holds.
-    pub fn bytes(&self) -> usize {
-        self.bytes.load(Ordering::Relaxed)
-    }
-
-    /// Hold at most `bytes` from now on; what is over goes back to the kernel.
-    pub fn set_cap(&self, bytes: usize) {
-        self.cap.store(bytes, Ordering::Relaxed);
-        let mut free = self.free();
-        while self.bytes.load(Ordering::Relaxed) > bytes {
-            let Some(b) = free.pop() else { break };
-            self.bytes.fetch_sub(b.len() * 16, Ordering::Relaxed);
-        }
-    }
-
-    /// A pooled buffer of exactly `elems` elements.
-    fn take(&self, elems: usize) -> Option<ZeroedBuf<u128>> {
-        let mut free = self.free();
-        let i = free.iter().position(|b| b.len() == elems)?;
-        let b = free.swap_remove(i);
-        self.bytes.fetch_sub(elems * 16, Ordering::Relaxed);
-        Some(b)
-    }
-
-    fn give(&self, buf: ZeroedBuf<u128>) {
-        let n = buf.len() * 16;
-        let mut free = self.free();
-        if n > 0 && self.bytes.load(Ordering::Relaxed) + n <= self.cap.load(Ordering::Relaxed) {
-            self.bytes.fetch_add(n, Ordering::Relaxed);
-            free.push(buf);
-        }
-    }
 }
 
 // SAFETY: `Chunk` owns its memory (moving `buf` moves neither a mapping nor a heap buffer, so
@@ -157,17 +84,13 @@ unsafe impl Send for Chunk {}
 unsafe impl Sync for Chunk {}
 
 impl Chunk {
-    /// A chunk of `elems` 16-byte elements: from `pool` if it has one that size, else fresh.
-    fn new(elems: usize, pool: Option<&Arc<ChunkPool>>) -> Chunk {
-        let mut buf = pool
-            .and_then(|p| p.take(elems))
-            .unwrap_or_else(|| ZeroedBuf::<u128>::new(elems));
+    fn new(elems: usize) -> Chunk {
+        let mut buf = ZeroedBuf::<u128>::new(elems);
         let ptr = buf.as_mut_ptr().cast::<u8>();
         Chunk {
             buf,
             ptr,
             bytes: elems * 16,
-            pool: pool.cloned(),
         }
     }
 
@@ -208,8 +131,6 @@ struct Arena {
     /// A sealed epoch's read-only view ([`Memtable::seal`]): its slices end at
     /// `sealed_below`, because the memtable goes on writing above it.
     view: bool,
-    /// Where standard-size chunks come from and go back to (see [`ChunkPool`]).
-    pool: Option<Arc<ChunkPool>>,
 }
 
 impl Arena {
@@ -241,9 +162,7 @@ impl Arena {
         let spare_fits = self.chunks.get(next).is_some_and(|c| c.bytes >= len16);
         if !spare_fits {
             let n = len16.max(self.chunk_bytes) / 16;
-            // Only standard-size chunks are pooled: a larger one is one value's.
-            let pool = self.pool.as_ref().filter(|_| n * 16 == self.chunk_bytes);
-            self.chunks.push(Arc::new(Chunk::new(n, pool)));
+            self.chunks.push(Arc::new(Chunk::new(n)));
             // Chunks after `cur` are unused spares: moving one does not move any data in use.
             let last = self.chunks.len() - 1;
             self.chunks.swap(next, last);
@@ -259,7 +178,7 @@ impl Arena {
         let was_empty = self.chunks.is_empty();
         let mut total: usize = self.chunks.iter().map(|c| c.bytes).sum();
         while total < bytes {
-            let c = Chunk::new(self.chunk_bytes / 16, self.pool.as_ref());
+            let c = Chunk::new(self.chunk_bytes / 16);
             total += c.bytes;
             self.chunks.push(Arc::new(c));
         }
@@ -1199,7 +1118,6 @@ impl Memtable {
     /// moves into grown ones were 45% of the shards' page-fault samples.
     pub fn successor_of(prev: &Memtable, budget_bytes: usize) -> Memtable {
         let mut m = Memtable::with_budget(budget_bytes);
-        m.arena.pool = prev.arena.pool.clone();
         // The index's whole capacity counts against the budget; never more than half of it.
         let slots = prev
             .index
@@ -1216,12 +1134,6 @@ impl Memtable {
             m.index = Index::with_capacity(slots);
         }
         m
-    }
-
-    /// Take standard-size arena chunks from `pool` and give them back to it (see
-    /// [`ChunkPool`]); successors made with [`Self::successor_of`] share it.
-    pub fn set_chunk_pool(&mut self, pool: Arc<ChunkPool>) {
-        self.arena.pool = Some(pool);
     }
 
     /// Slots of the current index table.
@@ -1351,7 +1263,6 @@ impl Memtable {
             bytes: 0,
             sealed_below: arena.sealed_below,
             view: true,
-            pool: None,
         };
         // No allocation here (a map costs a system call in the snapshot's synchronous part):
         // the log given back by an earlier epoch, or an empty one that grows with the puts.
@@ -1813,92 +1724,6 @@ impl Frozen {
 mod tests {
     use super::*;
     use proptest::prelude::*;
-
-    /// Chunks a memtable lets go of (when it drops, or when it is recycled while a sealed
-    /// epoch still reads them, once the epoch is done) go to its pool, within the pool's cap;
-    /// its successor builds on them, and reads back exactly its own records although that
-    /// memory still holds the old ones.
-    #[test]
-    fn arena_chunks_go_back_to_the_pool_and_the_next_memtable_sees_only_its_own_records() {
-        let pool = Arc::new(ChunkPool::default());
-        pool.set_cap(usize::MAX);
-        // 64 KiB chunks: anonymous mappings, as the 2 MiB ones of real budgets.
-        let budget = 1 << 20;
-        let mut a = Memtable::with_budget(budget);
-        a.set_chunk_pool(pool.clone());
-        // 64-byte records (header, key, value): ten chunks.
-        for i in 0..10_000u32 {
-            a.put(&i.to_be_bytes(), &[0xAA; 24], NO_EXPIRY, false);
-        }
-        let (chunks, chunk) = (a.arena.chunks.len(), a.arena.chunk_bytes);
-        assert!(chunks >= 8, "{chunks} chunks");
-        let mut b = Memtable::successor_of(&a, budget);
-        drop(a);
-        assert_eq!(pool.bytes(), chunks * chunk);
-        // Other keys, shorter values: records start where the old ones did not.
-        let key = |i: u32| (i * 3 + 1_000_000).to_be_bytes();
-        for i in 0..5_000u32 {
-            b.put(&key(i), &[0x55; 8], NO_EXPIRY, false);
-        }
-        let taken = b.arena.chunks.len();
-        assert_eq!(
-            pool.bytes(),
-            (chunks - taken) * chunk,
-            "the successor took pooled chunks"
-        );
-        for i in 0..5_000u32 {
-            let k = key(i);
-            let v = b.get_hashed(&k, xxh3_64(&k)).expect("present");
-            assert_eq!((v.bytes, v.tombstone()), (&[0x55u8; 8][..], false));
-        }
-        for i in [0u32, 1, 4_999, 9_999] {
-            let k = i.to_be_bytes();
-            assert!(b.get_hashed(&k, xxh3_64(&k)).is_none(), "old key {i}");
-        }
-        // Sorted for a flush, the records are the new ones only, with their exact lengths.
-        let f = Frozen::new(b, 1);
-        let entries: Vec<(Vec<u8>, Vec<u8>)> = f
-            .entries()
-            .map(|(k, v)| (k.to_vec(), v.bytes.to_vec()))
-            .collect();
-        let mut want: Vec<(Vec<u8>, Vec<u8>)> = (0..5_000u32)
-            .map(|i| (key(i).to_vec(), vec![0x55; 8]))
-            .collect();
-        want.sort();
-        assert_eq!(entries, want);
-        let mut b = f.mem;
-        // Recycled while a sealed epoch reads every chunk: the memtable keeps none of them,
-        // and the pool gets them when the epoch is done.
-        b.put(&key(0), &[1; 8], NO_EXPIRY, false);
-        let before = pool.bytes();
-        let sealed = b.seal().expect("an epoch");
-        b.recycle();
-        assert_eq!(b.arena.chunks.len(), 0);
-        assert_eq!(pool.bytes(), before, "the epoch still reads them");
-        drop(sealed);
-        assert_eq!(pool.bytes(), before + taken * chunk);
-        // The cap bounds what it keeps, now and later.
-        pool.set_cap(2 * chunk);
-        assert_eq!(pool.bytes(), 2 * chunk);
-        let mut c = Memtable::with_budget(budget);
-        c.set_chunk_pool(pool.clone());
-        for i in 0..10_000u32 {
-            c.put(&i.to_be_bytes(), &[0xAA; 24], NO_EXPIRY, false);
-        }
-        assert_eq!(pool.bytes(), 0);
-        drop(c);
-        assert_eq!(
-            pool.bytes(),
-            2 * chunk,
-            "what is over the cap goes back to the kernel"
-        );
-        // A memtable without a pool frees its chunks.
-        pool.set_cap(usize::MAX);
-        let mut d = Memtable::with_budget(budget);
-        d.put(&key(0), &[1; 8], NO_EXPIRY, false);
-        drop(d);
-        assert_eq!(pool.bytes(), 2 * chunk);
-    }
 
     /// A memtable that replaces a frozen one starts with its index size, at most half its
     /// budget, and never below what its budget alone gives.

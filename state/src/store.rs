@@ -46,7 +46,7 @@ use xxhash_rust::xxh3::xxh3_64;
 use crate::error::StateError;
 use crate::handle::{SegmentRef, SnapshotHandle};
 use crate::key::{KeyGroupRange, DEFAULT_MAX_PARALLELISM};
-use crate::memtable::{key_prefix, ChunkPool, Frozen, Loc, MemHint, Memtable, ValueRef, NO_EXPIRY};
+use crate::memtable::{key_prefix, Frozen, Loc, MemHint, Memtable, ValueRef, NO_EXPIRY};
 use crate::segment::{
     write_behind_buffer_bytes, Probe, Segment, SegmentFile, SegmentIter, SegmentStream,
     SegmentWriter, WriterOptions,
@@ -128,8 +128,7 @@ pub struct StoreMetrics {
     pub frozen_memtables: usize,
     pub frozen_bytes: usize,
     /// Memory of the flushed memtable kept for reuse (0 if none; one that a snapshot still
-    /// reads counts once the snapshot let go) and of the arena chunks pooled for the next
-    /// memtables. The budget bounds
+    /// reads counts once the snapshot let go). The budget bounds
     /// `memtable_bytes + frozen_bytes + spare_memtable_bytes`, but for what a stalled writer
     /// adds before it stops.
     pub spare_memtable_bytes: usize,
@@ -382,9 +381,6 @@ pub struct Store {
     /// flushed one was still in a checkpoint's hands), and faulting in 70 MB of fresh pages
     /// per freeze cost more CPU than the checkpoints' writes.
     late_spare: Option<Arc<Frozen>>,
-    /// Arena chunks of memtables that went, for the next ones: what the spare leaves of the
-    /// room the budget has for one (see [`Self::update_chunk_pool_cap`]).
-    chunk_pool: Arc<ChunkPool>,
     frozen: Vec<Arc<Frozen>>,
     /// Which memtable the mutable one is (a count): frozen memtables and sealed epochs name
     /// the memtable they come from.
@@ -544,7 +540,6 @@ impl Store {
             mem: Memtable::with_budget(budget_bytes),
             spare: None,
             late_spare: None,
-            chunk_pool: Arc::new(ChunkPool::default()),
             frozen: Vec::new(),
             mem_owner: 1,
             sealed_segments: Vec::new(),
@@ -572,8 +567,6 @@ impl Store {
             retained_hits: Cell::new(0),
             recent: RecentProbe::new(),
         };
-        store.mem.set_chunk_pool(store.chunk_pool.clone());
-        store.update_chunk_pool_cap();
         if prefault {
             store.mem.prefault(budget_bytes);
         }
@@ -897,7 +890,6 @@ impl Store {
         ));
         self.mem_owner += 1;
         self.next_gen += 1;
-        self.update_chunk_pool_cap();
     }
 
     /// Seal what the mutable memtable took since the last seal, for a snapshot to write (see
@@ -1262,14 +1254,6 @@ impl Store {
         }
     }
 
-    /// Let the chunk pool hold what the room for a spare leaves beside the spare (both are
-    /// memory kept for the next memtable); what it holds over that goes back now.
-    fn update_chunk_pool_cap(&self) {
-        let spare = self.spare.as_ref().map_or(0, Memtable::held_bytes);
-        self.chunk_pool
-            .set_cap(self.spare_room().saturating_sub(spare));
-    }
-
     /// Room in the budget for a memtable kept for reuse: the mutable one counts as at most its
     /// share (past it, it freezes as soon as a flush is installed, and the one kept is next).
     fn spare_room(&self) -> usize {
@@ -1382,7 +1366,6 @@ impl Store {
                     seg.mark_obsolete();
                 }
                 self.absorb();
-                self.update_chunk_pool_cap();
             }
             JobDone::Compaction(d) => {
                 self.compaction_in_flight = false;
@@ -1549,8 +1532,7 @@ impl Store {
                     .late_spare
                     .as_ref()
                     .filter(|f| Arc::strong_count(f) == 1)
-                    .map_or(0, |f| f.mem.held_bytes())
-                + self.chunk_pool.bytes(),
+                    .map_or(0, |f| f.mem.held_bytes()),
             sealed_epochs: self.frozen.iter().filter(|f| f.is_sealed()).count(),
             sealed_segments: self.sealed_segments.len(),
             segments: self.segments.len(),
@@ -2430,73 +2412,6 @@ mod tests {
                 [v; 16],
                 "key {i}"
             );
-        }
-    }
-
-    /// A memtable dropped while a snapshot job still held it leaves its arena chunks to the
-    /// store's next memtables once the job is done: memory kept for reuse, within the budget,
-    /// which the mutable memtable takes as it grows instead of fresh pages.
-    #[test]
-    fn a_memtable_dropped_while_a_snapshot_held_it_leaves_its_chunks_to_the_next() {
-        let root = tempfile::tempdir().unwrap();
-        let fs: Arc<dyn Fs> = Arc::new(weir_io::StdFs);
-        let config = StoreConfig {
-            retained_memtable_bytes: 0,
-            ..StoreConfig::default()
-        };
-        let budget = memtables_budget(&config);
-        let mut store = Store::open(fs, root.path(), config).unwrap();
-        let key = |i: u32| {
-            let mut k = vec![0u8, 1, 0, 7];
-            k.extend_from_slice(&i.to_be_bytes());
-            k
-        };
-        for i in 0..50_000 {
-            store.put(&key(i), &[7; 16]);
-        }
-        store.freeze();
-        let first_held = store.frozen[0].mem.held_bytes();
-        let flush = store.flush_job().expect("a flush");
-        let snapshot = store.snapshot(1);
-        store.install(flush.run()).unwrap();
-        assert!(
-            store.late_spare.is_some(),
-            "the snapshot holds the flushed memtable"
-        );
-        for i in 50_000..100_000 {
-            store.put(&key(i), &[8; 16]);
-        }
-        // No spare, and the held one cannot be: the new memtable is fresh, the held one goes
-        // once the snapshot lets go.
-        store.freeze();
-        assert!(store.late_spare.is_none() && store.spare.is_none());
-        assert_eq!(store.chunk_pool.bytes(), 0);
-        drop(snapshot.run().unwrap());
-        // Its arena: at least the 48-byte records (header, key, value) of 50 000 keys; not
-        // its index and tables.
-        let pooled = store.chunk_pool.bytes();
-        assert!(
-            pooled >= 50_000 * 48 && pooled < first_held,
-            "{pooled} of {first_held}"
-        );
-        let m = store.metrics();
-        assert_eq!(m.spare_memtable_bytes, pooled);
-        assert!(m.memtable_bytes + m.frozen_bytes + m.spare_memtable_bytes <= budget);
-        for i in 100_000..150_000 {
-            store.put(&key(i), &[9; 16]);
-        }
-        assert!(
-            store.chunk_pool.bytes() < pooled,
-            "the mutable memtable took pooled chunks"
-        );
-        for (range, v) in [(0..50_000, 7), (50_000..100_000, 8), (100_000..150_000, 9)] {
-            for i in range.step_by(97) {
-                assert_eq!(
-                    store.get(&key(i)).unwrap().unwrap().value,
-                    [v; 16],
-                    "key {i}"
-                );
-            }
         }
     }
 
