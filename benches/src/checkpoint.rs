@@ -19,19 +19,19 @@
 //!   `latency_run_sync_max_ms` and `latency_run_state_stall_ms` say where a checkpoint of
 //!   that run can have held records up.
 //! * `checkpoint_duration_<S>MiB_1pct`: a keyed state of S MiB (1 KiB values), 1% of its keys
-//!   updated per checkpoint interval. p50/p99 are checkpoint durations (trigger to durable
+//!   updated per checkpoint interval. p50/p99/p999 are checkpoint durations (trigger to durable
 //!   metadata); per_wall/per_cpu are updates processed per second. For this row `baseline` is
 //!   the state's size: `baseline_per_cpu_sec` holds `full_size_bytes` and `ratio` is bytes
 //!   written per checkpoint / state bytes (incremental checkpoints: about 0.01 plus overhead).
 //! * `checkpoint_unaligned_backpressure_10pct`: a sink throttled to 10% of the job's unthrottled
-//!   rate. p50/p99 are unaligned checkpoint durations under that backpressure; `ratio` = their
-//!   p50 / the p50 of unaligned checkpoints of the same job at the same rate without
+//!   rate. p50/p99/p999 are unaligned checkpoint durations under that backpressure; `ratio` =
+//!   their p50 / the p50 of unaligned checkpoints of the same job at the same rate without
 //!   backpressure (source throttled instead of the sink). Aligned durations are in `extra`.
 //! * `checkpoint_recovery_<S>MiB`: in the same job as the duration bench, made unthrottled, a
-//!   map panics on demand. p50/max are the time from the injected failure to throughput back at
-//!   at least 90% of before; `extra` splits it into restore (failure to the first record processed
-//!   after the restart) and replay (from there to at least 90%). per_wall/per_cpu: the first window
-//!   at at least 90%; baseline: before the failure.
+//!   map panics on demand. p50/p99/p999/max are the time from the injected failure to
+//!   throughput back at at least 90% of before; `extra` splits it into restore (failure to the
+//!   first record processed after the restart) and replay (from there to at least 90%).
+//!   per_wall/per_cpu: the first window at at least 90%; baseline: before the failure.
 //!
 //! Durations come from `CheckpointStats::duration_ms` (millisecond resolution); `ack_*` extras
 //! give trigger-to-last-shard-acknowledgement in nanoseconds. The state size of the full run is
@@ -778,7 +778,7 @@ fn large_state(opts: &Opts) -> Vec<BenchResult> {
         ratio: size_med as f64 / full.max(1) as f64,
         p50_ns: Some(quantile(&durs, 0.5)),
         p99_ns: Some(quantile(&durs, 0.99)),
-        p999_ns: None,
+        p999_ns: Some(quantile(&durs, 0.999)),
         max_ns: Some(quantile(&durs, 1.0)),
         extra,
     });
@@ -885,7 +885,7 @@ fn large_state(opts: &Opts) -> Vec<BenchResult> {
         ratio: after_cpu / before_cpu,
         p50_ns: Some(quantile(&totals, 0.5)),
         p99_ns: Some(quantile(&totals, 0.99)),
-        p999_ns: None,
+        p999_ns: Some(quantile(&totals, 0.999)),
         max_ns: Some(quantile(&totals, 1.0)),
         extra,
     });
@@ -1031,7 +1031,7 @@ fn backpressure(opts: &Opts) -> BenchResult {
         ratio,
         p50_ns: Some(quantile(&ll, 0.5)),
         p99_ns: Some(quantile(&ll, 0.99)),
-        p999_ns: None,
+        p999_ns: Some(quantile(&ll, 0.999)),
         max_ns: Some(quantile(&ll, 1.0)),
         extra,
     }
