@@ -1,0 +1,85 @@
+//! The output contract of `weir-bench --json`: one JSON object per line, each with `bench`,
+//! `per_wall_sec`, `per_cpu_sec`, `baseline`, `baseline_per_cpu_sec` and `ratio`, and the
+//! latency fields `p50_ns`, `p99_ns`, `p999_ns` together where a row has latencies. Run on
+//! every suite in `--quick` mode (about 20 s), so that a row added or changed later keeps it.
+
+use std::collections::HashSet;
+use std::process::Command;
+
+use serde_json::Value;
+
+#[test]
+fn every_row_of_every_suite_keeps_the_json_contract() {
+    let out = Command::new(env!("CARGO_BIN_EXE_weir-bench"))
+        .args(["all", "--quick", "--json"])
+        .output()
+        .expect("run weir-bench");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "exit {:?}: {stderr}", out.status);
+    let stdout = String::from_utf8(out.stdout).expect("UTF-8 output");
+    let mut names = HashSet::new();
+    let mut latency_rows = 0;
+    for (i, line) in stdout.lines().enumerate() {
+        let row: Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("line {}: not JSON ({e}): {line}", i + 1));
+        let obj = row
+            .as_object()
+            .unwrap_or_else(|| panic!("line {}: not an object: {line}", i + 1));
+        let bench = obj
+            .get("bench")
+            .and_then(Value::as_str)
+            .unwrap_or_else(|| panic!("line {}: no `bench` string", i + 1));
+        assert!(names.insert(bench.to_owned()), "`{bench}` twice");
+        assert!(
+            obj.get("baseline").is_some_and(Value::is_string),
+            "`{bench}`: `baseline` is not a string"
+        );
+        for k in [
+            "per_wall_sec",
+            "per_cpu_sec",
+            "baseline_per_cpu_sec",
+            "ratio",
+        ] {
+            // A figure that could not be computed is null, never a missing key or NaN text.
+            let v = obj.get(k).unwrap_or_else(|| panic!("`{bench}`: no `{k}`"));
+            assert!(v.is_number() || v.is_null(), "`{bench}`: `{k}` is {v}");
+        }
+        for (k, v) in obj {
+            assert!(
+                v.is_number() || v.is_null() || k == "bench" || k == "baseline",
+                "`{bench}`: `{k}` is {v}"
+            );
+        }
+        let lat: Vec<Option<u64>> = ["p50_ns", "p99_ns", "p999_ns"]
+            .iter()
+            .map(|k| obj.get(*k).and_then(Value::as_u64))
+            .collect();
+        if lat.iter().any(Option::is_some) {
+            latency_rows += 1;
+            let [p50, p99, p999] = [lat[0], lat[1], lat[2]].map(|v| {
+                v.unwrap_or_else(|| panic!("`{bench}`: p50_ns, p99_ns and p999_ns go together"))
+            });
+            assert!(p50 <= p99 && p99 <= p999, "`{bench}`: {p50} {p99} {p999}");
+            if let Some(max) = obj.get("max_ns").and_then(Value::as_u64) {
+                assert!(p999 <= max, "`{bench}`: p999 {p999} > max {max}");
+            }
+        }
+    }
+    // The suites' rows: runtime, state, checkpoint and Nexmark, with latencies where they
+    // apply (the latency row, the snapshot's synchronous part, checkpoint durations).
+    for prefix in [
+        "ring",
+        "chain",
+        "keyed_count",
+        "latency",
+        "state_",
+        "checkpoint_",
+        "nexmark_",
+    ] {
+        assert!(
+            names.iter().any(|n| n.starts_with(prefix)),
+            "no `{prefix}` row in {names:?}"
+        );
+    }
+    assert!(latency_rows >= 5, "{latency_rows} rows with latencies");
+}
