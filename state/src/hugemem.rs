@@ -311,8 +311,8 @@ impl<T: Pod> std::ops::DerefMut for ZeroedBuf<T> {
 ///
 /// What it holds is what the stores' jobs need at once: a flush or a snapshot's epoch holds
 /// up to four (the sort's two buffers, then the key order and the writer's two), and each
-/// store's maintenance thread runs one job at a time, so a job of a 2-shard job's two stores
-/// may each find theirs. Its bytes are memory that the stores' budgets set aside for their
+/// store's maintenance thread runs one job at a time, so twelve maps serve three stores'
+/// jobs running together. Its bytes are memory that the stores' budgets set aside for their
 /// flushes (`memtables_budget`, the sort reserve in `Memtable::prefault`): the store's memory
 /// figure stays the same (`weir-bench state`, `state_memory`). With room for four maps, the
 /// checkpointed keyed job's two stores missed the pool on 145 of 434 takes and faulted each

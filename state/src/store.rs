@@ -2383,7 +2383,8 @@ mod tests {
             k.extend_from_slice(&i.to_be_bytes());
             k
         };
-        // Returns the store after the second freeze, and what the first memtable held.
+        // The store after the second freeze (and its directory), and the first memtable's
+        // bytes in the cache and memory held.
         let run = |retained_memtable_bytes: usize| {
             let root = tempfile::tempdir().unwrap();
             let fs: Arc<dyn Fs> = Arc::new(weir_io::StdFs);
