@@ -37,7 +37,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::StateError;
-use crate::key::{encode_state_key, key_group_for, KeyCodec, KeyGroup, KeyGroupRange};
+use crate::key::{bytes_eq, encode_state_key, key_group_for, KeyCodec, KeyGroup, KeyGroupRange};
 use crate::memtable::MemHint;
 use crate::store::{Found, SnapshotJob, Store};
 
@@ -77,16 +77,6 @@ pub struct Timer {
     /// The encoded key ([`KeyCodec`] bytes) the timer was registered for.
     pub key: Vec<u8>,
     pub namespace: Vec<u8>,
-}
-
-/// `a == b`, without calling `memcmp` for empty slices. Why: an empty slice's pointer is
-/// dangling (address 1, say), and glibc's AVX-512 `memcmp` issues a masked load there even
-/// for length 0; on an unmapped page that costs a microcode assist of hundreds of cycles. The
-/// keyed path compares the (usually empty) namespace twice per record: this was the largest
-/// single cost of the keyed benchmark in profiles.
-#[inline]
-fn same_bytes(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && (a.is_empty() || a == b)
 }
 
 /// Keyed state of one shard over a [`Store`] (see the module docs).
@@ -230,7 +220,7 @@ impl KeyedBackend {
 
     /// Set the current key from its encoding and known key group (the runtime computed it).
     pub fn set_current_key_bytes(&mut self, key_group: KeyGroup, key_bytes: &[u8]) {
-        if key_group == self.key_group && same_bytes(key_bytes, &self.key) {
+        if key_group == self.key_group && bytes_eq(key_bytes, &self.key) {
             return;
         }
         self.invalidate_key();
@@ -249,7 +239,7 @@ impl KeyedBackend {
 
     /// Scope state and timers to a namespace (a window); empty = none.
     pub fn set_namespace(&mut self, ns: &[u8]) {
-        if same_bytes(ns, &self.ns) {
+        if bytes_eq(ns, &self.ns) {
             return;
         }
         self.invalidate_key();
@@ -353,9 +343,14 @@ impl KeyedBackend {
     }
 
     /// Look up the value key built by [`Self::value_key`], remembering its memtable position.
-    #[inline]
+    /// Always inlined: returned through memory, the `Result` of a `Found` was reloaded at odd
+    /// offsets that missed store forwarding (see [`Store::get_mem_hinted`]).
+    #[inline(always)]
     fn get_value(&mut self) -> Result<Option<Found<'_>>, StateError> {
-        let (found, hint) = self.store.get_hinted(&self.kbuf, self.kbuf_hash)?;
+        let (found, hint) = match self.store.get_mem_hinted(&self.kbuf, self.kbuf_hash) {
+            Some((found, hint)) => (found, Some(hint)),
+            None => self.store.get_hinted_cold(&self.kbuf, self.kbuf_hash)?,
+        };
         self.hint = hint;
         Ok(found)
     }
@@ -577,6 +572,7 @@ impl<V: StateValue> ValueState<V> {
     }
 
     /// The archived value of the current key, if any.
+    #[inline]
     pub fn get<'a>(&self, be: &'a mut KeyedBackend) -> Result<Option<&'a V::Archived>, StateError> {
         be.value_key(self.id);
         match be.get_value()? {
@@ -941,21 +937,5 @@ impl<A: AggregateFunction> AggregatingState<A> {
             _v: PhantomData,
         }
         .clear(be)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::same_bytes;
-
-    #[test]
-    fn same_bytes_is_slice_equality() {
-        let empty: &[u8] = &[];
-        assert!(same_bytes(empty, &Vec::new()));
-        assert!(same_bytes(b"ab", b"ab"));
-        assert!(!same_bytes(b"ab", b"ac"));
-        assert!(!same_bytes(empty, b"a"));
-        assert!(!same_bytes(b"a", empty));
-        assert!(!same_bytes(b"ab", b"abc"));
     }
 }

@@ -18,6 +18,7 @@ use std::sync::{Arc, OnceLock};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::hugemem::{prefetch_read, MapVec, Pod, ZeroedBuf, HUGE_PAGE_BYTES};
+use crate::key::bytes_eq;
 
 /// Largest arena chunk (one huge page); bigger values get a chunk of their own.
 const CHUNK_BYTES_MAX: usize = HUGE_PAGE_BYTES;
@@ -1282,7 +1283,7 @@ impl Memtable {
         let arena = &self.arena;
         let at = self
             .index
-            .probe(hash as u32, |loc| arena.key(loc) == key)
+            .probe(hash as u32, |loc| bytes_eq(arena.key(loc), key))
             .ok()?;
         Some(self.index.slot(at).loc())
     }
@@ -1349,7 +1350,7 @@ impl Memtable {
         index.migrate(MIGRATE_PER_PUT);
         let found = {
             let a = &*arena;
-            index.probe(h32, |loc| a.key(loc) == key)
+            index.probe(h32, |loc| bytes_eq(a.key(loc), key))
         };
         match found {
             Ok(at) => {
