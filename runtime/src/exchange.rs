@@ -152,6 +152,7 @@ pub(crate) fn exchange<T: Data>(up: Stream<T>, kind: &'static str, route: Route<
             max_parallelism: ctx.config.max_parallelism,
             next: ctx.shard,
             scratch: Vec::with_capacity(64),
+            arena: rkyv::ser::allocator::Arena::new(),
         };
         upf(ctx, Box::new(w))
     });
@@ -375,13 +376,16 @@ struct ExchangeWriter<T> {
     max_parallelism: u16,
     next: usize,
     scratch: Vec<u8>,
+    /// The serializer's scratch space, reused for every record.
+    arena: rkyv::ser::allocator::Arena,
 }
 
 impl<T: Data> Collector<T> for ExchangeWriter<T> {
     #[inline]
     fn collect(&mut self, rec: T, ts: i64) {
         let mut s = self.state.borrow_mut();
-        let mut fill = |buf: &mut [u8]| serialize_into(&rec, buf);
+        let arena = &mut self.arena;
+        let mut fill = |buf: &mut [u8]| serialize_into(&rec, buf, arena);
         match &self.route {
             Route::KeyGroup(kg) => {
                 let kg = kg(&rec, self.max_parallelism, &mut self.scratch);
