@@ -9,7 +9,9 @@ use rkyv::api::high::{HighDeserializer, HighSerializer, HighValidator};
 use rkyv::bytecheck::CheckBytes;
 use rkyv::rancor::Error as RkyvError;
 use rkyv::ser::allocator::{Arena, ArenaHandle};
+use rkyv::ser::sharing::Share;
 use rkyv::ser::writer::Buffer;
+use rkyv::ser::Serializer;
 use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 
@@ -49,13 +51,11 @@ pub(crate) fn serialize_into<T: Data>(
     out: &mut [u8],
     arena: &mut Arena,
 ) -> Option<usize> {
-    rkyv::api::high::to_bytes_in_with_alloc::<_, _, RkyvError>(
-        value,
-        Buffer::from(out),
-        arena.acquire(),
-    )
-    .ok()
-    .map(|b| b.len())
+    // `to_bytes_in_with_alloc`, spelled out so that it is inlined here (called, it reloaded
+    // the arena handle its caller had just stored in pieces: a missed store forward).
+    let mut ser = Serializer::new(Buffer::from(out), arena.acquire(), Share::new());
+    rkyv::api::serialize_using::<_, RkyvError>(value, &mut ser).ok()?;
+    Some(ser.into_writer().len())
 }
 
 /// Reads a record that this process serialized into ring memory.

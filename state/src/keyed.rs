@@ -32,6 +32,8 @@ use rkyv::api::high::{HighDeserializer, HighSerializer, HighValidator};
 use rkyv::bytecheck::CheckBytes;
 use rkyv::rancor;
 use rkyv::ser::allocator::{Arena, ArenaHandle};
+use rkyv::ser::sharing::Share;
+use rkyv::ser::Serializer;
 use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64;
@@ -360,18 +362,13 @@ impl KeyedBackend {
     fn serialize<V: StateValue>(&mut self, state_id: u16, v: &V) -> Result<(), StateError> {
         let mut buf = std::mem::take(&mut self.vbuf);
         buf.clear();
-        let r = rkyv::api::high::to_bytes_in_with_alloc::<_, _, rancor::Error>(
-            v,
-            buf,
-            self.ser_arena.0.acquire(),
-        );
-        match r {
-            Ok(buf) => {
-                self.vbuf = buf;
-                Ok(())
-            }
-            Err(e) => Err(ser_err(state_id, e)),
-        }
+        // What `to_bytes_in_with_alloc` does, here where it is inlined: called, it read the
+        // arena handle the caller had just stored in pieces, a load that missed store
+        // forwarding (most of that call's samples in the keyed count).
+        let mut ser = Serializer::new(buf, self.ser_arena.0.acquire(), Share::new());
+        let r = rkyv::api::serialize_using::<_, rancor::Error>(v, &mut ser);
+        self.vbuf = ser.into_writer();
+        r.map(|_| ()).map_err(|e| ser_err(state_id, e))
     }
 
     /// Store `v` under the value key built by [`Self::value_key`], in place when possible.
