@@ -127,8 +127,8 @@ fn ser_err(state_id: u16, e: rancor::Error) -> StateError {
 fn access<'a, V: StateValue>(state_id: u16, f: Found<'a>) -> Result<&'a V::Archived, StateError> {
     let aligned = (f.value.as_ptr() as usize) & 15 == 0;
     if f.in_memory && aligned {
-        // SAFETY: `in_memory` bytes were produced by `rkyv::to_bytes_in` for this state's
-        // value type in this process (a state id maps to one type: it is derived from the
+        // SAFETY: `in_memory` bytes were produced by rkyv's high-level serializer (`serialize`
+        // below) for this state's value type in this process (a state id maps to one type: it is derived from the
         // name and a name is registered with one type), and they sit 16-aligned in the
         // memtable arena, unchanged since.
         return Ok(unsafe { rkyv::access_unchecked::<V::Archived>(f.value) });
