@@ -785,6 +785,7 @@ impl Store {
     /// hint from [`Store::get_hinted`] for this same key: if the hint is still current and the
     /// value fits the record, the value is overwritten in place without a lookup. Returns a
     /// hint for the next put of this key (None if the put froze the memtable).
+    #[inline(always)]
     pub(crate) fn put_hinted(
         &mut self,
         key: &[u8],
