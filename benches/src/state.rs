@@ -581,6 +581,12 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
             let ratio = per_sec(seg_bytes, t.wall_ns) / per_sec(seg_bytes, base.wall_ns);
             rounds.push((ratio, seg_bytes, t, base));
         }
+        // Each round's segment job in bytes per CPU second of its thread, in run order (the
+        // first round faults in the flush's scratch buffers; later ones reuse them).
+        let cpu_rates: Vec<f64> = rounds
+            .iter()
+            .map(|(_, bytes, t, _)| per_sec(*bytes, t.cpu_ns))
+            .collect();
         rounds.sort_by(|a, b| a.0.total_cmp(&b.0));
         let ratios: Vec<f64> = rounds.iter().map(|r| r.0).collect();
         let (ratio, seg_bytes, t, base) = &rounds[rounds.len() / 2];
@@ -605,6 +611,9 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
         ];
         for (i, x) in ratios.iter().enumerate() {
             r.extra.push((format!("ratio_sorted_{i}"), *x));
+        }
+        for (i, x) in cpu_rates.iter().enumerate() {
+            r.extra.push((format!("round{i}_bytes_per_cpu_sec"), *x));
         }
         out.push(r);
     }
