@@ -127,10 +127,10 @@ fn ser_err(state_id: u16, e: rancor::Error) -> StateError {
 fn access<'a, V: StateValue>(state_id: u16, f: Found<'a>) -> Result<&'a V::Archived, StateError> {
     let aligned = (f.value.as_ptr() as usize) & 15 == 0;
     if f.in_memory && aligned {
-        // SAFETY: `in_memory` bytes were produced by rkyv's high-level serializer (`serialize`
-        // below) for this state's value type in this process (a state id maps to one type: it is derived from the
-        // name and a name is registered with one type), and they sit 16-aligned in the
-        // memtable arena, unchanged since.
+        // SAFETY: `in_memory` bytes were produced by rkyv's high-level serializer
+        // (`KeyedBackend::serialize`) for this state's value type in this process (a state id
+        // maps to one type: it is derived from the name and a name is registered with one
+        // type), and they sit 16-aligned in the memtable arena, unchanged since.
         return Ok(unsafe { rkyv::access_unchecked::<V::Archived>(f.value) });
     }
     rkyv::access::<V::Archived, rancor::Error>(f.value).map_err(|e| StateError::BadValue {

@@ -937,7 +937,8 @@ impl Store {
     /// The mutable memtable's answer for `key` (hash `hash`), if it holds the key: the keyed
     /// operators' common case, inlined so that what it returns stays in registers. Passed
     /// through memory as a `Result` of the large `StateError`, its fields were copied at odd
-    /// offsets whose reloads missed store forwarding (a quarter of the keyed count's lookups).
+    /// offsets whose reloads missed store forwarding (most of `ValueState::get`'s samples in
+    /// the keyed count).
     #[inline(always)]
     pub(crate) fn get_mem_hinted(
         &self,
