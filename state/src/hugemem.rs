@@ -121,11 +121,16 @@ impl<T: Pod> ZeroedBuf<T> {
     /// and zeroing: 1 ms (PLATFORM.md) to 15 ms (a busy host) per page. A flush of 2 M entries
     /// faulted ~40 MB of them, more than it took to write its 77 MB segment.
     pub fn scratch(len: usize) -> ZeroedBuf<T> {
+        ZeroedBuf::scratch_in(&SCRATCH, len)
+    }
+
+    /// [`Self::scratch`] from `pool`.
+    pub fn scratch_in(pool: &ScratchPool, len: usize) -> ZeroedBuf<T> {
         let bytes = len * std::mem::size_of::<T>();
         if bytes < HUGE_PAGE_BYTES {
             return ZeroedBuf::new(len);
         }
-        match SCRATCH.take(bytes) {
+        match pool.take(bytes) {
             Some(m) => ZeroedBuf {
                 backing: Backing::Map(m),
                 len,
@@ -139,9 +144,14 @@ impl<T: Pod> ZeroedBuf<T> {
     /// Give this buffer's mapping to the scratch pool (see [`Self::scratch`]) instead of
     /// unmapping it; small heap-backed buffers are freed as usual.
     pub fn recycle(self) {
+        self.recycle_into(&SCRATCH);
+    }
+
+    /// [`Self::recycle`] into `pool`.
+    pub fn recycle_into(self, pool: &ScratchPool) {
         if let Backing::Map(m) = self.backing {
             if m.len() >= HUGE_PAGE_BYTES {
-                SCRATCH.give(m);
+                pool.give(m);
             }
         }
     }
@@ -330,8 +340,20 @@ const SCRATCH_POOL_BYTES: usize = 48 << 20;
 
 static SCRATCH: ScratchPool = ScratchPool::new(SCRATCH_POOL_MAX, SCRATCH_POOL_BYTES);
 
+/// Memtable arena chunks whose last holder let go, for the next chunk an arena needs (see
+/// `memtable::Chunk`). A memtable that is recycled keeps its chunks, but those a sealed epoch
+/// still reads are left to the snapshot job, which drops them on its thread when it is done;
+/// before this pool they went back to the kernel, and the memtable faulted fresh ones in.
+/// In the keyed job checkpointing every 100 ms that was 30% of what checkpoints added to the
+/// shards' CPU (`clear_page_erms` under `Arena::new_record`). 64 MiB: two shards' arenas grow
+/// by about that much between two checkpoints of that job, and it is a sixth of two default
+/// stores' memtable budgets.
+pub(crate) static ARENA_CHUNKS: ScratchPool = ScratchPool::new(ARENA_POOL_MAX, ARENA_POOL_BYTES);
+const ARENA_POOL_BYTES: usize = 64 << 20;
+const ARENA_POOL_MAX: usize = ARENA_POOL_BYTES / HUGE_PAGE_BYTES;
+
 impl ScratchPool {
-    const fn new(max: usize, max_bytes: usize) -> ScratchPool {
+    pub(crate) const fn new(max: usize, max_bytes: usize) -> ScratchPool {
         ScratchPool {
             maps: std::sync::Mutex::new(Vec::new()),
             max,
@@ -375,7 +397,7 @@ impl ScratchPool {
     }
 
     #[cfg(test)]
-    fn bytes(&self) -> usize {
+    pub(crate) fn bytes(&self) -> usize {
         self.maps().iter().map(|m| m.len()).sum()
     }
 }

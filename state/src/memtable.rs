@@ -17,7 +17,9 @@ use std::sync::{Arc, OnceLock};
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::hugemem::{prefetch_read, MapVec, Pod, ZeroedBuf, HUGE_PAGE_BYTES};
+use crate::hugemem::{
+    prefetch_read, MapVec, Pod, ScratchPool, ZeroedBuf, ARENA_CHUNKS, HUGE_PAGE_BYTES,
+};
 use crate::key::bytes_eq;
 
 /// Largest arena chunk (one huge page); bigger values get a chunk of their own.
@@ -73,6 +75,8 @@ struct Chunk {
     /// no reference to the whole chunk is ever alive while another thread reads part of it.
     ptr: *mut u8,
     bytes: usize,
+    /// Where the memory goes when the last holder drops the chunk.
+    pool: &'static ScratchPool,
 }
 
 // SAFETY: `Chunk` owns its memory (moving `buf` moves neither a mapping nor a heap buffer, so
@@ -85,13 +89,24 @@ unsafe impl Send for Chunk {}
 unsafe impl Sync for Chunk {}
 
 impl Chunk {
+    /// A chunk of `elems` elements of any content (records are written before they are read).
+    /// One huge page: a chunk given back to [`ARENA_CHUNKS`] if there is one, else fresh.
     fn new(elems: usize) -> Chunk {
-        let mut buf = ZeroedBuf::<u128>::new(elems);
+        Chunk::new_in(&ARENA_CHUNKS, elems)
+    }
+
+    fn new_in(pool: &'static ScratchPool, elems: usize) -> Chunk {
+        let mut buf = if elems * 16 == HUGE_PAGE_BYTES {
+            ZeroedBuf::<u128>::scratch_in(pool, elems)
+        } else {
+            ZeroedBuf::<u128>::new(elems)
+        };
         let ptr = buf.as_mut_ptr().cast::<u8>();
         Chunk {
             buf,
             ptr,
             bytes: elems * 16,
+            pool,
         }
     }
 
@@ -100,6 +115,18 @@ impl Chunk {
         let n = self.buf.populate();
         self.ptr = self.buf.as_mut_ptr().cast::<u8>();
         n
+    }
+}
+
+impl Drop for Chunk {
+    /// Whoever drops the last reference (the shard's memtable, or a snapshot job done with a
+    /// sealed epoch) hands the memory, faulted in already, to the next arena that grows.
+    /// Only huge-page chunks, the standard size of every budget from 32 MiB: the pool's maps
+    /// are then all alike.
+    fn drop(&mut self) {
+        if self.bytes == HUGE_PAGE_BYTES {
+            std::mem::replace(&mut self.buf, ZeroedBuf::new(0)).recycle_into(self.pool);
+        }
     }
 }
 
@@ -1741,6 +1768,36 @@ impl Frozen {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// A huge-page chunk's memory outlives its last holder in the pool, and the next chunk is
+    /// made of it, contents and all (records are written before they are read); chunks of
+    /// other sizes are not pooled.
+    #[test]
+    fn a_dropped_chunk_is_the_next_chunk() {
+        static POOL: ScratchPool = ScratchPool::new(4, 8 << 20);
+        let elems = HUGE_PAGE_BYTES / 16;
+        let mut first = Chunk::new_in(&POOL, elems);
+        first.populate();
+        // SAFETY: the chunk is unshared and `ptr` addresses its `bytes` bytes.
+        unsafe { first.ptr.add(4096).write(0xa5) };
+        let ptr = first.ptr;
+        // A sealed epoch's view shares it: the memtable letting go returns nothing yet.
+        let view = Arc::new(first);
+        let held = Arc::clone(&view);
+        drop(held);
+        assert_eq!(POOL.bytes(), 0);
+        drop(view);
+        assert_eq!(POOL.bytes(), HUGE_PAGE_BYTES);
+        let next = Chunk::new_in(&POOL, elems);
+        assert_eq!(POOL.bytes(), 0);
+        assert_eq!(next.ptr, ptr);
+        // SAFETY: as above.
+        assert_eq!(unsafe { next.ptr.add(4096).read() }, 0xa5);
+        drop(next);
+        assert_eq!(POOL.bytes(), HUGE_PAGE_BYTES);
+        drop(Chunk::new_in(&POOL, (64 << 10) / 16));
+        assert_eq!(POOL.bytes(), HUGE_PAGE_BYTES);
+    }
 
     /// A memtable that replaces a frozen one starts with its index size, at most half its
     /// budget, and never below what its budget alone gives.
