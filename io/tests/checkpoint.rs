@@ -377,10 +377,16 @@ fn corruption_names_file_and_offset() {
     assert!(
         matches!(e, FormatError::ChecksumMismatch { offset, .. } if offset == good_meta.len() as u64 - 4)
     );
-    assert!(!st.list().unwrap()[0].complete);
+    let listed = &st.list().unwrap()[0];
+    assert!(!listed.complete && listed.metadata_corrupt, "{listed:?}");
     assert!(st.latest_complete().unwrap().is_none());
+    // A missing metadata file is a checkpoint cut short, not corruption.
+    std::fs::remove_file(&meta_path).unwrap();
+    let listed = &st.list().unwrap()[0];
+    assert!(!listed.complete && !listed.metadata_corrupt, "{listed:?}");
     std::fs::write(&meta_path, &good_meta).unwrap();
     st.verify(1).unwrap();
+    assert!(st.list().unwrap()[0].complete && !st.list().unwrap()[0].metadata_corrupt);
 
     // A flipped byte in the second block of an uploaded file.
     let f: &FileRef = &m.files[0];

@@ -409,14 +409,28 @@ fn latest_restore(
         "list: {:?}",
         infos.iter().map(|i| (i.id, i.complete)).collect::<Vec<_>>()
     );
-    let mut complete: Vec<u64> = infos
+    // Checkpoints that completed, and those whose metadata exists but is corrupt: a crash
+    // never leaves a partial `_metadata` (written whole, synced, renamed), so such a
+    // checkpoint did complete, and its sink transactions may be committed. Passing over it as
+    // if it had not (starting from an older checkpoint, or from the beginning) could duplicate
+    // that output.
+    let mut candidates: Vec<&weir_io::CheckpointInfo> = infos
         .iter()
-        .filter(|i| i.complete && i.id >= min_id)
-        .map(|i| i.id)
+        .filter(|i| (i.complete || i.metadata_corrupt) && i.id >= min_id)
         .collect();
-    complete.sort_unstable();
+    candidates.sort_unstable_by_key(|i| i.id);
     let mut skipped: Vec<(u64, String)> = Vec::new();
-    for id in complete.into_iter().rev() {
+    for info in candidates.into_iter().rev() {
+        let id = info.id;
+        if info.metadata_corrupt {
+            // The decode error names the file and offset.
+            let problem = info
+                .problem
+                .clone()
+                .unwrap_or_else(|| format!("its {} does not verify", weir_io::METADATA_FILE));
+            skipped.push((id, problem));
+            continue;
+        }
         let attempt = store
             .storage
             .verify(id)

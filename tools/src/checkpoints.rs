@@ -220,7 +220,7 @@ pub fn verify(a: &VerifyArgs) -> Result<(), VerifyFailed> {
                 // merely incomplete: verify reports it.
                 infos
                     .iter()
-                    .filter(|i| i.complete || i.path.join(weir_io::METADATA_FILE).exists())
+                    .filter(|i| i.complete || i.metadata_corrupt)
                     .map(|i| i.id)
                     .collect()
             }

@@ -698,6 +698,79 @@ fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
     assert!(stderr(&r).contains(name), "{}", stderr(&r));
 }
 
+/// A checkpoint whose `_metadata` is corrupt did complete (the file is renamed into place
+/// whole), so its sink output may be committed: `--restore latest` stops and names the file
+/// and offset, rather than start over as if there were no checkpoint and write every result
+/// a second time (what it did before: 60000 lines for 30000 records).
+#[test]
+fn a_corrupt_metadata_file_stops_restore_latest_instead_of_starting_over() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let recs = records(30_000, 500);
+    let input = dir.path().join("in.csv");
+    write_csv(&input, &recs);
+    let (out, ck) = (dir.path().join("out"), dir.path().join("ckpt"));
+    let args = [
+        "run",
+        "keyed-sum",
+        "--input",
+        input.to_str().expect("utf8"),
+        "--format",
+        "csv",
+        "--key",
+        "user",
+        "--value",
+        "amount",
+        "--output",
+        out.to_str().expect("utf8"),
+        "--shards",
+        "2",
+        "--checkpoint-dir",
+        ck.to_str().expect("utf8"),
+        "--checkpoint-interval",
+        "20ms",
+        "--restore",
+        "latest",
+    ];
+    let r = weir(&args);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let want = running_sums(&recs);
+    assert_eq!(parse_sums(&committed_lines(&out)), want);
+    // The newest checkpoint: the final one, which committed the sink's last files.
+    let newest = std::fs::read_dir(ck.join("keyed-sum"))
+        .expect("job dir")
+        .flatten()
+        .filter_map(|e| {
+            let n = e
+                .file_name()
+                .to_str()?
+                .strip_prefix("chk-")?
+                .parse::<u64>()
+                .ok()?;
+            Some((n, e.path()))
+        })
+        .max()
+        .expect("a checkpoint")
+        .1;
+    let meta = newest.join("_metadata");
+    let mut bytes = std::fs::read(&meta).expect("read");
+    let at = bytes.len() / 3;
+    bytes[at] ^= 0x10;
+    std::fs::write(&meta, bytes).expect("write");
+    let r = weir(&args);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    let e = stderr(&r);
+    assert!(
+        e.contains(meta.to_str().expect("utf8")) && e.contains("offset"),
+        "names the metadata file and offset: {e}"
+    );
+    assert!(!e.contains("starting from the beginning"), "{e}");
+    assert_eq!(
+        parse_sums(&committed_lines(&out)),
+        want,
+        "the committed output is as it was: nothing written twice"
+    );
+}
+
 #[test]
 fn checkpoints_inspect_shows_the_parts_and_clean_keeps_the_newest() {
     let dir = tempfile::tempdir().expect("tmp");

@@ -154,6 +154,11 @@ pub struct CheckpointInfo {
     pub completion_timestamp_ms: u64,
     /// Why the checkpoint is incomplete: no metadata, or the decode error.
     pub problem: Option<String>,
+    /// True iff `_metadata` exists but does not verify. That is corruption, not a checkpoint
+    /// cut short: the file is written whole, synced and then renamed into place, so a crash
+    /// leaves either no `_metadata` or a complete one. A restore must not pass over it as if
+    /// it had never completed (its sink transactions may be committed).
+    pub metadata_corrupt: bool,
 }
 
 /// What [`CheckpointStorage::commit`] made durable.
@@ -424,11 +429,13 @@ impl CheckpointStorage {
                     trigger_timestamp_ms: m.trigger_timestamp_ms,
                     completion_timestamp_ms: m.completion_timestamp_ms,
                     problem: None,
+                    metadata_corrupt: false,
                 },
                 Status::Missing | Status::Corrupt(_) => CheckpointInfo {
                     id,
                     path,
                     complete: false,
+                    metadata_corrupt: matches!(status, Status::Corrupt(_)),
                     size_bytes: 0,
                     new_bytes: 0,
                     trigger_timestamp_ms: 0,
