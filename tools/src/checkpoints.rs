@@ -427,15 +427,32 @@ pub fn clean(a: &CleanArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// Checkpoint `n` if given, else the job's newest complete one.
+/// Checkpoint `n` if given, else the job's newest complete one. A newer checkpoint whose
+/// metadata is corrupt is reported (exit 3) rather than passed over: it did complete (see
+/// `CheckpointInfo::metadata_corrupt`), so the newest complete one is not the job's latest.
 fn chosen(job: &str, s: &CheckpointStorage, n: Option<u64>) -> Result<u64, VerifyFailed> {
-    match n {
-        Some(id) => Ok(id),
-        None => Ok(s
-            .latest_complete()
-            .map_err(|e| VerifyFailed::Other(format!("{job}: {e}")))?
-            .ok_or_else(|| VerifyFailed::Other(format!("{job}: no complete checkpoint")))?
-            .id),
+    if let Some(id) = n {
+        return Ok(id);
+    }
+    let infos = s
+        .list()
+        .map_err(|e| VerifyFailed::Other(format!("{job}: {e}")))?;
+    match infos
+        .iter()
+        .filter(|i| i.complete || i.metadata_corrupt)
+        .max_by_key(|i| i.id)
+    {
+        Some(i) if i.complete => Ok(i.id),
+        Some(i) => Err(VerifyFailed::Corrupt(format!(
+            "{job}: checkpoint {}: {}",
+            i.id,
+            i.problem
+                .as_deref()
+                .unwrap_or("its metadata does not verify")
+        ))),
+        None => Err(VerifyFailed::Other(format!(
+            "{job}: no complete checkpoint"
+        ))),
     }
 }
 
@@ -466,7 +483,12 @@ pub fn savepoint(a: &SavepointArgs) -> Result<(), VerifyFailed> {
     let path = s
         .export_savepoint(id, &a.to, &weir_io::savepoint_dir_name(id))
         .map_err(|e| {
-            let corrupt = matches!(e, CheckpointError::Format(_));
+            // As `verify` classifies them: a file that is there but wrong is corruption.
+            let corrupt = match &e {
+                CheckpointError::Verify(VerifyError::NotFound { .. }) => false,
+                CheckpointError::Format(_) | CheckpointError::Verify(_) => true,
+                _ => false,
+            };
             let msg = format!("{job} checkpoint {id}: {e}");
             if corrupt {
                 VerifyFailed::Corrupt(msg)

@@ -675,6 +675,17 @@ fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
         e.contains(name) && e.contains("offset"),
         "names file and offset: {e}"
     );
+    // A savepoint of it is refused the same way.
+    let sp = dir.path().join("sp");
+    let o = weir(&[
+        "checkpoints",
+        "savepoint",
+        ck.to_str().expect("utf8"),
+        "--to",
+        sp.to_str().expect("utf8"),
+    ]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(stderr(&o).contains(name), "{}", stderr(&o));
     // A restore from the corrupt checkpoint stops with that error, not a wrong answer.
     let r = weir(&[
         "run",
@@ -769,6 +780,24 @@ fn a_corrupt_metadata_file_stops_restore_latest_instead_of_starting_over() {
         want,
         "the committed output is as it was: nothing written twice"
     );
+    // The tools that pick the newest checkpoint report it as corrupt too.
+    let ck_s = ck.to_str().expect("utf8");
+    let sp = dir.path().join("sp");
+    for args in [
+        vec!["checkpoints", "inspect", ck_s],
+        vec![
+            "checkpoints",
+            "savepoint",
+            ck_s,
+            "--to",
+            sp.to_str().expect("utf8"),
+        ],
+        vec!["checkpoints", "verify", ck_s],
+    ] {
+        let o = weir(&args);
+        assert_eq!(o.status.code(), Some(3), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains("_metadata"), "{args:?}: {}", stderr(&o));
+    }
 }
 
 #[test]
