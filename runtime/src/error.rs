@@ -115,4 +115,89 @@ impl JobError {
     pub(crate) fn is_cancellation(&self) -> bool {
         matches!(self, JobError::Cancelled)
     }
+
+    /// False for a failure that a restart would meet again, because it follows from the input
+    /// or the job as written, not from the moment: a malformed record under the fail policy
+    /// (the restart replays it), an unknown column, a restored position the source rejects,
+    /// a record larger than a ring, a failure to start. The restart strategy does not apply to
+    /// them (Flink's `SuppressRestartsException`): the job fails at once with the error, where
+    /// it would otherwise restart forever under the default strategy. Operator errors and
+    /// panics, I/O errors and checkpoint failures may pass, and are restarted.
+    pub fn is_recoverable(&self) -> bool {
+        match self {
+            JobError::Source { source, .. } => !matches!(
+                source,
+                SourceError::Malformed { .. }
+                    | SourceError::UnknownColumn { .. }
+                    | SourceError::BadPosition(_)
+            ),
+            JobError::RecordTooLarge { .. } | JobError::Start(_) | JobError::Cancelled => false,
+            JobError::Operator { .. }
+            | JobError::SinkIo { .. }
+            | JobError::Panic { .. }
+            | JobError::CheckpointFailures { .. } => true,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a restart would meet again is not recoverable; what may pass is.
+    #[test]
+    fn only_failures_that_may_pass_are_recoverable() {
+        let source = |source| JobError::Source {
+            operator: "input".into(),
+            shard: 0,
+            source,
+        };
+        let file = PathBuf::from("in.csv");
+        let deterministic = [
+            source(SourceError::Malformed {
+                file: file.clone(),
+                line: 3,
+                reason: "x".into(),
+            }),
+            source(SourceError::UnknownColumn {
+                file: file.clone(),
+                column: "c".into(),
+                available: "a".into(),
+            }),
+            source(SourceError::BadPosition("p".into())),
+            JobError::RecordTooLarge {
+                operator: "x".into(),
+                bytes: 2,
+                capacity_bytes: 1,
+            },
+        ];
+        for e in &deterministic {
+            assert!(!e.is_recoverable(), "{e}");
+        }
+        let may_pass = [
+            source(SourceError::Io {
+                path: file,
+                source: std::io::Error::other("gone"),
+            }),
+            source(SourceError::Other("o".into())),
+            JobError::Operator {
+                operator: "m".into(),
+                shard: 1,
+                message: "m".into(),
+            },
+            JobError::Panic {
+                shard: 0,
+                message: "p".into(),
+            },
+            JobError::SinkIo {
+                operator: "s".into(),
+                shard: 0,
+                source: std::io::Error::other("full"),
+            },
+            JobError::CheckpointFailures { reason: "r".into() },
+        ];
+        for e in &may_pass {
+            assert!(e.is_recoverable(), "{e}");
+        }
+    }
 }

@@ -563,6 +563,9 @@ fn supervise(
         let Some(ck) = &plan.config.checkpoint else {
             return Err(e);
         };
+        if !e.is_recoverable() {
+            return Err(e);
+        }
         let now = Instant::now();
         failures.push(now);
         let wait = match &ck.restart {

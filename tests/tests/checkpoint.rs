@@ -745,3 +745,55 @@ fn the_job_status_shows_a_restart_between_running_attempts() {
     let s = h.wait().expect("job");
     assert_eq!(s.restarts, 1);
 }
+
+/// A failure that a restart would meet again fails the job at once, whatever the restart
+/// strategy allows: a malformed record under the fail policy is replayed by every restart
+/// (before, the job restarted until the strategy gave up: forever under the default one).
+/// Failures that may pass, as the injected panics above, are restarted.
+#[test]
+fn a_malformed_record_under_the_fail_policy_fails_the_job_without_restarts() {
+    use weir_runtime::source::{FileFormat, FileSource, SourceError};
+    use weir_runtime::{JobError, JobStatus};
+    let dir = tempfile::tempdir().expect("tmp");
+    let input = dir.path().join("in.csv");
+    let mut text = String::from("user,amount\n");
+    for i in 0..2000 {
+        text.push_str(&format!("u{},{i}\n", i % 7));
+    }
+    text.push_str("u1,oops\n");
+    std::fs::write(&input, text).expect("write");
+    let job = Job::new(
+        JobConfig::new()
+            .with_shards(2)
+            .with_pinning(Pinning::Never)
+            .with_checkpointing(ck(&dir.path().join("ck"), CheckpointMode::ExactlyOnce)),
+    );
+    let source = FileSource::new(
+        input.clone(),
+        FileFormat::Csv,
+        &["user", "amount"],
+        |f: &[&str], _| {
+            let v = f[1].parse::<i64>().map_err(|e| e.to_string())?;
+            Ok((f[0].to_owned(), v))
+        },
+    );
+    job.source(source)
+        .uid("input")
+        .key_by(|r: &(String, i64)| r.0.clone())
+        .reduce(|a, b| (a.0, a.1 + b.1))
+        .uid("sum")
+        .for_each(|_| {});
+    let h = job.start().expect("start");
+    assert_eq!(
+        weir_tests::await_status(&h, JobStatus::Failed),
+        JobStatus::Failed
+    );
+    assert_eq!(h.restarts(), 0, "no restart replays into the same record");
+    match h.wait() {
+        Err(JobError::Source {
+            source: SourceError::Malformed { file, line, .. },
+            ..
+        }) => assert_eq!((file, line), (input, 2002)),
+        other => panic!("expected the malformed record's error, got {other:?}"),
+    }
+}

@@ -9,6 +9,10 @@ use weir_runtime::{Job, JobConfig, WatermarkStrategy, WindowAssigner};
 use crate::{Format, InputArgs, KeyedSumArgs, Policy, WindowCountArgs};
 
 fn config(input: &InputArgs, job: &str) -> Result<JobConfig, String> {
+    // Checked here, before the job starts: inside the job a missing input is an I/O error,
+    // which a checkpointing job's restart strategy retries (the file may come back) rather
+    // than the one clear line this mistake deserves.
+    std::fs::metadata(&input.input).map_err(|e| format!("{}: {e}", input.input.display()))?;
     let mut c = JobConfig::new();
     if let Some(n) = input.shards {
         c = c.with_shards(n);

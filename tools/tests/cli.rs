@@ -12,6 +12,26 @@ fn weir(args: &[&str]) -> Output {
         .expect("weir runs")
 }
 
+/// [`weir`], killed if it has not exited within `secs` (a failure, not a hang of the suite).
+fn weir_within(args: &[&str], secs: u64) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("weir runs");
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while child.try_wait().expect("wait").is_none() {
+        if std::time::Instant::now() > until {
+            let _ = child.kill();
+            let o = child.wait_with_output().expect("output");
+            panic!("weir {args:?} still ran after {secs} s: {}", stderr(&o));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    child.wait_with_output().expect("output")
+}
+
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
@@ -707,6 +727,48 @@ fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
     ]);
     assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
     assert!(stderr(&r).contains(name), "{}", stderr(&r));
+}
+
+/// With a checkpoint directory (and so a restart strategy) a mistake in the input is still one
+/// line and exit code 1: a malformed line under the fail policy, an unknown column and a
+/// missing input would fail every restart the same way. Before, the job restarted forever.
+#[test]
+fn input_errors_of_a_checkpointing_job_exit_at_once() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let input = dir.path().join("in.csv");
+    std::fs::write(&input, "user,amount\na,1\nb,x\n").expect("write");
+    let (out, ck) = (dir.path().join("out"), dir.path().join("ck"));
+    let run = |input: &Path, key: &str| {
+        weir_within(
+            &[
+                "run",
+                "keyed-sum",
+                "--input",
+                input.to_str().expect("utf8"),
+                "--format",
+                "csv",
+                "--key",
+                key,
+                "--value",
+                "amount",
+                "--output",
+                out.to_str().expect("utf8"),
+                "--checkpoint-dir",
+                ck.to_str().expect("utf8"),
+            ],
+            60,
+        )
+    };
+    let o = run(&input, "user");
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("in.csv:3"), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("restarting"), "{}", stderr(&o));
+    let o = run(&input, "nosuch");
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("nosuch"), "{}", stderr(&o));
+    let o = run(&dir.path().join("missing.csv"), "user");
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("missing.csv"), "{}", stderr(&o));
 }
 
 /// A checkpoint whose `_metadata` is corrupt did complete (the file is renamed into place
