@@ -566,6 +566,36 @@ fn committed_lines(dir: &Path) -> Vec<String> {
     lines
 }
 
+/// `weir run keyed-sum` of CSV `input` on 2 shards, exactly once into `out` with a checkpoint
+/// every `interval` in `ck`, continuing from the newest one (`--restore latest`).
+fn keyed_sum_checkpointed(input: &Path, out: &Path, ck: &Path, interval: &str) -> Vec<String> {
+    let path = |p: &Path| p.to_str().expect("utf8").to_owned();
+    [
+        "run",
+        "keyed-sum",
+        "--input",
+        &path(input),
+        "--format",
+        "csv",
+        "--key",
+        "user",
+        "--value",
+        "amount",
+        "--output",
+        &path(out),
+        "--shards",
+        "2",
+        "--checkpoint-dir",
+        &path(ck),
+        "--checkpoint-interval",
+        interval,
+        "--restore",
+        "latest",
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
 /// Kills `weir run keyed-sum` with SIGKILL again and again, restarting it each time with
 /// `--restore latest`, then lets it finish: the committed output holds every running sum
 /// exactly once, in input order per key.
@@ -580,32 +610,12 @@ fn kill_loop_with_restore_latest_commits_every_result_exactly_once() {
     let input = dir.path().join("in.csv");
     write_csv(&input, &recs);
     let (out, ck) = (dir.path().join("out"), dir.path().join("ckpt"));
-    let args = [
-        "run",
-        "keyed-sum",
-        "--input",
-        input.to_str().expect("utf8"),
-        "--format",
-        "csv",
-        "--key",
-        "user",
-        "--value",
-        "amount",
-        "--output",
-        out.to_str().expect("utf8"),
-        "--shards",
-        "2",
-        "--checkpoint-dir",
-        ck.to_str().expect("utf8"),
-        "--checkpoint-interval",
-        "50ms",
-        "--restore",
-        "latest",
-    ];
+    let args = keyed_sum_checkpointed(&input, &out, &ck, "50ms");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut rng = 0x2545_F491_4F6C_DD1Du64;
     for _ in 0..kills {
         let mut child = Command::new(env!("CARGO_BIN_EXE_weir"))
-            .args(args)
+            .args(&args)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -782,28 +792,8 @@ fn a_corrupt_metadata_file_stops_restore_latest_instead_of_starting_over() {
     let input = dir.path().join("in.csv");
     write_csv(&input, &recs);
     let (out, ck) = (dir.path().join("out"), dir.path().join("ckpt"));
-    let args = [
-        "run",
-        "keyed-sum",
-        "--input",
-        input.to_str().expect("utf8"),
-        "--format",
-        "csv",
-        "--key",
-        "user",
-        "--value",
-        "amount",
-        "--output",
-        out.to_str().expect("utf8"),
-        "--shards",
-        "2",
-        "--checkpoint-dir",
-        ck.to_str().expect("utf8"),
-        "--checkpoint-interval",
-        "20ms",
-        "--restore",
-        "latest",
-    ];
+    let args = keyed_sum_checkpointed(&input, &out, &ck, "20ms");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let r = weir(&args);
     assert!(r.status.success(), "{}", stderr(&r));
     let want = running_sums(&recs);
