@@ -212,32 +212,14 @@ pub fn verify(a: &VerifyArgs) -> Result<(), VerifyFailed> {
     let mut checked = 0;
     for (root, job) in jobs {
         let s = open(&root, &job).map_err(VerifyFailed::Other)?;
-        let ids: Vec<u64> = match a.checkpoint {
-            Some(n) => vec![n],
-            None => {
-                let infos = s.list().map_err(|e| VerifyFailed::Other(e.to_string()))?;
-                // A checkpoint whose metadata exists but does not decode is corrupt, not
-                // merely incomplete: verify reports it.
-                infos
-                    .iter()
-                    .filter(|i| i.complete || i.metadata_corrupt)
-                    .map(|i| i.id)
-                    .collect()
-            }
-        };
-        for id in ids {
-            match s.verify(id) {
-                Ok(r) => {
-                    checked += 1;
-                    println!(
-                        "ok {job} checkpoint {id}: {} files, {} logical files, {} bytes checked",
-                        r.files, r.logical_files, r.bytes_checked
-                    );
-                }
-                Err(e @ VerifyError::NotFound { .. }) if a.checkpoint.is_some() => {
-                    return Err(VerifyFailed::Other(format!("{job}: {e}")))
-                }
-                Err(e) => return Err(VerifyFailed::Corrupt(format!("{job}: {e}"))),
+        // Every checkpoint listed may be dropped while it is verified: list again, so that a
+        // job's newer checkpoint is verified instead (a few rounds; a job keeping up with
+        // that is checkpointing faster than a verification takes).
+        for _round in 0..VERIFY_ROUNDS {
+            let (ok, skipped) = verify_listed(a, &s, &job)?;
+            checked += ok;
+            if ok > 0 || skipped == 0 {
+                break;
             }
         }
     }
@@ -248,6 +230,69 @@ pub fn verify(a: &VerifyArgs) -> Result<(), VerifyFailed> {
         )));
     }
     Ok(())
+}
+
+/// See [`verify`].
+const VERIFY_ROUNDS: usize = 5;
+
+/// Verifies the checkpoints of `job` that `a` designates, as listed now: how many verified,
+/// and how many were removed while they were verified.
+fn verify_listed(
+    a: &VerifyArgs,
+    s: &CheckpointStorage,
+    job: &str,
+) -> Result<(usize, usize), VerifyFailed> {
+    let (mut checked, mut skipped) = (0, 0);
+    let ids: Vec<u64> = match a.checkpoint {
+        Some(n) => vec![n],
+        None => {
+            let infos = s.list().map_err(|e| VerifyFailed::Other(e.to_string()))?;
+            // A checkpoint whose metadata exists but does not decode is corrupt, not
+            // merely incomplete: verify reports it.
+            infos
+                .iter()
+                .filter(|i| i.complete || i.metadata_corrupt)
+                .map(|i| i.id)
+                .collect()
+        }
+    };
+    for id in ids {
+        match s.verify(id) {
+            Ok(r) => {
+                checked += 1;
+                println!(
+                    "ok {job} checkpoint {id}: {} files, {} logical files, {} bytes checked",
+                    r.files, r.logical_files, r.bytes_checked
+                );
+            }
+            Err(e @ VerifyError::NotFound { .. }) if a.checkpoint.is_some() => {
+                return Err(VerifyFailed::Other(format!("{job}: {e}")))
+            }
+            // A running job's retention may drop a checkpoint while it is verified (its
+            // metadata first, then the files only it used): a file gone then is not
+            // corruption. Found verifying beside a job checkpointing every 10 ms: "has no
+            // metadata" reported as corrupt, exit 3.
+            Err(e) if !still_there(s, id) => {
+                if a.checkpoint.is_some() {
+                    return Err(VerifyFailed::Other(format!(
+                        "{job}: checkpoint {id} was removed while it was verified ({e})"
+                    )));
+                }
+                eprintln!("weir: {job} checkpoint {id} was removed while it was verified; skipped");
+                skipped += 1;
+            }
+            Err(e) => return Err(VerifyFailed::Corrupt(format!("{job}: {e}"))),
+        }
+    }
+    Ok((checked, skipped))
+}
+
+/// Whether checkpoint `id` still has a metadata file (a verifying, or a corrupt, one).
+fn still_there(s: &CheckpointStorage, id: u64) -> bool {
+    s.list().map_or(true, |l| {
+        l.iter()
+            .any(|i| i.id == id && (i.complete || i.metadata_corrupt))
+    })
 }
 
 /// A metadata read that failed: a corrupt file is [`VerifyFailed::Corrupt`] (exit 3).
