@@ -379,6 +379,18 @@ fn corruption_names_file_and_offset() {
     );
     let listed = &st.list().unwrap()[0];
     assert!(!listed.complete && listed.metadata_corrupt, "{listed:?}");
+    // The job directory's record of the newest completed checkpoint outlives its metadata;
+    // a record that fails its CRC says nothing.
+    let marker = job.join(weir_io::COMPLETED_FILE);
+    assert_eq!(
+        std::fs::read_to_string(&marker).unwrap(),
+        format!("1 {:08x}\n", crc32fast::hash(b"1"))
+    );
+    assert_eq!(st.completed_marker(), Some(1));
+    let good_marker = std::fs::read(&marker).unwrap();
+    std::fs::write(&marker, b"7 00000000\n").unwrap();
+    assert_eq!(st.completed_marker(), None);
+    std::fs::write(&marker, &good_marker).unwrap();
     assert!(st.latest_complete().unwrap().is_none());
     // A missing metadata file is a checkpoint cut short, not corruption.
     std::fs::remove_file(&meta_path).unwrap();

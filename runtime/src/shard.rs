@@ -420,6 +420,22 @@ fn latest_restore(
         .collect();
     candidates.sort_unstable_by_key(|i| i.id);
     let mut skipped: Vec<(u64, String)> = Vec::new();
+    // The storage's record of the newest completed checkpoint: when no checkpoint that new
+    // has a `_metadata`, one was removed after it completed, and is treated as one that does
+    // not verify (the metadata of a checkpoint cut short by a crash never existed).
+    if let Some(done) = store.storage.completed_marker().filter(|&n| n >= min_id) {
+        if !candidates.iter().any(|i| i.id >= done) {
+            skipped.push((
+                done,
+                format!(
+                    "checkpoint {done} completed ({} in {} names it) but its {} is gone",
+                    weir_io::COMPLETED_FILE,
+                    store.storage.job_dir().display(),
+                    weir_io::METADATA_FILE
+                ),
+            ));
+        }
+    }
     for info in candidates.into_iter().rev() {
         let id = info.id;
         if info.metadata_corrupt {

@@ -816,7 +816,8 @@ fn verify_beside_a_running_job_reports_no_corruption() {
 /// A checkpoint whose `_metadata` is corrupt did complete (the file is renamed into place
 /// whole), so its sink output may be committed: `--restore latest` stops and names the file
 /// and offset, rather than start over as if there were no checkpoint and write every result
-/// a second time (what it did before: 60000 lines for 30000 records).
+/// a second time (what it did before: 60000 lines for 30000 records). The same when the
+/// metadata is removed: the job directory's `COMPLETED` record says it completed.
 #[test]
 fn a_corrupt_metadata_file_stops_restore_latest_instead_of_starting_over() {
     let dir = tempfile::tempdir().expect("tmp");
@@ -847,10 +848,10 @@ fn a_corrupt_metadata_file_stops_restore_latest_instead_of_starting_over() {
         .expect("a checkpoint")
         .1;
     let meta = newest.join("_metadata");
-    let mut bytes = std::fs::read(&meta).expect("read");
-    let at = bytes.len() / 3;
-    bytes[at] ^= 0x10;
-    std::fs::write(&meta, bytes).expect("write");
+    let mut corrupt = std::fs::read(&meta).expect("read");
+    let at = corrupt.len() / 3;
+    corrupt[at] ^= 0x10;
+    std::fs::write(&meta, &corrupt).expect("write");
     let r = weir(&args);
     assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
     let e = stderr(&r);
@@ -864,6 +865,19 @@ fn a_corrupt_metadata_file_stops_restore_latest_instead_of_starting_over() {
         want,
         "the committed output is as it was: nothing written twice"
     );
+    // Removed outright rather than corrupted, the metadata no longer says the checkpoint
+    // completed; the job directory's COMPLETED record does, and the restore stops the same way.
+    std::fs::remove_file(&meta).expect("remove");
+    let r = weir(&args);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    let e = stderr(&r);
+    assert!(e.contains("COMPLETED") && e.contains("is gone"), "{e}");
+    assert_eq!(
+        parse_sums(&committed_lines(&out)),
+        want,
+        "nothing written twice"
+    );
+    std::fs::write(&meta, &corrupt).expect("write");
     // The tools that pick the newest checkpoint report it as corrupt too.
     let ck_s = ck.to_str().expect("utf8");
     let sp = dir.path().join("sp");

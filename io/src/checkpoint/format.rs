@@ -46,6 +46,10 @@ pub const SHARED_DIR: &str = "shared";
 pub const TASKOWNED_DIR: &str = "taskowned";
 /// Name of the metadata file inside a checkpoint or savepoint directory.
 pub const METADATA_FILE: &str = "_metadata";
+/// Name of the file in a job directory that records the id of the newest checkpoint known to
+/// have completed: the id in decimal, a space, the CRC-32 of those digits in 8 lowercase hex
+/// digits, `\n`. See `CheckpointStorage::completed_marker`.
+pub const COMPLETED_FILE: &str = "COMPLETED";
 
 /// Whether a checkpoint is a periodic checkpoint or a self-contained savepoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

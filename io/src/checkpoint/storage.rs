@@ -18,9 +18,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use crate::checkpoint::error::{is_not_found, CheckpointError, VerifyError};
 use crate::checkpoint::format::{
     data_file_name, parse_data_file_name, raw_file_name, sanitize_hint, CheckpointKind,
-    CheckpointMetadata, DataHeader, FileRef, LogicalFileRef, SmallFileKind, DATA_BLOCK_KIND,
-    DATA_HEADER_LEN, FILE_KIND_MERGED_SHARED, FILE_KIND_MERGED_TASKOWNED, FILE_KIND_UPLOAD,
-    METADATA_FILE, SHARED_DIR, TASKOWNED_DIR,
+    CheckpointMetadata, DataHeader, FileRef, LogicalFileRef, SmallFileKind, COMPLETED_FILE,
+    DATA_BLOCK_KIND, DATA_HEADER_LEN, FILE_KIND_MERGED_SHARED, FILE_KIND_MERGED_TASKOWNED,
+    FILE_KIND_UPLOAD, METADATA_FILE, SHARED_DIR, TASKOWNED_DIR,
 };
 use crate::checkpoint::read::{
     copy_span_to, read_metadata_file, read_span, verify_files, Span, VerifyReport,
@@ -136,6 +136,24 @@ fn check_name(what: &'static str, s: &str) -> Result<(), CheckpointError> {
             reason: format!("{s:?}: use 1 to 200 of [A-Za-z0-9._-]"),
         })
     }
+}
+
+/// Replace `<job_dir>/COMPLETED` with `id` and its CRC (see
+/// [`CheckpointStorage::completed_marker`]): through a temporary file and a rename, so that a
+/// reader sees the old record or the new one.
+fn write_completed_marker(fs: &dyn Fs, job_dir: &Path, id: u64) -> Result<(), IoError> {
+    let path = job_dir.join(COMPLETED_FILE);
+    let tmp = job_dir.join(format!("{COMPLETED_FILE}.tmp"));
+    match fs.remove(&tmp) {
+        Err(e) if !is_not_found(&e) => return Err(e),
+        _ => {}
+    }
+    let mut f = fs.create(&tmp)?;
+    let id = id.to_string();
+    let crc = crc32(&[id.as_bytes()]);
+    f.write_at(0, format!("{id} {crc:08x}\n").as_bytes())?;
+    drop(f);
+    fs.rename(&tmp, &path)
 }
 
 /// One `chk-<n>` directory as [`CheckpointStorage::list`] sees it.
@@ -385,11 +403,16 @@ impl CheckpointStorage {
             lock(&pending.inner.state).failed = Some(e.to_string());
             return Err(e.into());
         }
-        {
+        let newest = {
             // An older checkpoint may complete after a newer one (concurrent checkpoints).
             let mut reg = lock(&sh.registry);
             reg.latest_complete = reg.latest_complete.max(Some(id));
-        }
+            reg.latest_complete.unwrap_or(id)
+        };
+        // Best effort and not synced: see `completed_marker`. Written after the metadata is
+        // durable, so it never names a checkpoint that did not complete; lost or stale after
+        // a crash, it says less, never something false. (Under `_gc`: writes do not cross.)
+        let _ = write_completed_marker(&*sh.fs, &sh.job_dir, newest);
         Ok(CompletedCheckpoint {
             metadata,
             metadata_path: path,
@@ -447,6 +470,29 @@ impl CheckpointStorage {
                 },
             })
             .collect())
+    }
+
+    /// The id of the newest checkpoint this job directory is known to have completed (the
+    /// `COMPLETED` file), if the file is there and readable. A lower bound: every checkpoint
+    /// is recorded after its metadata is durable, retention never drops the newest complete
+    /// checkpoint, and a crash may lose the newest record but not make it name a checkpoint
+    /// that did not complete. So when no checkpoint at least this new has a `_metadata`, one
+    /// was removed after it completed (its sinks may have committed), which a restore must
+    /// not take for a checkpoint cut short by a crash.
+    pub fn completed_marker(&self) -> Option<u64> {
+        let path = self.shared.job_dir.join(COMPLETED_FILE);
+        let f = self.shared.fs.open(&path).ok()?;
+        let len = usize::try_from(f.len().ok()?).ok()?.min(32);
+        let mut buf = vec![0u8; len];
+        f.read_at(0, &mut buf).ok()?;
+        // "<id> <crc32 of the id's digits, 8 hex digits>\n"; a record that fails its CRC
+        // says nothing.
+        let text = std::str::from_utf8(&buf).ok()?.strip_suffix('\n')?;
+        let (id, crc) = text.split_once(' ')?;
+        if u32::from_str_radix(crc, 16).ok()? != crc32(&[id.as_bytes()]) {
+            return None;
+        }
+        id.parse().ok()
     }
 
     /// The newest complete checkpoint.
