@@ -811,12 +811,7 @@ impl<T: 'static> SourceReader<T> for FileReader<T> {
 
     fn position(&self) -> Vec<u8> {
         let (offset, line) = self.open.as_ref().map_or((0, 1), |o| (o.offset, o.line));
-        let name = self
-            .files
-            .get(self.index)
-            .and_then(|p| p.file_name())
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
+        let name = self.position_name(self.index);
         let mut pos = Vec::with_capacity(POSITION_FIXED_BYTES + name.len());
         pos.push(POSITION_VERSION);
         pos.extend_from_slice(&(self.index as u64).to_le_bytes());
@@ -843,17 +838,17 @@ impl<T: 'static> SourceReader<T> for FileReader<T> {
                 self.files.len()
             )));
         }
-        let expected = self
-            .files
-            .get(index)
-            .and_then(|p| p.file_name())
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        if name != expected.as_bytes() {
-            return Err(bad(format!(
-                "file {index} is `{}` in the position but `{expected}` now",
-                String::from_utf8_lossy(name)
-            )));
+        let expected = self.position_name(index);
+        // Past the last file, positions written before the name of the last file was recorded
+        // there carry none.
+        let unnamed_end = index == self.files.len() && name.is_empty();
+        if name != expected.as_bytes() && !unnamed_end {
+            let was = String::from_utf8_lossy(name);
+            return Err(bad(if index == self.files.len() {
+                format!("the position is past the last file, `{was}`, but the last file is `{expected}` now")
+            } else {
+                format!("file {index} is `{was}` in the position but `{expected}` now")
+            }));
         }
         if line == 0 || (index == self.files.len() && (offset, line) != (0, 1)) {
             return Err(bad(format!(
@@ -867,6 +862,23 @@ impl<T: 'static> SourceReader<T> for FileReader<T> {
             self.open_current(Some((offset, line)))?;
         }
         Ok(())
+    }
+}
+
+impl<T> FileReader<T> {
+    /// The file name a position at file `index` records: that file's, or past the end the
+    /// last file's, so that a finished source's position still says what it read (a restore
+    /// onto other input then fails instead of reading nothing). Empty for no files.
+    fn position_name(&self, index: usize) -> String {
+        let at = if index == self.files.len() {
+            index.checked_sub(1)
+        } else {
+            Some(index)
+        };
+        at.and_then(|i| self.files.get(i))
+            .and_then(|p| p.file_name())
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default()
     }
 }
 
@@ -1686,6 +1698,24 @@ mod tests {
                 Err(SourceError::BadPosition(_)) => {}
                 other => panic!("{position:?}: expected BadPosition, got {other:?}"),
             }
+        }
+        // A finished source's position names the last file it read, so that a restore onto
+        // other input fails rather than read nothing; one without a name (written before)
+        // is still taken.
+        let mut done = reader(&source);
+        assert!(until_error(done.as_mut()).1.is_none());
+        let end = done.position();
+        assert_eq!(end, encode(1, 0, 1, "a.jsonl"));
+        reader(&source).seek(&end).expect("the same input");
+        reader(&source)
+            .seek(&encode(1, 0, 1, ""))
+            .expect("an unnamed end");
+        write(tmp.path(), "b.jsonl", "{\"k\":\"c\",\"v\":3}\n");
+        std::fs::remove_file(tmp.path().join("a.jsonl")).expect("remove");
+        let other = FileSource::new(tmp.path(), FileFormat::JsonLines, &["k", "v"], pair);
+        match reader(&other).seek(&end) {
+            Err(SourceError::BadPosition(why)) => assert!(why.contains("b.jsonl"), "{why}"),
+            other => panic!("expected BadPosition, got {other:?}"),
         }
     }
 
