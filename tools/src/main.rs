@@ -82,9 +82,9 @@ pub struct CheckpointArgs {
     /// The job's name in the checkpoint directory (default: the job's kind).
     #[arg(long)]
     pub job_id: Option<String>,
-    /// Complete checkpoints to keep.
-    #[arg(long, default_value_t = 1)]
-    pub retained: usize,
+    /// Complete checkpoints to keep (at least 1).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub retained: u64,
 }
 
 #[derive(Clone, Copy, Debug, Default, ValueEnum)]
@@ -173,7 +173,7 @@ pub fn apply_checkpointing(
             ModeArg::AtLeastOnce => CheckpointMode::AtLeastOnce,
         })
         .with_unaligned(a.unaligned)
-        .with_retained(a.retained);
+        .with_retained(usize::try_from(a.retained).unwrap_or(usize::MAX));
     if let Some(t) = a.aligned_timeout {
         ck = ck.with_aligned_timeout(Duration::from_millis(t.max(0) as u64));
     }

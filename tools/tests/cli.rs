@@ -508,6 +508,17 @@ fn errors_name_what_and_where_with_the_right_exit_code() {
     ]);
     assert_eq!(r.status.code(), Some(2));
     assert!(stderr(&r).contains("must be more than 0"), "{}", stderr(&r));
+    // No retained checkpoint is a usage error, as `retained = 0` in TOML is a config error
+    // (it was taken as 1 without a word).
+    let ck_s = ck.to_str().expect("utf8");
+    let r = keyed_sum(
+        &input,
+        "csv",
+        &out,
+        &["--checkpoint-dir", ck_s, "--retained", "0"],
+    );
+    assert_eq!(r.status.code(), Some(2), "{}", stderr(&r));
+    assert!(stderr(&r).contains("--retained"), "{}", stderr(&r));
     // An output path that is a file.
     let r = keyed_sum(&input, "csv", &input, &[]);
     assert_eq!(r.status.code(), Some(1));
