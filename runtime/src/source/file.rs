@@ -626,14 +626,9 @@ impl<T: 'static> FileReader<T> {
                     open.map.push(i)
                 }
                 None => {
-                    let available = (0..open.width)
-                        .map(|i| {
-                            String::from_utf8_lossy(
-                                csv_field(&self.csv_buf, &self.csv_ends, i).unwrap_or_default(),
-                            )
-                        })
-                        .collect::<Vec<_>>()
-                        .join(", ");
+                    let names = (0..open.width)
+                        .map(|i| csv_field(&self.csv_buf, &self.csv_ends, i).unwrap_or_default());
+                    let available = column_list(names, open.width);
                     return Err(SourceError::UnknownColumn {
                         file: self.loc.file.clone(),
                         column: column.clone(),
@@ -880,6 +875,35 @@ impl<T> FileReader<T> {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default()
     }
+}
+
+/// Most header columns an unknown-column error lists, and most characters of each: a binary
+/// file read as CSV has a header of any length (up to [`MAX_RECORD_BYTES`]), which the one
+/// error line should not print whole.
+const LISTED_COLUMNS: usize = 16;
+const LISTED_COLUMN_CHARS: usize = 40;
+
+/// `names` (there are `count`) as a bounded, printable list for an error message.
+fn column_list<'a>(names: impl Iterator<Item = &'a [u8]>, count: usize) -> String {
+    let mut list: Vec<String> = names
+        .take(LISTED_COLUMNS)
+        .map(|n| {
+            let text = String::from_utf8_lossy(n);
+            let mut shown: String = text
+                .chars()
+                .take(LISTED_COLUMN_CHARS)
+                .flat_map(char::escape_debug)
+                .collect();
+            if text.chars().nth(LISTED_COLUMN_CHARS).is_some() {
+                shown.push('…');
+            }
+            shown
+        })
+        .collect();
+    if count > LISTED_COLUMNS {
+        list.push(format!("and {} more", count - LISTED_COLUMNS));
+    }
+    list.join(", ")
 }
 
 /// Decodes (file index, byte offset, line, file name) from a position.
@@ -1294,6 +1318,23 @@ mod tests {
             other => panic!("unexpected error {other:?}"),
         }
         assert!(err.to_string().contains("u.csv"), "{err}");
+        // A header of any size (a binary file read as CSV) is listed in bounds, printable.
+        let header: Vec<String> = (0..100)
+            .map(|i| format!("c{i}\u{1}{}", "x".repeat(60)))
+            .collect();
+        let path = write(tmp.path(), "wide.csv", &format!("{}\n", header.join(",")));
+        let source = FileSource::new(&path, FileFormat::Csv, &["zz"], texts);
+        match drain(reader(&source).as_mut(), 10) {
+            Err(SourceError::UnknownColumn { available, .. }) => {
+                let listed: Vec<&str> = available.split(", ").collect();
+                assert_eq!(listed.len(), LISTED_COLUMNS + 1, "{available}");
+                assert_eq!(listed[LISTED_COLUMNS], "and 84 more");
+                assert!(listed[0].starts_with("c0\\u{1}xx") && listed[0].ends_with('…'));
+                assert!(!available.contains('\u{1}'));
+                assert!(available.len() < 2000, "{} bytes", available.len());
+            }
+            other => panic!("unexpected {other:?}"),
+        }
     }
 
     #[test]
