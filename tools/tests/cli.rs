@@ -2,7 +2,7 @@
 //! and exit codes (0 success, 1 job or input failure, 2 usage).
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn weir(args: &[&str]) -> Output {
@@ -38,7 +38,14 @@ fn stderr(o: &Output) -> String {
 
 /// `weir run keyed-sum` of column `amount` by `user`, with `extra` flags after the output.
 fn keyed_sum(input: &Path, format: &str, output: &Path, extra: &[&str]) -> Output {
-    let mut args = vec![
+    let mut args = keyed_sum_args(input, format, output);
+    args.extend_from_slice(extra);
+    weir(&args)
+}
+
+/// The arguments of [`keyed_sum`] before its `extra` flags.
+fn keyed_sum_args<'a>(input: &'a Path, format: &'a str, output: &'a Path) -> Vec<&'a str> {
+    vec![
         "run",
         "keyed-sum",
         "--input",
@@ -51,9 +58,7 @@ fn keyed_sum(input: &Path, format: &str, output: &Path, extra: &[&str]) -> Outpu
         "amount",
         "--output",
         output.to_str().expect("utf8"),
-    ];
-    args.extend_from_slice(extra);
-    weir(&args)
+    ]
 }
 
 /// Every line of every part file of `dir`.
@@ -577,34 +582,51 @@ fn committed_lines(dir: &Path) -> Vec<String> {
     lines
 }
 
-/// `weir run keyed-sum` of CSV `input` on 2 shards, exactly once into `out` with a checkpoint
-/// every `interval` in `ck`, continuing from the newest one (`--restore latest`).
-fn keyed_sum_checkpointed(input: &Path, out: &Path, ck: &Path, interval: &str) -> Vec<String> {
-    let path = |p: &Path| p.to_str().expect("utf8").to_owned();
-    [
-        "run",
-        "keyed-sum",
-        "--input",
-        &path(input),
-        "--format",
-        "csv",
-        "--key",
-        "user",
-        "--value",
-        "amount",
-        "--output",
-        &path(out),
-        "--shards",
-        "2",
-        "--checkpoint-dir",
-        &path(ck),
-        "--checkpoint-interval",
-        interval,
-        "--restore",
-        "latest",
-    ]
-    .map(str::to_owned)
-    .to_vec()
+/// A checkpointed `weir run keyed-sum` over a fresh CSV of `n` records with `keys` keys, in a
+/// temporary directory: exactly once into `out` on `shards` shards, a checkpoint every
+/// `interval` in `ck`, continuing from the newest one (`--restore latest`).
+struct CheckpointedRun {
+    dir: tempfile::TempDir,
+    recs: Vec<(String, i64, i64)>,
+    out: PathBuf,
+    ck: PathBuf,
+    args: Vec<String>,
+}
+
+impl CheckpointedRun {
+    fn new(n: u64, keys: u64, shards: &str, interval: &str) -> CheckpointedRun {
+        let dir = tempfile::tempdir().expect("tmp");
+        let recs = records(n, keys);
+        let input = dir.path().join("in.csv");
+        write_csv(&input, &recs);
+        let (out, ck) = (dir.path().join("out"), dir.path().join("ckpt"));
+        let mut args = keyed_sum_args(&input, "csv", &out);
+        let ck_s = ck.to_str().expect("utf8");
+        args.extend(["--shards", shards, "--checkpoint-dir", ck_s]);
+        args.extend(["--checkpoint-interval", interval, "--restore", "latest"]);
+        let args = args.into_iter().map(str::to_owned).collect();
+        CheckpointedRun {
+            dir,
+            recs,
+            out,
+            ck,
+            args,
+        }
+    }
+
+    fn args(&self) -> Vec<&str> {
+        self.args.iter().map(String::as_str).collect()
+    }
+
+    /// The run started in the background, its output discarded.
+    fn spawn(&self) -> std::process::Child {
+        Command::new(env!("CARGO_BIN_EXE_weir"))
+            .args(&self.args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn")
+    }
 }
 
 /// Kills `weir run keyed-sum` with SIGKILL again and again, restarting it each time with
@@ -616,21 +638,11 @@ fn kill_loop_with_restore_latest_commits_every_result_exactly_once() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(4);
-    let dir = tempfile::tempdir().expect("tmp");
-    let recs = records(400_000, 997);
-    let input = dir.path().join("in.csv");
-    write_csv(&input, &recs);
-    let (out, ck) = (dir.path().join("out"), dir.path().join("ckpt"));
-    let args = keyed_sum_checkpointed(&input, &out, &ck, "50ms");
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let run = CheckpointedRun::new(400_000, 997, "2", "50ms");
+    let (recs, out, ck, args) = (&run.recs, &run.out, &run.ck, run.args());
     let mut rng = 0x2545_F491_4F6C_DD1Du64;
     for _ in 0..kills {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_weir"))
-            .args(&args)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("spawn");
+        let mut child = run.spawn();
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
@@ -645,8 +657,8 @@ fn kill_loop_with_restore_latest_commits_every_result_exactly_once() {
         "the killed runs left checkpoints: {}",
         stderr(&o)
     );
-    let got = parse_sums(&committed_lines(&out));
-    let want = running_sums(&recs);
+    let got = parse_sums(&committed_lines(out));
+    let want = running_sums(recs);
     for (k, sums) in &want {
         assert_eq!(
             got.get(k),
@@ -758,36 +770,26 @@ fn input_errors_of_a_checkpointing_job_exit_at_once() {
     let dir = tempfile::tempdir().expect("tmp");
     let input = dir.path().join("in.csv");
     std::fs::write(&input, "user,amount\na,1\nb,x\n").expect("write");
+    let unknown = dir.path().join("unknown.csv");
+    std::fs::write(&unknown, "name,amount\na,1\n").expect("write");
     let (out, ck) = (dir.path().join("out"), dir.path().join("ck"));
-    let run = |input: &Path, key: &str| {
-        weir_within(
-            &[
-                "run",
-                "keyed-sum",
-                "--input",
-                input.to_str().expect("utf8"),
-                "--format",
-                "csv",
-                "--key",
-                key,
-                "--value",
-                "amount",
-                "--output",
-                out.to_str().expect("utf8"),
-                "--checkpoint-dir",
-                ck.to_str().expect("utf8"),
-            ],
-            60,
-        )
+    let run = |input: &Path| {
+        let mut args = keyed_sum_args(input, "csv", &out);
+        args.extend(["--checkpoint-dir", ck.to_str().expect("utf8")]);
+        weir_within(&args, 60)
     };
-    let o = run(&input, "user");
+    let o = run(&input);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(stderr(&o).contains("in.csv:3"), "{}", stderr(&o));
     assert!(!stderr(&o).contains("restarting"), "{}", stderr(&o));
-    let o = run(&input, "nosuch");
+    let o = run(&unknown);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
-    assert!(stderr(&o).contains("nosuch"), "{}", stderr(&o));
-    let o = run(&dir.path().join("missing.csv"), "user");
+    assert!(
+        stderr(&o).contains("unknown column `user`"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(&dir.path().join("missing.csv"));
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(stderr(&o).contains("missing.csv"), "{}", stderr(&o));
 }
@@ -798,21 +800,10 @@ fn input_errors_of_a_checkpointing_job_exit_at_once() {
 /// not forced, so a run where it never happens passes as well.
 #[test]
 fn verify_beside_a_running_job_reports_no_corruption() {
-    let dir = tempfile::tempdir().expect("tmp");
-    let input = dir.path().join("in.csv");
-    write_csv(&input, &records(3_000_000, 997));
-    let (out, ck) = (dir.path().join("out"), dir.path().join("ckpt"));
-    let mut args = keyed_sum_checkpointed(&input, &out, &ck, "10ms");
     // One shard: a longer job, more checkpoints dropped while verified.
-    let at = args.iter().position(|a| a == "--shards").expect("--shards");
-    args[at + 1] = "1".into();
-    let mut job = Command::new(env!("CARGO_BIN_EXE_weir"))
-        .args(&args)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("spawn");
-    let ck_s = ck.to_str().expect("utf8");
+    let run = CheckpointedRun::new(3_000_000, 997, "1", "10ms");
+    let mut job = run.spawn();
+    let ck_s = run.ck.to_str().expect("utf8");
     let mut verified = 0;
     while job.try_wait().expect("wait").is_none() {
         let v = weir(&["checkpoints", "verify", ck_s]);
@@ -831,17 +822,12 @@ fn verify_beside_a_running_job_reports_no_corruption() {
 /// metadata is removed: the job directory's `COMPLETED` record says it completed.
 #[test]
 fn a_corrupt_metadata_file_stops_restore_latest_instead_of_starting_over() {
-    let dir = tempfile::tempdir().expect("tmp");
-    let recs = records(30_000, 500);
-    let input = dir.path().join("in.csv");
-    write_csv(&input, &recs);
-    let (out, ck) = (dir.path().join("out"), dir.path().join("ckpt"));
-    let args = keyed_sum_checkpointed(&input, &out, &ck, "20ms");
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let run = CheckpointedRun::new(30_000, 500, "2", "20ms");
+    let (dir, recs, out, ck, args) = (&run.dir, &run.recs, &run.out, &run.ck, run.args());
     let r = weir(&args);
     assert!(r.status.success(), "{}", stderr(&r));
-    let want = running_sums(&recs);
-    assert_eq!(parse_sums(&committed_lines(&out)), want);
+    let want = running_sums(recs);
+    assert_eq!(parse_sums(&committed_lines(out)), want);
     // The newest checkpoint: the final one, which committed the sink's last files.
     let newest = std::fs::read_dir(ck.join("keyed-sum"))
         .expect("job dir")
@@ -872,7 +858,7 @@ fn a_corrupt_metadata_file_stops_restore_latest_instead_of_starting_over() {
     );
     assert!(!e.contains("starting from the beginning"), "{e}");
     assert_eq!(
-        parse_sums(&committed_lines(&out)),
+        parse_sums(&committed_lines(out)),
         want,
         "the committed output is as it was: nothing written twice"
     );
@@ -884,7 +870,7 @@ fn a_corrupt_metadata_file_stops_restore_latest_instead_of_starting_over() {
     let e = stderr(&r);
     assert!(e.contains("COMPLETED") && e.contains("is gone"), "{e}");
     assert_eq!(
-        parse_sums(&committed_lines(&out)),
+        parse_sums(&committed_lines(out)),
         want,
         "nothing written twice"
     );
