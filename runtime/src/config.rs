@@ -59,6 +59,9 @@ pub struct JobConfig {
     /// Let a restore fall back to an older checkpoint when the newest does not verify, even
     /// where that may duplicate output a sink already committed.
     pub allow_fallback: bool,
+    /// Let a restore skip state of operators the job does not have (Flink's
+    /// `--allowNonRestoredState`); without it such a restore fails, naming them.
+    pub allow_non_restored_state: bool,
 }
 
 /// Where a job's state comes from when it starts.
@@ -99,6 +102,7 @@ impl Default for JobConfig {
             checkpoint: None,
             restore: None,
             allow_fallback: false,
+            allow_non_restored_state: false,
         }
     }
 }
@@ -185,6 +189,14 @@ impl JobConfig {
     /// committed output.
     pub fn with_allow_fallback(mut self, allow: bool) -> Self {
         self.allow_fallback = allow;
+        self
+    }
+
+    /// Allows a restore to skip the state of operators (by uid) that this job does not have,
+    /// as after removing an operator on purpose. Without it such a restore fails and names
+    /// them: a renamed uid or the wrong checkpoint would otherwise start that state afresh.
+    pub fn with_allow_non_restored_state(mut self, allow: bool) -> Self {
+        self.allow_non_restored_state = allow;
         self
     }
 

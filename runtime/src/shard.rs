@@ -667,8 +667,10 @@ fn run_attempt(
         .store(JobStatus::Initializing as u8, Ordering::Release);
     let cancel = Arc::new(AtomicBool::new(false));
     let running = Arc::new(AtomicUsize::new(shards));
-    // Shards whose operators are built (state restored, memory faulted in).
+    // Shards whose operators are built (state restored, memory faulted in), and whether the
+    // job may run once all are ([`check_restored`]).
     let built = Arc::new(AtomicUsize::new(0));
+    let verdict = Arc::new(AtomicU8::new(VERDICT_PENDING));
     // This thread watches the attempt; a shard that ends wakes it.
     let supervisor = std::thread::current();
     let endpoints = crate::exchange::wire(plan.exchanges, shards, plan.config.ring_capacity_bytes);
@@ -719,7 +721,12 @@ fn run_attempt(
     let mut threads = Vec::with_capacity(shards);
     let mut spawn_error = None;
     for (shard, exchanges) in endpoints.into_iter().enumerate() {
-        let (built, supervisor, status) = (built.clone(), supervisor.clone(), ctl.status.clone());
+        let (built, verdict, supervisor, status) = (
+            built.clone(),
+            verdict.clone(),
+            supervisor.clone(),
+            ctl.status.clone(),
+        );
         let (config, roots, registry, cancel2, running2, sentinel, state_dir, shared, restore) = (
             plan.config.clone(),
             plan.roots.clone(),
@@ -765,11 +772,24 @@ fn run_attempt(
                     }
                     // No shard runs before every shard is built: a source would otherwise
                     // fill the rings of a shard still restoring its state, and those records
-                    // would wait out the restore.
+                    // would wait out the restore. The last one built checks that the restore
+                    // found an operator for every state it holds, before any record moves.
                     if built.fetch_add(1, Ordering::AcqRel) + 1 == config.shards {
+                        if let Some(r) = ctx.restore.as_deref() {
+                            if let Err(e) = check_restored(&config, r) {
+                                verdict.store(VERDICT_REFUSED, Ordering::Release);
+                                return Err(JobError::Start(e));
+                            }
+                        }
+                        verdict.store(VERDICT_OK, Ordering::Release);
                         status.store(JobStatus::Running as u8, Ordering::Release);
                     }
-                    while built.load(Ordering::Acquire) < config.shards {
+                    loop {
+                        match verdict.load(Ordering::Acquire) {
+                            VERDICT_OK => break,
+                            VERDICT_REFUSED => return Err(JobError::Cancelled),
+                            _ => {}
+                        }
                         if cancel2.load(Ordering::Acquire) {
                             return Err(JobError::Cancelled);
                         }
@@ -846,6 +866,48 @@ fn run_attempt(
         Some(e) => Err(e),
         None => Ok(()),
     }
+}
+
+/// [`run_attempt`]'s verdict on the built shards: not yet given, run, or refused.
+const VERDICT_PENDING: u8 = 0;
+const VERDICT_OK: u8 = 1;
+const VERDICT_REFUSED: u8 = 2;
+
+/// Refuses a restore that would drop state: state in the checkpoint of an operator (uid and
+/// kind) that no operator of the job asked for while the shards were built, as Flink refuses
+/// it without `--allowNonRestoredState`. A renamed uid, a changed job or the wrong
+/// checkpoint would otherwise start that operator afresh and say nothing.
+fn check_restored(config: &JobConfig, r: &RestoreState) -> Result<(), StartError> {
+    let unclaimed = r.unclaimed();
+    if unclaimed.is_empty() {
+        return Ok(());
+    }
+    // A line, however many operators a foreign checkpoint holds.
+    const SHOWN: usize = 16;
+    let mut names = unclaimed
+        .iter()
+        .take(SHOWN)
+        .map(|(op, kind)| format!("`{}` ({})", op.escape_debug(), kind.name()))
+        .collect::<Vec<_>>()
+        .join(", ");
+    if unclaimed.len() > SHOWN {
+        names.push_str(&format!(" and {} more", unclaimed.len() - SHOWN));
+    }
+    if config.allow_non_restored_state {
+        eprintln!(
+            "weir: checkpoint {}: skipping the state of {names}: the job has no such operator",
+            r.checkpoint_id
+        );
+        return Ok(());
+    }
+    Err(StartError::Restore {
+        reason: format!(
+            "checkpoint {} holds state of operators this job does not have: {names}. If they \
+             were removed on purpose, skip their state with --allow-non-restored-state \
+             (JobConfig::with_allow_non_restored_state)",
+            r.checkpoint_id
+        ),
+    })
 }
 
 /// Wall-clock milliseconds: processing time.

@@ -524,6 +524,90 @@ fn restore_onto_another_number_of_shards_keeps_keyed_state() {
     assert_resumed_sums(&got, &at, &expected);
 }
 
+/// A restore must find an operator for every state the checkpoint holds. The same job with
+/// its keyed operator's uid changed (`sum` to `total`) is refused before any record moves,
+/// naming `sum`; with `with_allow_non_restored_state` it runs: the source resumes at its
+/// position and `total` starts empty, so each key's first sum is that record's own value.
+#[test]
+fn a_restore_refuses_state_no_operator_takes_unless_allowed() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let n = 100_000u64;
+    let Sums { data, .. } = Sums::new(n);
+    let run = |uid: &str, restore: bool, allow: bool, slow: bool| {
+        let mut c = JobConfig::new()
+            .with_shards(2)
+            .with_pinning(Pinning::Never)
+            .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce))
+            .with_allow_non_restored_state(allow);
+        if restore {
+            c = c.with_restore(RestoreFrom::Latest);
+        }
+        let job = Job::new(c);
+        let out = job
+            .from_vec(data.clone())
+            .uid("input")
+            .inspect(move |r: &(u64, i64, u64)| {
+                if slow && r.2.is_multiple_of(500) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            })
+            .key_by(|r| r.0)
+            .reduce(|a, b| (a.0, a.1 + b.1, b.2))
+            .uid(uid)
+            .collect();
+        (job.start().expect("start"), out)
+    };
+    let (h, _) = run("sum", false, false, true);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while h.checkpoint_metrics().number_of_completed_checkpoints < 1 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no checkpoint completed"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    h.cancel();
+    assert!(matches!(h.wait(), Err(weir_runtime::JobError::Cancelled)));
+
+    let (h, out) = run("total", true, false, false);
+    match h.wait() {
+        Err(weir_runtime::JobError::Start(weir_runtime::StartError::Restore { reason })) => {
+            assert!(
+                reason.contains("`sum` (keyed)") && reason.contains("--allow-non-restored-state"),
+                "{reason}"
+            );
+            assert!(
+                !reason.contains("input"),
+                "the source was matched: {reason}"
+            );
+        }
+        other => panic!("expected a refused restore, got {other:?}"),
+    }
+    assert!(out.take().is_empty(), "no record moved");
+
+    let (h, out) = run("total", true, true, false);
+    h.wait().expect("restored job skipping `sum`");
+    let got = out.take();
+    assert!(
+        !got.is_empty() && (got.len() as u64) < n,
+        "the source resumed mid-way: {} records",
+        got.len()
+    );
+    let mut first: HashMap<u64, (u64, i64)> = HashMap::new();
+    for (k, sum, i) in &got {
+        let e = first.entry(*k).or_insert((*i, *sum));
+        if *i < e.0 {
+            *e = (*i, *sum);
+        }
+    }
+    for (k, (i, sum)) in first {
+        assert_eq!(
+            sum, data[i as usize].1,
+            "key {k} starts empty at record {i}"
+        );
+    }
+}
+
 /// A savepoint taken from a running 2-shard job is self-contained: with the job's checkpoint
 /// directory deleted, a job on 3 shards starts from it and continues every key's state.
 /// Retention never touches it, and a savepoint of a job without checkpointing is an error.

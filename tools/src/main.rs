@@ -79,6 +79,10 @@ pub struct CheckpointArgs {
     /// Let restore fall back to an older checkpoint even where that may duplicate output.
     #[arg(long)]
     pub allow_fallback: bool,
+    /// Let restore skip the state of operators this job does not have (as Flink's
+    /// --allowNonRestoredState); without it such a restore fails, naming them.
+    #[arg(long)]
+    pub allow_non_restored_state: bool,
     /// The job's name in the checkpoint directory (default: the job's kind).
     #[arg(long)]
     pub job_id: Option<String>,
@@ -179,7 +183,8 @@ pub fn apply_checkpointing(
     }
     let mut c = c
         .with_checkpointing(ck)
-        .with_allow_fallback(a.allow_fallback);
+        .with_allow_fallback(a.allow_fallback)
+        .with_allow_non_restored_state(a.allow_non_restored_state);
     match a.restore.as_deref() {
         None => {}
         Some("latest") => c = c.with_restore(weir_runtime::RestoreFrom::Latest),

@@ -1084,6 +1084,30 @@ fn checkpoints_inspect_shows_the_parts_and_clean_keeps_the_newest() {
     assert!(r.status.success(), "{}", stderr(&r));
     assert!(committed_lines(&elsewhere).is_empty());
     assert_eq!(parse_sums(&committed_lines(&out)), running_sums(&recs));
+    // Into another job: the demo has none of keyed-sum's operators, so the restore is
+    // refused before it runs (exit 1, naming them), unless their state may be skipped.
+    let demo = |extra: &[&str]| {
+        let ck_demo = tempfile::tempdir_in(dir.path()).expect("tmp");
+        let mut args = vec!["run", "demo", "--events", "20000", "--restore", &sp];
+        args.extend(["--checkpoint-dir", ck_demo.path().to_str().expect("utf8")]);
+        args.extend(extra);
+        weir(&args)
+    };
+    let d = demo(&[]);
+    assert_eq!(d.status.code(), Some(1), "{}", stderr(&d));
+    assert!(
+        stderr(&d).contains("`keyed-sum` (keyed)")
+            && stderr(&d).contains("--allow-non-restored-state"),
+        "{}",
+        stderr(&d)
+    );
+    let d = demo(&["--allow-non-restored-state"]);
+    assert!(d.status.success(), "{}", stderr(&d));
+    assert!(
+        stderr(&d).contains("skipping the state of"),
+        "{}",
+        stderr(&d)
+    );
     // A corrupt metadata file is exit code 3 for inspect too, naming the file.
     let meta = ck
         .join("keyed-sum")

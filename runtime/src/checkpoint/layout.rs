@@ -1,7 +1,7 @@
 //! A checkpoint's runtime sections, decoded for reading (`weir checkpoints inspect`): the
 //! job's shape and what every participant of every shard put into the checkpoint.
 
-use super::snapshot::{decode_job, decode_shard, shard_section, PartKind, JOB_SECTION};
+use super::snapshot::{decode_job, decode_shard, shard_section, JOB_SECTION};
 
 /// What a checkpoint's runtime sections say.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,13 +51,7 @@ pub fn layout(sections: &[(String, Vec<u8>)]) -> Result<CheckpointLayout, String
             PartLayout {
                 shard: s as u32,
                 operator: p.operator,
-                kind: match p.kind {
-                    PartKind::Source => "source",
-                    PartKind::Keyed => "keyed",
-                    PartKind::Sink => "sink",
-                    PartKind::Watermark => "watermark",
-                    PartKind::Channel => "channel",
-                },
+                kind: p.kind.name(),
                 inline_bytes: p.bytes.len() as u64,
                 files: p
                     .files
@@ -84,7 +78,7 @@ pub fn layout(sections: &[(String, Vec<u8>)]) -> Result<CheckpointLayout, String
 mod tests {
     use super::*;
     use crate::checkpoint::snapshot::{
-        encode, FileRefData, JobSnapshot, Part, ShardSnapshot, SECTIONS_VERSION,
+        encode, FileRefData, JobSnapshot, Part, PartKind, ShardSnapshot, SECTIONS_VERSION,
     };
 
     #[test]

@@ -1,8 +1,9 @@
 //! What a job restores from: a complete checkpoint's metadata, decoded and validated, and a
 //! reader of the files it references.
 
+use std::collections::BTreeSet;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use super::snapshot::{
     decode_job, decode_shard, shard_section, FileRefData, LogicalRefData, Part, PartKind,
@@ -24,6 +25,9 @@ pub(crate) struct RestoreState {
     pub reader: Arc<dyn CheckpointReader>,
     /// The shard this restore state is handed to and the job's shard count now.
     pub new_shards: usize,
+    /// The (operator, kind) pairs the job's operators asked for while they were built: what
+    /// the restore hands to someone ([`Self::unclaimed`]).
+    claimed: Mutex<BTreeSet<(String, u8)>>,
 }
 
 impl RestoreState {
@@ -67,15 +71,41 @@ impl RestoreState {
             shards,
             reader,
             new_shards,
+            claimed: Mutex::default(),
         })
     }
 
-    /// Every part of `operator` of `kind`, with the old shard that wrote it.
+    /// The operators (uid and kind of state) that hold state in this checkpoint but that no
+    /// operator of the job asked for: restoring would drop their state without a word.
+    /// Parts without content (a source that had not started, a sink with nothing pending)
+    /// do not count. Sorted, each once.
+    pub fn unclaimed(&self) -> Vec<(String, PartKind)> {
+        let claimed = self.claimed.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out: Vec<(String, PartKind)> = Vec::new();
+        for p in self.shards.iter().flat_map(|s| s.parts.iter()) {
+            let empty = p.bytes.is_empty() && p.files.is_empty() && p.logical.is_empty();
+            if empty || claimed.contains(&(p.operator.clone(), p.kind as u8)) {
+                continue;
+            }
+            if !out.iter().any(|(o, k)| *o == p.operator && *k == p.kind) {
+                out.push((p.operator.clone(), p.kind));
+            }
+        }
+        out.sort_by(|a, b| (&a.0, a.1 as u8).cmp(&(&b.0, b.1 as u8)));
+        out
+    }
+
+    /// Every part of `operator` of `kind`, with the old shard that wrote it. Notes that the
+    /// job has that operator (see [`Self::unclaimed`]).
     pub fn parts<'a>(
         &'a self,
         operator: &'a str,
         kind: PartKind,
     ) -> impl Iterator<Item = (usize, &'a Part)> + 'a {
+        self.claimed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert((operator.to_owned(), kind as u8));
         self.shards.iter().enumerate().flat_map(move |(s, snap)| {
             snap.parts
                 .iter()

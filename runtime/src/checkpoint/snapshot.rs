@@ -37,6 +37,19 @@ pub enum PartKind {
     Channel,
 }
 
+impl PartKind {
+    /// How `weir checkpoints inspect` and errors name the kind.
+    pub fn name(self) -> &'static str {
+        match self {
+            PartKind::Source => "source",
+            PartKind::Keyed => "keyed",
+            PartKind::Sink => "sink",
+            PartKind::Watermark => "watermark",
+            PartKind::Channel => "channel",
+        }
+    }
+}
+
 /// One participant's contribution to a checkpoint.
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 pub struct Part {
