@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use glommio::{LocalExecutorBuilder, Placement};
 
-use crate::checkpoint::coordinator::{Coordinator, Requests};
+use crate::checkpoint::coordinator::{Coordinator, Requests, SavepointRequest};
 use crate::checkpoint::restore::RestoreState;
 use crate::checkpoint::shard::{ShardCheckpoint, Shared};
 use crate::checkpoint::snapshot::PartKind;
@@ -173,11 +173,26 @@ impl JobHandle {
     /// job from it, on any number of shards. Blocks the calling thread, never a shard; the
     /// checkpoint is pinned against retention while it is copied.
     pub fn trigger_savepoint(&self, dir: &Path) -> Result<PathBuf, SavepointError> {
+        self.savepoint(dir, false)
+    }
+
+    /// Stops the job with a savepoint (Flink's stop-with-savepoint), the way to upgrade or
+    /// move a job without duplicating output: as [`Self::trigger_savepoint`], but no
+    /// checkpoint is triggered after the savepoint's, so sinks commit exactly up to its
+    /// barrier; once it completed and every shard's sinks committed it, the shards end and
+    /// [`Self::wait`] returns `Ok` (status `Finished`). Records read past the barrier are
+    /// not committed: a job restored from the savepoint reads them again. If the savepoint
+    /// fails, the job keeps running and this returns the error.
+    pub fn stop_with_savepoint(&self, dir: &Path) -> Result<PathBuf, SavepointError> {
+        self.savepoint(dir, true)
+    }
+
+    fn savepoint(&self, dir: &Path, stop: bool) -> Result<PathBuf, SavepointError> {
         if !self.ctl.checkpointing {
             return Err(SavepointError::NoCheckpointing);
         }
         let (tx, rx) = mpsc::channel();
-        lock(&self.ctl.requests.savepoints).push(tx);
+        lock(&self.ctl.requests.savepoints).push(SavepointRequest { waiter: tx, stop });
         let pin = loop {
             match rx.recv_timeout(Duration::from_millis(20)) {
                 Ok(Ok(pin)) => break pin,
@@ -689,6 +704,7 @@ fn run_attempt(
                 sources_finished: AtomicUsize::new(0),
                 shards_ready: AtomicUsize::new(0),
                 final_id: AtomicU64::new(0),
+                stop_at: AtomicU64::new(0),
                 stopping: AtomicBool::new(false),
                 store: store.clone(),
                 acks: Mutex::new(tx),
@@ -922,7 +938,9 @@ pub(crate) fn now_ms() -> i64 {
 pub const STATE_STALL: &str = "state write stall";
 
 /// Installs finished state maintenance, hands out the next, and completes checkpoints.
-fn maintain(ctx: &BuildCtx) -> Result<(), JobError> {
+/// Maintenance between steps; `Stop` once the shard told its sinks of the completion of a
+/// stop-with-savepoint's checkpoint.
+fn maintain(ctx: &BuildCtx) -> Result<Continue, JobError> {
     for s in &ctx.states {
         s.maintain()?;
     }
@@ -931,8 +949,18 @@ fn maintain(ctx: &BuildCtx) -> Result<(), JobError> {
         if let Some(e) = ctx.fail.take() {
             return Err(e);
         }
+        if ShardCheckpoint::stop_reached(c) {
+            return Ok(Continue::Stop);
+        }
     }
-    Ok(())
+    Ok(Continue::Run)
+}
+
+/// Whether a shard's loop goes on after [`maintain`].
+#[derive(PartialEq, Eq)]
+enum Continue {
+    Run,
+    Stop,
 }
 
 async fn run_loop(mut ctx: BuildCtx, cancel: &AtomicBool) -> Result<(), JobError> {
@@ -952,7 +980,9 @@ async fn run_loop(mut ctx: BuildCtx, cancel: &AtomicBool) -> Result<(), JobError
         // Its time shows as the backpressured time of the shard's `STATE_STALL` entry.
         if ctx.states.iter().any(|s| s.write_stalled()) {
             let t0 = Instant::now();
-            maintain(&ctx)?;
+            if maintain(&ctx)? == Continue::Stop {
+                return Ok(());
+            }
             glommio::timer::sleep(Duration::from_micros(100)).await;
             let stall = stall.get_or_insert_with(|| ctx.metrics.head(STATE_STALL, ctx.shard));
             crate::metrics::bump(&stall.backpressured_ns, t0.elapsed().as_nanos() as u64);
@@ -989,8 +1019,7 @@ async fn run_loop(mut ctx: BuildCtx, cancel: &AtomicBool) -> Result<(), JobError
                 HeadStatus::Done => *d = true,
             }
         }
-        maintain(&ctx)?;
-        if live == 0 {
+        if maintain(&ctx)? == Continue::Stop || live == 0 {
             return Ok(());
         }
         if progress {

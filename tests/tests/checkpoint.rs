@@ -608,6 +608,124 @@ fn a_restore_refuses_state_no_operator_takes_unless_allowed() {
     }
 }
 
+/// The lines of the visible (committed) files under `dir`.
+fn committed_lines(dir: &std::path::Path) -> Vec<String> {
+    let mut lines = Vec::new();
+    for e in std::fs::read_dir(dir).expect("output dir").flatten() {
+        if e.file_name().to_string_lossy().starts_with('.') {
+            continue;
+        }
+        let text = std::fs::read_to_string(e.path()).expect("part file");
+        lines.extend(text.lines().map(str::to_owned));
+    }
+    lines
+}
+
+/// Flink's stop-with-savepoint: a running job with an exactly-once file sink stops with a
+/// savepoint while its input is half read. `wait` returns `Ok`, no checkpoint completed
+/// after the savepoint, and what was committed is exactly the running sums up to it: a job
+/// restored from the savepoint then completes the output with every record's sum once,
+/// none lost and none twice.
+#[test]
+fn stop_with_savepoint_commits_up_to_the_savepoint_and_ends_the_job() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (out, sps) = (dir.path().join("out"), dir.path().join("savepoints"));
+    let n = 200_000u64;
+    let Sums { data, at, .. } = Sums::new(n);
+    let run = |ckpt: &str, restore: Option<RestoreFrom>, slow: bool| {
+        let mut c = JobConfig::new()
+            .with_shards(2)
+            .with_pinning(Pinning::Never)
+            .with_checkpointing(ck(&dir.path().join(ckpt), CheckpointMode::ExactlyOnce));
+        if let Some(r) = restore {
+            c = c.with_restore(r);
+        }
+        let job = Job::new(c);
+        job.from_vec(data.clone())
+            .uid("input")
+            .inspect(move |r: &(u64, i64, u64)| {
+                if slow && r.2.is_multiple_of(500) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            })
+            .key_by(|r| r.0)
+            .reduce(|a, b| (a.0, a.1 + b.1, b.2))
+            .uid("sum")
+            .sink(weir_runtime::sink::TransactionalFileSink::new(
+                out.clone(),
+                |r: &(u64, i64, u64), line: &mut String| {
+                    line.push_str(&format!("{},{},{}", r.0, r.1, r.2));
+                },
+            ));
+        job.start().expect("start")
+    };
+    let h = run("ckpt", None, true);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while h.checkpoint_metrics().number_of_completed_checkpoints < 1 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no checkpoint completed"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let sp = h.stop_with_savepoint(&sps).expect("stop with savepoint");
+    while !h.is_finished() {
+        assert!(std::time::Instant::now() < deadline, "the job did not stop");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(h.status(), weir_runtime::JobStatus::Finished);
+    let summary = h.wait().expect("a stopped job ends well");
+    let sp_id: u64 = sp
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.split('-').nth(1))
+        .and_then(|id| id.parse().ok())
+        .expect("savepoint-<id>-<nonce>");
+    assert_eq!(
+        summary.checkpoints.last_completed_checkpoint_id,
+        Some(sp_id),
+        "no checkpoint after the savepoint"
+    );
+    let parse = |lines: Vec<String>| -> Vec<(u64, i64, u64)> {
+        lines
+            .iter()
+            .map(|l| {
+                let f: Vec<&str> = l.split(',').collect();
+                (
+                    f[0].parse().expect("key"),
+                    f[1].parse().expect("sum"),
+                    f[2].parse().expect("index"),
+                )
+            })
+            .collect()
+    };
+    let first = parse(committed_lines(&out));
+    assert!(
+        !first.is_empty() && (first.len() as u64) < n,
+        "stopped mid-way: {} lines committed",
+        first.len()
+    );
+    for (k, sum, i) in &first {
+        assert_eq!(Some(sum), at.get(i), "key {k} at record {i}");
+    }
+
+    let h = run("ckpt2", Some(RestoreFrom::Path(sp)), false);
+    h.wait().expect("restored job");
+    let mut all: Vec<u64> = parse(committed_lines(&out))
+        .into_iter()
+        .map(|(k, sum, i)| {
+            assert_eq!(Some(&sum), at.get(&i), "key {k} at record {i}");
+            i
+        })
+        .collect();
+    all.sort_unstable();
+    assert_eq!(
+        all,
+        (0..n).collect::<Vec<_>>(),
+        "every record's sum exactly once"
+    );
+}
+
 /// A savepoint taken from a running 2-shard job is self-contained: with the job's checkpoint
 /// directory deleted, a job on 3 shards starts from it and continues every key's state.
 /// Retention never touches it, and a savepoint of a job without checkpointing is an error.

@@ -73,13 +73,20 @@ struct Pending {
 /// Where a savepoint request hears of its checkpoint: pinned once complete, or why not.
 pub(crate) type SavepointWaiter = mpsc::Sender<Result<weir_io::CheckpointPin, String>>;
 
+/// A savepoint request from the job handle.
+pub(crate) struct SavepointRequest {
+    pub waiter: SavepointWaiter,
+    /// Stop the job with this savepoint (Flink's stop-with-savepoint).
+    pub stop: bool,
+}
+
 /// Requests to the coordinator from the job handle. They outlive an attempt: a request the
 /// coordinator of a failed attempt did not take is served after the restart.
 #[derive(Default)]
 pub(crate) struct Requests {
     pub manual: std::sync::atomic::AtomicU64,
     /// Savepoint requests waiting for a checkpoint to be triggered for them.
-    pub savepoints: Mutex<Vec<SavepointWaiter>>,
+    pub savepoints: Mutex<Vec<SavepointRequest>>,
 }
 
 pub(crate) struct Coordinator {
@@ -96,6 +103,8 @@ pub(crate) struct Coordinator {
     requests: Arc<Requests>,
     /// Savepoint requests and the checkpoint that serves them.
     savepoint_waiters: Vec<(u64, SavepointWaiter)>,
+    /// The checkpoint of a stop-with-savepoint in progress: none is triggered after it.
+    stop_id: Option<u64>,
     pub metrics: Arc<Mutex<CheckpointMetrics>>,
     /// Set when checkpoint failures exceed the tolerable number: the job must fail.
     pub failure: Arc<Mutex<Option<String>>>,
@@ -137,6 +146,7 @@ impl Coordinator {
             manual_seen,
             requests,
             savepoint_waiters: Vec::new(),
+            stop_id: None,
             metrics,
             failure,
         }
@@ -166,7 +176,10 @@ impl Coordinator {
     }
 
     fn maybe_trigger(&mut self) {
-        if !self.ready() || self.pending.len() >= self.shared.config.max_concurrent {
+        if !self.ready()
+            || self.pending.len() >= self.shared.config.max_concurrent
+            || self.stop_id.is_some()
+        {
             return;
         }
         let now = Instant::now();
@@ -202,12 +215,19 @@ impl Coordinator {
         if !waiting.is_empty() {
             // A savepoint ignores the minimum pause, as a manual checkpoint does.
             match self.trigger(now) {
-                Some(id) => self
-                    .savepoint_waiters
-                    .extend(waiting.into_iter().map(|w| (id, w))),
+                Some(id) => {
+                    if waiting.iter().any(|r| r.stop) {
+                        // Stop-with-savepoint: no checkpoint after this one, so no output
+                        // past its barrier is committed; the shards end once it completed.
+                        self.stop_id = Some(id);
+                        self.shared.stop_at.store(id, Ordering::Release);
+                    }
+                    self.savepoint_waiters
+                        .extend(waiting.into_iter().map(|r| (id, r.waiter)));
+                }
                 None => {
-                    for w in waiting {
-                        let _ = w.send(Err("the checkpoint could not begin".into()));
+                    for r in waiting {
+                        let _ = r.waiter.send(Err("the checkpoint could not begin".into()));
                     }
                 }
             }
@@ -417,6 +437,11 @@ impl Coordinator {
         // A failed final checkpoint is retried: the sources wait for one to complete.
         if self.shared.final_id.load(Ordering::Acquire) == id {
             self.shared.final_id.store(0, Ordering::Release);
+        }
+        // A failed stop-with-savepoint leaves the job running, as in Flink.
+        if self.stop_id == Some(id) {
+            self.stop_id = None;
+            self.shared.stop_at.store(0, Ordering::Release);
         }
         if self.consecutive_failures > self.shared.config.tolerable_failures {
             let mut f = self.failure.lock().unwrap_or_else(|p| p.into_inner());

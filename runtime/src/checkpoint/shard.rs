@@ -53,6 +53,9 @@ pub(crate) struct Shared {
     pub final_id: AtomicU64,
     /// The job is ending (stop triggering).
     pub stopping: AtomicBool,
+    /// The checkpoint of a stop-with-savepoint (0: none): nothing is triggered after it, and
+    /// the shards end once it completed and their sinks committed it.
+    pub stop_at: AtomicU64,
     pub store: Arc<dyn CheckpointStore>,
     pub acks: std::sync::Mutex<mpsc::Sender<Ack>>,
 }
@@ -230,6 +233,14 @@ impl ShardCheckpoint {
         };
         // The coordinator is gone only when the job is ending.
         let _ = self.tx.send(ack);
+    }
+
+    /// True once this shard told its listeners (sinks committed) of the completion of the
+    /// stop-with-savepoint's checkpoint: the shard may end.
+    pub fn stop_reached(this: &ShardCheckpointRef) -> bool {
+        let s = this.borrow();
+        let at = s.shared.stop_at.load(Ordering::Acquire);
+        at != 0 && s.seen_completed >= at
     }
 
     /// Tells listeners about checkpoints completed since the last call; drops bookkeeping of
