@@ -443,6 +443,39 @@ impl Sums {
     }
 }
 
+/// The keyed running sum the restore tests run: `data` from a source with uid `input`, every
+/// 500th record 1 ms late when `slow` (so that checkpoints complete while it runs), summed per
+/// key by an operator with uid `sum_uid`.
+fn running_sum_job(
+    job: &Job,
+    data: &[(u64, i64, u64)],
+    slow: bool,
+    sum_uid: &str,
+) -> weir_runtime::Stream<(u64, i64, u64)> {
+    job.from_vec(data.to_vec())
+        .uid("input")
+        .inspect(move |r: &(u64, i64, u64)| {
+            if slow && r.2.is_multiple_of(500) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+        .key_by(|r| r.0)
+        .reduce(|a, b| (a.0, a.1 + b.1, b.2))
+        .uid(sum_uid)
+}
+
+/// Waits (30 s at most) until `h` completed `n` checkpoints.
+fn await_checkpoints(h: &weir_runtime::JobHandle, n: u64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while h.checkpoint_metrics().number_of_completed_checkpoints < n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{n} checkpoints did not complete"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 /// Every emitted `(key, sum, index)` is the running sum at its index (the state was restored
 /// as it was), and every key ends at its total.
 fn assert_resumed_sums(
@@ -488,29 +521,11 @@ fn restore_onto_another_number_of_shards_keeps_keyed_state() {
             c = c.with_restore(RestoreFrom::Latest);
         }
         let job = Job::new(c);
-        let out = job
-            .from_vec(data.clone())
-            .uid("input")
-            .inspect(move |r: &(u64, i64, u64)| {
-                if slow && r.2.is_multiple_of(500) {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-            })
-            .key_by(|r| r.0)
-            .reduce(|a, b| (a.0, a.1 + b.1, b.2))
-            .uid("sum")
-            .collect();
+        let out = running_sum_job(&job, &data, slow, "sum").collect();
         (job.start().expect("start"), out)
     };
     let (h, _) = run(2, false, true);
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while h.checkpoint_metrics().number_of_completed_checkpoints < 2 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no checkpoint completed"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    await_checkpoints(&h, 2);
     h.cancel();
     assert!(matches!(h.wait(), Err(weir_runtime::JobError::Cancelled)));
     let (h, out) = run(3, true, false);
@@ -543,29 +558,11 @@ fn a_restore_refuses_state_no_operator_takes_unless_allowed() {
             c = c.with_restore(RestoreFrom::Latest);
         }
         let job = Job::new(c);
-        let out = job
-            .from_vec(data.clone())
-            .uid("input")
-            .inspect(move |r: &(u64, i64, u64)| {
-                if slow && r.2.is_multiple_of(500) {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-            })
-            .key_by(|r| r.0)
-            .reduce(|a, b| (a.0, a.1 + b.1, b.2))
-            .uid(uid)
-            .collect();
+        let out = running_sum_job(&job, &data, slow, uid).collect();
         (job.start().expect("start"), out)
     };
     let (h, _) = run("sum", false, false, true);
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while h.checkpoint_metrics().number_of_completed_checkpoints < 1 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no checkpoint completed"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    await_checkpoints(&h, 1);
     h.cancel();
     assert!(matches!(h.wait(), Err(weir_runtime::JobError::Cancelled)));
 
@@ -641,34 +638,20 @@ fn stop_with_savepoint_commits_up_to_the_savepoint_and_ends_the_job() {
             c = c.with_restore(r);
         }
         let job = Job::new(c);
-        job.from_vec(data.clone())
-            .uid("input")
-            .inspect(move |r: &(u64, i64, u64)| {
-                if slow && r.2.is_multiple_of(500) {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-            })
-            .key_by(|r| r.0)
-            .reduce(|a, b| (a.0, a.1 + b.1, b.2))
-            .uid("sum")
-            .sink(weir_runtime::sink::TransactionalFileSink::new(
+        running_sum_job(&job, &data, slow, "sum").sink(
+            weir_runtime::sink::TransactionalFileSink::new(
                 out.clone(),
                 |r: &(u64, i64, u64), line: &mut String| {
                     line.push_str(&format!("{},{},{}", r.0, r.1, r.2));
                 },
-            ));
+            ),
+        );
         job.start().expect("start")
     };
     let h = run("ckpt", None, true);
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while h.checkpoint_metrics().number_of_completed_checkpoints < 1 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no checkpoint completed"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    await_checkpoints(&h, 1);
     let sp = h.stop_with_savepoint(&sps).expect("stop with savepoint");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while !h.is_finished() {
         assert!(std::time::Instant::now() < deadline, "the job did not stop");
         std::thread::sleep(Duration::from_millis(2));
@@ -788,11 +771,7 @@ fn savepoint_round_trip(unaligned: bool) {
     };
     let (h, _) = run(2, &ckpt, None);
     // Past the first checkpoint, so that the savepoint's sources are past the start.
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while h.checkpoint_metrics().number_of_completed_checkpoints < 1 {
-        assert!(std::time::Instant::now() < deadline, "no checkpoint");
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    await_checkpoints(&h, 1);
     let sp = h.trigger_savepoint(&savepoints).expect("savepoint");
     assert!(sp.starts_with(&savepoints), "{}", sp.display());
     let taken = h
