@@ -80,10 +80,16 @@ pub fn run(a: &DemoArgs) -> Result<(), String> {
         a.events
     );
     let started = Instant::now();
+    let mut stopper = crate::stop::Stopper::install(&a.checkpoint)?;
     let handle = job.start().map_err(|e| e.to_string())?;
     let mut last = (Instant::now(), vec![0u64; shards]);
     while !handle.is_finished() {
-        std::thread::sleep(Duration::from_millis(250));
+        for _ in 0..10 {
+            std::thread::sleep(Duration::from_millis(25));
+            if let Some(s) = stopper.as_mut() {
+                s.poll(&handle);
+            }
+        }
         let m = handle.metrics();
         let now = m.records_out_per_shard("bids", shards);
         let dt = last.0.elapsed().as_secs_f64().max(1e-9);
@@ -143,8 +149,11 @@ pub fn run(a: &DemoArgs) -> Result<(), String> {
     // Every bid lands in exactly one window, so the two counts agree for a run that started
     // from the beginning. After a restore (`--restore`, or a restart) the windows this process
     // fired also hold bids a process before it counted into the restored state, and bids of
-    // windows fired before the checkpoint are not counted here: no equation holds.
-    let restored = summary.restarts > 0
+    // windows fired before the checkpoint are not counted here: no equation holds. Nor after
+    // a stop with a savepoint, which leaves the open windows unfired.
+    let stopped = stopper.as_ref().is_some_and(crate::stop::Stopper::stopped);
+    let restored = stopped
+        || summary.restarts > 0
         || summary
             .checkpoints
             .last_checkpoint_restore_timestamp

@@ -129,7 +129,7 @@ pub fn keyed_sum(a: &KeyedSumArgs) -> Result<(), String> {
             let _ = write!(line, "{},{}", csv_field(k), s);
         },
     )?;
-    let summary = job.run().map_err(|e| e.to_string())?;
+    let summary = crate::stop::run(job, &a.input.checkpoint)?;
     eprintln!(
         "keyed-sum: {} records in, {} skipped, {} shards, {:.2}s",
         summary.metrics.records_in("keyed-sum"),
@@ -172,7 +172,7 @@ pub fn window_count(a: &WindowCountArgs) -> Result<(), String> {
             let _ = write!(line, "{start},{},{n}", csv_field(k));
         },
     )?;
-    let summary = job.run().map_err(|e| e.to_string())?;
+    let summary = crate::stop::run(job, &a.input.checkpoint)?;
     let m = &summary.metrics;
     eprintln!(
         "window-count: {} records in, {} late, {} skipped, {} windows out, {:.2}s",

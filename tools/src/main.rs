@@ -12,6 +12,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 mod checkpoints;
 mod demo;
 mod jobs;
+mod stop;
 
 #[derive(Parser)]
 #[command(
@@ -89,6 +90,10 @@ pub struct CheckpointArgs {
     /// Complete checkpoints to keep (at least 1).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
     pub retained: u64,
+    /// Where a stop (SIGINT or SIGTERM) writes the job's savepoint [default:
+    /// CHECKPOINT_DIR/savepoints]. A second signal ends the process at once.
+    #[arg(long)]
+    pub savepoint_dir: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, Default, ValueEnum)]

@@ -672,6 +672,92 @@ fn kill_loop_with_restore_latest_commits_every_result_exactly_once() {
     assert!(v.status.success(), "{}", stderr(&v));
 }
 
+/// SIGTERM stops a checkpointed `weir run` with a savepoint: exit 0, the savepoint's path
+/// on stderr, and the committed output is each key's running sums up to that point. A run
+/// restored from the savepoint commits the rest: every running sum exactly once.
+#[test]
+fn sigterm_stops_with_a_savepoint_that_continues_exactly() {
+    let run = CheckpointedRun::new(2_000_000, 997, "2", "50ms");
+    let (recs, out) = (&run.recs, &run.out);
+    let input = run.dir.path().join("in.csv");
+    let ck = run.dir.path().join("ckpt-stop");
+    let mut args = keyed_sum_args(&input, "csv", out);
+    args.extend([
+        "--shards",
+        "2",
+        "--checkpoint-dir",
+        ck.to_str().expect("utf8"),
+    ]);
+    args.extend(["--checkpoint-interval", "50ms"]);
+    let child = Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    // Once a checkpoint completed, so that the savepoint is past the start.
+    let job_dir = ck.join("keyed-sum");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !std::fs::read_dir(&job_dir).is_ok_and(|d| {
+        d.flatten().any(|e| {
+            e.file_name().to_string_lossy().starts_with("chk-")
+                && e.path().join("_metadata").exists()
+        })
+    }) {
+        assert!(std::time::Instant::now() < deadline, "no checkpoint");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let pid = child.id().to_string();
+    let k = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(k.success());
+    let o = child.wait_with_output().expect("wait");
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    let sp = err
+        .split("stopped with savepoint ")
+        .nth(1)
+        .and_then(|r| r.split(';').next())
+        .unwrap_or_else(|| panic!("no savepoint named: {err}"))
+        .to_string();
+    assert!(
+        sp.starts_with(ck.join("savepoints").to_str().expect("utf8")),
+        "{sp}"
+    );
+    let want = running_sums(recs);
+    let got = parse_sums(&committed_lines(out));
+    let committed: usize = got.values().map(Vec::len).sum();
+    assert!(
+        committed > 0 && committed < recs.len(),
+        "stopped mid-way: {committed}"
+    );
+    for (k, sums) in &got {
+        assert!(
+            want[k].starts_with(sums),
+            "key {k}: its running sums up to the stop"
+        );
+    }
+
+    let ck2 = run.dir.path().join("ckpt-restored");
+    let mut args = keyed_sum_args(&input, "csv", out);
+    args.extend([
+        "--shards",
+        "2",
+        "--checkpoint-dir",
+        ck2.to_str().expect("utf8"),
+    ]);
+    args.extend(["--restore", &sp]);
+    let o = weir(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        parse_sums(&committed_lines(out)),
+        want,
+        "every running sum exactly once"
+    );
+}
+
 #[test]
 fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
     let dir = tempfile::tempdir().expect("tmp");

@@ -1,0 +1,90 @@
+//! Stopping a `weir run` job from the terminal: with checkpointing, the first SIGINT or
+//! SIGTERM stops the job with a savepoint (`JobHandle::stop_with_savepoint`), so that its
+//! output is committed exactly up to that point and `--restore PATH` (or `--restore latest`)
+//! continues from there; a second signal ends the process at once.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use weir_runtime::{Job, JobHandle, JobSummary, SavepointError};
+
+use crate::CheckpointArgs;
+
+/// Watches for the stop signals while a checkpointed job runs.
+pub struct Stopper {
+    signalled: Arc<AtomicBool>,
+    dir: PathBuf,
+    stopping: bool,
+    stopped: bool,
+}
+
+impl Stopper {
+    /// `None` without checkpointing: the signals keep their default action (the job's
+    /// checkpoints are its recovery then, with `--restore latest`).
+    pub fn install(c: &CheckpointArgs) -> Result<Option<Stopper>, String> {
+        let Some(ck) = &c.checkpoint_dir else {
+            return Ok(None);
+        };
+        let signalled = Arc::new(AtomicBool::new(false));
+        for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+            // The second signal exits (130, as a shell reports an interrupt); registered
+            // first, it sees the flag as the first signal left it.
+            signal_hook::flag::register_conditional_shutdown(sig, 130, signalled.clone())
+                .and_then(|_| signal_hook::flag::register(sig, signalled.clone()))
+                .map_err(|e| format!("installing the stop signal handlers: {e}"))?;
+        }
+        Ok(Some(Stopper {
+            signalled,
+            dir: c
+                .savepoint_dir
+                .clone()
+                .unwrap_or_else(|| ck.join("savepoints")),
+            stopping: false,
+            stopped: false,
+        }))
+    }
+
+    /// True once the job was stopped with a savepoint: it ended before its input did.
+    pub fn stopped(&self) -> bool {
+        self.stopped
+    }
+
+    /// Called while the job runs: at the first signal, stops it with a savepoint and says
+    /// where that is. If the savepoint fails, the job goes on (as Flink's stop), and so does
+    /// the wait for a second signal.
+    pub fn poll(&mut self, h: &JobHandle) {
+        if self.stopping || !self.signalled.load(Ordering::Acquire) {
+            return;
+        }
+        self.stopping = true;
+        eprintln!("\nweir: stopping with a savepoint (a second signal ends the process now)");
+        match h.stop_with_savepoint(&self.dir) {
+            Ok(p) => {
+                self.stopped = true;
+                eprintln!(
+                    "weir: stopped with savepoint {}; continue with --restore {0}",
+                    p.display()
+                )
+            }
+            // It ended by itself meanwhile: nothing to stop.
+            Err(SavepointError::JobEnded) => {}
+            Err(e) => eprintln!("weir: the stop's savepoint failed ({e}); the job goes on"),
+        }
+    }
+}
+
+/// Runs `job` to its end, or until a stop signal stops it with a savepoint (see the module
+/// docs): both end well.
+pub fn run(job: Job, c: &CheckpointArgs) -> Result<JobSummary, String> {
+    let mut stopper = Stopper::install(c)?;
+    let handle = job.start().map_err(|e| e.to_string())?;
+    if let Some(s) = stopper.as_mut() {
+        while !handle.is_finished() {
+            s.poll(&handle);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    handle.wait().map_err(|e| e.to_string())
+}
