@@ -48,7 +48,7 @@ pub use keyed::{
 };
 pub use metrics::{HeadMetrics, JobMetrics, LatencySummary, OperatorMetrics};
 pub use shard::{JobHandle, JobStatus, JobSummary, STATE_STALL};
-pub use stream::{Job, Stream};
+pub use stream::{Job, Stream, StreamSink};
 pub use time::WatermarkStrategy;
 pub use weir_state::KeyCodec;
 pub use window::{window_start, Window, WindowAssigner, WindowedStream};

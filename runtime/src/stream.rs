@@ -336,19 +336,26 @@ impl<T: Data> Stream<T> {
         crate::time::assign(self, strategy)
     }
 
-    /// Ends the stream in `sink`.
-    pub fn sink(self, sink: impl Sink<T>) {
+    /// Ends the stream in `sink`. Give a sink that keeps state in checkpoints (the
+    /// exactly-once file sink's transactions) a stable uid with [`StreamSink::uid`].
+    pub fn sink(self, sink: impl Sink<T>) -> StreamSink {
         let name = self.new_name(sink.name());
         let sink = Arc::new(sink);
         let up = self.factory.clone();
+        let built = name.clone();
         self.graph
             .borrow_mut()
             .roots
             .push(Arc::new(move |ctx: &mut BuildCtx| {
                 let writer = sink.create_writer(ctx.shard, ctx.shards)?;
-                let op = SinkOp::new(name_of(&name), writer, ctx)?;
+                let op = SinkOp::new(name_of(&built), writer, ctx)?;
                 up(ctx, Box::new(op))
             }));
+        StreamSink {
+            graph: self.graph,
+            name,
+            errors: self.errors,
+        }
     }
 
     /// Collects every record; read them from the returned handle after the job finished.
@@ -368,8 +375,29 @@ impl<T: Data> Stream<T> {
         self,
         dir: impl Into<std::path::PathBuf>,
         format: impl Fn(&T, &mut String) + Send + Sync + 'static,
-    ) {
-        self.sink(FileSink::new(dir, format));
+    ) -> StreamSink {
+        self.sink(FileSink::new(dir, format))
+    }
+}
+
+/// The sink a stream ends in (Flink's `DataStreamSink`): where it gets its uid.
+pub struct StreamSink {
+    graph: GraphRef,
+    name: Name,
+    errors: Rc<RefCell<Vec<String>>>,
+}
+
+impl StreamSink {
+    /// Gives the sink a stable uid: it names the sink's state in checkpoints (a restore
+    /// hands that state to the sink with the same uid) and its metrics. Without one the
+    /// name is generated from the sink's kind and its place in the job, which changes when
+    /// the job does.
+    pub fn uid(self, uid: &str) -> Self {
+        match self.graph.borrow_mut().uid(uid) {
+            Ok(u) => *self.name.lock().unwrap_or_else(|p| p.into_inner()) = u,
+            Err(e) => self.errors.borrow_mut().push(e),
+        }
+        self
     }
 }
 

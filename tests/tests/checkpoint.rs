@@ -638,14 +638,14 @@ fn stop_with_savepoint_commits_up_to_the_savepoint_and_ends_the_job() {
             c = c.with_restore(r);
         }
         let job = Job::new(c);
-        running_sum_job(&job, &data, slow, "sum").sink(
-            weir_runtime::sink::TransactionalFileSink::new(
+        running_sum_job(&job, &data, slow, "sum")
+            .sink(weir_runtime::sink::TransactionalFileSink::new(
                 out.clone(),
                 |r: &(u64, i64, u64), line: &mut String| {
                     line.push_str(&format!("{},{},{}", r.0, r.1, r.2));
                 },
-            ),
-        );
+            ))
+            .uid("out");
         job.start().expect("start")
     };
     let h = run("ckpt", None, true);

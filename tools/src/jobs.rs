@@ -17,6 +17,20 @@ fn config(input: &InputArgs, job: &str) -> Result<JobConfig, String> {
     if let Some(n) = input.shards {
         c = c.with_shards(n);
     }
+    let from_path = input
+        .checkpoint
+        .restore
+        .as_deref()
+        .is_some_and(|r| r != "latest");
+    if from_path && input.checkpoint.checkpoint_dir.is_none() {
+        // A checkpoint's output is published by the exactly-once sink, which only a
+        // checkpointing job has: a plain sink would leave what it had prepared unpublished.
+        return Err(
+            "--restore needs --checkpoint-dir here: the restored job's --output goes through \
+             the exactly-once sink, which publishes what the checkpoint had prepared"
+                .into(),
+        );
+    }
     crate::apply_checkpointing(c, &input.checkpoint, job)
 }
 
@@ -36,13 +50,18 @@ fn write_output<T: weir_runtime::Data>(
     if input.checkpoint.checkpoint_dir.is_some() {
         // Committed output of earlier runs stays: restore publishes or discards what was
         // pending, and the job continues where its checkpoint left off.
-        stream.sink(weir_runtime::sink::TransactionalFileSink::new(
-            input.output.clone(),
-            format,
-        ));
+        // A stable uid: a restore hands the checkpoint's transactions to the sink of that uid.
+        stream
+            .sink(weir_runtime::sink::TransactionalFileSink::new(
+                input.output.clone(),
+                format,
+            ))
+            .uid("output");
     } else {
         prepare_output(&input.output)?;
-        stream.write_lines(input.output.clone(), format);
+        stream
+            .write_lines(input.output.clone(), format)
+            .uid("output");
     }
     Ok(())
 }

@@ -170,6 +170,9 @@ pub fn apply_checkpointing(
         if a.restore.as_deref() == Some("latest") {
             return Err("--restore latest needs --checkpoint-dir".into());
         }
+        let c = c
+            .with_allow_fallback(a.allow_fallback)
+            .with_allow_non_restored_state(a.allow_non_restored_state);
         return Ok(match &a.restore {
             Some(p) => c.with_restore(weir_runtime::RestoreFrom::Path(p.into())),
             None => c,

@@ -1044,6 +1044,26 @@ fn checkpoints_inspect_shows_the_parts_and_clean_keeps_the_newest() {
             );
         }
     }
+    // Each operator by its stable uid, the output's sink included.
+    let mut ops: Vec<(&str, &str)> = parts
+        .iter()
+        .map(|p| {
+            (
+                p["operator"].as_str().expect("operator"),
+                p["kind"].as_str().expect("kind"),
+            )
+        })
+        .collect();
+    ops.sort_unstable();
+    ops.dedup();
+    assert_eq!(
+        ops,
+        [
+            ("input", "source"),
+            ("keyed-sum", "keyed"),
+            ("output", "sink")
+        ]
+    );
     // The parts' files are the checkpoint's files.
     let mut part_files: Vec<&str> = parts
         .iter()
@@ -1194,6 +1214,17 @@ fn checkpoints_inspect_shows_the_parts_and_clean_keeps_the_newest() {
         "{}",
         stderr(&d)
     );
+    // Without a checkpoint directory the output would go through a plain sink, which cannot
+    // publish what the savepoint had prepared: refused before the job starts.
+    let plain = dir.path().join("out-plain");
+    let r = keyed_sum(&input, "csv", &plain, &["--restore", &sp]);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    assert!(
+        stderr(&r).contains("--restore needs --checkpoint-dir"),
+        "{}",
+        stderr(&r)
+    );
+    assert!(!plain.exists(), "nothing written");
     // A corrupt metadata file is exit code 3 for inspect too, naming the file.
     let meta = ck
         .join("keyed-sum")
