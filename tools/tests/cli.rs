@@ -147,22 +147,7 @@ fn keyed_sum_csv_and_jsonl_on_four_shards_match_sequential() {
     write_csv(&input.join("a.csv"), &recs[..10_000]);
     write_csv(&input.join("b.csv"), &recs[10_000..]);
     let out = dir.path().join("out");
-    let o = weir(&[
-        "run",
-        "keyed-sum",
-        "--input",
-        input.to_str().expect("utf8"),
-        "--format",
-        "csv",
-        "--key",
-        "user",
-        "--value",
-        "amount",
-        "--output",
-        out.to_str().expect("utf8"),
-        "--shards",
-        "4",
-    ]);
+    let o = keyed_sum(&input, "csv", &out, &["--shards", "4"]);
     assert!(o.status.success(), "{}", stderr(&o));
     // Per key, the sums appear in input order within the key's part file.
     assert_eq!(parse_sums(&output_lines(&out)), running_sums(&recs));
@@ -170,22 +155,7 @@ fn keyed_sum_csv_and_jsonl_on_four_shards_match_sequential() {
     let jl = dir.path().join("in.jsonl");
     write_jsonl(&jl, &recs);
     let out2 = dir.path().join("out2");
-    let o = weir(&[
-        "run",
-        "keyed-sum",
-        "--input",
-        jl.to_str().expect("utf8"),
-        "--format",
-        "jsonl",
-        "--key",
-        "user",
-        "--value",
-        "amount",
-        "--output",
-        out2.to_str().expect("utf8"),
-        "--shards",
-        "3",
-    ]);
+    let o = keyed_sum(&jl, "jsonl", &out2, &["--shards", "3"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(parse_sums(&output_lines(&out2)), running_sums(&recs));
 }
@@ -241,22 +211,8 @@ fn malformed_lines_follow_the_error_policy() {
     let input = dir.path().join("in.csv");
     std::fs::write(&input, "user,amount\na,1\nb,notanumber\na,2\nc\n").expect("write");
     let out = dir.path().join("out");
-    let (i, o) = (input.to_str().expect("utf8"), out.to_str().expect("utf8"));
 
-    let r = weir(&[
-        "run",
-        "keyed-sum",
-        "--input",
-        i,
-        "--format",
-        "csv",
-        "--key",
-        "user",
-        "--value",
-        "amount",
-        "--output",
-        o,
-    ]);
+    let r = keyed_sum(&input, "csv", &out, &[]);
     assert_eq!(r.status.code(), Some(1));
     let e = stderr(&r);
     assert!(
@@ -269,22 +225,7 @@ fn malformed_lines_follow_the_error_policy() {
         "one error line: {e}"
     );
 
-    let r = weir(&[
-        "run",
-        "keyed-sum",
-        "--input",
-        i,
-        "--format",
-        "csv",
-        "--key",
-        "user",
-        "--value",
-        "amount",
-        "--output",
-        o,
-        "--on-error",
-        "skip",
-    ]);
+    let r = keyed_sum(&input, "csv", &out, &["--on-error", "skip"]);
     assert!(r.status.success(), "{}", stderr(&r));
     let mut got = output_lines(&out);
     got.sort();
@@ -292,22 +233,12 @@ fn malformed_lines_follow_the_error_policy() {
     assert!(stderr(&r).contains("2 skipped"), "{}", stderr(&r));
 
     let dl = dir.path().join("dead/letters.jsonl");
-    let r = weir(&[
-        "run",
-        "keyed-sum",
-        "--input",
-        i,
-        "--format",
+    let r = keyed_sum(
+        &input,
         "csv",
-        "--key",
-        "user",
-        "--value",
-        "amount",
-        "--output",
-        o,
-        "--on-error",
-        &format!("dead-letter={}", dl.display()),
-    ]);
+        &out,
+        &["--on-error", &format!("dead-letter={}", dl.display())],
+    );
     assert!(r.status.success(), "{}", stderr(&r));
     let letters = std::fs::read_to_string(&dl).expect("dead letters");
     let rows: Vec<serde_json::Value> = letters
@@ -435,20 +366,7 @@ fn errors_name_what_and_where_with_the_right_exit_code() {
     assert_eq!(r.status.code(), Some(1));
     assert!(stderr(&r).contains("missing.csv"), "{}", stderr(&r));
 
-    let r = weir(&[
-        "run",
-        "keyed-sum",
-        "--input",
-        i,
-        "--format",
-        "xml",
-        "--key",
-        "user",
-        "--value",
-        "amount",
-        "--output",
-        o,
-    ]);
+    let r = keyed_sum(&input, "xml", &out, &[]);
     assert_eq!(
         r.status.code(),
         Some(2),
@@ -493,24 +411,17 @@ fn errors_name_what_and_where_with_the_right_exit_code() {
         assert!(stderr(&r).contains(window), "{}", stderr(&r));
     }
     let ck = dir.path().join("ck");
-    let r = weir(&[
-        "run",
-        "keyed-sum",
-        "--input",
-        i,
-        "--format",
+    let r = keyed_sum(
+        &input,
         "csv",
-        "--key",
-        "user",
-        "--value",
-        "amount",
-        "--output",
-        o,
-        "--checkpoint-dir",
-        ck.to_str().expect("utf8"),
-        "--checkpoint-interval",
-        "0ms",
-    ]);
+        &out,
+        &[
+            "--checkpoint-dir",
+            ck.to_str().expect("utf8"),
+            "--checkpoint-interval",
+            "0ms",
+        ],
+    );
     assert_eq!(r.status.code(), Some(2));
     assert!(stderr(&r).contains("must be more than 0"), "{}", stderr(&r));
     // No retained checkpoint is a usage error, as `retained = 0` in TOML is a config error
@@ -765,24 +676,17 @@ fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
     let input = dir.path().join("in.jsonl");
     write_jsonl(&input, &recs);
     let (out, ck) = (dir.path().join("out"), dir.path().join("ckpt"));
-    let r = weir(&[
-        "run",
-        "keyed-sum",
-        "--input",
-        input.to_str().expect("utf8"),
-        "--format",
+    let r = keyed_sum(
+        &input,
         "jsonl",
-        "--key",
-        "user",
-        "--value",
-        "amount",
-        "--output",
-        out.to_str().expect("utf8"),
-        "--checkpoint-dir",
-        ck.to_str().expect("utf8"),
-        "--checkpoint-interval",
-        "20ms",
-    ]);
+        &out,
+        &[
+            "--checkpoint-dir",
+            ck.to_str().expect("utf8"),
+            "--checkpoint-interval",
+            "20ms",
+        ],
+    );
     assert!(r.status.success(), "{}", stderr(&r));
     assert_eq!(parse_sums(&committed_lines(&out)), running_sums(&recs));
     let l = weir(&["checkpoints", "list", ck.to_str().expect("utf8")]);
@@ -826,24 +730,17 @@ fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
     assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
     assert!(stderr(&o).contains(name), "{}", stderr(&o));
     // A restore from the corrupt checkpoint stops with that error, not a wrong answer.
-    let r = weir(&[
-        "run",
-        "keyed-sum",
-        "--input",
-        input.to_str().expect("utf8"),
-        "--format",
+    let r = keyed_sum(
+        &input,
         "jsonl",
-        "--key",
-        "user",
-        "--value",
-        "amount",
-        "--output",
-        out.to_str().expect("utf8"),
-        "--checkpoint-dir",
-        ck.to_str().expect("utf8"),
-        "--restore",
-        "latest",
-    ]);
+        &out,
+        &[
+            "--checkpoint-dir",
+            ck.to_str().expect("utf8"),
+            "--restore",
+            "latest",
+        ],
+    );
     assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
     assert!(stderr(&r).contains(name), "{}", stderr(&r));
 }
