@@ -592,14 +592,23 @@ fn sigterm_stops_with_a_savepoint_that_continues_exactly() {
     let (recs, out) = (&run.recs, &run.out);
     let input = run.dir.path().join("in.csv");
     let ck = run.dir.path().join("ckpt-stop");
-    let mut args = keyed_sum_args(&input, "csv", out);
-    args.extend([
-        "--shards",
-        "2",
-        "--checkpoint-dir",
-        ck.to_str().expect("utf8"),
-    ]);
-    args.extend(["--checkpoint-interval", "50ms"]);
+    // keyed-sum on 2 shards into `out`, checkpointing into `dir`, with `extra` flags.
+    let args_with = |dir: &Path, extra: [&str; 2]| -> Vec<String> {
+        let mut a: Vec<String> = keyed_sum_args(&input, "csv", out)
+            .into_iter()
+            .map(str::to_owned)
+            .collect();
+        let dir = dir.to_str().expect("utf8").to_owned();
+        a.extend([
+            "--shards".into(),
+            "2".into(),
+            "--checkpoint-dir".into(),
+            dir,
+        ]);
+        a.extend(extra.map(str::to_owned));
+        a
+    };
+    let args = args_with(&ck, ["--checkpoint-interval", "50ms"]);
     let child = Command::new(env!("CARGO_BIN_EXE_weir"))
         .args(&args)
         .stdout(std::process::Stdio::null())
@@ -651,16 +660,8 @@ fn sigterm_stops_with_a_savepoint_that_continues_exactly() {
         );
     }
 
-    let ck2 = run.dir.path().join("ckpt-restored");
-    let mut args = keyed_sum_args(&input, "csv", out);
-    args.extend([
-        "--shards",
-        "2",
-        "--checkpoint-dir",
-        ck2.to_str().expect("utf8"),
-    ]);
-    args.extend(["--restore", &sp]);
-    let o = weir(&args);
+    let args = args_with(&run.dir.path().join("ckpt-restored"), ["--restore", &sp]);
+    let o = weir(&args.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(
         parse_sums(&committed_lines(out)),
