@@ -83,7 +83,9 @@ struct Chunk {
 // `ptr` stays valid). Concurrent access follows the seal protocol (see `Arena::sealed_below`):
 // the owning memtable writes only records at or above the mark, through slices that start at
 // such a record; other threads read only through a sealed view, whose slices end at the mark,
-// over records nobody writes again.
+// over records nobody writes again under that chunk number. A chunk's memory is written again
+// only after `Arena::reclaim` retired it, which requires the arena's `Arc` to be the only one
+// (`Arc::get_mut`: every view that read it has been dropped, and that drop happens-before).
 unsafe impl Send for Chunk {}
 // SAFETY: as for `Send`.
 unsafe impl Sync for Chunk {}
@@ -136,6 +138,66 @@ impl std::fmt::Debug for Chunk {
     }
 }
 
+/// Which records of one arena chunk are live: allocated there and not replaced since by a
+/// copy or a move. A bit per 16 bytes marks where each live record starts.
+#[derive(Debug, Default)]
+struct ChunkUse {
+    live: u32,
+    born: u32,
+    bits: Vec<u64>,
+}
+
+impl ChunkUse {
+    /// The chunk (of `bytes`) becomes the one allocations come from.
+    fn start(&mut self, bytes: usize) {
+        self.bits.resize(bytes.div_ceil(16 * 64), 0);
+    }
+
+    fn clear(&mut self) {
+        self.bits.fill(0);
+        self.live = 0;
+        self.born = 0;
+    }
+
+    #[inline]
+    fn born(&mut self, off: u32) {
+        self.live += 1;
+        self.born += 1;
+        let unit = off as usize / 16;
+        self.bits[unit / 64] |= 1 << (unit % 64);
+    }
+
+    /// True when that was the last live record.
+    #[inline]
+    fn release(&mut self, off: u32) -> bool {
+        let unit = off as usize / 16;
+        self.bits[unit / 64] &= !(1 << (unit % 64));
+        self.live -= 1;
+        self.live == 0
+    }
+
+    /// Offsets of the live records.
+    fn live_offsets(&self) -> impl Iterator<Item = u32> + '_ {
+        self.bits.iter().enumerate().flat_map(|(w, &word)| {
+            let mut rest = word;
+            std::iter::from_fn(move || {
+                if rest == 0 {
+                    return None;
+                }
+                let b = rest.trailing_zeros();
+                rest &= rest - 1;
+                Some(((w * 64 + b as usize) * 16) as u32)
+            })
+        })
+    }
+}
+
+/// The placeholder of a chunk number that [`Arena::reclaim`] retired: no record refers to it.
+fn retired_chunk() -> Arc<Chunk> {
+    static RETIRED: OnceLock<Arc<Chunk>> = OnceLock::new();
+    Arc::clone(RETIRED.get_or_init(|| Arc::new(Chunk::new_in(&ARENA_CHUNKS, 0))))
+}
+
 /// A record address as one ordered integer: allocation order within one arena life.
 #[inline]
 fn packed(loc: Loc) -> u64 {
@@ -146,6 +208,14 @@ fn packed(loc: Loc) -> u64 {
 struct Arena {
     // u128 elements make every chunk 16-byte aligned.
     chunks: Vec<Arc<Chunk>>,
+    /// The chunk number of `chunks[0]`: 0 in a memtable; in a sealed epoch's view, the chunk
+    /// the epoch's first record is in (the view holds only the chunks its records use).
+    base: usize,
+    /// Per chunk (memtables only): which of its records are live, for [`Arena::reclaim`] and
+    /// [`Memtable::make_room`].
+    uses: Vec<ChunkUse>,
+    /// Chunks whose live count fell to zero, candidates for [`Arena::reclaim`].
+    emptied: Vec<u32>,
     /// The chunk allocations come from; chunks after it are recycled spares, not yet used.
     cur: usize,
     chunk_bytes: usize,
@@ -179,7 +249,68 @@ impl Arena {
             off: self.used as u32,
         };
         self.used += len16;
+        self.uses[self.cur].born(loc.off);
         loc
+    }
+
+    /// The record at `loc` was replaced by a newer one (a copy or a move).
+    #[inline]
+    fn release(&mut self, loc: Loc) {
+        if self.uses[loc.chunk as usize].release(loc.off) {
+            self.emptied.push(loc.chunk);
+        }
+    }
+
+    /// Take back the memory of a chunk whose records were all replaced, once no sealed epoch
+    /// reads it: the chunk lies wholly below the seal mark (so every record in it, dead ones
+    /// included, went to an epoch whose view holds the chunk) and nothing else holds it. Its
+    /// number is retired (an empty placeholder keeps the numbering: allocation order stays
+    /// address order, and the memory comes back under a new number above the mark). A
+    /// standard-size chunk is returned for the next allocations; others are freed.
+    ///
+    /// Why: a keyed job checkpointing every 100 ms copies nearly every record after each seal.
+    /// Without this the copies grew the memtable into fresh memory (a first touch costs about
+    /// a millisecond per 2 MiB here: a third of what checkpoints cost the shards) until it
+    /// froze, and the frozen memtable's flush and the lookups past it cost more.
+    #[cold]
+    fn reclaim(&mut self) {
+        let mut i = 0;
+        while i < self.emptied.len() {
+            let c = self.emptied[i] as usize;
+            if self.uses[c].live != 0 || self.chunks[c].bytes == 0 {
+                // Written again since it emptied (it was the chunk in use), or retired.
+                self.emptied.swap_remove(i);
+                continue;
+            }
+            if !self.unread(c) {
+                i += 1;
+                continue;
+            }
+            self.emptied.swap_remove(i);
+            self.retire(c);
+        }
+    }
+
+    /// Whether chunk `c` lies wholly below the seal mark (every record in it, dead ones
+    /// included, went to an epoch whose view holds the chunk) and no such view holds it any
+    /// more: then nothing but this arena will read it.
+    #[inline]
+    fn unread(&mut self, c: usize) -> bool {
+        c < (self.sealed_below >> 32) as usize && Arc::get_mut(&mut self.chunks[c]).is_some()
+    }
+
+    /// Retire chunk `c` (unread, no live record): an empty placeholder keeps its number, so
+    /// that allocation order stays address order, and its memory comes back as a spare under
+    /// a new number above the mark. A chunk of another size than the standard is freed.
+    fn retire(&mut self, c: usize) {
+        let chunk = std::mem::replace(&mut self.chunks[c], retired_chunk());
+        let mut used = std::mem::take(&mut self.uses[c]);
+        self.bytes -= chunk.bytes;
+        if chunk.bytes == self.chunk_bytes {
+            used.clear();
+            self.chunks.push(chunk);
+            self.uses.push(used);
+        }
     }
 
     #[cold]
@@ -189,17 +320,24 @@ impl Arena {
         } else {
             self.cur + 1
         };
-        let spare_fits = self.chunks.get(next).is_some_and(|c| c.bytes >= len16);
+        let mut spare_fits = self.chunks.get(next).is_some_and(|c| c.bytes >= len16);
+        if !spare_fits && len16 <= self.chunk_bytes && !self.emptied.is_empty() {
+            self.reclaim();
+            spare_fits = self.chunks.get(next).is_some_and(|c| c.bytes >= len16);
+        }
         if !spare_fits {
             let n = len16.max(self.chunk_bytes) / 16;
             self.chunks.push(Arc::new(Chunk::new(n)));
+            self.uses.push(ChunkUse::default());
             // Chunks after `cur` are unused spares: moving one does not move any data in use.
             let last = self.chunks.len() - 1;
             self.chunks.swap(next, last);
+            self.uses.swap(next, last);
         }
         self.cur = next;
         self.used = 0;
         self.bytes += self.chunks[next].bytes;
+        self.uses[next].start(self.chunks[next].bytes);
     }
 
     /// Fault in chunks until the arena holds `bytes` (in use and spare), adding standard-size
@@ -211,12 +349,14 @@ impl Arena {
             let c = Chunk::new(self.chunk_bytes / 16);
             total += c.bytes;
             self.chunks.push(Arc::new(c));
+            self.uses.push(ChunkUse::default());
         }
         if was_empty && !self.chunks.is_empty() {
             // As after `reset`: the first chunk is the one in use, and counts.
             self.cur = 0;
             self.used = 0;
             self.bytes = self.chunks[0].bytes;
+            self.uses[0].start(self.chunks[0].bytes);
         }
         // A chunk a sealed epoch still reads is in memory already.
         self.chunks
@@ -233,11 +373,18 @@ impl Arena {
         // Chunks that sealed epochs still read are theirs until they finish: not reused.
         self.chunks
             .retain_mut(|c| c.bytes == std_bytes && Arc::get_mut(c).is_some());
+        self.uses.truncate(self.chunks.len());
+        self.uses.resize_with(self.chunks.len(), ChunkUse::default);
+        self.uses.iter_mut().for_each(ChunkUse::clear);
+        self.emptied.clear();
         self.cur = 0;
         self.used = 0;
         self.sealed_below = 0;
         self.dead = 0;
         self.bytes = self.chunks.first().map_or(0, |c| c.bytes);
+        if let Some(c) = self.chunks.first() {
+            self.uses[0].start(c.bytes);
+        }
     }
 
     /// The address the next allocation gets (when it fits the current chunk).
@@ -257,7 +404,7 @@ impl Arena {
     /// The bytes of chunk `loc.chunk` from `loc.off` on (in a view, up to the seal mark).
     #[inline]
     fn chunk(&self, loc: Loc) -> &[u8] {
-        let c = &self.chunks[loc.chunk as usize];
+        let c = &self.chunks[loc.chunk as usize - self.base];
         let end = if self.view && u64::from(loc.chunk) == self.sealed_below >> 32 {
             (self.sealed_below as u32 as usize).min(c.bytes)
         } else {
@@ -277,7 +424,7 @@ impl Arena {
     fn chunk_mut(&mut self, loc: Loc) -> &mut [u8] {
         debug_assert!(!self.view, "write to a sealed epoch's view");
         debug_assert!(!self.is_sealed(loc), "write to a sealed record");
-        let c = &self.chunks[loc.chunk as usize];
+        let c = &self.chunks[loc.chunk as usize - self.base];
         let off = (loc.off as usize).min(c.bytes);
         // SAFETY: as in `chunk` for validity. Uniqueness: `&mut self` excludes this arena's
         // other borrows, and sealed epochs sharing the chunk read only records below
@@ -1307,11 +1454,18 @@ impl Memtable {
             return None;
         }
         let arena = &mut self.arena;
+        // The epoch's records lie between the previous mark and this one: the view holds the
+        // chunks from the previous mark's on (the older ones may be reclaimed meanwhile, and
+        // a memtable checkpointed for long has thousands of retired chunk numbers).
+        let first = (arena.sealed_below >> 32) as usize;
         arena.sealed_below = arena.position();
         // Hints taken before point at records that are sealed now.
         self.epoch = self.epoch.wrapping_add(1);
         let view = Arena {
-            chunks: arena.chunks[..=arena.cur].to_vec(),
+            chunks: arena.chunks[first..=arena.cur].to_vec(),
+            base: first,
+            uses: Vec::new(),
+            emptied: Vec::new(),
             cur: arena.cur,
             chunk_bytes: arena.chunk_bytes,
             used: 0,
@@ -1421,6 +1575,7 @@ impl Memtable {
                     if !sealed {
                         arena.mark_dead(loc);
                     }
+                    arena.release(loc);
                     let old = loc;
                     loc = arena.new_record(key, value, expire_at_ms, tombstone);
                     debug_assert!(packed(loc) > packed(old));
@@ -1441,6 +1596,82 @@ impl Memtable {
                 MemHint::new(*epoch, loc)
             }
         }
+    }
+
+    /// Bring the memtable under `target` bytes ([`Self::approx_bytes`]) without a freeze, if
+    /// chunks that no sealed epoch reads any more can be reused: those whose records were all
+    /// replaced since, and sparse ones (at most a quarter of their records live), whose live
+    /// records are copied to the current position first, as an update would copy them. Does
+    /// nothing unless that frees enough. True when the memtable fits `target`; hints taken
+    /// before are stale.
+    ///
+    /// Why: a job checkpointing often copies most records after every seal, and the chunks it
+    /// copies from hold a few keys it did not update for a while: they emptied only after
+    /// four or five more epochs, so the memtable still filled and froze (and its flush, the
+    /// lookups past it and fresh memory for its successor cost the job more).
+    pub fn make_room(&mut self, target: usize) -> bool {
+        self.arena.reclaim();
+        let fixed = self.approx_bytes() - self.arena.bytes;
+        let Some(need) = (self.arena.bytes + fixed).checked_sub(target) else {
+            return true;
+        };
+        let arena = &mut self.arena;
+        let std_bytes = arena.chunk_bytes;
+        let below = ((arena.sealed_below >> 32) as usize).min(arena.chunks.len());
+        // (share of the chunk live, in 1/1024ths; chunk), sparsest first.
+        let mut sparse = Vec::new();
+        for c in 0..below {
+            let u = &arena.uses[c];
+            let live = (u64::from(u.live) * 1024 / u64::from(u.born.max(1))) as usize;
+            if arena.chunks[c].bytes == std_bytes && live <= 256 && arena.unread(c) {
+                sparse.push((live, c as u32));
+            }
+        }
+        sparse.sort_unstable();
+        // What each frees once its live records are copied (into chunks that count already,
+        // or into new ones).
+        let (mut freed, mut take) = (0, 0);
+        while freed < need && take < sparse.len() {
+            freed += std_bytes - std_bytes * sparse[take].0 / 1024;
+            take += 1;
+        }
+        if freed < need {
+            return false;
+        }
+        sparse.truncate(take);
+        let Memtable {
+            arena,
+            entries,
+            index,
+            epoch,
+            log,
+            ..
+        } = self;
+        let mut rec = Vec::new();
+        for &(_, c) in &sparse {
+            let offs: Vec<u32> = arena.uses[c as usize].live_offsets().collect();
+            for off in offs {
+                let old = Loc { chunk: c, off };
+                let (k, v) = arena.record(old);
+                let (klen, expire_at_ms, tombstone) = (k.len(), v.expire_at_ms, v.tombstone());
+                rec.clear();
+                rec.extend_from_slice(k);
+                rec.extend_from_slice(v.bytes);
+                let Ok(at) = index.probe(xxh3_64(&rec[..klen]) as u32, |l| l == old) else {
+                    debug_assert!(false, "a live record is indexed");
+                    continue;
+                };
+                let new = arena.new_record(&rec[..klen], &rec[klen..], expire_at_ms, tombstone);
+                let slot = index.slot_mut(at);
+                slot.set_loc(new);
+                entries[slot.id as usize] = new;
+                log.push(new);
+                arena.release(old);
+            }
+        }
+        *epoch = epoch.wrapping_add(1);
+        arena.reclaim();
+        self.approx_bytes() <= target
     }
 
     /// Overwrite the value of the record `hint` points at, if the hint is current and the
@@ -1620,7 +1851,7 @@ fn order_of(
             .unwrap_or(1)
             - 1,
     );
-    let chunk_bits = bits_for(chunks.len().max(1) as u64 - 1);
+    let chunk_bits = bits_for((arena.base + chunks.len()).max(1) as u64 - 1);
     let pack = |loc: Loc| u64::from(loc.chunk) << off_bits | u64::from(loc.off / 16);
     let unpack = |p: u64| Loc {
         chunk: (p >> off_bits) as u32,
@@ -1843,6 +2074,199 @@ mod tests {
             })
             .collect();
         assert_eq!(listed(&second), want);
+    }
+
+    /// Copies made after seals reuse the chunks whose records were all replaced once no
+    /// sealed epoch reads them, instead of growing the arena; an epoch still read keeps its
+    /// chunks and its records as they were at the seal.
+    #[test]
+    fn copies_reuse_chunks_of_replaced_records_once_no_epoch_reads_them() {
+        let key = |i: u32| i.to_be_bytes().to_vec();
+        let big = |round: u64| vec![round as u8; 100 << 10];
+        let listed = |s: &Sealed| -> Vec<(Vec<u8>, Vec<u8>)> {
+            s.order()
+                .iter()
+                .map(|&l| {
+                    let (k, v) = s.arena.record(l);
+                    (k.to_vec(), v.bytes.to_vec())
+                })
+                .collect()
+        };
+        let n = 4000u32;
+        // 64 KiB chunks; 48-byte records: an epoch of every key fills 3 of them. One key's
+        // value is larger than a chunk and gets a chunk of its own each time it is copied.
+        let fill = |m: &mut Memtable, round: u64| {
+            for i in 0..n {
+                m.put(&key(i), &round.to_le_bytes(), NO_EXPIRY, false);
+            }
+            m.put(&key(n), &big(round), NO_EXPIRY, false);
+        };
+        let want = |round: u64| -> Vec<(Vec<u8>, Vec<u8>)> {
+            (0..=n)
+                .map(|i| {
+                    let v = if i == n {
+                        big(round)
+                    } else {
+                        round.to_le_bytes().to_vec()
+                    };
+                    (key(i), v)
+                })
+                .collect()
+        };
+        let rounds = 30u64;
+
+        // Each epoch's snapshot is done before the next seal.
+        let mut m = Memtable::with_budget(1 << 20);
+        fill(&mut m, 0);
+        let mut most = 0;
+        for round in 1..=rounds {
+            let epoch = m.seal().expect("written");
+            fill(&mut m, round);
+            assert_eq!(listed(&epoch), want(round - 1), "round {round}");
+            drop(epoch);
+            most = most.max(m.held_bytes());
+        }
+        for i in 0..=n {
+            let v = m.get_hashed(&key(i), xxh3_64(&key(i))).expect("present");
+            let w = if i == n {
+                big(rounds)
+            } else {
+                rounds.to_le_bytes().to_vec()
+            };
+            assert_eq!(v.bytes, &w[..]);
+        }
+        // Three epochs of small records (the one read, the one written, the one whose chunks
+        // come back) and the spare: 10 chunks, less than 1 MiB with the big values and tables.
+        let chunks = m.arena.chunk_bytes;
+        assert_eq!(chunks, 64 << 10);
+        assert!(
+            most < (1 << 20) + m.tables_bytes() + m.index.bytes(),
+            "held at most {most} bytes"
+        );
+        let retired = m.arena.chunks.iter().filter(|c| c.bytes == 0).count();
+        assert!(
+            retired > 2 * rounds as usize,
+            "{retired} chunk numbers retired"
+        );
+
+        // Epochs that stay read keep every chunk: the arena grows, and the first epoch's
+        // records are intact after the others were copied over and over.
+        let mut m = Memtable::with_budget(1 << 20);
+        fill(&mut m, 0);
+        let mut epochs = Vec::new();
+        for round in 1..=rounds {
+            epochs.push(m.seal().expect("written"));
+            fill(&mut m, round);
+        }
+        assert!(m.held_bytes() > rounds as usize * 3 * chunks);
+        assert_eq!(m.arena.chunks.iter().filter(|c| c.bytes == 0).count(), 0);
+        for (round, epoch) in epochs.iter().enumerate() {
+            assert_eq!(listed(epoch), want(round as u64), "epoch {round}");
+        }
+    }
+
+    /// `make_room` copies the few live records of chunks no epoch reads any more and reuses
+    /// those chunks; it leaves dense chunks, and chunks an epoch still reads, alone.
+    #[test]
+    fn make_room_copies_the_few_live_records_of_unread_chunks() {
+        let key = |i: u32| i.to_be_bytes().to_vec();
+        let n = 4000u32;
+        // Every key at value 0, sealed and read; then `share` of the keys updated (copied).
+        let setup = |share: u32| {
+            let mut m = Memtable::with_budget(1 << 20);
+            for i in 0..n {
+                m.put(&key(i), &[0; 8], NO_EXPIRY, false);
+            }
+            let epoch = m.seal().expect("written");
+            for i in (0..n).filter(|i| i % 10 < share) {
+                m.put(&key(i), &[1; 8], NO_EXPIRY, false);
+            }
+            (m, epoch)
+        };
+        fn value(m: &Memtable, i: u32) -> &[u8] {
+            let k = i.to_be_bytes();
+            m.get_hashed(&k, xxh3_64(&k)).unwrap().bytes
+        }
+        let chunk = 64 << 10;
+
+        // 9 keys in 10 copied: the first epoch's chunks hold a tenth of their records live.
+        let (mut m, epoch) = setup(9);
+        let before = m.approx_bytes();
+        assert!(!m.make_room(before - chunk), "the epoch is still read");
+        assert_eq!(m.approx_bytes(), before);
+        drop(epoch);
+        // The second seal puts the copies' chunks below the mark as well (dense: 9 in 10).
+        let second = m.seal().expect("written");
+        drop(second);
+        let h = xxh3_64(&key(0));
+        let (_, hint) = m.get_hinted(&key(0), h).unwrap();
+        assert!(m.make_room(before - 2 * chunk));
+        assert!(m.approx_bytes() <= before - 2 * chunk);
+        assert!(
+            !m.overwrite_hinted(hint, &[5; 8], NO_EXPIRY, false),
+            "hint went stale"
+        );
+        for i in 0..n {
+            let want = if i % 10 < 9 { [1; 8] } else { [0; 8] };
+            assert_eq!(value(&m, i), &want, "key {i}");
+        }
+        // The copies are in the next epoch, with the values they had: keys not updated since
+        // the first epoch, from the chunks it reused.
+        let third = m.seal().expect("copied");
+        let listed: Vec<_> = third
+            .order()
+            .iter()
+            .map(|&l| third.arena.record(l))
+            .map(|(k, v)| (u32::from_be_bytes(k.try_into().unwrap()), v.bytes.to_vec()))
+            .collect();
+        assert!(
+            listed.len() >= 2 * chunk / 48 / 10 - 10,
+            "{} copies",
+            listed.len()
+        );
+        for (i, v) in listed {
+            assert_eq!((i % 10, v), (9, vec![0; 8]), "key {i}");
+        }
+
+        // 1 key in 10 copied: the first epoch's chunks are dense, nothing is done.
+        let (mut m, epoch) = setup(1);
+        drop(epoch);
+        drop(m.seal());
+        let before = m.approx_bytes();
+        assert!(!m.make_room(before - chunk));
+        assert_eq!(m.approx_bytes(), before);
+        for i in 0..n {
+            let want = if i % 10 < 1 { [1; 8] } else { [0; 8] };
+            assert_eq!(value(&m, i), &want, "key {i}");
+        }
+    }
+
+    /// A chunk whose records all moved within the epoch being written is not reused before
+    /// that epoch is sealed and read: its log still lists the dead records there.
+    #[test]
+    fn a_chunk_emptied_within_an_epoch_waits_for_its_seal() {
+        let key = |i: u32| i.to_be_bytes().to_vec();
+        let mut m = Memtable::with_budget(1 << 20);
+        for round in 0..3u8 {
+            // 48-byte records fill chunk after chunk, then each moves to an 80-byte one.
+            for i in 0..3000u32 {
+                m.put(&key(i), &[round; 8], NO_EXPIRY, false);
+            }
+            for i in 0..3000u32 {
+                m.put(&key(i), &[round; 40], NO_EXPIRY, false);
+            }
+            let epoch = m.seal().expect("written");
+            let listed: Vec<_> = epoch
+                .order()
+                .iter()
+                .map(|&l| {
+                    let (k, v) = epoch.arena.record(l);
+                    (k.to_vec(), v.bytes.to_vec())
+                })
+                .collect();
+            let want: Vec<_> = (0..3000u32).map(|i| (key(i), vec![round; 40])).collect();
+            assert_eq!(listed, want, "round {round}");
+        }
     }
 
     /// A huge-page chunk's memory outlives its last holder in the pool, and the next chunk is

@@ -846,6 +846,11 @@ impl Store {
         {
             return false;
         }
+        // Copies after snapshots leave chunks of replaced records behind: reuse them if that
+        // makes room (a little below the share, so that it runs every few chunks at most).
+        if self.snapshot_gen != 0 && self.mem.make_room(self.freeze_at() - self.freeze_at() / 32) {
+            return false;
+        }
         self.freeze();
         true
     }

@@ -1275,3 +1275,52 @@ fn a_snapshot_job_runs_inside_a_compactions_yield_hook() {
     let want: Vec<_> = model.into_iter().collect();
     assert_eq!(all(&mut s), want);
 }
+
+/// A store snapshotted after every round of updates to half of its keys at random, as a job
+/// that checkpoints often, reuses the memory of replaced records instead of freezing: the
+/// copies each seal causes would otherwise fill the memtable. A chunk empties by itself only
+/// once each of its keys was updated again, a dozen rounds or more: the few live records of
+/// older chunks are copied to make room. Every snapshot restores to the state at its seal.
+#[test]
+fn frequent_snapshots_reuse_the_memory_of_replaced_records_instead_of_freezing() {
+    let root = tempfile::tempdir().unwrap();
+    let fs: Arc<dyn Fs> = Arc::new(StdFs);
+    let config = StoreConfig {
+        memtable_budget_bytes: 32 << 20,
+        ..small_config(8)
+    };
+    let mut s = Store::open(fs.clone(), &root.path().join("live"), config).unwrap();
+    let mut model = Model::new();
+    let n = 40_000u32;
+    let k = |i: u32| key((i % 8) as u16, (i / 8) as u16);
+    let v = |round: u32, i: u32| [round.to_le_bytes(), i.to_le_bytes()].concat();
+    for i in 0..n {
+        s.put(&k(i), &v(0, i));
+        model.insert(k(i), v(0, i));
+    }
+    // splitmix64's finaliser: every bit depends on both round and key.
+    let updated = |round: u32, i: u32| {
+        let mut z = u64::from(i) << 32 | u64::from(round);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        (z ^ (z >> 31)) >> 63 == 0
+    };
+    for round in 1..=40u32 {
+        let h = snapshot(&mut s, u64::from(round));
+        let at_snapshot = model.clone();
+        for i in (0..n).filter(|&i| updated(round, i)) {
+            s.put(&k(i), &v(round, i));
+            model.insert(k(i), v(round, i));
+        }
+        if round % 10 == 0 {
+            assert_eq!(
+                restored(&fs, &root.path().join(format!("restored{round}")), h),
+                at_snapshot.into_iter().collect::<Vec<_>>(),
+                "round {round}"
+            );
+        }
+    }
+    let m = s.metrics();
+    assert_eq!((m.flushes, m.frozen_memtables), (0, 0), "{m:?}");
+    assert_eq!(all(&mut s), model.into_iter().collect::<Vec<_>>());
+}
