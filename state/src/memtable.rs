@@ -2053,15 +2053,6 @@ mod tests {
             m.put(&key(i), &[4; 40], NO_EXPIRY, false);
         }
         let second = m.seal().expect("written");
-        let listed = |s: &Sealed| -> Vec<(Vec<u8>, Vec<u8>)> {
-            s.order()
-                .iter()
-                .map(|&l| {
-                    let (k, v) = s.arena.record(l);
-                    (k.to_vec(), v.bytes.to_vec())
-                })
-                .collect()
-        };
         assert_eq!(first.arena.dead, 0);
         let want: Vec<_> = (0..1000u32).map(|i| (key(i), vec![1; 8])).collect();
         assert_eq!(listed(&first), want);
@@ -2083,15 +2074,6 @@ mod tests {
     fn copies_reuse_chunks_of_replaced_records_once_no_epoch_reads_them() {
         let key = |i: u32| i.to_be_bytes().to_vec();
         let big = |round: u64| vec![round as u8; 100 << 10];
-        let listed = |s: &Sealed| -> Vec<(Vec<u8>, Vec<u8>)> {
-            s.order()
-                .iter()
-                .map(|&l| {
-                    let (k, v) = s.arena.record(l);
-                    (k.to_vec(), v.bytes.to_vec())
-                })
-                .collect()
-        };
         let n = 4000u32;
         // 64 KiB chunks; 48-byte records: an epoch of every key fills 3 of them. One key's
         // value is larger than a chunk and gets a chunk of its own each time it is copied.
@@ -2212,19 +2194,14 @@ mod tests {
         }
         // The copies are in the next epoch, with the values they had: keys not updated since
         // the first epoch, from the chunks it reused.
-        let third = m.seal().expect("copied");
-        let listed: Vec<_> = third
-            .order()
-            .iter()
-            .map(|&l| third.arena.record(l))
-            .map(|(k, v)| (u32::from_be_bytes(k.try_into().unwrap()), v.bytes.to_vec()))
-            .collect();
+        let copies = listed(&m.seal().expect("copied"));
         assert!(
-            listed.len() >= 2 * chunk / 48 / 10 - 10,
+            copies.len() >= 2 * chunk / 48 / 10 - 10,
             "{} copies",
-            listed.len()
+            copies.len()
         );
-        for (i, v) in listed {
+        for (k, v) in copies {
+            let i = u32::from_be_bytes(k.try_into().unwrap());
             assert_eq!((i % 10, v), (9, vec![0; 8]), "key {i}");
         }
 
@@ -2256,16 +2233,8 @@ mod tests {
                 m.put(&key(i), &[round; 40], NO_EXPIRY, false);
             }
             let epoch = m.seal().expect("written");
-            let listed: Vec<_> = epoch
-                .order()
-                .iter()
-                .map(|&l| {
-                    let (k, v) = epoch.arena.record(l);
-                    (k.to_vec(), v.bytes.to_vec())
-                })
-                .collect();
             let want: Vec<_> = (0..3000u32).map(|i| (key(i), vec![round; 40])).collect();
-            assert_eq!(listed, want, "round {round}");
+            assert_eq!(listed(&epoch), want, "round {round}");
         }
     }
 
@@ -2767,5 +2736,16 @@ mod tests {
             r.sort(&mut v);
             assert_eq!(v.iter().map(|&e| e >> lo).collect::<Vec<_>>(), want);
         }
+    }
+
+    /// A sealed epoch's live records, in key order.
+    fn listed(s: &Sealed) -> Vec<(Vec<u8>, Vec<u8>)> {
+        s.order()
+            .iter()
+            .map(|&l| {
+                let (k, v) = s.arena.record(l);
+                (k.to_vec(), v.bytes.to_vec())
+            })
+            .collect()
     }
 }
