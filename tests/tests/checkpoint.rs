@@ -10,6 +10,8 @@ use weir_runtime::checkpoint::{CheckpointConfig, CheckpointMode, RestartStrategy
 use weir_runtime::{FnProcess, Job, JobConfig, KeyedContext, Pinning, RestoreFrom};
 
 const KEYS: u64 = 50;
+/// See `exactly_once_state_survives_failures_while_memtables_reuse_their_memory`.
+const MEMTABLE_BUDGET: usize = 512 << 10;
 
 fn ck(dir: &std::path::Path, mode: CheckpointMode) -> CheckpointConfig {
     ck_with(dir, mode, false, Duration::ZERO)
@@ -52,32 +54,62 @@ struct Outcome {
 /// the check never fails, however many times the job fails. The test injects each failure
 /// only after a new checkpoint completed, so every restart restores real state.
 fn run_verification(mode: CheckpointMode, shards: usize, n: u64, failures: u32) -> Outcome {
-    run_verification_with(mode, false, Duration::ZERO, false, shards, n, failures)
+    run_verification_with(mode, Setup::default(), shards, n, failures)
+}
+
+/// How the verification job deviates from the plain aligned one.
+struct Setup {
+    unaligned: bool,
+    aligned_timeout: Duration,
+    /// A sink slow enough that the rings fill and barriers queue behind data.
+    slow_sink: bool,
+    /// Each shard's state memory, when not the default.
+    memtable_budget: Option<usize>,
+    keys: u64,
+}
+
+impl Default for Setup {
+    fn default() -> Self {
+        Setup {
+            unaligned: false,
+            aligned_timeout: Duration::ZERO,
+            slow_sink: false,
+            memtable_budget: None,
+            keys: KEYS,
+        }
+    }
 }
 
 fn run_verification_with(
     mode: CheckpointMode,
-    unaligned: bool,
-    aligned_timeout: Duration,
-    slow_sink: bool,
+    setup: Setup,
     shards: usize,
     n: u64,
     failures: u32,
 ) -> Outcome {
+    let Setup {
+        unaligned,
+        aligned_timeout,
+        slow_sink,
+        memtable_budget,
+        keys,
+    } = setup;
     let dir = tempfile::tempdir().expect("tmp");
     let fail_now = Arc::new(AtomicBool::new(false));
     let violations = Arc::new(AtomicU64::new(0));
     let max_seq: Arc<Mutex<HashMap<u64, u64>>> = Arc::default();
-    let job = Job::new(
-        JobConfig::new()
-            .with_shards(shards)
-            .with_pinning(Pinning::Never)
-            .with_ring_capacity_bytes(64 << 10)
-            .with_checkpointing(ck_with(dir.path(), mode, unaligned, aligned_timeout)),
-    );
+    let mut config = JobConfig::new()
+        .with_shards(shards)
+        .with_pinning(Pinning::Never)
+        .with_ring_capacity_bytes(64 << 10)
+        .with_checkpointing(ck_with(dir.path(), mode, unaligned, aligned_timeout));
+    if let Some(bytes) = memtable_budget {
+        config = config.with_memtable_budget_bytes(bytes);
+    }
+    let job = Job::new(config);
     let (f2, v2, m2) = (fail_now.clone(), violations.clone(), max_seq.clone());
     // Every key belongs to one source shard, so that its records arrive in order.
-    let per_shard = KEYS / shards as u64;
+    let per_shard = keys / shards as u64;
     job.from_iter(move |shard, shards| {
         (0..n / shards as u64).map(move |t| {
             (
@@ -92,7 +124,7 @@ fn run_verification_with(
             panic!("injected failure");
         }
         // Slow enough that checkpoints complete while the job runs.
-        if (r.1 * KEYS + r.0).is_multiple_of(200) {
+        if (r.1 * keys + r.0).is_multiple_of(200) {
             std::thread::sleep(Duration::from_millis(1));
         }
         r
@@ -160,7 +192,11 @@ fn run_verification_with(
 }
 
 fn assert_complete(o: &Outcome, n: u64, shards: u64) {
-    let per_shard = KEYS / shards;
+    assert_complete_keys(o, n, shards, KEYS);
+}
+
+fn assert_complete_keys(o: &Outcome, n: u64, shards: u64, keys: u64) {
+    let per_shard = keys / shards;
     assert_eq!(o.max_seq.len() as u64, per_shard * shards);
     for (k, last) in &o.max_seq {
         assert_eq!(
@@ -197,6 +233,25 @@ fn exactly_once_state_survives_repeated_failures() {
             c.ack_ns
         );
     }
+}
+
+/// With state memory small enough that every few checkpoints fill the memtable, the shards'
+/// stores reuse the chunks of records copied after each seal, copy the last live records out
+/// of sparse chunks, and freeze: restores across all of that keep the state exact.
+#[test]
+fn exactly_once_state_survives_failures_while_memtables_reuse_their_memory() {
+    // A whole number of records per key.
+    let n = 160_000;
+    let keys = 4000;
+    let setup = Setup {
+        memtable_budget: Some(MEMTABLE_BUDGET),
+        keys,
+        ..Setup::default()
+    };
+    let o = run_verification_with(CheckpointMode::ExactlyOnce, setup, 2, n, 3);
+    assert_eq!(o.restarts, 3);
+    assert_eq!(o.violations, 0, "no record lost or counted twice in state");
+    assert_complete_keys(&o, n, 2, keys);
 }
 
 #[test]
@@ -251,15 +306,12 @@ fn a_finished_job_commits_a_final_checkpoint_and_restore_latest_resumes() {
 #[test]
 fn unaligned_checkpoints_under_backpressure_are_exactly_once() {
     let n = 90_000;
-    let o = run_verification_with(
-        CheckpointMode::ExactlyOnce,
-        true,
-        Duration::ZERO,
-        true,
-        3,
-        n,
-        2,
-    );
+    let setup = Setup {
+        unaligned: true,
+        slow_sink: true,
+        ..Setup::default()
+    };
+    let o = run_verification_with(CheckpointMode::ExactlyOnce, setup, 3, n, 2);
     assert_eq!(o.restarts, 2);
     assert!(o.completed >= 3, "checkpoints completed: {}", o.completed);
     assert!(
@@ -276,15 +328,13 @@ fn unaligned_checkpoints_under_backpressure_are_exactly_once() {
 #[test]
 fn alignment_timeout_turns_aligned_checkpoints_unaligned() {
     let n = 90_000;
-    let o = run_verification_with(
-        CheckpointMode::ExactlyOnce,
-        true,
-        Duration::from_millis(1),
-        true,
-        2,
-        n,
-        2,
-    );
+    let setup = Setup {
+        unaligned: true,
+        aligned_timeout: Duration::from_millis(1),
+        slow_sink: true,
+        ..Setup::default()
+    };
+    let o = run_verification_with(CheckpointMode::ExactlyOnce, setup, 2, n, 2);
     assert_eq!(o.restarts, 2);
     assert_eq!(o.violations, 0);
     assert_complete(&o, n, 2);
