@@ -130,7 +130,9 @@ pub trait FsFile: Send + Debug {
         self.start_writeback(offset, buf.bytes().len() as u64)?;
         Ok(Some(buf))
     }
-    /// Wait for the write [`FsFile::write_behind`] left in flight, if any; its buffer.
+    /// Wait for the write [`FsFile::write_behind`] left in flight, if any, and return the
+    /// buffer of the last piece that no call returned yet (another write may have waited for
+    /// that piece already): every buffer comes back once.
     fn wait_behind(&mut self) -> Result<Option<Box<dyn WriteBuf>>, IoError> {
         Ok(None)
     }
