@@ -240,6 +240,8 @@ struct Arena {
     view: bool,
     /// Records marked dead since the last seal (every mark is of a record above it).
     dead: usize,
+    /// The last spare chunk was taken after a seal: [`Memtable::make_spare`] is due.
+    wants_spare: bool,
 }
 
 impl Arena {
@@ -355,6 +357,8 @@ impl Arena {
         self.used = 0;
         self.bytes += self.chunks[next].bytes;
         self.uses[next].start(self.chunks[next].bytes);
+        // Only copies after a seal leave chunks to reuse.
+        self.wants_spare = self.sealed_below != 0 && next + 1 == self.chunks.len();
     }
 
     /// Fault in chunks until the arena holds `bytes` (in use and spare), adding standard-size
@@ -398,6 +402,7 @@ impl Arena {
         self.used = 0;
         self.sealed_below = 0;
         self.dead = 0;
+        self.wants_spare = false;
         self.bytes = self.chunks.first().map_or(0, |c| c.bytes);
         if let Some(c) = self.chunks.first() {
             self.uses[0].start(c.bytes);
@@ -1490,6 +1495,7 @@ impl Memtable {
             sealed_below: arena.sealed_below,
             view: true,
             dead: std::mem::take(&mut arena.dead),
+            wants_spare: false,
         };
         // No allocation here (a map costs a system call in the snapshot's synchronous part):
         // the log given back by an earlier epoch, or an empty one that grows with the puts.
@@ -1561,7 +1567,25 @@ impl Memtable {
 
     /// [`Self::put`] with `hash = xxh3_64(key)` computed by the caller. Returns where the
     /// record is now.
+    #[inline]
     pub fn put_hashed(
+        &mut self,
+        key: &[u8],
+        hash: u64,
+        value: &[u8],
+        expire_at_ms: u64,
+        tombstone: bool,
+    ) -> MemHint {
+        let hint = self.write(key, hash, value, expire_at_ms, tombstone);
+        if self.arena.wants_spare {
+            // Copies leave this record where it is (above the seal mark) but stale hints.
+            self.make_spare();
+            return MemHint::new(self.epoch, hint.loc());
+        }
+        hint
+    }
+
+    fn write(
         &mut self,
         key: &[u8],
         hash: u64,
@@ -1642,6 +1666,30 @@ impl Memtable {
         let Some(need) = (self.arena.bytes + fixed).checked_sub(target) else {
             return true;
         };
+        self.relocate_sparse(need) && self.approx_bytes() <= target
+    }
+
+    /// Keep a spare chunk for the next one the arena takes, when a copy took the last: the
+    /// sparsest chunk no sealed epoch reads any more, if at most a quarter of it is live, is
+    /// emptied into the current chunk (just started, so the copies fit) and retired.
+    ///
+    /// Why: [`Self::make_room`] runs only at the memtable's share, and until then every chunk
+    /// the copies after seals took was fresh memory (a first touch costs about a millisecond
+    /// per 2 MiB here, often more): the keyed job checkpointing every 100 ms took about 50
+    /// chunks a shard where it holds fewer than 30, and froze twice on its way.
+    #[cold]
+    fn make_spare(&mut self) {
+        self.arena.wants_spare = false;
+        self.arena.reclaim();
+        if self.arena.cur + 1 == self.arena.chunks.len() {
+            self.relocate_sparse(1);
+        }
+    }
+
+    /// Copy the live records out of the sparsest unread chunks (at most a quarter live) until
+    /// that frees at least `need` bytes, and retire them; nothing if it cannot. True if it
+    /// did.
+    fn relocate_sparse(&mut self, need: usize) -> bool {
         let arena = &mut self.arena;
         let std_bytes = arena.chunk_bytes;
         let below = ((arena.sealed_below >> 32) as usize).min(arena.chunks.len());
@@ -1698,7 +1746,7 @@ impl Memtable {
         }
         *epoch = epoch.wrapping_add(1);
         arena.reclaim();
-        self.approx_bytes() <= target
+        true
     }
 
     /// Overwrite the value of the record `hint` points at, if the hint is current and the
@@ -2243,6 +2291,50 @@ mod tests {
             let want = if i % 10 < 1 { [1; 8] } else { [0; 8] };
             assert_eq!(value(&m, i), &want, "key {i}");
         }
+    }
+
+    /// Copies after seals that take the last spare chunk empty a sparse chunk no epoch reads
+    /// for the next one, long before the memtable's share: keys left alone for a while keep
+    /// the chunks of the epochs they were last copied in, which otherwise pile up.
+    #[test]
+    fn copies_keep_a_spare_chunk_by_emptying_sparse_ones() {
+        let key = |i: u32| i.to_be_bytes().to_vec();
+        let n = 4000u32;
+        let chunk = 64 << 10;
+        let mut m = Memtable::with_budget(1 << 20);
+        let mut last = vec![0u8; n as usize];
+        for i in 0..n {
+            m.put(&key(i), &[0; 8], NO_EXPIRY, false);
+        }
+        let mut held = None;
+        let mut most = 0;
+        for round in 1..=60u8 {
+            // Nine keys in ten updated (copied after the seal); the tenth left alone changes
+            // every eight rounds, so each epoch's chunks keep a tenth of them live that long.
+            let skip = u32::from(round / 8) % 10;
+            for i in (0..n).filter(|i| i % 10 != skip) {
+                m.put(&key(i), &[round; 8], NO_EXPIRY, false);
+                last[i as usize] = round;
+            }
+            let epoch = m.seal().expect("written");
+            // This round's updates, and copies of older values made to empty chunks.
+            for (k, v) in listed(&epoch) {
+                let i = u32::from_be_bytes(k.try_into().unwrap());
+                assert_eq!(v, vec![last[i as usize]; 8], "round {round}, key {i}");
+            }
+            // An epoch is read while the next one is written, as a snapshot job does.
+            held = Some(epoch);
+            most = most.max(m.arena.bytes / chunk);
+        }
+        drop(held);
+        for i in 0..n {
+            let k = key(i);
+            let got = m.get_hashed(&k, xxh3_64(&k)).unwrap().bytes;
+            assert_eq!(got, &[last[i as usize]; 8], "key {i}");
+        }
+        // The keys take 3 chunks, the epoch read and the one written 3 more each: 7 chunks
+        // at most here, 11 when only emptied chunks were reused.
+        assert!(most <= 8, "{most} chunks in use at most");
     }
 
     /// A chunk whose records all moved within the epoch being written is not reused before
