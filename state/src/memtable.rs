@@ -1669,6 +1669,28 @@ impl Memtable {
         self.relocate_sparse(need) && self.approx_bytes() <= target
     }
 
+    /// Bytes of the arena's chunks in use.
+    #[inline]
+    pub fn arena_bytes(&self) -> usize {
+        self.arena.bytes
+    }
+
+    /// Bytes of replaced records in chunks below the seal mark that a sealed epoch still
+    /// reads: what [`Self::make_room`] may reuse once the epochs reading them are dropped.
+    pub fn held_replaced_bytes(&self) -> usize {
+        let arena = &self.arena;
+        let below = ((arena.sealed_below >> 32) as usize).min(arena.chunks.len());
+        (0..below)
+            .filter(|&c| arena.chunks[c].bytes == arena.chunk_bytes)
+            .filter(|&c| Arc::strong_count(&arena.chunks[c]) > 1)
+            .map(|c| {
+                let u = &arena.uses[c];
+                let live = u64::from(u.live) * 1024 / u64::from(u.born.max(1));
+                arena.chunk_bytes - (arena.chunk_bytes as u64 * live / 1024) as usize
+            })
+            .sum()
+    }
+
     /// Keep a spare chunk for the next one the arena takes, when a copy took the last: the
     /// sparsest chunk no sealed epoch reads any more, if at most a quarter of it is live, is
     /// emptied into the current chunk (just started, so the copies fit) and retired.

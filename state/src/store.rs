@@ -400,6 +400,9 @@ pub struct Store {
     tails: Vec<(u64, Option<Arc<Segment>>)>,
     /// `next_gen` at the last snapshot (see `Chain::covered_gen`); 0 before the first.
     snapshot_gen: u64,
+    /// The mutable memtable's arena bytes when a freeze past its share was last put off for
+    /// a snapshot job to let go of replaced records (see `maybe_freeze`); 0 when none was.
+    deferred_at: usize,
     /// Flushed memtables still readable, oldest first (see `Retained`).
     retained: Retained,
     segments: Vec<Arc<Segment>>,
@@ -549,6 +552,7 @@ impl Store {
             sealed_segments: Vec::new(),
             tails: Vec::new(),
             snapshot_gen: 0,
+            deferred_at: 0,
             retained: Retained {
                 cap: retained_cap,
                 ..Retained::default()
@@ -838,7 +842,9 @@ impl Store {
     /// Freeze the mutable memtable if it has reached its share, unless the previous one still
     /// waits for its flush: then a new memtable would take the store past its budget, so the
     /// mutable one grows (up to the whole budget) while the writer is stalled
-    /// ([`Self::write_stalled`]) and the flush's install freezes it. True if it froze.
+    /// ([`Self::write_stalled`]) and the flush's install freezes it. After a snapshot it
+    /// first reuses the memory of replaced records, or waits for a snapshot job to let go of
+    /// them. True if it froze.
     fn maybe_freeze(&mut self) -> bool {
         let bytes = self.mem.approx_bytes();
         if bytes < self.freeze_at()
@@ -846,10 +852,29 @@ impl Store {
         {
             return false;
         }
-        // Copies after snapshots leave chunks of replaced records behind: reuse them if that
-        // makes room (a little below the share, so that it runs every few chunks at most).
-        if self.snapshot_gen != 0 && self.mem.make_room(self.freeze_at() - self.freeze_at() / 32) {
-            return false;
+        if self.snapshot_gen != 0 {
+            // Past the share but within the budget less half a share, a memtable whose chunks
+            // of replaced records a snapshot job still reads waits for them rather than
+            // freezes: they are reused once the job is done. Tried again only when the arena
+            // changed (a chunk taken or retired), not on every put.
+            let cap = memtables_budget(&self.config) - self.freeze_at() / 2;
+            let arena = self.mem.arena_bytes();
+            if self.deferred_at != 0 && arena == self.deferred_at && bytes < cap {
+                return false;
+            }
+            // Copies after snapshots leave chunks of replaced records behind: reuse them if
+            // that makes room (a little below the share, so that it runs every few chunks at
+            // most).
+            let target = self.freeze_at() - self.freeze_at() / 32;
+            if self.mem.make_room(target) {
+                self.deferred_at = 0;
+                return false;
+            }
+            let need = self.mem.approx_bytes().saturating_sub(target);
+            if bytes < cap && self.mem.held_replaced_bytes() >= need {
+                self.deferred_at = self.mem.arena_bytes();
+                return false;
+            }
         }
         self.freeze();
         true
@@ -860,6 +885,7 @@ impl Store {
         if self.mem.is_empty() {
             return;
         }
+        self.deferred_at = 0;
         if self.snapshot_gen != 0 {
             let gen = self.next_gen;
             self.seal();

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use weir_io::{FaultConfig, FaultyFs, Fs, StdFs};
 use weir_state::{
-    segment_layout as L, FormatError, KeyGroupRange, SnapshotHandle, StateError, Store, StoreConfig,
+    segment_layout as L, FormatError, KeyGroupRange, SnapshotHandle, SnapshotJob, StateError,
+    Store, StoreConfig,
 };
 
 mod common;
@@ -1322,5 +1323,75 @@ fn frequent_snapshots_reuse_the_memory_of_replaced_records_instead_of_freezing()
     }
     let m = s.metrics();
     assert_eq!((m.flushes, m.frozen_memtables), (0, 0), "{m:?}");
+    assert_eq!(all(&mut s), model.into_iter().collect::<Vec<_>>());
+}
+
+/// A memtable that passes its share while a snapshot job still reads the records its copies
+/// replaced waits for that job instead of freezing (the job runs on another thread in a real
+/// store, and its chunks are reused once it is done), but only up to the budget less half a
+/// share: with jobs that never finish it freezes. Each snapshot restores to its seal.
+#[test]
+fn a_memtable_past_its_share_waits_for_the_snapshot_job_reading_what_it_replaced() {
+    let root = tempfile::tempdir().unwrap();
+    let fs: Arc<dyn Fs> = Arc::new(StdFs);
+    let config = StoreConfig {
+        memtable_budget_bytes: 32 << 20,
+        ..small_config(8)
+    };
+    let n = 80_000u32;
+    let k = |i: u32| key((i % 8) as u16, (i / 8) as u16);
+    let v = |round: u32, i: u32| [round.to_le_bytes(), i.to_le_bytes()].concat();
+    let fill = |dir: &str| {
+        let mut s = Store::open(fs.clone(), &root.path().join(dir), config.clone()).unwrap();
+        let mut model = Model::new();
+        for i in 0..n {
+            s.put(&k(i), &v(0, i));
+            model.insert(k(i), v(0, i));
+        }
+        (s, model)
+    };
+    let update_all = |s: &mut Store, model: &mut Model, round: u32| {
+        for i in 0..n {
+            s.put(&k(i), &v(round, i));
+            model.insert(k(i), v(round, i));
+        }
+    };
+
+    // Each round's job runs only after the next round's copies: as a shard's updates overlap
+    // the snapshot job of the checkpoint before.
+    let (mut s, mut model) = fill("waits");
+    let mut pending: Option<(SnapshotJob, Model)> = None;
+    let mut most = 0;
+    for round in 1..=6u32 {
+        let job = s.snapshot(u64::from(round));
+        let at_seal = model.clone();
+        update_all(&mut s, &mut model, round);
+        most = most.max(s.metrics().memtable_bytes);
+        if let Some((job, want)) = pending.replace((job, at_seal)) {
+            let h = job.run().unwrap();
+            let dir = root.path().join(format!("restored{round}"));
+            assert_eq!(restored(&fs, &dir, h), want.into_iter().collect::<Vec<_>>());
+        }
+    }
+    let m = s.metrics();
+    assert_eq!((m.flushes, m.frozen_memtables), (0, 0), "{m:?}");
+    // It did pass its share (about 16 MiB) meanwhile.
+    assert!(most > 17 << 20, "{most} bytes at most");
+    drop(pending);
+    assert_eq!(all(&mut s), model.into_iter().collect::<Vec<_>>());
+
+    // Jobs that never run: the memtable freezes before the budget.
+    let (mut s, mut model) = fill("freezes");
+    let mut jobs = Vec::new();
+    for round in 1..=6u32 {
+        jobs.push(s.snapshot(u64::from(round)));
+        update_all(&mut s, &mut model, round);
+        let m = s.metrics();
+        assert!(m.memtable_bytes <= 24 << 20, "round {round}: {m:?}");
+    }
+    let m = s.metrics();
+    assert!(m.flushes + m.frozen_memtables as u64 > 0, "{m:?}");
+    drop(jobs);
+    s.run_pending_maintenance().unwrap();
     assert_eq!(all(&mut s), model.into_iter().collect::<Vec<_>>());
 }
