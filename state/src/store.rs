@@ -853,11 +853,12 @@ impl Store {
             return false;
         }
         if self.snapshot_gen != 0 {
-            // Past the share but within the budget less half a share, a memtable whose chunks
-            // of replaced records a snapshot job still reads waits for them rather than
-            // freezes: they are reused once the job is done. Tried again only when the arena
-            // changed (a chunk taken or retired), not on every put.
-            let cap = memtables_budget(&self.config) - self.freeze_at() / 2;
+            // Up to a quarter past its share, a memtable whose chunks of replaced records a
+            // snapshot job still reads waits for them rather than freezes: they are reused
+            // once the job is done. Tried again only when the arena changed (a chunk taken or
+            // retired), not on every put. The bound keeps a bet lost cheap: the memtable then
+            // freezes a little larger, with room for its successor.
+            let cap = self.freeze_at() + self.freeze_at() / 4;
             let arena = self.mem.arena_bytes();
             if self.deferred_at != 0 && arena == self.deferred_at && bytes < cap {
                 return false;
