@@ -1585,6 +1585,7 @@ impl Memtable {
         hint
     }
 
+    /// The write of [`Self::put_hashed`], before it sees to a spare chunk.
     fn write(
         &mut self,
         key: &[u8],
