@@ -2355,8 +2355,8 @@ mod tests {
             let got = m.get_hashed(&k, xxh3_64(&k)).unwrap().bytes;
             assert_eq!(got, &[last[i as usize]; 8], "key {i}");
         }
-        // The keys take 3 chunks, the epoch read and the one written 3 more each: 7 chunks
-        // at most here, 11 when only emptied chunks were reused.
+        // The keys take 3 chunks; with the epoch still read and the copies being written,
+        // 7 at most here, 11 when only emptied chunks were reused.
         assert!(most <= 8, "{most} chunks in use at most");
     }
 
