@@ -167,6 +167,12 @@ impl ChunkUse {
         self.bits[unit / 64] |= 1 << (unit % 64);
     }
 
+    /// The share of the records born here still live, in 1/1024ths.
+    #[inline]
+    fn live_share(&self) -> usize {
+        (u64::from(self.live) * 1024 / u64::from(self.born.max(1))) as usize
+    }
+
     /// Hint the CPU to load the live bit of the record at `off`.
     #[inline]
     fn prefetch(&self, off: u32) {
@@ -1684,11 +1690,7 @@ impl Memtable {
         (0..below)
             .filter(|&c| arena.chunks[c].bytes == arena.chunk_bytes)
             .filter(|&c| Arc::strong_count(&arena.chunks[c]) > 1)
-            .map(|c| {
-                let u = &arena.uses[c];
-                let live = u64::from(u.live) * 1024 / u64::from(u.born.max(1));
-                arena.chunk_bytes - (arena.chunk_bytes as u64 * live / 1024) as usize
-            })
+            .map(|c| arena.chunk_bytes - arena.chunk_bytes * arena.uses[c].live_share() / 1024)
             .sum()
     }
 
@@ -1719,8 +1721,7 @@ impl Memtable {
         // (share of the chunk live, in 1/1024ths; chunk), sparsest first.
         let mut sparse = Vec::new();
         for c in 0..below {
-            let u = &arena.uses[c];
-            let live = (u64::from(u.live) * 1024 / u64::from(u.born.max(1))) as usize;
+            let live = arena.uses[c].live_share();
             if arena.chunks[c].bytes == std_bytes && live <= 256 && arena.unread(c) {
                 sparse.push((live, c as u32));
             }
