@@ -8,7 +8,7 @@
 //! on the maintenance thread; the shard installs their results between two steps of its loop.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -46,15 +46,18 @@ type MaintenanceJob = Box<dyn FnOnce(&mut dyn FnMut()) -> Output + Send>;
 
 /// Work for a store's maintenance thread.
 enum Job {
-    Maintenance(MaintenanceJob),
-    /// A snapshot's asynchronous part.
+    /// Runs at the next yield of a compaction in progress (see `spawn`).
+    Flush(MaintenanceJob),
+    Compaction(MaintenanceJob),
+    /// A snapshot's asynchronous part: runs at the next yield of any job in progress.
     Snapshot(Box<dyn FnOnce() -> Output + Send>),
 }
 
 struct Maintenance {
     jobs: mpsc::Sender<Job>,
     done: mpsc::Receiver<Output>,
-    maintenance_in_flight: bool,
+    flush_in_flight: bool,
+    compaction_in_flight: bool,
     snapshots_in_flight: usize,
     /// Set when the store goes away: queued jobs are dropped, not run.
     cancel: Arc<AtomicBool>,
@@ -296,45 +299,7 @@ impl ShardState {
             .name(format!("weir-maint-{shard}"))
             .spawn(move || {
                 background_priority();
-                // Maintenance jobs that arrived while another ran, in order.
-                let mut deferred = std::collections::VecDeque::new();
-                loop {
-                    let job = match deferred.pop_front() {
-                        Some(m) => Job::Maintenance(m),
-                        None => match jrx.recv() {
-                            Ok(j) => j,
-                            Err(_) => break,
-                        },
-                    };
-                    if stop.load(Ordering::Acquire) {
-                        break;
-                    }
-                    let out = match job {
-                        Job::Snapshot(f) => f(),
-                        Job::Maintenance(f) => {
-                            // A snapshot that arrives during a flush or compaction runs at
-                            // the job's next yield, on this thread: a checkpoint then waits
-                            // milliseconds, not the seconds a compaction of a large state
-                            // takes (the duration bench's p99 was 1.5-9.4 s, its checkpoints
-                            // queued behind compactions).
-                            let mut yield_now = || {
-                                while let Ok(j) = jrx.try_recv() {
-                                    match j {
-                                        Job::Snapshot(f) if !stop.load(Ordering::Acquire) => {
-                                            let _ = dtx.send(f());
-                                        }
-                                        Job::Snapshot(_) => {}
-                                        Job::Maintenance(m) => deferred.push_back(m),
-                                    }
-                                }
-                            };
-                            f(&mut yield_now)
-                        }
-                    };
-                    if dtx.send(out).is_err() {
-                        break;
-                    }
-                }
+                serve(&jrx, &dtx, &stop);
                 // Dropping the remaining jobs releases their segments; the directory is this
                 // store's scratch space (checkpoints live in checkpoint storage).
                 drop(jrx);
@@ -346,7 +311,8 @@ impl ShardState {
         Ok(Maintenance {
             jobs: jtx,
             done: drx,
-            maintenance_in_flight: false,
+            flush_in_flight: false,
+            compaction_in_flight: false,
             snapshots_in_flight: 0,
             cancel,
         })
@@ -389,7 +355,10 @@ impl ShardState {
         loop {
             match m.done.try_recv() {
                 Ok(Output::Maintenance(done)) => {
-                    m.maintenance_in_flight = false;
+                    match done {
+                        JobDone::Flush(_) => m.flush_in_flight = false,
+                        JobDone::Compaction(_) => m.compaction_in_flight = false,
+                    }
                     inner
                         .be
                         .store_mut()
@@ -422,28 +391,33 @@ impl ShardState {
                 }
             }
         }
-        if m.maintenance_in_flight {
-            return Ok(());
-        }
         let store = inner.be.store_mut();
         if !store.needs_maintenance() {
             return Ok(());
         }
-        let job: Option<Job> = match store.flush_job() {
-            Some(j) => Some(Job::Maintenance(Box::new(move |y: &mut dyn FnMut()| {
-                Output::Maintenance(JobDone::from(j.run_yielding(y)))
-            }))),
-            None => store.compaction_job().map(|j| {
-                Job::Maintenance(Box::new(move |y: &mut dyn FnMut()| {
-                    Output::Maintenance(JobDone::from(j.run_yielding(y)))
-                }))
-            }),
-        };
-        if let Some(job) = job {
-            m.jobs
-                .send(job)
-                .map_err(|_| fail("the maintenance thread stopped".into()))?;
-            m.maintenance_in_flight = true;
+        // A flush and a compaction may be in flight together: the thread runs the flush at
+        // the compaction's next yield, so that a full memtable waits for a flush, not for a
+        // compaction of the whole state (seconds with large state, the shard stalled all the
+        // while).
+        if !m.flush_in_flight {
+            if let Some(j) = store.flush_job() {
+                m.jobs
+                    .send(Job::Flush(Box::new(move |y: &mut dyn FnMut()| {
+                        Output::Maintenance(JobDone::from(j.run_yielding(y)))
+                    })))
+                    .map_err(|_| fail("the maintenance thread stopped".into()))?;
+                m.flush_in_flight = true;
+            }
+        }
+        if !m.compaction_in_flight {
+            if let Some(j) = store.compaction_job() {
+                m.jobs
+                    .send(Job::Compaction(Box::new(move |y: &mut dyn FnMut()| {
+                        Output::Maintenance(JobDone::from(j.run_yielding(y)))
+                    })))
+                    .map_err(|_| fail("the maintenance thread stopped".into()))?;
+                m.compaction_in_flight = true;
+            }
         }
         Ok(())
     }
@@ -659,6 +633,64 @@ impl ShardState {
         self.with(kg, key, ns, |be| {
             weir_state::ListState::<V>::from_id(id.0).get(be)
         })
+    }
+}
+
+/// A maintenance thread's loop: runs `jobs` in order, a flush or snapshot that arrives during
+/// a compaction (a snapshot also during a flush) at that job's next yield, and sends each
+/// job's output to `done`, until the channel closes or `stop` is set.
+fn serve(jobs: &mpsc::Receiver<Job>, done: &mpsc::Sender<Output>, stop: &AtomicBool) {
+    // Jobs that arrived while another ran and must wait for it, in order.
+    let mut deferred = VecDeque::new();
+    loop {
+        let job = match deferred.pop_front() {
+            Some(j) => j,
+            None => match jobs.recv() {
+                Ok(j) => j,
+                Err(_) => return,
+            },
+        };
+        if stop.load(Ordering::Acquire) {
+            return;
+        }
+        let out = match job {
+            Job::Snapshot(f) => f(),
+            Job::Flush(f) => f(&mut || take_arrivals(jobs, done, stop, &mut deferred, false)),
+            Job::Compaction(f) => f(&mut || take_arrivals(jobs, done, stop, &mut deferred, true)),
+        };
+        if done.send(out).is_err() {
+            return;
+        }
+    }
+}
+
+/// Serves the jobs that reached a maintenance thread while it runs one (called at that job's
+/// yields): a snapshot's asynchronous part runs at once, so that a checkpoint waits
+/// milliseconds, not the seconds a compaction of a large state takes (the duration bench's
+/// p99 was 1.5-9.4 s, its checkpoints queued behind compactions); so does a flush if
+/// `flushes_too` (the job running is a compaction); anything else waits in `deferred`.
+fn take_arrivals(
+    jobs: &mpsc::Receiver<Job>,
+    done: &mpsc::Sender<Output>,
+    stop: &AtomicBool,
+    deferred: &mut VecDeque<Job>,
+    flushes_too: bool,
+) {
+    while let Ok(j) = jobs.try_recv() {
+        if stop.load(Ordering::Acquire) {
+            // Dropped: the store is gone.
+            continue;
+        }
+        match j {
+            Job::Snapshot(f) => {
+                let _ = done.send(f());
+            }
+            Job::Flush(f) if flushes_too => {
+                let out = f(&mut || take_arrivals(jobs, done, stop, deferred, false));
+                let _ = done.send(out);
+            }
+            j => deferred.push_back(j),
+        }
     }
 }
 
@@ -924,5 +956,91 @@ mod tests {
         assert_eq!(runs.len(), 1, "{runs:?}");
         let copies = std::fs::read_dir(runs[0].join("restore")).unwrap().count();
         assert_eq!(copies, 1, "{e}");
+    }
+
+    /// A fake job's output, told apart by `id`.
+    fn out(id: u64) -> Output {
+        Output::Snapshot {
+            checkpoint_id: id,
+            result: Err(String::new()),
+            elapsed_ns: 0,
+        }
+    }
+
+    fn id_of(o: Output) -> u64 {
+        match o {
+            Output::Snapshot { checkpoint_id, .. } => checkpoint_id,
+            Output::Maintenance(_) => panic!("no store job was sent"),
+        }
+    }
+
+    /// On a maintenance thread, a flush that arrives during a compaction runs at the
+    /// compaction's next yield (a full memtable waits for a flush, not for a compaction of
+    /// the whole state), while a compaction that arrives during a flush waits for it.
+    #[test]
+    fn a_flush_overtakes_a_running_compaction_and_a_compaction_waits_for_a_flush() {
+        let (jtx, jrx) = mpsc::channel::<Job>();
+        let (dtx, drx) = mpsc::channel::<Output>();
+        let thread = std::thread::spawn(move || serve(&jrx, &dtx, &AtomicBool::new(false)));
+        let flushed = Arc::new(AtomicBool::new(false));
+        let (started_tx, started) = mpsc::channel::<()>();
+        // A compaction that yields until the flush sent after it ran (10 s at most): its
+        // output says whether it saw the flush.
+        let seen = flushed.clone();
+        let started_c = started_tx.clone();
+        jtx.send(Job::Compaction(Box::new(move |y: &mut dyn FnMut()| {
+            started_c.send(()).unwrap();
+            let t0 = Instant::now();
+            while !seen.load(Ordering::Acquire) && t0.elapsed().as_secs() < 10 {
+                y();
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            out(if seen.load(Ordering::Acquire) { 1 } else { 0 })
+        })))
+        .unwrap();
+        started.recv().unwrap();
+        let f = flushed.clone();
+        jtx.send(Job::Flush(Box::new(move |_: &mut dyn FnMut()| {
+            f.store(true, Ordering::Release);
+            out(2)
+        })))
+        .unwrap();
+        assert_eq!(id_of(drx.recv().unwrap()), 2, "the flush finished first");
+        assert_eq!(
+            id_of(drx.recv().unwrap()),
+            1,
+            "the compaction saw the flush"
+        );
+
+        // A flush that yields while a compaction arrives: the compaction runs after it.
+        let (sent_tx, sent) = mpsc::channel::<()>();
+        let running = Arc::new(AtomicBool::new(false));
+        let r = running.clone();
+        jtx.send(Job::Flush(Box::new(move |y: &mut dyn FnMut()| {
+            r.store(true, Ordering::Release);
+            started_tx.send(()).unwrap();
+            sent.recv().unwrap();
+            for _ in 0..3 {
+                y();
+            }
+            r.store(false, Ordering::Release);
+            out(3)
+        })))
+        .unwrap();
+        started.recv().unwrap();
+        let r = running.clone();
+        jtx.send(Job::Compaction(Box::new(move |_: &mut dyn FnMut()| {
+            out(if r.load(Ordering::Acquire) { 0 } else { 4 })
+        })))
+        .unwrap();
+        sent_tx.send(()).unwrap();
+        assert_eq!(id_of(drx.recv().unwrap()), 3);
+        assert_eq!(
+            id_of(drx.recv().unwrap()),
+            4,
+            "the compaction ran inside the flush"
+        );
+        drop(jtx);
+        thread.join().unwrap();
     }
 }

@@ -412,7 +412,8 @@ pub struct Store {
     now_ms: u64,
     ttl_ms: HashMap<u16, u64>,
     flush_in_flight: Option<u64>,
-    compaction_in_flight: bool,
+    /// The number of inputs of the compaction in flight, if one is.
+    compaction_in_flight: Option<usize>,
     registry: Arc<Mutex<Registry>>,
     flushes: u64,
     compactions: u64,
@@ -564,7 +565,7 @@ impl Store {
             now_ms: 0,
             ttl_ms: HashMap::new(),
             flush_in_flight: None,
-            compaction_in_flight: false,
+            compaction_in_flight: None,
             registry: Arc::default(),
             flushes: 0,
             compactions: 0,
@@ -1353,15 +1354,31 @@ impl Store {
 
     /// True when a flush or compaction job is due.
     pub fn needs_maintenance(&self) -> bool {
-        (!self.frozen.is_empty() && self.flush_in_flight.is_none())
-            || (!self.compaction_in_flight && self.pick_compaction().is_some())
+        (!self.frozen.is_empty()
+            && self.flush_in_flight.is_none()
+            && !self.flush_waits_for_compaction())
+            || (self.compaction_in_flight.is_none() && self.pick_compaction().is_some())
+    }
+
+    /// A flush may run while a compaction does (a maintenance thread runs it at the
+    /// compaction's next yield, so that writes wait for a flush, not for a compaction of the
+    /// whole state), but not once `max_segments` segments are outside the compaction's
+    /// inputs: writes then stall until the compaction is installed, so that flushes cannot
+    /// add segments faster than compactions merge them. Outside the inputs, not in all: a
+    /// restored store starts with dozens of segments, and its first compaction merges them
+    /// all (3-4 s with 800 MB).
+    fn flush_waits_for_compaction(&self) -> bool {
+        self.compaction_in_flight.is_some_and(|inputs| {
+            self.segments.len().saturating_sub(inputs) >= self.config.max_segments
+        })
     }
 
     /// The flush of the oldest frozen memtable, if one is due and none is running (flushes
-    /// install in freeze order so segments stay ordered).
+    /// install in freeze order so segments stay ordered); see also
+    /// [`Self::flush_waits_for_compaction`].
     pub fn flush_job(&mut self) -> Option<FlushJob> {
         self.absorb();
-        if self.flush_in_flight.is_some() {
+        if self.flush_in_flight.is_some() || self.flush_waits_for_compaction() {
             return None;
         }
         let f = self.frozen.first()?.clone();
@@ -1385,11 +1402,11 @@ impl Store {
     /// A compaction, if one is due and none is running.
     pub fn compaction_job(&mut self) -> Option<CompactionJob> {
         self.absorb();
-        if self.compaction_in_flight {
+        if self.compaction_in_flight.is_some() {
             return None;
         }
         let start = self.pick_compaction()?;
-        self.compaction_in_flight = true;
+        self.compaction_in_flight = Some(self.segments.len() - start);
         Some(CompactionJob {
             id: self.alloc_segment_id(),
             inputs: self.segments[start..].to_vec(),
@@ -1402,10 +1419,10 @@ impl Store {
     /// Force a compaction of all segments into one (tombstones dropped).
     pub fn full_compaction_job(&mut self) -> Option<CompactionJob> {
         self.absorb();
-        if self.compaction_in_flight || self.segments.len() < 2 {
+        if self.compaction_in_flight.is_some() || self.segments.len() < 2 {
             return None;
         }
-        self.compaction_in_flight = true;
+        self.compaction_in_flight = Some(self.segments.len());
         Some(CompactionJob {
             id: self.alloc_segment_id(),
             inputs: self.segments.clone(),
@@ -1433,7 +1450,7 @@ impl Store {
                 self.absorb();
             }
             JobDone::Compaction(d) => {
-                self.compaction_in_flight = false;
+                self.compaction_in_flight = None;
                 let out = d.result?;
                 let pos = self
                     .segments

@@ -1204,6 +1204,62 @@ fn a_flush_installs_while_a_compaction_is_in_flight() {
     assert_eq!(all(&mut s), model.into_iter().collect::<Vec<_>>());
 }
 
+/// While a compaction runs, flushes (which a maintenance thread runs ahead of it) stop once
+/// `max_segments` segments are outside its inputs, so that segments cannot pile up faster than
+/// compactions merge them; however many segments the compaction merges (a restored store
+/// starts with dozens), flushes go on until then. The frozen memtable is flushed once the
+/// compaction is installed.
+#[test]
+fn flushes_wait_for_a_running_compaction_once_max_segments_are_outside_it() {
+    let root = tempfile::tempdir().unwrap();
+    let fs: Arc<dyn Fs> = Arc::new(StdFs);
+    let config = StoreConfig {
+        memtable_budget_bytes: 16 << 20,
+        max_segments: 2,
+        compaction_min_merge: 100,
+        ..small_config(8)
+    };
+    let mut s = Store::open(fs, root.path(), config).unwrap();
+    let mut round = 0u8;
+    let mut fill = |s: &mut Store| {
+        round += 1;
+        for u in 0..200u16 {
+            s.put(&key(u % 8, u), &[round; 8]);
+        }
+        s.freeze();
+    };
+    for _ in 0..3 {
+        fill(&mut s);
+        flush(&mut s);
+    }
+    let compaction = s.full_compaction_job().expect("three segments");
+    // More segments than `max_segments` in all, fewer outside the compaction: flushes run.
+    for n in 4..=5 {
+        fill(&mut s);
+        assert!(s.needs_maintenance());
+        let f = s
+            .flush_job()
+            .expect("fewer than two outside the compaction");
+        s.install(f.run()).unwrap();
+        assert_eq!(s.metrics().segments, n);
+    }
+    // Two outside: the next flush waits.
+    fill(&mut s);
+    assert!(!s.needs_maintenance());
+    assert!(s.flush_job().is_none(), "a flush past the cap");
+    s.install(compaction.run()).unwrap();
+    assert_eq!(
+        s.metrics().segments,
+        3,
+        "the three merged, two flushes above them"
+    );
+    assert!(s.needs_maintenance());
+    let f = s.flush_job().expect("the compaction is installed");
+    s.install(f.run()).unwrap();
+    assert_eq!(s.metrics().segments, 4);
+    assert_eq!(s.get(&key(6, 198)).unwrap().unwrap().value, &[6u8; 8][..]);
+}
+
 /// Flushes (and compactions, through the same writer loop) of large values yield by bytes,
 /// not only by entry count: 10 000 entries of 1 KiB (far fewer than the entry period) still
 /// give the hook a turn every 4 MiB.
