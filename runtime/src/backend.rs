@@ -9,6 +9,7 @@
 
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -41,8 +42,9 @@ enum Output {
     },
 }
 
-/// A flush or compaction, given a hook to call every few milliseconds (see `spawn`).
-type MaintenanceJob = Box<dyn FnOnce(&mut dyn FnMut()) -> Output + Send>;
+/// A flush or compaction, given a hook to call every few milliseconds (see `serve`); the job
+/// stops early when the hook breaks.
+type MaintenanceJob = Box<dyn FnOnce(&mut dyn FnMut() -> ControlFlow<()>) -> Output + Send>;
 
 /// Work for a store's maintenance thread.
 enum Job {
@@ -79,8 +81,9 @@ struct Inner {
 impl Drop for Inner {
     /// Does not wait for the maintenance thread: after a failure the restart must not wait for
     /// queued compactions and uploads of an attempt that is over (seconds with large state).
-    /// The thread skips what is queued, finishes the job it is running, removes this store's
-    /// run directory and exits; the next attempt works in a directory of its own.
+    /// The thread skips what is queued, stops a flush or compaction it is running at that
+    /// job's next yield (a snapshot job it finishes), removes this store's run directory and
+    /// exits; the next attempt works in a directory of its own.
     fn drop(&mut self) {
         if let Some(m) = self.maint.take() {
             m.cancel.store(true, Ordering::Release);
@@ -289,7 +292,8 @@ impl ShardState {
     }
 
     /// The store's maintenance thread, working for the store in `dir`. It outlives the store
-    /// by at most the job it is running (see `Inner`'s drop), then removes `dir`.
+    /// by at most a yield period of the job it is running (see `Inner`'s drop), then removes
+    /// `dir`.
     fn spawn(shard: usize, dir: PathBuf) -> Result<Maintenance, String> {
         let (jtx, jrx) = mpsc::channel::<Job>();
         let (dtx, drx) = mpsc::channel::<Output>();
@@ -402,9 +406,11 @@ impl ShardState {
         if !m.flush_in_flight {
             if let Some(j) = store.flush_job() {
                 m.jobs
-                    .send(Job::Flush(Box::new(move |y: &mut dyn FnMut()| {
-                        Output::Maintenance(JobDone::from(j.run_yielding(y)))
-                    })))
+                    .send(Job::Flush(Box::new(
+                        move |y: &mut dyn FnMut() -> ControlFlow<()>| {
+                            Output::Maintenance(JobDone::from(j.run_yielding(y)))
+                        },
+                    )))
                     .map_err(|_| fail("the maintenance thread stopped".into()))?;
                 m.flush_in_flight = true;
             }
@@ -412,9 +418,11 @@ impl ShardState {
         if !m.compaction_in_flight {
             if let Some(j) = store.compaction_job() {
                 m.jobs
-                    .send(Job::Compaction(Box::new(move |y: &mut dyn FnMut()| {
-                        Output::Maintenance(JobDone::from(j.run_yielding(y)))
-                    })))
+                    .send(Job::Compaction(Box::new(
+                        move |y: &mut dyn FnMut() -> ControlFlow<()>| {
+                            Output::Maintenance(JobDone::from(j.run_yielding(y)))
+                        },
+                    )))
                     .map_err(|_| fail("the maintenance thread stopped".into()))?;
                 m.compaction_in_flight = true;
             }
@@ -669,13 +677,16 @@ fn serve(jobs: &mpsc::Receiver<Job>, done: &mpsc::Sender<Output>, stop: &AtomicB
 /// milliseconds, not the seconds a compaction of a large state takes (the duration bench's
 /// p99 was 1.5-9.4 s, its checkpoints queued behind compactions); so does a flush if
 /// `flushes_too` (the job running is a compaction); anything else waits in `deferred`.
+/// Breaks once `stop` is set: the store is gone, and the job running stops rather than keep a
+/// core for seconds that the restore of the next attempt wants (a compaction of a large
+/// state goes on for 3-4 s).
 fn take_arrivals(
     jobs: &mpsc::Receiver<Job>,
     done: &mpsc::Sender<Output>,
     stop: &AtomicBool,
     deferred: &mut VecDeque<Job>,
     flushes_too: bool,
-) {
+) -> ControlFlow<()> {
     while let Ok(j) = jobs.try_recv() {
         if stop.load(Ordering::Acquire) {
             // Dropped: the store is gone.
@@ -691,6 +702,11 @@ fn take_arrivals(
             }
             j => deferred.push_back(j),
         }
+    }
+    if stop.load(Ordering::Acquire) {
+        ControlFlow::Break(())
+    } else {
+        ControlFlow::Continue(())
     }
 }
 
@@ -988,22 +1004,26 @@ mod tests {
         // output says whether it saw the flush.
         let seen = flushed.clone();
         let started_c = started_tx.clone();
-        jtx.send(Job::Compaction(Box::new(move |y: &mut dyn FnMut()| {
-            started_c.send(()).unwrap();
-            let t0 = Instant::now();
-            while !seen.load(Ordering::Acquire) && t0.elapsed().as_secs() < 10 {
-                y();
-                std::thread::sleep(std::time::Duration::from_millis(1));
-            }
-            out(if seen.load(Ordering::Acquire) { 1 } else { 0 })
-        })))
+        jtx.send(Job::Compaction(Box::new(
+            move |y: &mut dyn FnMut() -> ControlFlow<()>| {
+                started_c.send(()).unwrap();
+                let t0 = Instant::now();
+                while !seen.load(Ordering::Acquire) && t0.elapsed().as_secs() < 10 {
+                    assert!(y().is_continue());
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                out(if seen.load(Ordering::Acquire) { 1 } else { 0 })
+            },
+        )))
         .unwrap();
         started.recv().unwrap();
         let f = flushed.clone();
-        jtx.send(Job::Flush(Box::new(move |_: &mut dyn FnMut()| {
-            f.store(true, Ordering::Release);
-            out(2)
-        })))
+        jtx.send(Job::Flush(Box::new(
+            move |_: &mut dyn FnMut() -> ControlFlow<()>| {
+                f.store(true, Ordering::Release);
+                out(2)
+            },
+        )))
         .unwrap();
         assert_eq!(id_of(drx.recv().unwrap()), 2, "the flush finished first");
         assert_eq!(
@@ -1016,22 +1036,26 @@ mod tests {
         let (sent_tx, sent) = mpsc::channel::<()>();
         let running = Arc::new(AtomicBool::new(false));
         let r = running.clone();
-        jtx.send(Job::Flush(Box::new(move |y: &mut dyn FnMut()| {
-            r.store(true, Ordering::Release);
-            started_tx.send(()).unwrap();
-            sent.recv().unwrap();
-            for _ in 0..3 {
-                y();
-            }
-            r.store(false, Ordering::Release);
-            out(3)
-        })))
+        jtx.send(Job::Flush(Box::new(
+            move |y: &mut dyn FnMut() -> ControlFlow<()>| {
+                r.store(true, Ordering::Release);
+                started_tx.send(()).unwrap();
+                sent.recv().unwrap();
+                for _ in 0..3 {
+                    assert!(y().is_continue());
+                }
+                r.store(false, Ordering::Release);
+                out(3)
+            },
+        )))
         .unwrap();
         started.recv().unwrap();
         let r = running.clone();
-        jtx.send(Job::Compaction(Box::new(move |_: &mut dyn FnMut()| {
-            out(if r.load(Ordering::Acquire) { 0 } else { 4 })
-        })))
+        jtx.send(Job::Compaction(Box::new(
+            move |_: &mut dyn FnMut() -> ControlFlow<()>| {
+                out(if r.load(Ordering::Acquire) { 0 } else { 4 })
+            },
+        )))
         .unwrap();
         sent_tx.send(()).unwrap();
         assert_eq!(id_of(drx.recv().unwrap()), 3);
@@ -1042,5 +1066,46 @@ mod tests {
         );
         drop(jtx);
         thread.join().unwrap();
+    }
+
+    /// Once the store is gone (`stop`), a running job's yield hook breaks, so that a failed
+    /// attempt's compaction stops instead of taking a core from the next attempt's restore;
+    /// jobs still queued are dropped.
+    #[test]
+    fn a_running_job_is_told_to_stop_once_its_store_is_gone() {
+        let (jtx, jrx) = mpsc::channel::<Job>();
+        let (dtx, drx) = mpsc::channel::<Output>();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let thread = std::thread::spawn(move || serve(&jrx, &dtx, &stop2));
+        let (started_tx, started) = mpsc::channel::<()>();
+        jtx.send(Job::Compaction(Box::new(
+            move |y: &mut dyn FnMut() -> ControlFlow<()>| {
+                started_tx.send(()).unwrap();
+                let t0 = Instant::now();
+                while t0.elapsed().as_secs() < 10 {
+                    if y().is_break() {
+                        return out(1);
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                out(0)
+            },
+        )))
+        .unwrap();
+        started.recv().unwrap();
+        stop.store(true, Ordering::Release);
+        jtx.send(Job::Flush(Box::new(
+            |_: &mut dyn FnMut() -> ControlFlow<()>| out(2),
+        )))
+        .unwrap();
+        assert_eq!(
+            id_of(drx.recv().unwrap()),
+            1,
+            "the compaction was told to stop"
+        );
+        drop(jtx);
+        thread.join().unwrap();
+        assert!(drx.try_recv().is_err(), "the queued flush ran");
     }
 }

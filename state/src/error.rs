@@ -36,6 +36,10 @@ pub enum StateError {
     /// Handles to restore disagree (max parallelism).
     #[error("incompatible snapshot handles: {reason}")]
     Incompatible { reason: String },
+    /// A flush or compaction stopped because its yield hook said so (its store is gone); it
+    /// wrote nothing that stays.
+    #[error("the maintenance job was cancelled")]
+    Cancelled,
 }
 
 impl StateError {

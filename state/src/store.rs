@@ -36,6 +36,7 @@
 
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -1743,21 +1744,24 @@ where
 }
 
 /// `inner`'s entries, calling `yield_now` every [`YIELD_EVERY_ENTRIES`] of them or every
-/// [`YIELD_EVERY_BYTES`] of their keys and values, whichever comes first.
+/// [`YIELD_EVERY_BYTES`] of their keys and values, whichever comes first; ending them early,
+/// with [`StateError::Cancelled`], when the hook breaks.
 struct Yielding<'y, S> {
     inner: S,
-    yield_now: &'y mut dyn FnMut(),
+    yield_now: &'y mut dyn FnMut() -> ControlFlow<()>,
     n: u64,
     bytes: usize,
+    cancelled: bool,
 }
 
 impl<'y, S: EntrySource> Yielding<'y, S> {
-    fn new(inner: S, yield_now: &'y mut dyn FnMut()) -> Self {
+    fn new(inner: S, yield_now: &'y mut dyn FnMut() -> ControlFlow<()>) -> Self {
         Yielding {
             inner,
             yield_now,
             n: 0,
             bytes: 0,
+            cancelled: false,
         }
     }
 }
@@ -1765,30 +1769,41 @@ impl<'y, S: EntrySource> Yielding<'y, S> {
 impl<S: EntrySource> EntrySource for Yielding<'_, S> {
     #[inline]
     fn next_entry(&mut self) -> Option<(&[u8], ValueRef<'_>)> {
+        if self.cancelled {
+            return None;
+        }
         let (k, v) = self.inner.next_entry()?;
         self.n += 1;
         self.bytes += k.len() + v.bytes.len();
         if self.n == YIELD_EVERY_ENTRIES || self.bytes >= YIELD_EVERY_BYTES {
-            (self.yield_now)();
+            if (self.yield_now)().is_break() {
+                self.cancelled = true;
+                return None;
+            }
             (self.n, self.bytes) = (0, 0);
         }
         Some((k, v))
     }
 
     fn take_error(&mut self) -> Option<StateError> {
+        if self.cancelled {
+            return Some(StateError::Cancelled);
+        }
         self.inner.take_error()
     }
 }
 
 impl FlushJob {
     pub fn run(self) -> FlushDone {
-        self.run_yielding(&mut || {})
+        self.run_yielding(&mut || ControlFlow::Continue(()))
     }
 
     /// [`FlushJob::run`], calling `yield_now` every few milliseconds of work: the thread that
     /// runs maintenance can run a waiting snapshot job there (on the same thread), so that a
-    /// checkpoint does not wait for the whole flush or compaction.
-    pub fn run_yielding(self, yield_now: &mut dyn FnMut()) -> FlushDone {
+    /// checkpoint does not wait for the whole flush or compaction. When it breaks, the job
+    /// stops there, removes its file and ends with [`StateError::Cancelled`]: a store that is
+    /// gone (a failed attempt's) should not keep a core busy for seconds.
+    pub fn run_yielding(self, yield_now: &mut dyn FnMut() -> ControlFlow<()>) -> FlushDone {
         let f = &self.frozen;
         let entries = Yielding::new(Entries::new(f.entries().map(Ok)), yield_now);
         FlushDone {
@@ -1820,11 +1835,11 @@ pub struct CompactionDone {
 
 impl CompactionJob {
     pub fn run(self) -> CompactionDone {
-        self.run_yielding(&mut || {})
+        self.run_yielding(&mut || ControlFlow::Continue(()))
     }
 
     /// [`CompactionJob::run`] with a yield hook, as [`FlushJob::run_yielding`].
-    pub fn run_yielding(self, yield_now: &mut dyn FnMut()) -> CompactionDone {
+    pub fn run_yielding(self, yield_now: &mut dyn FnMut() -> ControlFlow<()>) -> CompactionDone {
         let max_keys = self.inputs.iter().map(|s| s.entry_count).sum();
         let result = CompactionEntries::new(&*self.ctx.fs, &self.inputs, self.bottom, self.now_ms)
             .and_then(|entries| {

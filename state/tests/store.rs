@@ -2,6 +2,7 @@
 //! corruption and torn writes.
 
 use std::collections::BTreeMap;
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -1279,11 +1280,70 @@ fn large_values_yield_every_few_megabytes() {
     s.freeze();
     let job = s.flush_job().expect("a frozen memtable");
     let mut yields = 0;
-    let done = job.run_yielding(&mut || yields += 1);
+    let done = job.run_yielding(&mut || {
+        yields += 1;
+        ControlFlow::Continue(())
+    });
     s.install(done).unwrap();
     // 10 000 x (1 KiB + key) = ~10 MB: two 4 MiB periods.
     assert_eq!(yields, 2);
     assert_eq!(s.get(&key(3, 9_995)).unwrap().unwrap().value, &value[..]);
+}
+
+/// A flush or compaction whose yield hook breaks (its store is gone) stops there: it ends with
+/// `Cancelled` and leaves no file, and a store that installs it anyway is unchanged and hands
+/// the same work out again.
+#[test]
+fn a_job_whose_yield_hook_breaks_stops_and_leaves_no_file() {
+    let root = tempfile::tempdir().unwrap();
+    let fs: Arc<dyn Fs> = Arc::new(StdFs);
+    let config = StoreConfig {
+        memtable_budget_bytes: 256 << 20,
+        ..small_config(8)
+    };
+    let mut s = Store::open(fs, root.path(), config).unwrap();
+    let files = || {
+        std::fs::read_dir(root.path())
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .path()
+                    .extension()
+                    .is_some_and(|x| x == "wseg")
+            })
+            .count()
+    };
+    let mut model = Model::new();
+    // 70 000 keys a memtable: past the first yield (every 65 536 entries).
+    let mut fill = |s: &mut Store, round: u8| {
+        for i in 0..70_000u32 {
+            let k = key((i % 8) as u16, i as u16)
+                .into_iter()
+                .chain(i.to_be_bytes())
+                .collect::<Vec<_>>();
+            s.put(&k, &[round; 8]);
+            model.insert(k, vec![round; 8]);
+        }
+        s.freeze();
+    };
+    fill(&mut s, 1);
+    let job = s.flush_job().expect("a frozen memtable");
+    let done = job.run_yielding(&mut || ControlFlow::Break(()));
+    assert!(matches!(s.install(done), Err(StateError::Cancelled)));
+    assert_eq!((files(), s.metrics().segments), (0, 0));
+    flush(&mut s);
+    fill(&mut s, 2);
+    flush(&mut s);
+    assert_eq!((files(), s.metrics().segments), (2, 2));
+    let job = s.full_compaction_job().expect("two segments");
+    let done = job.run_yielding(&mut || ControlFlow::Break(()));
+    assert!(matches!(s.install(done), Err(StateError::Cancelled)));
+    assert_eq!((files(), s.metrics().segments), (2, 2));
+    let job = s.full_compaction_job().expect("the same compaction again");
+    s.install(job.run()).unwrap();
+    assert_eq!(s.metrics().segments, 1);
+    assert_eq!(all(&mut s), model.into_iter().collect::<Vec<_>>());
 }
 
 /// The runtime's maintenance thread runs a waiting snapshot job inside a flush's or
@@ -1322,6 +1382,7 @@ fn a_snapshot_job_runs_inside_a_compactions_yield_hook() {
         if let Some(j) = snap.take() {
             handle = Some(j.run().unwrap());
         }
+        ControlFlow::Continue(())
     });
     assert!(yields >= 1, "the compaction never yielded");
     s.install(done).unwrap();
