@@ -475,6 +475,10 @@ fn latest_restore(
                     config.shards,
                     config.max_parallelism,
                 )
+            })
+            .map(|mut r| {
+                r.files_in_job_storage = true;
+                r
             });
         match attempt {
             Ok(r) => {
@@ -698,7 +702,16 @@ fn run_attempt(
                 config: c.clone(),
                 requested: AtomicU64::new(first - 1),
                 completed: AtomicU64::new(first - 1),
-                completed_ids: Mutex::new(Default::default()),
+                // The checkpoint restored from, if it is this job's own: complete, and its
+                // shared files may be reused (see `RestoreState::files_in_job_storage`).
+                completed_ids: Mutex::new(
+                    restore
+                        .as_deref()
+                        .filter(|r| r.files_in_job_storage)
+                        .map(|r| r.checkpoint_id)
+                        .into_iter()
+                        .collect(),
+                ),
                 aborted: AtomicU64::new(0),
                 sources_total: AtomicUsize::new(0),
                 sources_finished: AtomicUsize::new(0),

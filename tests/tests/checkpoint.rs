@@ -303,6 +303,64 @@ fn a_finished_job_commits_a_final_checkpoint_and_restore_latest_resumes() {
     );
 }
 
+/// A restore from the job's own checkpoints keeps their state files where they are: the
+/// next checkpoint references the restored segments' files instead of uploading them again
+/// (before, every restore added the whole state to what the next checkpoint held), and
+/// restoring it gives the same state.
+#[test]
+fn checkpoints_after_a_restore_reference_the_restored_segments() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let run = |restore: Option<RestoreFrom>, n: u64| {
+        let mut c = JobConfig::new()
+            .with_shards(2)
+            .with_pinning(Pinning::Never)
+            .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce));
+        if let Some(r) = restore {
+            c = c.with_restore(r);
+        }
+        let job = Job::new(c);
+        let out = job
+            .from_iter(move |shard, shards| (0..n).filter(move |i| *i as usize % shards == shard))
+            .key_by(|x: &u64| x % 5000)
+            .reduce(|a, b| a + b)
+            .uid("sum")
+            .collect();
+        let s = job.run().expect("job");
+        (s, out.take())
+    };
+    let storage = || {
+        weir_io::CheckpointStorage::open_read_only(Arc::new(weir_io::StdFs), dir.path(), "verify")
+            .expect("storage")
+    };
+    let shared = |id: u64| -> Vec<std::path::PathBuf> {
+        let m = storage().read_metadata(id).expect("metadata");
+        m.files
+            .into_iter()
+            .map(|f| f.path)
+            .filter(|p| p.starts_with(weir_io::SHARED_DIR))
+            .collect()
+    };
+    let (s, _) = run(None, 20_000);
+    let first = s.checkpoints.last_completed_checkpoint_id.expect("an id");
+    let before = shared(first);
+    assert!(!before.is_empty(), "the keyed state is in shared files");
+    let (s2, out2) = run(Some(RestoreFrom::Latest), 20_000);
+    assert!(out2.is_empty(), "nothing to replay");
+    let second = s2.checkpoints.last_completed_checkpoint_id.expect("an id");
+    assert!(second > first);
+    let after = shared(second);
+    assert_eq!(after, before, "the restored segments were uploaded again");
+    // The state restores from those files: the sums go on from where they were.
+    let (_, out3) = run(Some(RestoreFrom::Latest), 20_010);
+    let mut got: Vec<u64> = out3;
+    got.sort_unstable();
+    // Records 20 000..20 010 (keys 0..10): each key's sum so far plus the new record.
+    let want: Vec<u64> = (20_000..20_010u64)
+        .map(|i| (0..=i).filter(|j| j % 5000 == i % 5000).sum())
+        .collect();
+    assert_eq!(got, want);
+}
+
 #[test]
 fn unaligned_checkpoints_under_backpressure_are_exactly_once() {
     let n = 90_000;

@@ -28,6 +28,10 @@ pub(crate) struct RestoreState {
     /// The (operator, kind) pairs the job's operators asked for while they were built: what
     /// the restore hands to someone ([`Self::unclaimed`]).
     claimed: Mutex<BTreeSet<(String, u8)>>,
+    /// The checkpoint is a complete one of the job's own checkpoint storage (a failover, or
+    /// `--restore latest`): its shared files may be referenced by the job's next checkpoints
+    /// instead of uploaded again.
+    pub files_in_job_storage: bool,
 }
 
 impl RestoreState {
@@ -72,6 +76,7 @@ impl RestoreState {
             reader,
             new_shards,
             claimed: Mutex::default(),
+            files_in_job_storage: false,
         })
     }
 
