@@ -46,6 +46,13 @@ enum Output {
 /// stops early when the hook breaks.
 type MaintenanceJob = Box<dyn FnOnce(&mut dyn FnMut() -> ControlFlow<()>) -> Output + Send>;
 
+/// A store's flush or compaction (`run`: its `run_yielding`) as a [`MaintenanceJob`].
+fn maintenance_job<D: Into<JobDone>>(
+    run: impl FnOnce(&mut dyn FnMut() -> ControlFlow<()>) -> D + Send + 'static,
+) -> MaintenanceJob {
+    Box::new(move |y| Output::Maintenance(run(y).into()))
+}
+
 /// Work for a store's maintenance thread.
 enum Job {
     /// Runs at the next yield of a compaction in progress (see `spawn`).
@@ -421,27 +428,18 @@ impl ShardState {
         // the compaction's next yield, so that a full memtable waits for a flush, not for a
         // compaction of the whole state (seconds with large state, the shard stalled all the
         // while).
+        let stopped = |_| fail("the maintenance thread stopped".into());
         if !m.flush_in_flight {
             if let Some(j) = store.flush_job() {
-                m.jobs
-                    .send(Job::Flush(Box::new(
-                        move |y: &mut dyn FnMut() -> ControlFlow<()>| {
-                            Output::Maintenance(JobDone::from(j.run_yielding(y)))
-                        },
-                    )))
-                    .map_err(|_| fail("the maintenance thread stopped".into()))?;
+                let job = maintenance_job(move |y| j.run_yielding(y));
+                m.jobs.send(Job::Flush(job)).map_err(stopped)?;
                 m.flush_in_flight = true;
             }
         }
         if !m.compaction_in_flight {
             if let Some(j) = store.compaction_job() {
-                m.jobs
-                    .send(Job::Compaction(Box::new(
-                        move |y: &mut dyn FnMut() -> ControlFlow<()>| {
-                            Output::Maintenance(JobDone::from(j.run_yielding(y)))
-                        },
-                    )))
-                    .map_err(|_| fail("the maintenance thread stopped".into()))?;
+                let job = maintenance_job(move |y| j.run_yielding(y));
+                m.jobs.send(Job::Compaction(job)).map_err(stopped)?;
                 m.compaction_in_flight = true;
             }
         }

@@ -262,27 +262,36 @@ fn at_least_once_loses_nothing() {
     assert_complete(&o, n, 2);
 }
 
+/// Runs a bounded job over `0..n` (split over two shards) that sums the records of each key
+/// (`x % keys`), checkpointing into `dir`: its summary and the running sums it emitted.
+fn run_bounded_sums(
+    dir: &std::path::Path,
+    restore: Option<RestoreFrom>,
+    n: u64,
+    keys: u64,
+) -> (weir_runtime::JobSummary, Vec<u64>) {
+    let mut c = JobConfig::new()
+        .with_shards(2)
+        .with_pinning(Pinning::Never)
+        .with_checkpointing(ck(dir, CheckpointMode::ExactlyOnce));
+    if let Some(r) = restore {
+        c = c.with_restore(r);
+    }
+    let job = Job::new(c);
+    let out = job
+        .from_iter(move |shard, shards| (0..n).filter(move |i| *i as usize % shards == shard))
+        .key_by(move |x: &u64| x % keys)
+        .reduce(|a, b| a + b)
+        .uid("sum")
+        .collect();
+    let s = job.run().expect("job");
+    (s, out.take())
+}
+
 #[test]
 fn a_finished_job_commits_a_final_checkpoint_and_restore_latest_resumes() {
     let dir = tempfile::tempdir().expect("tmp");
-    let run = |restore: Option<RestoreFrom>, n: u64| {
-        let mut c = JobConfig::new()
-            .with_shards(2)
-            .with_pinning(Pinning::Never)
-            .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce));
-        if let Some(r) = restore {
-            c = c.with_restore(r);
-        }
-        let job = Job::new(c);
-        let out = job
-            .from_iter(move |shard, shards| (0..n).filter(move |i| *i as usize % shards == shard))
-            .key_by(|x: &u64| x % 7)
-            .reduce(|a, b| a + b)
-            .uid("sum")
-            .collect();
-        let s = job.run().expect("job");
-        (s, out.take())
-    };
+    let run = |restore, n| run_bounded_sums(dir.path(), restore, n, 7);
     let (s, out) = run(None, 1000);
     assert_eq!(out.len(), 1000);
     assert!(
@@ -310,24 +319,7 @@ fn a_finished_job_commits_a_final_checkpoint_and_restore_latest_resumes() {
 #[test]
 fn checkpoints_after_a_restore_reference_the_restored_segments() {
     let dir = tempfile::tempdir().expect("tmp");
-    let run = |restore: Option<RestoreFrom>, n: u64| {
-        let mut c = JobConfig::new()
-            .with_shards(2)
-            .with_pinning(Pinning::Never)
-            .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce));
-        if let Some(r) = restore {
-            c = c.with_restore(r);
-        }
-        let job = Job::new(c);
-        let out = job
-            .from_iter(move |shard, shards| (0..n).filter(move |i| *i as usize % shards == shard))
-            .key_by(|x: &u64| x % 5000)
-            .reduce(|a, b| a + b)
-            .uid("sum")
-            .collect();
-        let s = job.run().expect("job");
-        (s, out.take())
-    };
+    let run = |restore, n| run_bounded_sums(dir.path(), restore, n, 5000);
     let storage = || {
         weir_io::CheckpointStorage::open_read_only(Arc::new(weir_io::StdFs), dir.path(), "verify")
             .expect("storage")
