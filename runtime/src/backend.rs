@@ -55,7 +55,7 @@ fn maintenance_job<D: Into<JobDone>>(
 
 /// Work for a store's maintenance thread.
 enum Job {
-    /// Runs at the next yield of a compaction in progress (see `spawn`).
+    /// Runs at the next yield of a compaction in progress (see `serve`).
     Flush(MaintenanceJob),
     Compaction(MaintenanceJob),
     /// A snapshot's asynchronous part: runs at the next yield of any job in progress.
@@ -284,8 +284,8 @@ impl ShardState {
         };
         // A segment the store kept from a checkpoint of this job's own storage is in that
         // storage already: the next checkpoint references its file there instead of
-        // uploading it again (after every restore, the whole state was uploaded anew: in the
-        // recovery bench each restart added 1-1.6 GB to what the next restore verified).
+        // uploading it again (the first checkpoint of every attempt listed the whole restored
+        // state under new names, all of it counted as new bytes).
         let mut uploaded = HashMap::new();
         if let Some(r) = ctx.restore.as_ref().filter(|r| r.files_in_job_storage) {
             for p in store.segment_paths() {
