@@ -65,8 +65,6 @@ enum Job {
 struct Maintenance {
     jobs: mpsc::Sender<Job>,
     done: mpsc::Receiver<Output>,
-    flush_in_flight: bool,
-    compaction_in_flight: bool,
     snapshots_in_flight: usize,
     /// Set when the store goes away: queued jobs are dropped, not run.
     cancel: Arc<AtomicBool>,
@@ -340,8 +338,6 @@ impl ShardState {
         Ok(Maintenance {
             jobs: jtx,
             done: drx,
-            flush_in_flight: false,
-            compaction_in_flight: false,
             snapshots_in_flight: 0,
             cancel,
         })
@@ -384,10 +380,6 @@ impl ShardState {
         loop {
             match m.done.try_recv() {
                 Ok(Output::Maintenance(done)) => {
-                    match done {
-                        JobDone::Flush(_) => m.flush_in_flight = false,
-                        JobDone::Compaction(_) => m.compaction_in_flight = false,
-                    }
                     inner
                         .be
                         .store_mut()
@@ -427,21 +419,15 @@ impl ShardState {
         // A flush and a compaction may be in flight together: the thread runs the flush at
         // the compaction's next yield, so that a full memtable waits for a flush, not for a
         // compaction of the whole state (seconds with large state, the shard stalled all the
-        // while).
+        // while). The store hands out neither while one of its kind is in flight.
         let stopped = |_| fail("the maintenance thread stopped".into());
-        if !m.flush_in_flight {
-            if let Some(j) = store.flush_job() {
-                let job = maintenance_job(move |y| j.run_yielding(y));
-                m.jobs.send(Job::Flush(job)).map_err(stopped)?;
-                m.flush_in_flight = true;
-            }
+        if let Some(j) = store.flush_job() {
+            let job = maintenance_job(move |y| j.run_yielding(y));
+            m.jobs.send(Job::Flush(job)).map_err(stopped)?;
         }
-        if !m.compaction_in_flight {
-            if let Some(j) = store.compaction_job() {
-                let job = maintenance_job(move |y| j.run_yielding(y));
-                m.jobs.send(Job::Compaction(job)).map_err(stopped)?;
-                m.compaction_in_flight = true;
-            }
+        if let Some(j) = store.compaction_job() {
+            let job = maintenance_job(move |y| j.run_yielding(y));
+            m.jobs.send(Job::Compaction(job)).map_err(stopped)?;
         }
         Ok(())
     }
