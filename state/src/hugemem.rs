@@ -495,6 +495,16 @@ impl<T: Pod> MapVec<T> {
         self.len += xs.len();
     }
 
+    /// The next `n` elements, appended: whatever the buffer held there (stale elements of an
+    /// earlier use, or zeros) until the caller writes them.
+    #[inline]
+    pub fn append(&mut self, n: usize) -> &mut [T] {
+        self.reserve(n);
+        let at = self.len;
+        self.len += n;
+        &mut self.buf[at..at + n]
+    }
+
     /// Set the length to `n`, filling new elements with `value`.
     pub fn resize(&mut self, n: usize, value: T) {
         if n > self.len {

@@ -233,7 +233,11 @@ pub(crate) struct SegmentWriter {
     filter: Option<Bloom>,
     pending: [u64; BLOOM_PREFETCH_AHEAD],
     entry_count: u64,
+    /// The last key of the last finished data block, copied when the block is finished.
     last_key: Vec<u8>,
+    /// The last key added, while its block is open: where it lies in `buf`, and its length.
+    /// (Copying every key out was a fifth of the writer's time for small entries.)
+    open_last_key: (usize, usize),
     last_prefix: u128,
     kg_first: Option<u16>,
     gauge: Option<BuildGauge>,
@@ -241,6 +245,29 @@ pub(crate) struct SegmentWriter {
 
 fn round16(n: usize) -> usize {
     n.div_ceil(16) * 16
+}
+
+/// `dst.copy_from_slice(src)`, as two overlapping fixed-size copies when `src` is at most 32
+/// bytes long (keys and small values): those compile to a few moves, where a copy of a length
+/// known only at run time is a call into `memcpy`.
+#[inline(always)]
+fn copy_bytes(dst: &mut [u8], src: &[u8]) {
+    let n = src.len();
+    match n {
+        16..=32 => {
+            dst[..16].copy_from_slice(&src[..16]);
+            dst[n - 16..n].copy_from_slice(&src[n - 16..]);
+        }
+        8..=15 => {
+            dst[..8].copy_from_slice(&src[..8]);
+            dst[n - 8..n].copy_from_slice(&src[n - 8..]);
+        }
+        4..=7 => {
+            dst[..4].copy_from_slice(&src[..4]);
+            dst[n - 4..n].copy_from_slice(&src[n - 4..]);
+        }
+        _ => dst.copy_from_slice(src),
+    }
 }
 
 // SAFETY: a `MapVec`'s bytes live in its `ZeroedBuf`, which is replaced only when the vector
@@ -324,6 +351,7 @@ impl SegmentWriter {
             pending: [0; BLOOM_PREFETCH_AHEAD],
             entry_count: 0,
             last_key: Vec::new(),
+            open_last_key: (0, 0),
             last_prefix: 0,
             kg_first: None,
             gauge: None,
@@ -350,6 +378,17 @@ impl SegmentWriter {
         self.flushed + self.buf.len() as u64
     }
 
+    /// The last key added so far.
+    fn last_key(&self) -> &[u8] {
+        match self.block_start {
+            Some(_) => {
+                let (at, n) = self.open_last_key;
+                &self.buf[at..at + n]
+            }
+            None => &self.last_key,
+        }
+    }
+
     /// Append an entry; keys must be strictly ascending and start with their key group.
     pub fn add(&mut self, key: &[u8], v: ValueRef<'_>) -> Result<(), StateError> {
         assert!(
@@ -361,7 +400,7 @@ impl SegmentWriter {
         assert!(
             self.entry_count == 0
                 || pk > self.last_prefix
-                || (pk == self.last_prefix && key > self.last_key.as_slice()),
+                || (pk == self.last_prefix && key > self.last_key()),
             "segment keys must be strictly ascending"
         );
         let abs = self.abs() as usize;
@@ -393,20 +432,27 @@ impl SegmentWriter {
         };
         let payload_start = start + BLOCK_HEADER_LEN;
         let abs = self.abs() as usize;
-        let value_at = round16(abs + ENTRY_HEADER_LEN + key.len());
-        self.entry_offsets
-            .push((self.buf.len() - payload_start) as u32);
+        let value_at = round16(abs + ENTRY_HEADER_LEN + key.len()) - abs;
+        let at = self.buf.len();
+        self.entry_offsets.push((at - payload_start) as u32);
         let mut head = [0u8; ENTRY_HEADER_LEN];
         head[E_KEY_LEN..E_KEY_LEN + 2].copy_from_slice(&(key.len() as u16).to_le_bytes());
         head[E_FLAGS] = if v.tombstone() { FLAG_TOMBSTONE } else { 0 };
         head[E_VAL_LEN..E_VAL_LEN + 4].copy_from_slice(&(v.bytes.len() as u32).to_le_bytes());
         head[E_EXPIRE_AT_MS..E_EXPIRE_AT_MS + 8].copy_from_slice(&v.expire_at_ms.to_le_bytes());
-        self.buf.reserve(value_at - abs + v.bytes.len());
-        self.buf.extend_from_slice(&head);
-        self.buf.extend_from_slice(key);
-        let pad = value_at - (abs + ENTRY_HEADER_LEN + key.len());
-        self.buf.resize(self.buf.len() + pad, 0);
-        self.buf.extend_from_slice(v.bytes);
+        // The entry in place, in fixed-size pieces where it can (small `memcpy` and `memset`
+        // calls were a fifth of the writer's time): the padding before the value is zeroed
+        // first, as the 16 bytes before it (at least the header's end, since the value starts
+        // at 16 + key length or later), and the header and key then overwrite what is theirs.
+        let out = self.buf.append(value_at + v.bytes.len());
+        out[value_at - 16..value_at].fill(0);
+        out[..ENTRY_HEADER_LEN].copy_from_slice(&head);
+        copy_bytes(
+            &mut out[ENTRY_HEADER_LEN..ENTRY_HEADER_LEN + key.len()],
+            key,
+        );
+        copy_bytes(&mut out[value_at..], v.bytes);
+        self.open_last_key = (at + ENTRY_HEADER_LEN, key.len());
         let h = xxh3_64(key);
         match &mut self.filter {
             Some(f) => {
@@ -423,8 +469,6 @@ impl SegmentWriter {
             self.kg_first = Some(key_group_of(key));
         }
         self.entry_count += 1;
-        self.last_key.clear();
-        self.last_key.extend_from_slice(key);
         if self.buf.len() - start >= self.opts.block_target_bytes {
             self.finish_data_block(None)?;
         }
@@ -451,6 +495,9 @@ impl SegmentWriter {
         let Some(start) = self.block_start.take() else {
             return Ok(());
         };
+        let (at, n) = self.open_last_key;
+        self.last_key.clear();
+        self.last_key.extend_from_slice(&self.buf[at..at + n]);
         let payload_start = start + BLOCK_HEADER_LEN;
         let table_off = (self.buf.len() - payload_start) as u32;
         let count = self.entry_offsets.len() as u32;
@@ -1980,6 +2027,71 @@ mod tests {
             }
         }
         assert_eq!(seg.iter_from(&[]).count() as u64, N);
+    }
+
+    /// Keys of every length from 2 to 40 bytes, many sharing their first 16 bytes (ordered only
+    /// by the bytes after them), and values of 0 to 40 bytes read back exactly, across many
+    /// small blocks; a key that is not above the previous one is refused, within a block and
+    /// as the first key of the next (when the previous key is no longer in the open block).
+    #[test]
+    fn keys_and_values_of_every_small_length_read_back_and_order_is_enforced() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("lengths.wseg");
+        let opts = WriterOptions {
+            block_target_bytes: 256,
+            bloom_bits_per_key: 10,
+            expected_keys: None,
+        };
+        // A shared 16-byte stem, then a big-endian counter and a tail that varies the length.
+        let key = |i: u32| {
+            let mut k = vec![0u8, 7];
+            k.extend_from_slice(&[0xAB; 14]);
+            k.extend_from_slice(&i.to_be_bytes());
+            k.extend(std::iter::repeat_n(i as u8, (i % 21) as usize));
+            k
+        };
+        let mut entries: Vec<(Vec<u8>, Vec<u8>)> = (0..2_000u32)
+            .map(|i| (key(i), vec![(i * 7) as u8; (i % 41) as usize]))
+            .collect();
+        // Short keys too: 2..16 bytes, each of its own length and below the stem.
+        for n in 2..16usize {
+            let mut k = vec![0u8, 7];
+            k.extend(std::iter::repeat_n(n as u8, n - 2));
+            entries.push((k, vec![n as u8; n]));
+        }
+        entries.sort();
+        let mut w = SegmentWriter::create(&StdFs, &p, 9, opts).unwrap();
+        for (k, v) in &entries {
+            w.add(k, ValueRef::new(v, NO_EXPIRY, false)).unwrap();
+        }
+        w.finish().unwrap();
+        let seg = Segment::open(Arc::new(StdFs), &p, Some(9), false).unwrap();
+        assert!(seg.block_count() > 50);
+        let read: Vec<(Vec<u8>, Vec<u8>)> = seg
+            .iter_from(&[])
+            .map(|(k, v)| (k.to_vec(), v.bytes.to_vec()))
+            .collect();
+        assert_eq!(read, entries);
+
+        // Out of order: a repeat of the previous key, right after it and as the first key of
+        // a new block.
+        let refused = |at_block_start: bool| {
+            let p = dir.path().join(format!("order-{at_block_start}.wseg"));
+            let mut w = SegmentWriter::create(&StdFs, &p, 10, opts).unwrap();
+            let big = vec![1u8; 300];
+            let (k1, k2) = (key(1), key(2));
+            w.add(&k1, ValueRef::new(&[], NO_EXPIRY, false)).unwrap();
+            let v2 = if at_block_start { &big[..] } else { &[][..] };
+            w.add(&k2, ValueRef::new(v2, NO_EXPIRY, false)).unwrap();
+            // The big value filled the block, so it was finished after `k2`.
+            assert_eq!(w.block_start.is_none(), at_block_start);
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                w.add(&k2, ValueRef::new(&[], NO_EXPIRY, false))
+            }))
+            .is_err()
+        };
+        assert!(refused(false));
+        assert!(refused(true));
     }
 
     /// A stream yields exactly what the map's iterator does, across windows and past a block
