@@ -247,7 +247,7 @@ fn round16(n: usize) -> usize {
     n.div_ceil(16) * 16
 }
 
-/// `dst.copy_from_slice(src)`, as two overlapping fixed-size copies when `src` is at most 32
+/// `dst.copy_from_slice(src)`, as two overlapping fixed-size copies when `src` is 4 to 32
 /// bytes long (keys and small values): those compile to a few moves, where a copy of a length
 /// known only at run time is a call into `memcpy`.
 #[inline(always)]
@@ -441,9 +441,10 @@ impl SegmentWriter {
         head[E_VAL_LEN..E_VAL_LEN + 4].copy_from_slice(&(v.bytes.len() as u32).to_le_bytes());
         head[E_EXPIRE_AT_MS..E_EXPIRE_AT_MS + 8].copy_from_slice(&v.expire_at_ms.to_le_bytes());
         // The entry in place, in fixed-size pieces where it can (small `memcpy` and `memset`
-        // calls were a fifth of the writer's time): the padding before the value is zeroed
-        // first, as the 16 bytes before it (at least the header's end, since the value starts
-        // at 16 + key length or later), and the header and key then overwrite what is theirs.
+        // calls were a fifth of the writer's time). The 16 bytes before the value are zeroed
+        // first: they hold all of its padding (under 16 bytes) and start at the entry's byte 2
+        // or later (the value starts 16 + key length or more bytes in). The header and the key,
+        // written next, overwrite what of them is theirs.
         let out = self.buf.append(value_at + v.bytes.len());
         out[value_at - 16..value_at].fill(0);
         out[..ENTRY_HEADER_LEN].copy_from_slice(&head);
