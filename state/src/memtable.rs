@@ -1400,7 +1400,11 @@ impl Memtable {
             return usize::MAX / 2;
         }
         let n = self.entries.len();
-        self.arena.bytes + self.tables_bytes() + self.index.bytes() + n * FLUSH_ORDER_BYTES
+        self.arena.bytes
+            + self.tables_bytes()
+            + self.tables_growth_bytes()
+            + self.index.bytes()
+            + n * FLUSH_ORDER_BYTES
     }
 
     /// The entry table, id lists and logs, by capacity. Every id is in exactly one sorted run
@@ -1411,6 +1415,21 @@ impl Memtable {
         (self.entries.capacity() + self.log.capacity() + self.spare_log.capacity())
             * std::mem::size_of::<Loc>()
             + (runs + self.fresh.capacity()) * 4
+    }
+
+    /// What the next new key adds to the tables: each full one doubles (`MapVec` grows so).
+    /// Counted by [`Self::approx_bytes`] ahead of time, so that a memtable whose tables cannot
+    /// double within its share freezes instead of growing past it. Counted after the growth,
+    /// a memtable crossed its share by the doubling (a 64 MiB store froze at 262,145 entries
+    /// with tables of 524,288), and, recycled with that capacity, every later one froze at
+    /// 211,621 entries beside 4 MB of table it never used.
+    #[inline]
+    fn tables_growth_bytes(&self) -> usize {
+        let full = |len: usize, cap: usize| if len == cap { cap } else { 0 };
+        (full(self.entries.len(), self.entries.capacity())
+            + full(self.log.len(), self.log.capacity()))
+            * std::mem::size_of::<Loc>()
+            + full(self.fresh.len(), self.fresh.capacity()) * 4
     }
 
     /// Take back the log of a sealed epoch whose snapshot is done, for the next seal.
@@ -2605,6 +2624,32 @@ mod tests {
         assert_eq!(m.index.slots.len(), slots);
         let k = key(n - 1);
         assert!(m.get_hashed(&k, xxh3_64(&k)).is_some());
+    }
+
+    #[test]
+    fn a_memtable_reaches_its_share_without_doubling_its_tables_past_it() {
+        // Filled as the store fills it: until it counts its share. What it holds then, with
+        // its flush's sort reserve, stays within the share but for the last arena chunk.
+        let share = 8 << 20;
+        let mut m = Memtable::with_budget(share);
+        let key = |i: u64| [&[0u8, 7][..], &i.to_be_bytes()].concat();
+        let mut n = 0u64;
+        while m.approx_bytes() < share {
+            m.put(&key(n), &n.to_le_bytes(), NO_EXPIRY, false);
+            n += 1;
+        }
+        let held = m.held_bytes() + m.len() * FLUSH_ORDER_BYTES;
+        assert!(
+            held <= share + m.arena.chunk_bytes,
+            "{n} entries hold {held} bytes against a share of {share} (tables of {})",
+            m.entries.capacity()
+        );
+        // The tables were full, not grown: the next memtable reuses them at this size.
+        assert_eq!(m.entries.len(), m.entries.capacity(), "{n} entries");
+        for i in (0..n).step_by(11) {
+            let v = m.get_hashed(&key(i), xxh3_64(&key(i))).expect("present");
+            assert_eq!(v.bytes, &i.to_le_bytes());
+        }
     }
 
     #[test]
