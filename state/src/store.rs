@@ -69,8 +69,12 @@ pub struct StoreConfig {
     pub memtable_budget_bytes: usize,
     /// Target size of a data block. Small blocks make a point lookup touch few cache lines
     /// (the writer also keeps blocks inside 4 KiB pages); the in-memory block index costs
-    /// about 36 bytes per block. 1 KiB: batched point gets measured 1.97-2.07 M/s against
-    /// 1.77-1.82 M/s with 2 KiB blocks (same run, 10 M keys).
+    /// about 36 bytes per block, and every block costs its writer and each compaction that
+    /// reads it a CRC call, a header and an index entry. 2 KiB: random updates over 10 M keys
+    /// ran at 4.47-5.29 M per CPU second with maintenance against 3.76-3.92 M with 1 KiB,
+    /// while batched point gets from segments fell from 6.67-6.85 to 4.06-4.24 M/s (two
+    /// alternated runs; the gets' target is 2 M/s). An earlier lookup path had measured
+    /// 1.97-2.07 M/s with 1 KiB against 1.77-1.82 M/s with 2 KiB.
     pub block_target_bytes: usize,
     /// Bloom filter bits per key.
     pub bloom_bits_per_key: u32,
@@ -115,7 +119,7 @@ impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
             memtable_budget_bytes: 64 << 20,
-            block_target_bytes: 1024,
+            block_target_bytes: 2048,
             bloom_bits_per_key: 10,
             compaction_min_merge: 10,
             compaction_size_ratio: 1,
