@@ -284,7 +284,7 @@ unsafe impl weir_io::WriteBuf for MapVec<u8> {
 /// A block header (see `weir_io::encode_block`) with its CRC over the header's first 20
 /// bytes and then the payload, given as the `payload` pieces in order. One pass over the
 /// payload after the header: combining a separately computed payload CRC (`crc32fast`'s
-/// `combine`) cost more per 1 KiB block than reading the block again.
+/// `combine`) cost more per block than reading the block again (measured with 1 KiB blocks).
 fn block_header(id: u64, block_index: u32, kind: u8, payload: &[&[u8]]) -> [u8; BLOCK_HEADER_LEN] {
     let payload_len: usize = payload.iter().map(|p| p.len()).sum();
     let payload_len = payload_len as u32;
