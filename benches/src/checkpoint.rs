@@ -9,7 +9,10 @@
 //!   `ratio_per_cpu_to_end` counts until the job finished, and `run<i>_with_final_wait_ms` is
 //!   that wait. `ratio_per_cpu_second_half` is the ratio over the second half of the
 //!   records, on memory the first half faulted in. `run<i>_cpu_ms_per_checkpoint` is the CPU
-//!   a run took beyond the same records without checkpoints, per checkpoint completed.
+//!   a run took beyond the same records without checkpoints, per checkpoint completed;
+//!   `run<i>_cpu_ms_per_checkpoint_<kind>` splits it by thread (`shards`, `maintenance`: the
+//!   snapshot jobs, `io_workers`: the kernel's io_uring workers, `other`), each thread's own
+//!   CPU clock read when the window ends, and `cpu_ms_per_checkpoint_<kind>` is the median.
 //!   The throughput runs stamp one record in 64 with its creation time (the keyed benchmark
 //!   reads no clock per record; stamping each cost the shards a fifth of their time), which
 //!   gives the `run<i>_saturated_p99_ns_*` figures. Per-record latency (every record carries
@@ -227,6 +230,102 @@ impl<T: 'static> Sink<T> for LiveCountSink {
     }
 }
 
+/// Process CPU by thread kind, from each thread's own CPU clock: shards (`weir-shard-*`),
+/// maintenance (`weir-maint-*`: snapshot jobs, flushes, compactions), the kernel's io_uring
+/// workers (`iou-wrk-*`, which copy buffered writes into the page cache) and the rest.
+/// Where a checkpoint's cost goes, which the process total alone does not say.
+#[derive(Clone, Copy, Debug, Default)]
+struct CpuSplit {
+    shards: u64,
+    maintenance: u64,
+    io_workers: u64,
+    other: u64,
+}
+
+/// The CPU nanoseconds each live thread of this process has used, with its kind.
+fn thread_cpu() -> Vec<(i32, ThreadKind, u64)> {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in dir.flatten() {
+        let Some(tid) = e.file_name().to_str().and_then(|t| t.parse::<i32>().ok()) else {
+            continue;
+        };
+        let comm = std::fs::read_to_string(e.path().join("comm")).unwrap_or_default();
+        let kind = if comm.starts_with("weir-shard") {
+            ThreadKind::Shard
+        } else if comm.starts_with("weir-maint") {
+            ThreadKind::Maintenance
+        } else if comm.starts_with("iou-wrk") {
+            ThreadKind::IoWorker
+        } else {
+            ThreadKind::Other
+        };
+        // Linux's CPU clock of thread `tid` (MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED) in the
+        // kernel's posix-timers.h, what glibc's pthread_getcpuclockid returns): any thread of
+        // the calling process may be read. A thread that exited meanwhile fails: skipped.
+        let clock = (!(tid as libc::clockid_t) << 3) | 6;
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a valid, writable timespec; an invalid or stale clock id makes the
+        // call fail with EINVAL, nothing else.
+        if unsafe { libc::clock_gettime(clock, &mut ts) } == 0 {
+            out.push((
+                tid,
+                kind,
+                ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64,
+            ));
+        }
+    }
+    out
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ThreadKind {
+    Shard,
+    Maintenance,
+    IoWorker,
+    Other,
+}
+
+impl CpuSplit {
+    /// The CPU each kind used between two [`thread_cpu`] readings; what no thread alive at
+    /// `after` accounts for of `process_ns` (threads that exited meanwhile) counts as other.
+    fn between(
+        before: &[(i32, ThreadKind, u64)],
+        after: &[(i32, ThreadKind, u64)],
+        process_ns: u64,
+    ) -> CpuSplit {
+        let mut s = CpuSplit::default();
+        for &(tid, kind, ns) in after {
+            let base = before.iter().find(|b| b.0 == tid).map_or(0, |b| b.2);
+            let d = ns.saturating_sub(base);
+            match kind {
+                ThreadKind::Shard => s.shards += d,
+                ThreadKind::Maintenance => s.maintenance += d,
+                ThreadKind::IoWorker => s.io_workers += d,
+                ThreadKind::Other => s.other += d,
+            }
+        }
+        s.other += process_ns.saturating_sub(s.shards + s.maintenance + s.io_workers + s.other);
+        s
+    }
+
+    /// Names of the kinds, in the order of [`Self::by_kind`].
+    const KINDS: [&'static str; 4] = ["shards", "maintenance", "io_workers", "other"];
+
+    fn by_kind(&self) -> [u64; 4] {
+        [self.shards, self.maintenance, self.io_workers, self.other]
+    }
+
+    fn total(&self) -> u64 {
+        self.by_kind().iter().sum()
+    }
+}
+
 /// Records each record's age (its second field is its creation time since `epoch`).
 struct KeyedRun {
     records: u64,
@@ -238,6 +337,8 @@ struct KeyedRun {
     window_records: u64,
     window_wall_ns: u64,
     window_cpu_ns: u64,
+    /// `window_cpu_ns` by thread kind (zero if the watcher missed the window's end).
+    window_split: CpuSplit,
     /// (records, CPU) when half the records had reached the sink: the second half of the
     /// window runs on memory the first half faulted in (`per_cpu_second_half`).
     half: Option<(u64, u64)>,
@@ -273,6 +374,25 @@ impl KeyedRun {
             _ => f64::NAN,
         }
     }
+
+    /// The CPU of each thread kind beyond what `without` (the same job without checkpoints)
+    /// took for as many records, per checkpoint completed, in ms. NaN if a window's split
+    /// is missing.
+    fn extra_cpu_ms_per_checkpoint(&self, without: &KeyedRun) -> [(&'static str, f64); 4] {
+        let (w, o) = (self.window_split.by_kind(), without.window_split.by_kind());
+        let scale = self.window_records as f64 / without.window_records.max(1) as f64;
+        let n = self.completed.max(1) as f64;
+        let missing = self.window_split.total() == 0 || without.window_split.total() == 0;
+        std::array::from_fn(|k| {
+            let ms = if missing {
+                f64::NAN
+            } else {
+                (w[k] as f64 - o[k] as f64 * scale) / 1e6 / n
+            };
+            (CpuSplit::KINDS[k], ms)
+        })
+    }
+
     /// Throughput until the job finished, its final checkpoint included.
     fn per_wall_to_end(&self) -> f64 {
         self.records as f64 * 1e9 / self.wall_ns.max(1) as f64
@@ -339,6 +459,7 @@ fn keyed_run(
         count: count.clone(),
         live: Some(live.clone()),
     });
+    let threads0 = thread_cpu();
     let (w0, c0) = (Instant::now(), process_cpu_ns());
     // Watches the sink's progress: the moment (wall and process CPU) the last records arrived,
     // before the job's final checkpoint commits them.
@@ -353,7 +474,8 @@ fn keyed_run(
                 let seen = live.load(Ordering::Relaxed);
                 if seen >= all_but {
                     let at = (seen, w0.elapsed().as_nanos() as u64, process_cpu_ns() - c0);
-                    return (Some(at), half);
+                    let split = CpuSplit::between(&threads0, &thread_cpu(), at.2);
+                    return (Some((at, split)), half);
                 }
                 if half.is_none() && seen >= n / 2 {
                     half = Some((seen, process_cpu_ns() - c0));
@@ -369,8 +491,8 @@ fn keyed_run(
     let (processed, half) = watcher.join().expect("watcher");
     let hist = hist.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let records = count.load(Ordering::Relaxed);
-    let (window_records, window_wall_ns, window_cpu_ns) =
-        processed.unwrap_or((records, wall_ns, cpu_ns));
+    let ((window_records, window_wall_ns, window_cpu_ns), window_split) =
+        processed.unwrap_or(((records, wall_ns, cpu_ns), CpuSplit::default()));
     KeyedRun {
         records,
         wall_ns,
@@ -378,6 +500,7 @@ fn keyed_run(
         window_records,
         window_wall_ns,
         window_cpu_ns,
+        window_split,
         half,
         hist,
         completed: summary.checkpoints.number_of_completed_checkpoints,
@@ -458,6 +581,11 @@ fn overhead(opts: &Opts) -> BenchResult {
             (w.window_cpu_ns as f64 / 1e6 - w.window_records as f64 * 1e3 / o.per_cpu())
                 / w.completed.max(1) as f64,
         ));
+        // The same by thread kind: whose CPU a checkpoint costs (the shards' copies of the
+        // records a snapshot holds, the snapshot jobs on the maintenance threads, ...).
+        for (kind, ms) in w.extra_cpu_ms_per_checkpoint(o) {
+            extra.push((format!("run{i}_cpu_ms_per_checkpoint_{kind}"), ms));
+        }
         extra.push((
             format!("run{i}_checkpoint_duration_p50_ms"),
             w.ckpt_duration_ms,
@@ -484,6 +612,14 @@ fn overhead(opts: &Opts) -> BenchResult {
             format!("run{i}_saturated_p99_ns_without"),
             o.hist.value_at_quantile(0.99) as f64,
         ));
+    }
+    for (k, kind) in CpuSplit::KINDS.iter().enumerate() {
+        let per: Vec<f64> = with
+            .iter()
+            .zip(&without)
+            .map(|(w, o)| w.extra_cpu_ms_per_checkpoint(o)[k].1)
+            .collect();
+        extra.push((format!("cpu_ms_per_checkpoint_{kind}"), median_f(&per)));
     }
     // Past the start: each job's memtables first grow into fresh memory (a first touch costs
     // microseconds a page here), and checkpoints make them grow twice as far (copies of the
@@ -1049,4 +1185,61 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
         rows.extend(large_state(opts));
     }
     rows
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Spin until this thread has used at least `ns` of CPU (by its own clock: preempted
+    /// time does not count).
+    fn burn(ns: u64) {
+        let t0 = crate::thread_cpu_ns();
+        let mut x = 0u64;
+        while crate::thread_cpu_ns() - t0 < ns {
+            x = std::hint::black_box(x.wrapping_add(1));
+        }
+    }
+
+    #[test]
+    fn threads_are_read_by_kind_and_their_cpu_grows() {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<i32>();
+        let shard = std::thread::Builder::new()
+            .name("weir-shard-9-9".into())
+            .spawn(move || {
+                burn(20_000_000);
+                // SAFETY: gettid has no preconditions.
+                let tid = unsafe { libc::syscall(libc::SYS_gettid) } as i32;
+                ready_tx.send(tid).expect("send");
+                rx.recv().ok();
+            })
+            .expect("spawn");
+        let tid = ready_rx.recv().expect("tid");
+        let seen = thread_cpu();
+        let (_, kind, ns) = *seen.iter().find(|t| t.0 == tid).expect("the shard thread");
+        assert_eq!(kind, ThreadKind::Shard);
+        assert!(ns >= 20_000_000, "{ns} ns after 20 ms of spinning");
+        tx.send(()).expect("send");
+        shard.join().expect("join");
+        // SAFETY: gettid has no preconditions.
+        let me = unsafe { libc::syscall(libc::SYS_gettid) } as i32;
+        let mine = seen.iter().find(|t| t.0 == me).expect("this thread");
+        assert_eq!(mine.1, ThreadKind::Other);
+    }
+
+    #[test]
+    fn a_split_counts_deltas_and_gives_the_unaccounted_rest_to_other() {
+        let before = [(1, ThreadKind::Other, 100), (2, ThreadKind::Shard, 1_000)];
+        let after = [
+            (1, ThreadKind::Other, 150),
+            (2, ThreadKind::Shard, 4_000),
+            (3, ThreadKind::Maintenance, 700),
+            (4, ThreadKind::IoWorker, 30),
+        ];
+        // 50 + 3_000 + 700 + 30 = 3_780 by live threads; 220 more by threads that exited.
+        let s = CpuSplit::between(&before, &after, 4_000);
+        assert_eq!(s.by_kind(), [3_000, 700, 30, 270]);
+        assert_eq!(s.total(), 4_000);
+    }
 }
