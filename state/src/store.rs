@@ -411,6 +411,9 @@ pub struct Store {
     /// The mutable memtable's arena bytes when a freeze past its share was last put off for
     /// a snapshot job to let go of replaced records (see `maybe_freeze`); 0 when none was.
     deferred_at: usize,
+    /// The mutable memtable's entry count when it first passed its share with snapshots on,
+    /// since its last freeze or return under its share (see `maybe_freeze`).
+    over_share_len: Option<usize>,
     /// Flushed memtables still readable, oldest first (see `Retained`).
     retained: Retained,
     segments: Vec<Arc<Segment>>,
@@ -562,6 +565,7 @@ impl Store {
             tails: Vec::new(),
             snapshot_gen: 0,
             deferred_at: 0,
+            over_share_len: None,
             retained: Retained {
                 cap: retained_cap,
                 ..Retained::default()
@@ -853,7 +857,8 @@ impl Store {
     /// mutable one grows (up to the whole budget) while the writer is stalled
     /// ([`Self::write_stalled`]) and the flush's install freezes it. After a snapshot it
     /// first reuses the memory of replaced records, or waits for a snapshot job to let go of
-    /// them. True if it froze.
+    /// them, or, when copies and not new keys took it past its share, goes on: up to a
+    /// quarter past its share in each case. True if it froze.
     fn maybe_freeze(&mut self) -> bool {
         let bytes = self.mem.approx_bytes();
         if bytes < self.freeze_at()
@@ -878,10 +883,23 @@ impl Store {
             let target = self.freeze_at() - self.freeze_at() / 32;
             if self.mem.make_room(target) {
                 self.deferred_at = 0;
+                self.over_share_len = None;
                 return false;
             }
             let need = self.mem.approx_bytes().saturating_sub(target);
             if bytes < cap && self.mem.held_replaced_bytes() >= need {
+                self.deferred_at = self.mem.arena_bytes();
+                return false;
+            }
+            // Past its share with (nearly) no more keys than when it got there: copies after
+            // seals took the room, not new keys, and its successor would need as much for the
+            // same keys after a flush of all of them, reading each from the frozen memtable
+            // first. Up to the same bound it goes on; the copies' chunks come back as they
+            // empty. (A few new keys are allowed, a 64th of those it has: a key set that is
+            // nearly complete need not freeze for its stragglers.)
+            let len = self.mem.len();
+            let first = *self.over_share_len.get_or_insert(len);
+            if bytes < cap && len <= first + first / 64 {
                 self.deferred_at = self.mem.arena_bytes();
                 return false;
             }
@@ -896,6 +914,7 @@ impl Store {
             return;
         }
         self.deferred_at = 0;
+        self.over_share_len = None;
         if self.snapshot_gen != 0 {
             let gen = self.next_gen;
             self.seal();

@@ -1512,3 +1512,70 @@ fn a_memtable_past_its_share_waits_for_the_snapshot_job_reading_what_it_replaced
     s.run_pending_maintenance().unwrap();
     assert_eq!(all(&mut s), model.into_iter().collect::<Vec<_>>());
 }
+
+/// A memtable that its keys fill to its share, snapshotted after every round of updates to
+/// half of its keys (each snapshot's job done at once, so no job holds replaced records),
+/// goes past its share with the copies the seals cause and cannot make room by moving the
+/// few live records of sparse chunks (half of each chunk's records stay). It goes on up to a
+/// quarter past its share instead of freezing, since it has no more keys than when it got
+/// there: before, it froze five times in 40 rounds, each time flushing all 99,000 keys for
+/// a successor that read them back. New keys make it freeze, within the same bound.
+#[test]
+fn a_memtable_past_its_share_by_copies_alone_does_not_freeze() {
+    let root = tempfile::tempdir().unwrap();
+    let fs: Arc<dyn Fs> = Arc::new(StdFs);
+    let config = StoreConfig {
+        memtable_budget_bytes: 32 << 20,
+        ..small_config(8)
+    };
+    let mut s = Store::open(fs.clone(), &root.path().join("live"), config).unwrap();
+    let mut model = Model::new();
+    let n = 99_000u32;
+    let k = |i: u32| key((i % 8) as u16, (i / 8) as u16);
+    let v = |round: u32, i: u32| [round.to_le_bytes(), i.to_le_bytes()].concat();
+    for i in 0..n {
+        s.put(&k(i), &v(0, i));
+        model.insert(k(i), v(0, i));
+    }
+    // splitmix64's finaliser: every bit depends on both round and key.
+    let updated = |round: u32, i: u32| {
+        let mut z = u64::from(i) << 32 | u64::from(round);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        (z ^ (z >> 31)) >> 63 == 0
+    };
+    let mut most = 0;
+    for round in 1..=40u32 {
+        let h = snapshot(&mut s, u64::from(round));
+        let at_snapshot = model.clone();
+        for i in (0..n).filter(|&i| updated(round, i)) {
+            s.put(&k(i), &v(round, i));
+            model.insert(k(i), v(round, i));
+            most = most.max(s.metrics().memtable_bytes);
+        }
+        if round % 20 == 0 {
+            assert_eq!(
+                restored(&fs, &root.path().join(format!("restored{round}")), h),
+                at_snapshot.into_iter().collect::<Vec<_>>(),
+                "round {round}"
+            );
+        }
+    }
+    let m = s.metrics();
+    assert_eq!((m.flushes, m.frozen_memtables), (0, 0), "{m:?}");
+    // It did pass its share (16 MiB), and stayed within a quarter past it (20 MiB).
+    assert!(most > 16 << 20 && most <= 20 << 20, "{most} bytes at most");
+    assert_eq!(all(&mut s), model.clone().into_iter().collect::<Vec<_>>());
+
+    // New keys: it freezes, a quarter past its share at the latest.
+    for i in n..n + 100_000 {
+        s.put(&k(i), &v(41, i));
+        model.insert(k(i), v(41, i));
+        let m = s.metrics();
+        assert!(m.memtable_bytes <= 20 << 20, "key {i}: {m:?}");
+    }
+    let m = s.metrics();
+    assert!(m.flushes + m.frozen_memtables as u64 > 0, "{m:?}");
+    s.run_pending_maintenance().unwrap();
+    assert_eq!(all(&mut s), model.into_iter().collect::<Vec<_>>());
+}
