@@ -1394,43 +1394,56 @@ fn a_snapshot_job_runs_inside_a_compactions_yield_hook() {
     assert_eq!(all(&mut s), want);
 }
 
-/// A store snapshotted after every round of updates to half of its keys at random, as a job
-/// that checkpoints often, reuses the memory of replaced records instead of freezing: the
-/// copies each seal causes would otherwise fill the memtable. A chunk empties by itself only
-/// once each of its keys was updated again, a dozen rounds or more: the few live records of
-/// older chunks are copied to make room. Every snapshot restores to the state at its seal.
-#[test]
-fn frequent_snapshots_reuse_the_memory_of_replaced_records_instead_of_freezing() {
-    let root = tempfile::tempdir().unwrap();
-    let fs: Arc<dyn Fs> = Arc::new(StdFs);
-    let config = StoreConfig {
+/// The copy tests' store: 32 MiB of memtable budget (a 16 MiB share), 8 key groups.
+fn copies_config() -> StoreConfig {
+    StoreConfig {
         memtable_budget_bytes: 32 << 20,
         ..small_config(8)
-    };
-    let mut s = Store::open(fs.clone(), &root.path().join("live"), config).unwrap();
-    let mut model = Model::new();
-    let n = 40_000u32;
-    let k = |i: u32| key((i % 8) as u16, (i / 8) as u16);
-    let v = |round: u32, i: u32| [round.to_le_bytes(), i.to_le_bytes()].concat();
-    for i in 0..n {
-        s.put(&k(i), &v(0, i));
-        model.insert(k(i), v(0, i));
     }
-    // splitmix64's finaliser: every bit depends on both round and key.
-    let updated = |round: u32, i: u32| {
-        let mut z = u64::from(i) << 32 | u64::from(round);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        (z ^ (z >> 31)) >> 63 == 0
-    };
+}
+
+/// Key `i` of the copy tests, spread over 8 key groups.
+fn spread_key(i: u32) -> Vec<u8> {
+    key((i % 8) as u16, (i / 8) as u16)
+}
+
+/// The value of key `i` written in `round`.
+fn round_value(round: u32, i: u32) -> Vec<u8> {
+    [round.to_le_bytes(), i.to_le_bytes()].concat()
+}
+
+/// Whether key `i` is updated in `round`: half of the keys, at random (splitmix64's
+/// finaliser, every bit depending on both).
+fn updated_in(round: u32, i: u32) -> bool {
+    let mut z = u64::from(i) << 32 | u64::from(round);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (z ^ (z >> 31)) >> 63 == 0
+}
+
+/// The copy tests' run: a store of `n` keys, then 40 rounds of a snapshot (its job done at
+/// once) and updates to half of the keys ([`updated_in`]); every `check_every` rounds, the
+/// round's snapshot restores to the state at its seal. Returns the store, its model, the
+/// most memtable bytes seen after a put, and the directory holding the store.
+fn snapshot_rounds(n: u32, check_every: u32) -> (Store, Model, usize, tempfile::TempDir) {
+    let root = tempfile::tempdir().unwrap();
+    let fs: Arc<dyn Fs> = Arc::new(StdFs);
+    let mut s = Store::open(fs.clone(), &root.path().join("live"), copies_config()).unwrap();
+    let mut model = Model::new();
+    for i in 0..n {
+        s.put(&spread_key(i), &round_value(0, i));
+        model.insert(spread_key(i), round_value(0, i));
+    }
+    let mut most = 0;
     for round in 1..=40u32 {
         let h = snapshot(&mut s, u64::from(round));
         let at_snapshot = model.clone();
-        for i in (0..n).filter(|&i| updated(round, i)) {
-            s.put(&k(i), &v(round, i));
-            model.insert(k(i), v(round, i));
+        for i in (0..n).filter(|&i| updated_in(round, i)) {
+            s.put(&spread_key(i), &round_value(round, i));
+            model.insert(spread_key(i), round_value(round, i));
+            most = most.max(s.metrics().memtable_bytes);
         }
-        if round % 10 == 0 {
+        if round % check_every == 0 {
             assert_eq!(
                 restored(&fs, &root.path().join(format!("restored{round}")), h),
                 at_snapshot.into_iter().collect::<Vec<_>>(),
@@ -1438,6 +1451,17 @@ fn frequent_snapshots_reuse_the_memory_of_replaced_records_instead_of_freezing()
             );
         }
     }
+    (s, model, most, root)
+}
+
+/// A store snapshotted after every round of updates to half of its keys at random, as a job
+/// that checkpoints often, reuses the memory of replaced records instead of freezing: the
+/// copies each seal causes would otherwise fill the memtable. A chunk empties by itself only
+/// once each of its keys was updated again, a dozen rounds or more: the few live records of
+/// older chunks are copied to make room. Every snapshot restores to the state at its seal.
+#[test]
+fn frequent_snapshots_reuse_the_memory_of_replaced_records_instead_of_freezing() {
+    let (mut s, model, _, _dir) = snapshot_rounds(40_000, 10);
     let m = s.metrics();
     assert_eq!((m.flushes, m.frozen_memtables), (0, 0), "{m:?}");
     assert_eq!(all(&mut s), model.into_iter().collect::<Vec<_>>());
@@ -1451,13 +1475,9 @@ fn frequent_snapshots_reuse_the_memory_of_replaced_records_instead_of_freezing()
 fn a_memtable_past_its_share_waits_for_the_snapshot_job_reading_what_it_replaced() {
     let root = tempfile::tempdir().unwrap();
     let fs: Arc<dyn Fs> = Arc::new(StdFs);
-    let config = StoreConfig {
-        memtable_budget_bytes: 32 << 20,
-        ..small_config(8)
-    };
+    let config = copies_config();
     let n = 62_000u32;
-    let k = |i: u32| key((i % 8) as u16, (i / 8) as u16);
-    let v = |round: u32, i: u32| [round.to_le_bytes(), i.to_le_bytes()].concat();
+    let (k, v) = (spread_key, round_value);
     let fill = |dir: &str| {
         let mut s = Store::open(fs.clone(), &root.path().join(dir), config.clone()).unwrap();
         let mut model = Model::new();
@@ -1522,45 +1542,8 @@ fn a_memtable_past_its_share_waits_for_the_snapshot_job_reading_what_it_replaced
 /// a successor that read them back. New keys make it freeze, within the same bound.
 #[test]
 fn a_memtable_past_its_share_by_copies_alone_does_not_freeze() {
-    let root = tempfile::tempdir().unwrap();
-    let fs: Arc<dyn Fs> = Arc::new(StdFs);
-    let config = StoreConfig {
-        memtable_budget_bytes: 32 << 20,
-        ..small_config(8)
-    };
-    let mut s = Store::open(fs.clone(), &root.path().join("live"), config).unwrap();
-    let mut model = Model::new();
     let n = 99_000u32;
-    let k = |i: u32| key((i % 8) as u16, (i / 8) as u16);
-    let v = |round: u32, i: u32| [round.to_le_bytes(), i.to_le_bytes()].concat();
-    for i in 0..n {
-        s.put(&k(i), &v(0, i));
-        model.insert(k(i), v(0, i));
-    }
-    // splitmix64's finaliser: every bit depends on both round and key.
-    let updated = |round: u32, i: u32| {
-        let mut z = u64::from(i) << 32 | u64::from(round);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        (z ^ (z >> 31)) >> 63 == 0
-    };
-    let mut most = 0;
-    for round in 1..=40u32 {
-        let h = snapshot(&mut s, u64::from(round));
-        let at_snapshot = model.clone();
-        for i in (0..n).filter(|&i| updated(round, i)) {
-            s.put(&k(i), &v(round, i));
-            model.insert(k(i), v(round, i));
-            most = most.max(s.metrics().memtable_bytes);
-        }
-        if round % 20 == 0 {
-            assert_eq!(
-                restored(&fs, &root.path().join(format!("restored{round}")), h),
-                at_snapshot.into_iter().collect::<Vec<_>>(),
-                "round {round}"
-            );
-        }
-    }
+    let (mut s, mut model, most, _dir) = snapshot_rounds(n, 20);
     let m = s.metrics();
     assert_eq!((m.flushes, m.frozen_memtables), (0, 0), "{m:?}");
     // It did pass its share (16 MiB), and stayed within a quarter past it (20 MiB).
@@ -1569,8 +1552,8 @@ fn a_memtable_past_its_share_by_copies_alone_does_not_freeze() {
 
     // New keys: it freezes, a quarter past its share at the latest.
     for i in n..n + 100_000 {
-        s.put(&k(i), &v(41, i));
-        model.insert(k(i), v(41, i));
+        s.put(&spread_key(i), &round_value(41, i));
+        model.insert(spread_key(i), round_value(41, i));
         let m = s.metrics();
         assert!(m.memtable_bytes <= 20 << 20, "key {i}: {m:?}");
     }
