@@ -408,8 +408,9 @@ pub struct Store {
     tails: Vec<(u64, Option<Arc<Segment>>)>,
     /// `next_gen` at the last snapshot (see `Chain::covered_gen`); 0 before the first.
     snapshot_gen: u64,
-    /// The mutable memtable's arena bytes when a freeze past its share was last put off for
-    /// a snapshot job to let go of replaced records (see `maybe_freeze`); 0 when none was.
+    /// The mutable memtable's arena bytes when a freeze past its share was last put off (for
+    /// a snapshot job to let go of replaced records, or because copies alone took it there:
+    /// see `maybe_freeze`); 0 when none was.
     deferred_at: usize,
     /// The mutable memtable's entry count when it first passed its share with snapshots on,
     /// since its last freeze or return under its share (see `maybe_freeze`).
