@@ -266,18 +266,8 @@ fn thread_cpu() -> Vec<(i32, ThreadKind, u64)> {
         // kernel's posix-timers.h, what glibc's pthread_getcpuclockid returns): any thread of
         // the calling process may be read. A thread that exited meanwhile fails: skipped.
         let clock = (!(tid as libc::clockid_t) << 3) | 6;
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: `ts` is a valid, writable timespec; an invalid or stale clock id makes the
-        // call fail with EINVAL, nothing else.
-        if unsafe { libc::clock_gettime(clock, &mut ts) } == 0 {
-            out.push((
-                tid,
-                kind,
-                ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64,
-            ));
+        if let Some(ns) = crate::report::try_cpu_clock_ns(clock) {
+            out.push((tid, kind, ns));
         }
     }
     out
@@ -549,6 +539,12 @@ fn overhead(opts: &Opts) -> BenchResult {
         med(&with, KeyedRun::per_cpu),
         med(&without, KeyedRun::per_cpu),
     );
+    // Each pair's extra CPU per checkpoint by thread kind (see `cpu_ms_per_checkpoint`).
+    let splits: Vec<_> = with
+        .iter()
+        .zip(&without)
+        .map(|(w, o)| w.extra_cpu_ms_per_checkpoint(o))
+        .collect();
     let mut extra = Vec::new();
     for (i, (w, o)) in with.iter().zip(&without).enumerate() {
         extra.push((format!("run{i}_with_per_cpu_sec"), w.per_cpu()));
@@ -583,7 +579,7 @@ fn overhead(opts: &Opts) -> BenchResult {
         ));
         // The same by thread kind: whose CPU a checkpoint costs (the shards' copies of the
         // records a snapshot holds, the snapshot jobs on the maintenance threads, ...).
-        for (kind, ms) in w.extra_cpu_ms_per_checkpoint(o) {
+        for (kind, ms) in splits[i] {
             extra.push((format!("run{i}_cpu_ms_per_checkpoint_{kind}"), ms));
         }
         extra.push((
@@ -614,11 +610,7 @@ fn overhead(opts: &Opts) -> BenchResult {
         ));
     }
     for (k, kind) in CpuSplit::KINDS.iter().enumerate() {
-        let per: Vec<f64> = with
-            .iter()
-            .zip(&without)
-            .map(|(w, o)| w.extra_cpu_ms_per_checkpoint(o)[k].1)
-            .collect();
+        let per: Vec<f64> = splits.iter().map(|s| s[k].1).collect();
         extra.push((format!("cpu_ms_per_checkpoint_{kind}"), median_f(&per)));
     }
     // Past the start: each job's memtables first grow into fresh memory (a first touch costs

@@ -86,15 +86,20 @@ pub fn process_cpu_ns() -> u64 {
 }
 
 fn cpu_clock_ns(clock: libc::clockid_t) -> u64 {
+    try_cpu_clock_ns(clock).expect("CPU-time clocks are always available on Linux")
+}
+
+/// The time of CPU clock `clock` in nanoseconds, or None if the kernel refuses the clock id
+/// (a thread's clock once the thread has exited).
+pub(crate) fn try_cpu_clock_ns(clock: libc::clockid_t) -> Option<u64> {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
-    // SAFETY: `ts` is a valid, writable timespec; the clock ids passed are constants the
-    // kernel knows.
+    // SAFETY: `ts` is a valid, writable timespec; an unknown or stale clock id makes the call
+    // fail with EINVAL, nothing else.
     let rc = unsafe { libc::clock_gettime(clock, &mut ts) };
-    assert_eq!(rc, 0, "CPU-time clocks are always available on Linux");
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    (rc == 0).then(|| ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
 }
 
 /// Prints rows as an aligned table.

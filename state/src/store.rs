@@ -887,11 +887,6 @@ impl Store {
                 self.over_share_len = None;
                 return false;
             }
-            let need = self.mem.approx_bytes().saturating_sub(target);
-            if bytes < cap && self.mem.held_replaced_bytes() >= need {
-                self.deferred_at = self.mem.arena_bytes();
-                return false;
-            }
             // Past its share with (nearly) no more keys than when it got there: copies after
             // seals took the room, not new keys, and its successor would need as much for the
             // same keys after a flush of all of them, reading each from the frozen memtable
@@ -900,7 +895,9 @@ impl Store {
             // nearly complete need not freeze for its stragglers.)
             let len = self.mem.len();
             let first = *self.over_share_len.get_or_insert(len);
-            if bytes < cap && len <= first + first / 64 {
+            let copies_only = len <= first + first / 64;
+            let need = self.mem.approx_bytes().saturating_sub(target);
+            if bytes < cap && (copies_only || self.mem.held_replaced_bytes() >= need) {
                 self.deferred_at = self.mem.arena_bytes();
                 return false;
             }
