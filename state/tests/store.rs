@@ -1398,6 +1398,10 @@ fn a_snapshot_job_runs_inside_a_compactions_yield_hook() {
 fn copies_config() -> StoreConfig {
     StoreConfig {
         memtable_budget_bytes: 32 << 20,
+        // What copies do to the memtable, without the freezes that bound the epochs'
+        // segments, which
+        // `a_memtable_that_never_fills_keeps_its_epochs_segments_within_their_bound` tests.
+        snapshot_epochs_max_shares: usize::MAX,
         ..small_config(8)
     }
 }
@@ -1465,6 +1469,78 @@ fn frequent_snapshots_reuse_the_memory_of_replaced_records_instead_of_freezing()
     let m = s.metrics();
     assert_eq!((m.flushes, m.frozen_memtables), (0, 0), "{m:?}");
     assert_eq!(all(&mut s), model.into_iter().collect::<Vec<_>>());
+}
+
+/// Bytes of the files in `dir`.
+fn disk_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.metadata().unwrap().len())
+        .sum()
+}
+
+/// A memtable that never fills (a fixed key set, snapshotted after every round of updates)
+/// keeps the segments of its snapshots' epochs only up to `snapshot_epochs_max_shares` of
+/// its share: then a snapshot freezes it first, and its flushed segment replaces them. Disk
+/// and the full listings stay bounded, and every snapshot restores to its seal. Without the
+/// bound the epochs pile up, one segment a snapshot.
+#[test]
+fn a_memtable_that_never_fills_keeps_its_epochs_segments_within_their_bound() {
+    let run = |shares: usize, rounds: u32| {
+        let root = tempfile::tempdir().unwrap();
+        let fs: Arc<dyn Fs> = Arc::new(StdFs);
+        let dir = root.path().join("live");
+        let config = StoreConfig {
+            memtable_budget_bytes: 32 << 20,
+            snapshot_epochs_max_shares: shares,
+            ..small_config(8)
+        };
+        let mut s = Store::open(fs.clone(), &dir, config).unwrap();
+        let n = 20_000u32;
+        let mut model = Model::new();
+        for i in 0..n {
+            s.put(&spread_key(i), &round_value(0, i));
+            model.insert(spread_key(i), round_value(0, i));
+        }
+        let (mut most_disk, mut most_listed) = (0, 0);
+        for round in 1..=rounds {
+            let h = snapshot(&mut s, u64::from(round));
+            // As a job retaining one checkpoint: the one before goes.
+            if round > 1 {
+                s.release_snapshot(u64::from(round - 1));
+            }
+            // A flush the snapshot's freeze left, as the maintenance thread runs it.
+            while let Some(job) = s.flush_job() {
+                let done = job.run();
+                s.install(done).unwrap();
+            }
+            most_disk = most_disk.max(disk_bytes(&dir));
+            most_listed = most_listed.max(h.segments.len());
+            if round % 25 == 0 {
+                let want = model.clone().into_iter().collect::<Vec<_>>();
+                let at = root.path().join(format!("restored{round}"));
+                assert_eq!(restored(&fs, &at, h), want, "round {round}");
+            }
+            for i in (0..n).filter(|&i| updated_in(round, i)) {
+                s.put(&spread_key(i), &round_value(round, i));
+                model.insert(spread_key(i), round_value(round, i));
+            }
+        }
+        assert_eq!(all(&mut s), model.into_iter().collect::<Vec<_>>());
+        (s.metrics(), most_disk, most_listed)
+    };
+    // One share (15 MiB) of epochs of about half a megabyte each.
+    let (m, most_disk, most_listed) = run(1, 100);
+    assert!(m.flushes >= 2, "{m:?}");
+    assert!(m.sealed_segments <= 40, "{m:?}");
+    // The bound, the flushed memtable's segment and the epochs a retained snapshot holds.
+    assert!(most_disk < 40 << 20, "{most_disk} bytes on disk at most");
+    assert!(most_listed <= 130, "{most_listed} segments listed at most");
+    // Unbounded (as before): every epoch's segment stays.
+    let (m, most_disk, _) = run(usize::MAX, 100);
+    assert_eq!((m.flushes, m.sealed_segments), (0, 100), "{m:?}");
+    assert!(most_disk > 40 << 20, "{most_disk} bytes on disk at most");
 }
 
 /// A memtable that passes its share while a snapshot job still reads the records its copies
