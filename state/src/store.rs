@@ -410,13 +410,15 @@ pub struct Store {
     mem_owner: u64,
     /// Segments of sealed epochs (with their memtable): newer than every segment, and only
     /// for snapshots, as their memtable holds every key they hold, newer. They leave when that
-    /// memtable's own segment arrives.
-    sealed_segments: Vec<(u64, Arc<Segment>)>,
+    /// memtable's own segment arrives. Held as files, not open segments: nothing reads them,
+    /// and the maps, block indexes and filters of a dozen epochs were memory that no figure
+    /// counted (about 1 MB per epoch of 500 K keys, by their sizes).
+    sealed_segments: Vec<(u64, Listed)>,
     /// Once a snapshot was taken, a freeze first seals the memtable's records written since
     /// its last seal (a tail epoch), so that every write lands in some epoch and the next
     /// snapshot can list epochs only (see `Chain`). The tails sealed since the last snapshot,
     /// by generation, with their segments once written.
-    tails: Vec<(u64, Option<Arc<Segment>>)>,
+    tails: Vec<(u64, Option<Listed>)>,
     /// `next_gen` at the last snapshot (see `Chain::covered_gen`); 0 before the first.
     snapshot_gen: u64,
     /// The mutable memtable's arena bytes when a freeze past its share was last put off (for
@@ -1277,13 +1279,14 @@ impl Store {
     /// The oldest frozen memtable or sealed epoch leaves the frozen list with its segment.
     fn adopt(&mut self, f: Arc<Frozen>, seg: Option<Arc<Segment>>) {
         if f.is_sealed() {
-            if let Some(seg) = seg {
+            // Only snapshots list it: its file stays, the open segment goes.
+            if let Some(listed) = seg.as_deref().map(Listed::of) {
                 if let Some((_, tail)) = self.tails.iter_mut().find(|(g, _)| *g == f.gen) {
                     // Only for the next snapshot: its memtable's segment covers it otherwise.
-                    seg.mark_obsolete();
-                    *tail = Some(seg);
+                    listed.file.mark_obsolete();
+                    *tail = Some(listed);
                 } else {
-                    self.sealed_segments.push((f.owner, seg));
+                    self.sealed_segments.push((f.owner, listed));
                 }
             }
             if let Some(log) = Arc::try_unwrap(f).ok().and_then(Frozen::into_log) {
@@ -1308,7 +1311,7 @@ impl Store {
         // The memtable's own segment holds every key of its epochs, newer.
         self.sealed_segments.retain(|(o, s)| {
             if *o == owner {
-                s.mark_obsolete();
+                s.file.mark_obsolete();
             }
             *o != owner
         });
@@ -1576,8 +1579,8 @@ impl Store {
                 let tails = std::mem::take(&mut self.tails);
                 let own = (first_new..self.next_gen).map(|g| (g, None));
                 for (gen, written) in tails.into_iter().chain(own) {
-                    if let Some(seg) = written {
-                        parts.push(Part::Done(seg));
+                    if let Some(listed) = written {
+                        parts.push(Part::Listed(listed));
                     } else if let Some(f) = self.frozen.iter().find(|f| f.gen == gen) {
                         parts.push(Self::frozen_part(&mut reg, &mut self.next_segment_id, f));
                     }
@@ -1591,7 +1594,7 @@ impl Store {
                 parts.extend(
                     self.sealed_segments
                         .iter()
-                        .map(|(_, s)| Part::Done(s.clone())),
+                        .map(|(_, s)| Part::Listed(s.clone())),
                 );
                 for f in &self.frozen {
                     parts.push(Self::frozen_part(&mut reg, &mut self.next_segment_id, f));

@@ -1543,6 +1543,38 @@ fn a_memtable_that_never_fills_keeps_its_epochs_segments_within_their_bound() {
     assert!(most_disk > 40 << 20, "{most_disk} bytes on disk at most");
 }
 
+/// Once the store took the segment a snapshot job wrote for an epoch, it keeps the file (later
+/// snapshots list it) but not the open segment: nothing reads an epoch's segment (its
+/// memtable holds every key of it, newer), and its map, block index and filter were memory
+/// that no figure counted.
+#[cfg(target_os = "linux")]
+#[test]
+fn an_epochs_segment_is_kept_as_a_file_not_as_an_open_segment() {
+    let root = tempfile::tempdir().unwrap();
+    let fs: Arc<dyn Fs> = Arc::new(StdFs);
+    let mut s = Store::open(fs.clone(), &root.path().join("live"), copies_config()).unwrap();
+    for i in 0..20_000 {
+        s.put(&spread_key(i), &round_value(0, i));
+    }
+    let first = snapshot(&mut s, 1);
+    for i in (0..20_000).filter(|&i| updated_in(1, i)) {
+        s.put(&spread_key(i), &round_value(1, i));
+    }
+    // Takes in the first epoch's segment, and lists it.
+    let second = snapshot(&mut s, 2);
+    let epoch = &first.segments.last().unwrap().path;
+    assert!(second.segments.iter().any(|r| &r.path == epoch));
+    assert!(epoch.exists());
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let name = epoch.to_str().unwrap();
+    assert!(!maps.contains(name), "{name} is still mapped");
+    assert_eq!(s.metrics().sealed_segments, 1);
+    // Both still restore.
+    let at = |dir: &str| root.path().join(dir);
+    assert_eq!(restored(&fs, &at("r1"), first).len(), 20_000);
+    assert_eq!(restored(&fs, &at("r2"), second).len(), 20_000);
+}
+
 /// A memtable that passes its share while a snapshot job still reads the records its copies
 /// replaced waits for that job instead of freezing (the job runs on another thread in a real
 /// store, and its chunks are reused once it is done), but only up to a quarter past its
