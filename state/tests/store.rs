@@ -103,6 +103,7 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..120),
         retain in 0usize..3,
         prefault in proptest::bool::ANY,
+        epochs in 0usize..3,
     ) {
         let root = tempfile::tempdir().unwrap();
         let fs: Arc<dyn Fs> = Arc::new(StdFs);
@@ -110,10 +111,12 @@ proptest! {
         // With retention, flushed memtables stay readable in front of their segments: reads
         // must not change, with room for several memtables or for about one (then freezes
         // recycle the retained memtable the next flush would evict). Nor may they with the
-        // memtable's memory faulted in up front.
+        // memtable's memory faulted in up front. Nor with snapshots that freeze the memtable
+        // once its epochs' segments pass their bound (0: any epoch segment of it).
         let config = StoreConfig {
             retained_memtable_bytes: [0, 12 << 10, 48 << 10][retain],
             prefault_memtable: prefault,
+            snapshot_epochs_max_shares: [0, 1, 4][epochs],
             ..small_config(8)
         };
         let mut store = Store::open(fs.clone(), &root.path().join("s0"), config).unwrap();
