@@ -933,6 +933,25 @@ impl Store {
                 self.tails.push((gen, None));
             }
         }
+        self.ready_successor();
+        let mut fresh = match self.spare.take() {
+            Some(m) => m,
+            None => Memtable::successor_of(&self.mem, self.freeze_at()),
+        };
+        fresh.set_incarnation(self.next_gen);
+        let mem = std::mem::replace(&mut self.mem, fresh);
+        self.recent.reset();
+        self.frozen.push(Arc::new(
+            Frozen::new(mem, self.next_gen).with_owner(self.mem_owner),
+        ));
+        self.mem_owner += 1;
+        self.next_gen += 1;
+    }
+
+    /// Have a memtable ready in `spare` to replace the mutable one when it freezes: the spare
+    /// if there is one, else a recycled one (the late spare, the oldest retained one), else a
+    /// new one sized as the mutable one.
+    fn ready_successor(&mut self) {
         if self.spare.is_none() {
             if let Some(f) = self.late_spare.take() {
                 let room = self.spare_room();
@@ -941,7 +960,7 @@ impl Store {
                 Self::keep_spare(&mut self.spare, &mut late, room, f);
             }
         }
-        // The flush of the memtable frozen here will push the oldest retained one out of the
+        // The flush of the memtable frozen next will push the oldest retained one out of the
         // read cache: reuse its memory now rather than fault in a fresh memtable. Until then
         // the frozen one, newer, answers for every key written since. Without this, a store
         // whose cache holds one memtable froze into a fresh memtable once more before the
@@ -955,19 +974,9 @@ impl Store {
                 Self::keep_spare(&mut self.spare, &mut late, room, f);
             }
         }
-        let fresh = match self.spare.take() {
-            Some(m) => m,
-            None => Memtable::successor_of(&self.mem, self.freeze_at()),
-        };
-        let mut fresh = fresh;
-        fresh.set_incarnation(self.next_gen);
-        let mem = std::mem::replace(&mut self.mem, fresh);
-        self.recent.reset();
-        self.frozen.push(Arc::new(
-            Frozen::new(mem, self.next_gen).with_owner(self.mem_owner),
-        ));
-        self.mem_owner += 1;
-        self.next_gen += 1;
+        if self.spare.is_none() {
+            self.spare = Some(Memtable::successor_of(&self.mem, self.freeze_at()));
+        }
     }
 
     /// Seal what the mutable memtable took since the last seal, for a snapshot to write (see
@@ -1271,6 +1280,12 @@ impl Store {
         drop(reg);
         for (f, seg) in adopted {
             self.adopt(f, Some(seg));
+        }
+        // The next snapshot will freeze the memtable (see `epochs_over_bound`): its successor
+        // is made here, when the shard takes in a finished job, rather than in that snapshot's
+        // synchronous part (a new memtable's maps took it from 12-20 us to 69-177 us).
+        if self.spare.is_none() && self.epochs_over_bound() {
+            self.ready_successor();
         }
         // A freeze deferred while the previous memtable waited for its flush.
         self.maybe_freeze();

@@ -1508,7 +1508,13 @@ fn a_memtable_that_never_fills_keeps_its_epochs_segments_within_their_bound() {
         }
         let (mut most_disk, mut most_listed) = (0, 0);
         for round in 1..=rounds {
+            let spare_before = s.metrics().spare_memtable_bytes;
             let h = snapshot(&mut s, u64::from(round));
+            if s.metrics().frozen_memtables > 0 {
+                // The snapshot froze: its successor was ready before (made when the store
+                // took in the epoch that passed the bound), not made in its synchronous part.
+                assert!(spare_before > 0, "round {round}");
+            }
             // As a job retaining one checkpoint: the one before goes.
             if round > 1 {
                 s.release_snapshot(u64::from(round - 1));
