@@ -933,11 +933,7 @@ impl Store {
                 self.tails.push((gen, None));
             }
         }
-        self.ready_successor();
-        let mut fresh = match self.spare.take() {
-            Some(m) => m,
-            None => Memtable::successor_of(&self.mem, self.freeze_at()),
-        };
+        let mut fresh = self.successor();
         fresh.set_incarnation(self.next_gen);
         let mem = std::mem::replace(&mut self.mem, fresh);
         self.recent.reset();
@@ -948,10 +944,10 @@ impl Store {
         self.next_gen += 1;
     }
 
-    /// Have a memtable ready in `spare` to replace the mutable one when it freezes: the spare
-    /// if there is one, else a recycled one (the late spare, the oldest retained one), else a
-    /// new one sized as the mutable one.
-    fn ready_successor(&mut self) {
+    /// The memtable to replace the mutable one when it freezes: the spare if there is one,
+    /// else a recycled one (the late spare, the oldest retained one), else a new one sized as
+    /// the mutable one.
+    fn successor(&mut self) -> Memtable {
         if self.spare.is_none() {
             if let Some(f) = self.late_spare.take() {
                 let room = self.spare_room();
@@ -974,9 +970,9 @@ impl Store {
                 Self::keep_spare(&mut self.spare, &mut late, room, f);
             }
         }
-        if self.spare.is_none() {
-            self.spare = Some(Memtable::successor_of(&self.mem, self.freeze_at()));
-        }
+        self.spare
+            .take()
+            .unwrap_or_else(|| Memtable::successor_of(&self.mem, self.freeze_at()))
     }
 
     /// Seal what the mutable memtable took since the last seal, for a snapshot to write (see
@@ -1285,7 +1281,7 @@ impl Store {
         // is made here, when the shard takes in a finished job, rather than in that snapshot's
         // synchronous part (a new memtable's maps took it from 12-20 us to 69-177 us).
         if self.spare.is_none() && self.epochs_over_bound() {
-            self.ready_successor();
+            self.spare = Some(self.successor());
         }
         // A freeze deferred while the previous memtable waited for its flush.
         self.maybe_freeze();
