@@ -1,5 +1,6 @@
 //! State store benchmarks: keyed updates with flushes and compaction, point gets from
-//! segments, bloom rejections, segment write bandwidth, snapshot synchronous latency, memory.
+//! segments, bloom rejections, segment write bandwidth, snapshot synchronous latency, memory,
+//! compaction.
 //! Every figure is per core (one working thread), per wall second and per CPU second of that
 //! thread, against a baseline measured in the same run.
 
@@ -364,7 +365,7 @@ fn enabled(section: &str) -> bool {
     }
 }
 
-/// Run the state benchmarks. `WEIR_STATE_BENCH=updates,gets,write,snapshot,memtable,hot`
+/// Run the state benchmarks. `WEIR_STATE_BENCH=updates,gets,write,snapshot,memtable,hot,compaction`
 /// selects sections (gets need updates).
 pub fn run(opts: &Opts) -> Vec<BenchResult> {
     let (fs, fs_name) = fs();
@@ -805,9 +806,148 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
         out.push(hot_path(&fs, dir.path(), opts));
     }
 
+    // 7. Compaction: a merge of a tier of flushed segments into one.
+    if enabled("compaction") {
+        out.push(compaction(&fs, dir.path(), opts));
+    }
+
     let _ = KeyGroupRange::all(128);
     let _: &Path = dir.path();
     out
+}
+
+/// Segments merged by the compaction benchmark: the default `compaction_min_merge` (10) plus
+/// two, a tier of the size the updates benchmark's store merges.
+const COMPACTION_INPUTS: usize = 12;
+
+/// A full compaction of `COMPACTION_INPUTS` flushed segments of random keys (a quarter of them
+/// in two or more segments, so the merge also drops shadowed versions), in entries read per
+/// CPU second of the job's thread. Baseline: the textbook k-way merge of the same entries,
+/// held in memory as sorted vectors, through `std`'s binary heap, keeping each key's newest
+/// version. The figure covers what the merge costs beyond it: reading and checking the
+/// segments' blocks, and writing, checksumming and filtering the output. Alternated rounds on
+/// fresh stores; the row is the round with the median rate.
+fn compaction(fs: &Arc<dyn Fs>, dir: &Path, opts: &Opts) -> BenchResult {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+
+    let per_seg: u64 = if opts.quick { 20_000 } else { 250_000 };
+    let space = per_seg * COMPACTION_INPUTS as u64 * 3;
+    let rounds = if opts.quick { 1 } else { 5 };
+    let config = StoreConfig {
+        memtable_budget_bytes: 1 << 30,
+        max_segments: COMPACTION_INPUTS * 2,
+        ..StoreConfig::default()
+    };
+    let mut k = [0u8; 12];
+    let mut runs = Vec::new();
+    for round in 0..rounds {
+        let sdir = dir.join(format!("compaction{round}"));
+        let mut store = Store::open(fs.clone(), &sdir, config.clone()).expect("open");
+        // The same entries in memory for the baseline: one sorted run per segment.
+        let mut sorted: Vec<Vec<([u8; 12], [u8; 16])>> = Vec::new();
+        let mut rng = Rng(11 + round as u64);
+        for s in 0..COMPACTION_INPUTS {
+            let mut run = Vec::with_capacity(per_seg as usize);
+            for i in 0..per_seg {
+                key_of(rng.next() % space, &mut k);
+                let mut v = [0u8; 16];
+                v[..8].copy_from_slice(&(s as u64 * per_seg + i).to_le_bytes());
+                store.put(&k, &v);
+                run.push((k, v));
+            }
+            store.freeze();
+            let job = store.flush_job().expect("flush job");
+            store.install(job.run()).expect("flush");
+            // Within a segment a key's last put wins: reversed, a stable sort puts it first
+            // among its key's entries, and `dedup_by` keeps the first.
+            run.reverse();
+            run.sort_by_key(|e| e.0);
+            run.dedup_by(|later, first| later.0 == first.0);
+            sorted.push(run);
+        }
+        let entries_in: u64 = sorted.iter().map(|r| r.len() as u64).sum();
+        // A scan over the same segments: the merge without the output's writing.
+        let mut visible = 0u64;
+        let t_scan = timed(|| visible = store.scan_range(&[], None).count() as u64);
+        let job = store.full_compaction_job().expect("compaction job");
+        let mut done = None;
+        let t = timed(|| done = Some(job.run()));
+        store.install(done.expect("ran")).expect("compaction");
+        let entries_out = store.scan_range(&[], None).count() as u64;
+        drop(store);
+        let _ = std::fs::remove_dir_all(&sdir);
+
+        let mut merged: Vec<([u8; 12], [u8; 16])> = Vec::with_capacity(entries_out as usize);
+        let base = timed(|| {
+            // Newest segment first on equal keys: the heap orders by (key, age).
+            let mut heap = BinaryHeap::with_capacity(sorted.len());
+            let mut pos = vec![0usize; sorted.len()];
+            for (s, run) in sorted.iter().enumerate() {
+                if let Some(e) = run.first() {
+                    heap.push(Reverse((e.0, COMPACTION_INPUTS - s)));
+                }
+            }
+            while let Some(Reverse((key, age))) = heap.pop() {
+                let s = COMPACTION_INPUTS - age;
+                if merged.last().is_none_or(|m| m.0 != key) {
+                    merged.push(sorted[s][pos[s]]);
+                }
+                pos[s] += 1;
+                if let Some(e) = sorted[s].get(pos[s]) {
+                    heap.push(Reverse((e.0, age)));
+                }
+            }
+            std::hint::black_box(&merged);
+        });
+        assert_eq!(
+            merged.len() as u64,
+            entries_out,
+            "the baseline and the store merged to different key counts"
+        );
+        assert_eq!(visible, entries_out, "the scan and the compaction disagree");
+        runs.push((
+            per_sec(entries_in, t.cpu_ns),
+            entries_in,
+            entries_out,
+            t,
+            base,
+            t_scan,
+        ));
+    }
+    let rates: Vec<f64> = runs.iter().map(|r| r.0).collect();
+    runs.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let scan_rates: Vec<f64> = runs.iter().map(|r| per_sec(r.1, r.5.cpu_ns)).collect();
+    let (_, entries_in, entries_out, t, base, _) = &runs[runs.len() / 2];
+    let mut r = result(
+        "state_compaction",
+        *entries_in,
+        t,
+        "binary_heap_kmerge_in_memory",
+        *entries_in,
+        base,
+    );
+    r.extra = vec![
+        ("inputs".into(), COMPACTION_INPUTS as f64),
+        ("entries_in".into(), *entries_in as f64),
+        ("entries_out".into(), *entries_out as f64),
+        (
+            "ns_per_entry_cpu".into(),
+            t.cpu_ns as f64 / *entries_in as f64,
+        ),
+        (
+            "baseline_ns_per_entry_cpu".into(),
+            base.cpu_ns as f64 / *entries_in as f64,
+        ),
+    ];
+    for (i, x) in rates.iter().enumerate() {
+        r.extra.push((format!("round{i}_per_cpu_sec"), *x));
+    }
+    // Each round's scan, in entries read per CPU second.
+    for (i, x) in scan_rates.iter().enumerate() {
+        r.extra.push((format!("round{i}_scan_per_cpu_sec"), *x));
+    }
+    r
 }
 
 fn hot_path(fs: &Arc<dyn Fs>, dir: &Path, opts: &Opts) -> BenchResult {
