@@ -985,6 +985,95 @@ proptest! {
     }
 }
 
+/// A merge of many sources (the memtable, frozen ones and 21 segments: more than a tier, and
+/// not a power of two, so the merge's tournament has leaves at two depths): every key once,
+/// its newest version, in byte order, also in bounded scans whose bounds fall between and on
+/// keys; the same after a full compaction. Keys tie on their 16-byte prefixes often, and a
+/// key's versions sit in many sources, deleted in some.
+#[test]
+fn a_merge_of_many_sources_yields_each_keys_newest_version_in_order() {
+    let root = tempfile::tempdir().unwrap();
+    let fs: Arc<dyn Fs> = Arc::new(StdFs);
+    let config = StoreConfig {
+        max_segments: 64,
+        compaction_min_merge: 64,
+        ..small_config(8)
+    };
+    let mut store = Store::open(fs, root.path(), config).unwrap();
+    let mut model = Model::new();
+    let shared = [&[0u8, 3][..], &[5u8; 14][..]].concat();
+    let key_of = |x: u64| -> Vec<u8> {
+        let n = (x % 40) as u8;
+        match x % 3 {
+            // Keys longer than 16 bytes that share their first 16.
+            0 => [&shared[..], &[n, n / 3][..(1 + n as usize % 2)]].concat(),
+            // Short keys, some ending in zero bytes (zero-padded prefixes tie).
+            1 => [&[0u8, 3, n / 4][..], &[0u8; 2][..(n as usize % 3)]].concat(),
+            _ => key(3, u16::from(n)),
+        }
+    };
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut rand = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let sources = 21u32;
+    for s in 0..=sources {
+        for i in 0..30u32 {
+            let r = rand();
+            let k = key_of(r >> 8);
+            if r % 7 == 0 {
+                store.delete(&k);
+                model.remove(&k);
+            } else {
+                let v = [s.to_le_bytes(), i.to_le_bytes()].concat();
+                store.put(&k, &v);
+                model.insert(k, v);
+            }
+        }
+        // The last round stays in the memtable; the one before it stays frozen.
+        if s < sources {
+            store.freeze();
+            if s + 1 < sources {
+                store.run_pending_maintenance().unwrap();
+            }
+        }
+    }
+    assert_eq!(store.metrics().segments, sources as usize - 1);
+    assert_eq!(store.frozen_memtables(), 1);
+    let check = |store: &mut Store, model: &Model| {
+        let want: Vec<(Vec<u8>, Vec<u8>)> =
+            model.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        assert_eq!(all(store), want);
+        let mut bounds: Vec<Vec<u8>> = model.keys().step_by(5).cloned().collect();
+        bounds.push(vec![0, 3, 5]);
+        bounds.push([&shared[..], &[7u8][..]].concat());
+        for start in &bounds {
+            for end in &bounds {
+                let got: Vec<Vec<u8>> = store
+                    .scan_range(start, Some(end))
+                    .map(|e| e.unwrap().0.to_vec())
+                    .collect();
+                let want: Vec<Vec<u8>> = if start < end {
+                    model
+                        .range(start.clone()..end.clone())
+                        .map(|(k, _)| k.clone())
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                assert_eq!(got, want, "scan from {start:?} to {end:?}");
+            }
+        }
+    };
+    check(&mut store, &model);
+    store.flush_and_compact_all().unwrap();
+    assert_eq!(store.metrics().segments, 1);
+    check(&mut store, &model);
+}
+
 /// A snapshot's job reads its sealed epoch on another thread while the store goes on
 /// updating the same keys: in place, with longer values (records move), deleted, and new
 /// keys. Each restore equals the store at its snapshot, and the store keeps every update.
