@@ -985,7 +985,7 @@ proptest! {
     }
 }
 
-/// A merge of many sources (the memtable, frozen ones and 21 segments: more than a tier, and
+/// A merge of many sources (the memtable, a frozen one and 20 segments: more than a tier, and
 /// not a power of two, so the merge's tournament has leaves at two depths): every key once,
 /// its newest version, in byte order, also in bounded scans whose bounds fall between and on
 /// keys; the same after a full compaction. Keys tie on their 16-byte prefixes often, and a
