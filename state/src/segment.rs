@@ -170,8 +170,16 @@ pub(crate) struct Written {
     /// Where the data blocks end (the index block's offset).
     data_end: u64,
     bloom: Bloom,
-    key_groups: Option<KeyGroupRange>,
+    pub key_groups: Option<KeyGroupRange>,
     gauge: Option<BuildGauge>,
+}
+
+impl Written {
+    /// The written file, not opened: for a holder that only names it. The block index and
+    /// filter the writer built are freed here, and no map is made.
+    pub fn into_file(self, fs: Arc<dyn Fs>) -> Arc<SegmentFile> {
+        SegmentFile::new(fs, self.path, true)
+    }
 }
 
 #[cfg(test)]

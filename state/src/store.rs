@@ -50,7 +50,7 @@ use crate::key::{KeyGroupRange, DEFAULT_MAX_PARALLELISM};
 use crate::memtable::{key_prefix, Frozen, Loc, MemHint, Memtable, ValueRef, NO_EXPIRY};
 use crate::segment::{
     write_behind_buffer_bytes, Probe, Segment, SegmentFile, SegmentIter, SegmentStream,
-    SegmentWriter, WriterOptions,
+    SegmentWriter, WriterOptions, Written,
 };
 
 /// Store configuration. Every bound is named.
@@ -241,6 +241,9 @@ struct Registry {
     retained: BTreeMap<u64, Vec<Arc<SegmentFile>>>,
     /// Segments snapshot jobs wrote for frozen memtables, by generation, awaiting adoption.
     flushed: BTreeMap<u64, Arc<Segment>>,
+    /// Segments snapshot jobs wrote for sealed epochs, by generation, awaiting adoption: as
+    /// files, never opened (only listings name an epoch's segment, see `Listed`).
+    epochs: BTreeMap<u64, Listed>,
     /// Generations a snapshot job is writing now.
     in_flight: HashSet<u64>,
     /// Segment ids of the last completed snapshot (for the `is_new` marks).
@@ -291,6 +294,17 @@ impl Listed {
             file: s.file(),
         }
     }
+
+    fn written(fs: &Arc<dyn Fs>, w: Written) -> Listed {
+        Listed {
+            id: w.id,
+            size_bytes: w.size_bytes,
+            crc32: w.crc32,
+            entry_count: w.entry_count,
+            key_groups: w.key_groups,
+            file: w.into_file(fs.clone()),
+        }
+    }
 }
 
 /// A full listing replaces the chain when its deltas reach half the base's size (at least
@@ -333,9 +347,39 @@ impl Ctx {
         &self,
         id: u64,
         max_keys: u64,
-        mut entries: impl EntrySource,
+        entries: impl EntrySource,
         counted: bool,
     ) -> Result<Option<Arc<Segment>>, StateError> {
+        self.write(id, max_keys, entries, counted, |w| {
+            // Its blocks are checked against their CRCs when first read.
+            Ok(Arc::new(Segment::open_written(self.fs.clone(), w)?))
+        })
+    }
+
+    /// Write a sealed epoch's entries as segment `id`, without opening it: nothing reads an
+    /// epoch's segment once written (its memtable holds every key of it, newer), only
+    /// listings name it. Opening it mapped the file and copied the block index, which the
+    /// store dropped again when it took the segment in.
+    fn write_epoch(
+        &self,
+        id: u64,
+        max_keys: u64,
+        entries: impl EntrySource,
+    ) -> Result<Option<Listed>, StateError> {
+        self.write(id, max_keys, entries, false, |w| {
+            Ok(Listed::written(&self.fs, w))
+        })
+    }
+
+    /// See [`Self::write_segment`]; `then` makes what the caller keeps of the written file.
+    fn write<T>(
+        &self,
+        id: u64,
+        max_keys: u64,
+        mut entries: impl EntrySource,
+        counted: bool,
+        then: impl FnOnce(Written) -> Result<T, StateError>,
+    ) -> Result<Option<T>, StateError> {
         let path = self.path_for(id);
         let result = (|| {
             let opts = WriterOptions {
@@ -361,9 +405,7 @@ impl Ctx {
             }
             let written = w.finish()?;
             self.fs.sync_dir(&self.dir)?;
-            // Its blocks are checked against their CRCs when first read.
-            let seg = Segment::open_written(self.fs.clone(), written)?;
-            Ok(Some(Arc::new(seg)))
+            then(written).map(Some)
         })();
         if result.is_err() && path.exists() {
             let _ = self.fs.remove(&path);
@@ -1261,8 +1303,13 @@ impl Store {
         let mut adopted = Vec::new();
         let mut reg = lock(&self.registry);
         while let Some(f) = self.frozen.first() {
-            match reg.flushed.remove(&f.gen) {
-                Some(seg) => adopted.push((self.frozen.remove(0), seg)),
+            let written = if f.is_sealed() {
+                reg.epochs.remove(&f.gen).map(Wrote::Epoch)
+            } else {
+                reg.flushed.remove(&f.gen).map(Wrote::Segment)
+            };
+            match written {
+                Some(w) => adopted.push((self.frozen.remove(0), w)),
                 None => break,
             }
         }
@@ -1273,9 +1320,18 @@ impl Store {
                 seg.mark_obsolete();
             }
         }
+        let stale: Vec<u64> = reg.epochs.range(..oldest).map(|(g, _)| *g).collect();
+        for g in stale {
+            if let Some(listed) = reg.epochs.remove(&g) {
+                listed.file.mark_obsolete();
+            }
+        }
         drop(reg);
-        for (f, seg) in adopted {
-            self.adopt(f, Some(seg));
+        for (f, written) in adopted {
+            match written {
+                Wrote::Segment(seg) => self.adopt(f, Some(seg)),
+                Wrote::Epoch(listed) => self.adopt_epoch(f, Some(listed)),
+            }
         }
         // The next snapshot will freeze the memtable (see `epochs_over_bound`): its successor
         // is made here, when the shard takes in a finished job, rather than in that snapshot's
@@ -1291,18 +1347,7 @@ impl Store {
     fn adopt(&mut self, f: Arc<Frozen>, seg: Option<Arc<Segment>>) {
         if f.is_sealed() {
             // Only snapshots list it: its file stays, the open segment goes.
-            if let Some(listed) = seg.as_deref().map(Listed::of) {
-                if let Some((_, tail)) = self.tails.iter_mut().find(|(g, _)| *g == f.gen) {
-                    // Only for the next snapshot: its memtable's segment covers it otherwise.
-                    listed.file.mark_obsolete();
-                    *tail = Some(listed);
-                } else {
-                    self.sealed_segments.push((f.owner, listed));
-                }
-            }
-            if let Some(log) = Arc::try_unwrap(f).ok().and_then(Frozen::into_log) {
-                self.mem.give_log(log);
-            }
+            self.adopt_epoch(f, seg.as_deref().map(Listed::of));
             return;
         }
         let owner = f.owner;
@@ -1326,6 +1371,22 @@ impl Store {
             }
             *o != owner
         });
+    }
+
+    /// The oldest frozen entry, a sealed epoch, leaves the frozen list with its segment's file.
+    fn adopt_epoch(&mut self, f: Arc<Frozen>, listed: Option<Listed>) {
+        if let Some(listed) = listed {
+            if let Some((_, tail)) = self.tails.iter_mut().find(|(g, _)| *g == f.gen) {
+                // Only for the next snapshot: its memtable's segment covers it otherwise.
+                listed.file.mark_obsolete();
+                *tail = Some(listed);
+            } else {
+                self.sealed_segments.push((f.owner, listed));
+            }
+        }
+        if let Some(log) = Arc::try_unwrap(f).ok().and_then(Frozen::into_log) {
+            self.mem.give_log(log);
+        }
     }
 
     /// A flushed memtable leaves the frozen list: keep it readable within the retention budget;
@@ -1653,6 +1714,9 @@ impl Store {
     /// A frozen memtable or sealed epoch in a snapshot: its segment if a job already wrote
     /// it, or a write for the snapshot job (which then stays the only writer of it).
     fn frozen_part(reg: &mut Registry, next_segment_id: &mut u64, f: &Arc<Frozen>) -> Part {
+        if let Some(listed) = reg.epochs.get(&f.gen) {
+            return Part::Listed(listed.clone());
+        }
         match reg.flushed.get(&f.gen) {
             Some(seg) => Part::Done(seg.clone()),
             None => {
@@ -1731,6 +1795,9 @@ impl Drop for Store {
         }
         for s in reg.flushed.values() {
             s.keep_file();
+        }
+        for l in reg.epochs.values() {
+            l.file.keep_file();
         }
     }
 }
@@ -2026,6 +2093,13 @@ impl From<CompactionDone> for JobDone {
     }
 }
 
+/// What a snapshot job wrote for a frozen memtable (the open segment, which the store
+/// installs) or for a sealed epoch (its file: see [`Ctx::write_epoch`]).
+enum Wrote {
+    Segment(Arc<Segment>),
+    Epoch(Listed),
+}
+
 #[derive(Debug)]
 enum Part {
     Done(Arc<Segment>),
@@ -2066,13 +2140,16 @@ impl SnapshotJob {
                 Part::Done(s) => segs.push(Listed::of(&s)),
                 Part::Listed(l) => segs.push(l),
                 Part::Write(f, id) => {
+                    let entries = Entries::new(f.entries().map(Ok));
                     let written = match &result {
-                        Ok(()) => self.ctx.write_segment(
-                            id,
-                            f.len() as u64,
-                            Entries::new(f.entries().map(Ok)),
-                            false,
-                        ),
+                        Ok(()) if f.is_sealed() => self
+                            .ctx
+                            .write_epoch(id, f.len() as u64, entries)
+                            .map(|l| l.map(Wrote::Epoch)),
+                        Ok(()) => self
+                            .ctx
+                            .write_segment(id, f.len() as u64, entries, false)
+                            .map(|s| s.map(Wrote::Segment)),
                         Err(_) => Ok(None),
                     };
                     let mut reg = lock(&self.registry);
@@ -2082,9 +2159,13 @@ impl SnapshotJob {
                     // being flushed, and its writer stalled for good at the budget.)
                     reg.in_flight.remove(&f.gen);
                     match written {
-                        Ok(Some(seg)) => {
+                        Ok(Some(Wrote::Segment(seg))) => {
                             segs.push(Listed::of(&seg));
                             reg.flushed.entry(f.gen).or_insert(seg);
+                        }
+                        Ok(Some(Wrote::Epoch(listed))) => {
+                            segs.push(listed.clone());
+                            reg.epochs.entry(f.gen).or_insert(listed);
                         }
                         // Skipped, or every record of a sealed epoch was replaced within it.
                         Ok(None) => {}

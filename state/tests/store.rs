@@ -1641,10 +1641,10 @@ fn a_memtable_that_never_fills_keeps_its_epochs_segments_within_their_bound() {
     assert!(most_disk > 40 << 20, "{most_disk} bytes on disk at most");
 }
 
-/// Once the store took the segment a snapshot job wrote for an epoch, it keeps the file (later
-/// snapshots list it) but not the open segment: nothing reads an epoch's segment (its
-/// memtable holds every key of it, newer), and its map, block index and filter were memory
-/// that no figure counted.
+/// The segment a snapshot job writes for an epoch is kept as a file (later snapshots list
+/// it), never as an open segment: nothing reads an epoch's segment (its memtable holds every
+/// key of it, newer), and its map, block index and filter were memory that no figure counted.
+/// Not mapped once the job is done, nor once the store took the segment in.
 #[cfg(target_os = "linux")]
 #[test]
 fn an_epochs_segment_is_kept_as_a_file_not_as_an_open_segment() {
@@ -1655,6 +1655,13 @@ fn an_epochs_segment_is_kept_as_a_file_not_as_an_open_segment() {
         s.put(&spread_key(i), &round_value(0, i));
     }
     let first = snapshot(&mut s, 1);
+    let mapped = |path: &Path| {
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        maps.contains(path.to_str().unwrap())
+    };
+    let written = &first.segments.last().unwrap().path;
+    assert!(written.exists());
+    assert!(!mapped(written), "{written:?} was mapped by the job");
     for i in (0..20_000).filter(|&i| updated_in(1, i)) {
         s.put(&spread_key(i), &round_value(1, i));
     }
@@ -1663,9 +1670,7 @@ fn an_epochs_segment_is_kept_as_a_file_not_as_an_open_segment() {
     let epoch = &first.segments.last().unwrap().path;
     assert!(second.segments.iter().any(|r| &r.path == epoch));
     assert!(epoch.exists());
-    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
-    let name = epoch.to_str().unwrap();
-    assert!(!maps.contains(name), "{name} is still mapped");
+    assert!(!mapped(epoch), "{epoch:?} is still mapped");
     assert_eq!(s.metrics().sealed_segments, 1);
     // Both still restore.
     let at = |dir: &str| root.path().join(dir);
