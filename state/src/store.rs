@@ -1314,17 +1314,14 @@ impl Store {
             }
         }
         let oldest = self.frozen.first().map_or(self.next_gen, |f| f.gen);
-        let stale: Vec<u64> = reg.flushed.range(..oldest).map(|(g, _)| *g).collect();
-        for g in stale {
-            if let Some(seg) = reg.flushed.remove(&g) {
-                seg.mark_obsolete();
-            }
+        // Written for generations that left the frozen list meanwhile: not needed.
+        let kept = reg.flushed.split_off(&oldest);
+        for seg in std::mem::replace(&mut reg.flushed, kept).into_values() {
+            seg.mark_obsolete();
         }
-        let stale: Vec<u64> = reg.epochs.range(..oldest).map(|(g, _)| *g).collect();
-        for g in stale {
-            if let Some(listed) = reg.epochs.remove(&g) {
-                listed.file.mark_obsolete();
-            }
+        let kept = reg.epochs.split_off(&oldest);
+        for listed in std::mem::replace(&mut reg.epochs, kept).into_values() {
+            listed.file.mark_obsolete();
         }
         drop(reg);
         for (f, written) in adopted {
