@@ -70,11 +70,15 @@ pub struct StoreConfig {
     /// Target size of a data block. Small blocks make a point lookup touch few cache lines
     /// (the writer also keeps blocks inside 4 KiB pages); the in-memory block index costs
     /// about 36 bytes per block, and every block costs its writer and each compaction that
-    /// reads it a CRC call, a header and an index entry. 2 KiB: random updates over 10 M keys
-    /// ran at 4.47-5.29 M per CPU second with maintenance against 3.76-3.92 M with 1 KiB,
-    /// while batched point gets from segments fell from 6.67-6.85 to 4.06-4.24 M/s (two
-    /// alternated runs; the gets' target is 2 M/s). An earlier lookup path had measured
-    /// 1.97-2.07 M/s with 1 KiB against 1.77-1.82 M/s with 2 KiB.
+    /// reads it a CRC call, a header and an index entry. 1 KiB: a batched get loads its whole
+    /// block at once, and on a 2-vCPU Ice Lake VM half of `multi_get`'s samples sat on those
+    /// loads (the core's line-fill buffers full). There, over one 10 M-key segment in one
+    /// process, 1 KiB blocks answered 2.06-2.71 M gets per CPU second against 1.77-2.13 M
+    /// with 2 KiB (12 alternated rounds, 1 KiB ahead in each), for 3-4% more flush and
+    /// compaction instructions (callgrind) and twice the block index. On an AMD Zen 5
+    /// machine, where gets were twice the target anyway, 2 KiB had been kept: updates with
+    /// maintenance 4.47-5.29 M per CPU second against 3.76-3.92 M with 1 KiB, gets
+    /// 4.06-4.24 M/s against 6.67-6.85 M/s.
     pub block_target_bytes: usize,
     /// Bloom filter bits per key.
     pub bloom_bits_per_key: u32,
@@ -129,7 +133,7 @@ impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
             memtable_budget_bytes: 64 << 20,
-            block_target_bytes: 2048,
+            block_target_bytes: 1024,
             bloom_bits_per_key: 10,
             compaction_min_merge: 10,
             compaction_size_ratio: 1,
