@@ -558,6 +558,22 @@ pub(crate) fn prefetch_read<T>(p: *const T) {
     let _ = p;
 }
 
+/// Hint the CPU to bring the cache line at `p` into L2, not L1 (a no-op where there is no
+/// such instruction). Never faults, whatever the address. For many lines requested at once
+/// of which a few are read (a data block a binary search will visit): see
+/// `Segment::prefetch_block`.
+#[inline(always)]
+pub(crate) fn prefetch_read_l2<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetch is a hint; it does not dereference the pointer architecturally and never
+    // faults, even for an invalid address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p.cast::<i8>());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
