@@ -549,11 +549,7 @@ impl<T: Pod> std::ops::DerefMut for MapVec<T> {
 #[inline(always)]
 pub(crate) fn prefetch_read<T>(p: *const T) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: prefetch is a hint; it does not dereference the pointer architecturally and never
-    // faults, even for an invalid address.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast::<i8>());
-    }
+    prefetch_hint::<{ std::arch::x86_64::_MM_HINT_T0 }, T>(p);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
 }
@@ -565,13 +561,19 @@ pub(crate) fn prefetch_read<T>(p: *const T) {
 #[inline(always)]
 pub(crate) fn prefetch_read_l2<T>(p: *const T) {
     #[cfg(target_arch = "x86_64")]
+    prefetch_hint::<{ std::arch::x86_64::_MM_HINT_T1 }, T>(p);
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_hint<const HINT: i32, T>(p: *const T) {
     // SAFETY: prefetch is a hint; it does not dereference the pointer architecturally and never
     // faults, even for an invalid address.
     unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p.cast::<i8>());
+        std::arch::x86_64::_mm_prefetch::<HINT>(p.cast::<i8>());
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
 }
 
 #[cfg(test)]
