@@ -506,7 +506,10 @@ fn more_declines_than_tolerable_fail_the_job() {
 #[test]
 fn a_checkpoint_that_outlives_its_timeout_is_aborted_and_counted() {
     let dir = tempfile::tempdir().expect("tmp");
-    let s = flaky_job(dir.path(), 0, 1, 5, Duration::from_millis(100)).expect("tolerated");
+    // Checkpoints keep expiring while the sink stalls (300 ms against a 100 ms timeout) and
+    // until the shards catch up after it, which on a loaded 2-vCPU CI machine once took six
+    // timeouts: the job tolerates any number here (the limit has its own test above).
+    let s = flaky_job(dir.path(), 0, 1, 1000, Duration::from_millis(100)).expect("tolerated");
     let expired = s
         .checkpoints
         .history
