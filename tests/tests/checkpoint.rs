@@ -644,7 +644,7 @@ fn restore_onto_another_number_of_shards_keeps_keyed_state() {
         (job.start().expect("start"), out)
     };
     let (h, _) = run(2, false, true);
-    await_checkpoints(&h, 2);
+    await_checkpoint_past_start(&h, "input");
     h.cancel();
     assert!(matches!(h.wait(), Err(weir_runtime::JobError::Cancelled)));
     let (h, out) = run(3, true, false);
