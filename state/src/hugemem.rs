@@ -556,7 +556,7 @@ pub(crate) fn prefetch_read<T>(p: *const T) {
 
 /// Hint the CPU to bring the cache line at `p` into L2, not L1 (a no-op where there is no
 /// such instruction). Never faults, whatever the address. For many lines requested at once
-/// of which a few are read (a data block a binary search will visit): see
+/// of which only some are read (a data block a binary search will visit): see
 /// `Segment::prefetch_block`.
 #[inline(always)]
 pub(crate) fn prefetch_read_l2<T>(p: *const T) {
