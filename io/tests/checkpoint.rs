@@ -17,6 +17,7 @@ const OPTS: StorageOptions = StorageOptions {
     physical_file_bytes_max: 8_000,
     block_payload_bytes_max: 1_000,
     link_uploads: false,
+    raw_diagnose: None,
 };
 const BLOCK_HEADER: u64 = 24;
 /// [`OPTS`] with raw uploads, the default: hard links to the sources.
@@ -1098,6 +1099,90 @@ fn raw_uploads_link_the_source_and_are_verified_like_framed_ones() {
     );
     std::fs::write(&fpath, &good).unwrap();
     st.verify(1).unwrap();
+}
+
+/// A toy file format for [`raw_files_failing_their_crc_are_located_by_their_owner`]: no byte
+/// may be 0xff. Its "check" names the first one.
+fn no_ff_diagnose(fs: &dyn weir_io::Fs, path: &Path) -> Option<FormatError> {
+    let f = fs.open(path).ok()?;
+    let mut b = vec![0u8; f.len().ok()? as usize];
+    f.read_at(0, &mut b).ok()?;
+    let at = b.iter().position(|&x| x == 0xff)?;
+    Some(FormatError::Malformed {
+        file: path.to_owned(),
+        offset: at as u64,
+        reason: "0xff byte".into(),
+    })
+}
+
+/// A raw file whose whole-file CRC fails is handed to `StorageOptions::raw_diagnose`, and
+/// the error of its own format (with the damaged part's offset) replaces the mismatch at
+/// offset 0, in every read: verify, read, restore copy, read-only storage, savepoint. Where
+/// the diagnosis finds nothing, or there is none, the mismatch at offset 0 stays.
+#[test]
+fn raw_files_failing_their_crc_are_located_by_their_owner() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+    let opts = StorageOptions {
+        raw_diagnose: Some(no_ff_diagnose),
+        ..RAW_OPTS
+    };
+    let content: Vec<u8> = bytes(300_000, 5).iter().map(|b| b & 0x7f).collect();
+    std::fs::create_dir_all(&local).unwrap();
+    let src = local.join("seg");
+    std::fs::write(&src, &content).unwrap();
+    let st = CheckpointStorage::open_with(Arc::new(StdFs), &root, "job", opts).unwrap();
+    let p = st.begin(1).unwrap();
+    let mut w = p.writer();
+    let f = w.upload_shared(&src, "seg").unwrap();
+    w.finish().unwrap();
+    st.commit(p, info(1)).unwrap();
+    let sp_dir = st
+        .export_savepoint(1, &tmp.path().join("sp"), "one")
+        .unwrap();
+    let fpath = st.job_dir().join(&f.path);
+    let sp_path = sp_dir.join(&f.path);
+    let ro = CheckpointStorage::open_read_only_with(Arc::new(StdFs), &root, "job", opts).unwrap();
+    let plain = CheckpointStorage::open_read_only(Arc::new(StdFs), &root, "job").unwrap();
+    let sp = Savepoint::open(Arc::new(StdFs), &sp_dir)
+        .unwrap()
+        .with_raw_diagnose(no_ff_diagnose);
+    let dest = tmp.path().join("restored");
+    let at = 123_457u64;
+    let located = |e: &FormatError, file: &Path| matches!(e, FormatError::Malformed { file: f, offset, .. } if f == file && *offset == at);
+    // Damage the format can see: the offset is the damaged byte's.
+    for path in [&fpath, &sp_path] {
+        let mut b = std::fs::read(path).unwrap();
+        b[at as usize] = 0xff;
+        std::fs::write(path, &b).unwrap();
+    }
+    for e in [
+        expect_corrupt(st.verify(1)),
+        expect_format(st.read_file(&f)),
+        expect_format(st.copy_file_to(&f, &dest)),
+        expect_corrupt(ro.verify(1)),
+    ] {
+        assert!(located(&e, &fpath), "{e}");
+    }
+    assert!(!dest.exists());
+    for e in [expect_corrupt(sp.verify()), expect_format(sp.read_file(&f))] {
+        assert!(located(&e, &sp_path), "{e}");
+    }
+    // Without a diagnosis the mismatch stays at offset 0.
+    let e = expect_corrupt(plain.verify(1));
+    assert!(
+        matches!(&e, FormatError::ChecksumMismatch { offset: 0, .. }),
+        "{e}"
+    );
+    // Damage the format cannot see: the diagnosis finds nothing, offset 0 again.
+    let mut b = std::fs::read(&fpath).unwrap();
+    b[at as usize] = 0x01 ^ content[at as usize];
+    std::fs::write(&fpath, &b).unwrap();
+    let e = expect_corrupt(st.verify(1));
+    assert!(
+        matches!(&e, FormatError::ChecksumMismatch { file, offset: 0, .. } if *file == fpath),
+        "{e}"
+    );
 }
 
 /// An upload with the size and CRC its writer computed: a raw upload records them without

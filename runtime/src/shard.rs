@@ -321,11 +321,11 @@ pub(crate) fn start(config: JobConfig, graph: Graph) -> Result<JobHandle, StartE
                         reason: e.to_string(),
                     })?,
                 );
-            let storage = weir_io::CheckpointStorage::open(fs, &c.dir, &c.job_id).map_err(|e| {
-                StartError::Checkpoint {
+            let options = crate::checkpoint::storage_options();
+            let storage = weir_io::CheckpointStorage::open_with(fs, &c.dir, &c.job_id, options)
+                .map_err(|e| StartError::Checkpoint {
                     reason: format!("{}: {e}", c.dir.join(&c.job_id).display()),
-                }
-            })?;
+                })?;
             Some(Arc::new(IoCheckpointStore::new(storage)))
         }
         None => None,
@@ -540,7 +540,8 @@ fn restore_from_path(config: &JobConfig, path: &Path) -> Result<Arc<RestoreState
                 .and_then(|n| n.to_str())
                 .ok_or_else(|| err("bad job directory".into()))?,
         );
-        let storage = weir_io::CheckpointStorage::open_read_only(fs, root, job)
+        let options = crate::checkpoint::storage_options();
+        let storage = weir_io::CheckpointStorage::open_read_only_with(fs, root, job, options)
             .map_err(|e| err(e.to_string()))?;
         storage.verify(n).map_err(|e| err(e.to_string()))?;
         let m = storage.read_metadata(n).map_err(|e| err(e.to_string()))?;
@@ -554,7 +555,9 @@ fn restore_from_path(config: &JobConfig, path: &Path) -> Result<Arc<RestoreState
         .map_err(err)?;
         return Ok(Arc::new(r));
     }
-    let sp = weir_io::Savepoint::open(fs, path).map_err(|e| err(e.to_string()))?;
+    let sp = weir_io::Savepoint::open(fs, path)
+        .map_err(|e| err(e.to_string()))?
+        .with_raw_diagnose(weir_state::diagnose_segment);
     sp.verify().map_err(|e| err(e.to_string()))?;
     let m = sp.metadata().clone();
     let r = RestoreState::decode(

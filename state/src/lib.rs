@@ -25,7 +25,7 @@ pub use keyed::{
     AggregateFunction, AggregatingState, KeyedBackend, ListState, MapState, ReducingState,
     StateValue, TimeDomain, Timer, ValueState, TIMER_STATE_ID,
 };
-pub use segment::layout as segment_layout;
+pub use segment::{diagnose_segment, layout as segment_layout};
 pub use store::{
     CompactionDone, CompactionJob, FlushDone, FlushJob, Found, JobDone, RestoreReport, ScanIter,
     SnapshotJob, Store, StoreConfig, StoreMetrics,

@@ -830,6 +830,15 @@ pub(crate) fn malformed(path: &Path, offset: usize, reason: impl Into<String>) -
     })
 }
 
+/// Where the segment file `path` fails its own checks (header, every block's CRC and
+/// structure, index, filter, footer): the error names the failing part's offset. `None` if the
+/// file cannot be mapped, does not start with the segment magic, or checks out. A
+/// [`weir_io::RawDiagnose`]: the checkpoint reader calls it when a segment that a checkpoint
+/// holds raw fails its whole-file CRC, which cannot say where the file changed.
+pub fn diagnose_segment(fs: &dyn Fs, path: &Path) -> Option<FormatError> {
+    Segment::diagnose(fs, path)
+}
+
 impl Segment {
     /// Map and completely verify a segment file. `expect_id`, when given, must match.
     /// `owned`: whether this store may delete the file once it is obsolete.
@@ -840,6 +849,31 @@ impl Segment {
         owned: bool,
     ) -> Result<Segment, StateError> {
         let map = fs.map_readonly(path)?;
+        let segment = Self::verified(path, map, expect_id)?;
+        Ok(segment(SegmentFile::new(fs, path.to_owned(), owned)))
+    }
+
+    /// See [`diagnose_segment`].
+    fn diagnose(fs: &dyn Fs, path: &Path) -> Option<FormatError> {
+        let map = fs.map_readonly(path).ok()?;
+        // Only a file that says it is a segment is judged as one: another kind of file would
+        // get a misleading "bad magic" (a segment with a damaged magic keeps offset 0).
+        if map.get(FH_MAGIC..FH_MAGIC + 8) != Some(&FILE_MAGIC[..]) {
+            return None;
+        }
+        match Self::verified(path, map, None) {
+            Err(StateError::Format(e)) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// Check the whole of the mapped segment file `map`; on success, what makes the
+    /// [`Segment`] once given its file.
+    fn verified(
+        path: &Path,
+        map: Mapped,
+        expect_id: Option<u64>,
+    ) -> Result<impl FnOnce(Arc<SegmentFile>) -> Segment, StateError> {
         let b: &[u8] = &map;
         let len = b.len();
         let p = path;
@@ -1026,9 +1060,10 @@ impl Segment {
         let crc32 = whole.finalize();
         debug_assert_eq!(crc32, weir_io::crc32(&[b]));
         let size_bytes = len as u64;
-        Ok(Segment {
+        let path = p.to_owned();
+        Ok(move |file| Segment {
             id,
-            path: p.to_owned(),
+            path,
             size_bytes,
             crc32,
             entry_count,
@@ -1039,7 +1074,7 @@ impl Segment {
             bloom,
             // Every block was checked above, its structure too.
             checked: CheckedBlocks::new(offsets.len(), true),
-            file: SegmentFile::new(fs, p.to_owned(), owned),
+            file,
             building: None,
         })
     }
@@ -2232,6 +2267,71 @@ mod tests {
             files[0] == files[1],
             "the two writers wrote different bytes"
         );
+    }
+
+    /// `diagnose_segment` names the block a changed byte is in, whichever part of the file it
+    /// is (data block, index, filter, footer), and nothing for an intact segment, a file that
+    /// is not a segment, or a segment whose magic is what changed.
+    #[test]
+    fn diagnose_names_the_block_a_changed_byte_is_in() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("d.wseg");
+        let opts = WriterOptions {
+            block_target_bytes: 128,
+            bloom_bits_per_key: 10,
+            expected_keys: Some(2000),
+        };
+        let mut w = SegmentWriter::create(&StdFs, &p, 9, opts).unwrap();
+        for i in 0..2000u32 {
+            let mut k = vec![0u8, 1, 0, 1];
+            k.extend_from_slice(&i.to_be_bytes());
+            w.add(&k, ValueRef::new(&i.to_le_bytes(), NO_EXPIRY, false))
+                .unwrap();
+        }
+        w.finish().unwrap();
+        assert_eq!(diagnose_segment(&StdFs, &p), None);
+        let good = std::fs::read(&p).unwrap();
+        // Where each block starts: walk the headers (each names its payload length).
+        let mut starts = Vec::new();
+        let mut at = FILE_HEADER_LEN;
+        while at + FOOTER_LEN < good.len() {
+            starts.push(at);
+            at += BLOCK_HEADER_LEN + rd_u32(&good, at + 16) as usize;
+        }
+        assert_eq!(at + FOOTER_LEN, good.len());
+        assert!(starts.len() > 100);
+        let len = good.len();
+        for flip in [
+            FILE_HEADER_LEN + 3,
+            len / 3,
+            len / 2 + 5,
+            len - FOOTER_LEN - 9,
+        ] {
+            let mut b = good.clone();
+            b[flip] ^= 0x10;
+            std::fs::write(&p, &b).unwrap();
+            let block = *starts.iter().rev().find(|&&s| s <= flip).unwrap();
+            match diagnose_segment(&StdFs, &p) {
+                Some(FormatError::ChecksumMismatch { file, offset, .. }) => {
+                    assert_eq!((file, offset), (p.clone(), block as u64), "flip at {flip}")
+                }
+                other => panic!("flip at {flip}: {other:?}"),
+            }
+        }
+        // The footer's own CRC.
+        let mut b = good.clone();
+        b[len - 10] ^= 0x10;
+        std::fs::write(&p, &b).unwrap();
+        assert!(matches!(diagnose_segment(&StdFs, &p),
+                Some(FormatError::ChecksumMismatch { offset, .. }) if offset == (len - FOOTER_LEN) as u64));
+        let mut b = good.clone();
+        b[2] ^= 0x10;
+        std::fs::write(&p, &b).unwrap();
+        assert_eq!(diagnose_segment(&StdFs, &p), None, "magic changed");
+        std::fs::write(&p, b"not a segment at all, but long enough to map").unwrap();
+        assert_eq!(diagnose_segment(&StdFs, &p), None);
+        std::fs::remove_file(&p).unwrap();
+        assert_eq!(diagnose_segment(&StdFs, &p), None, "missing");
     }
 
     /// Keys sharing their first 16 bytes across many small blocks: the prefix index must fall

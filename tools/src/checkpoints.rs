@@ -110,7 +110,8 @@ fn jobs(dir: &Path) -> Result<Vec<(PathBuf, String)>, String> {
 }
 
 fn open(root: &Path, job: &str) -> Result<CheckpointStorage, String> {
-    CheckpointStorage::open_read_only(Arc::new(StdFs), root, job)
+    let options = weir_runtime::checkpoint::storage_options();
+    CheckpointStorage::open_read_only_with(Arc::new(StdFs), root, job, options)
         .map_err(|e| format!("{}: {e}", root.join(job).display()))
 }
 
@@ -177,7 +178,9 @@ fn verify_one(a: &VerifyArgs) -> Result<(), VerifyFailed> {
         );
         return Ok(());
     }
-    let sp = Savepoint::open(Arc::new(StdFs), &a.dir).map_err(|e| metadata_failed(&shown, e))?;
+    let sp = Savepoint::open(Arc::new(StdFs), &a.dir)
+        .map_err(|e| metadata_failed(&shown, e))?
+        .with_raw_diagnose(weir_state::diagnose_segment);
     let r = sp
         .verify()
         .map_err(|e| VerifyFailed::Corrupt(format!("{shown}: {e}")))?;
@@ -447,7 +450,8 @@ pub fn inspect(a: &InspectArgs) -> Result<(), VerifyFailed> {
 pub fn clean(a: &CleanArgs) -> Result<(), String> {
     for (root, job) in jobs(&a.dir)? {
         let job_dir = root.join(&job);
-        let s = CheckpointStorage::open(Arc::new(StdFs), &root, &job)
+        let options = weir_runtime::checkpoint::storage_options();
+        let s = CheckpointStorage::open_with(Arc::new(StdFs), &root, &job, options)
             .map_err(|e| format!("{}: {e}", job_dir.display()))?;
         let keep = usize::try_from(a.keep).unwrap_or(usize::MAX);
         let r = s

@@ -719,6 +719,18 @@ fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
         e.contains(name) && e.contains("offset"),
         "names file and offset: {e}"
     );
+    // The offset is the damaged block's: the file is a segment held raw, whose whole-file
+    // CRC alone would say offset 0.
+    let offset: usize = e
+        .split("at offset ")
+        .nth(1)
+        .and_then(|t| t.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no offset in {e}"));
+    assert!(
+        offset > 0 && offset <= at,
+        "offset {offset}, flipped {at}: {e}"
+    );
     // A savepoint of it is refused the same way.
     let sp = dir.path().join("sp");
     let o = weir(&[
@@ -743,7 +755,11 @@ fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
         ],
     );
     assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
-    assert!(stderr(&r).contains(name), "{}", stderr(&r));
+    let e = stderr(&r);
+    assert!(
+        e.contains(name) && e.contains(&format!("at offset {offset}:")),
+        "{e}"
+    );
 }
 
 /// With a checkpoint directory (and so a restart strategy) a mistake in the input is still one

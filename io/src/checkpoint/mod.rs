@@ -27,7 +27,7 @@ pub use format::{
     DATA_HEADER_LEN, DATA_MAGIC, DATA_VERSION, METADATA_FILE, METADATA_HEADER_LEN, METADATA_MAGIC,
     METADATA_TRAILER_LEN, METADATA_VERSION, SHARED_DIR, TASKOWNED_DIR,
 };
-pub use read::{Savepoint, VerifyReport};
+pub use read::{RawDiagnose, Savepoint, VerifyReport};
 pub use storage::{
     savepoint_dir_name, CheckpointInfo, CheckpointPin, CheckpointStorage, CheckpointWriter,
     CommitInfo, CompletedCheckpoint, GcReport, PendingCheckpoint, StorageOptions, WriterStats,

@@ -15,6 +15,15 @@ use crate::error::{FormatError, IoError};
 use crate::frame::{decode_block, BlockHeader, BLOCK_HEADER_LEN};
 use crate::fs::Fs;
 
+/// Locates the damage in a raw file (one a checkpoint holds byte for byte: see
+/// [`StorageOptions::link_uploads`](crate::StorageOptions::link_uploads)) whose whole-file CRC
+/// failed, from the file's own format: the error of the first part of it that fails its own
+/// check (a segment's block CRCs, say), with that part's offset. `None` when it cannot tell
+/// (not a format it knows, or every part checks out), and the mismatch stays at offset 0.
+/// Storage knows no format of the files it holds raw; their owner supplies this
+/// ([`StorageOptions::raw_diagnose`](crate::StorageOptions::raw_diagnose)).
+pub type RawDiagnose = fn(fs: &dyn Fs, path: &Path) -> Option<FormatError>;
+
 /// Read a whole file through `fs`.
 pub(crate) fn read_all(fs: &dyn Fs, path: &Path) -> Result<Vec<u8>, IoError> {
     let f = fs.open(path)?;
@@ -95,6 +104,7 @@ fn stream_span(
     fs: &dyn Fs,
     base: &Path,
     span: &Span<'_>,
+    diagnose: Option<RawDiagnose>,
     mut sink: impl FnMut(&[u8]) -> Result<(), CheckpointError>,
 ) -> Result<u64, CheckpointError> {
     let path = base.join(span.rel);
@@ -108,7 +118,8 @@ fn stream_span(
     let file = fs.open(&path)?;
     let file_len = file.len()?;
     if span.file_kind == FILE_KIND_RAW {
-        return stream_raw(&*file, &path, file_len, span, sink);
+        return stream_raw(&*file, &path, file_len, span, sink)
+            .map_err(|e| diagnosed(fs, &path, e, diagnose));
     }
     let mut head = vec![0u8; DATA_HEADER_LEN.min(file_len as usize)];
     file.read_at(0, &mut head)?;
@@ -196,6 +207,23 @@ fn stream_span(
     Ok(span.size_bytes)
 }
 
+/// `e`, or where it is a raw file's whole-file CRC mismatch (which cannot say where the file
+/// changed), what `diagnose` finds in the file's own format.
+fn diagnosed(
+    fs: &dyn Fs,
+    path: &Path,
+    e: CheckpointError,
+    diagnose: Option<RawDiagnose>,
+) -> CheckpointError {
+    if let (CheckpointError::Format(FormatError::ChecksumMismatch { .. }), Some(d)) = (&e, diagnose)
+    {
+        if let Some(found) = d(fs, path) {
+            return found.into();
+        }
+    }
+    e
+}
+
 /// [`stream_span`] of a raw file: its whole length is the content, checked against the
 /// reference's length and content CRC (there are no blocks). The source's own format (an LSM
 /// segment's block CRCs) is its reader's to check once this passed.
@@ -255,9 +283,10 @@ pub(crate) fn read_span(
     fs: &dyn Fs,
     base: &Path,
     span: &Span<'_>,
+    diagnose: Option<RawDiagnose>,
 ) -> Result<Vec<u8>, CheckpointError> {
     let mut out = Vec::new();
-    stream_span(fs, base, span, |payload| {
+    stream_span(fs, base, span, diagnose, |payload| {
         out.extend_from_slice(payload);
         Ok(())
     })?;
@@ -273,13 +302,14 @@ pub(crate) fn copy_span_to(
     fs: &dyn Fs,
     base: &Path,
     span: &Span<'_>,
+    diagnose: Option<RawDiagnose>,
     dest: &Path,
 ) -> Result<u64, CheckpointError> {
     if span.file_kind == FILE_KIND_RAW {
         // A raw file is the content itself: once it verified, `dest` becomes a second name of
         // it (no copy). Checkpoint files are never written again, and the reader of `dest`
         // only maps it. Where links fail (another file system), it is copied as below.
-        let n = stream_span(fs, base, span, |_| Ok(()))?;
+        let n = stream_span(fs, base, span, diagnose, |_| Ok(()))?;
         if fs.hard_link(&base.join(span.rel), dest).is_ok() {
             return Ok(n);
         }
@@ -287,7 +317,7 @@ pub(crate) fn copy_span_to(
     let mut out = fs.create(dest)?;
     let mut pending: Vec<u8> = Vec::new();
     let mut written = 0u64;
-    let result = stream_span(fs, base, span, |payload| {
+    let result = stream_span(fs, base, span, diagnose, |payload| {
         pending.extend_from_slice(payload);
         if pending.len() as u64 >= STREAM_CHUNK_BYTES {
             out.write_at(written, &pending)?;
@@ -326,6 +356,7 @@ pub(crate) fn verify_files(
     fs: &dyn Fs,
     base: &Path,
     meta: &CheckpointMetadata,
+    diagnose: Option<RawDiagnose>,
 ) -> Result<VerifyReport, VerifyError> {
     let checkpoint_id = meta.checkpoint_id;
     let wrap = |e: CheckpointError| VerifyError::from_read(checkpoint_id, base, e);
@@ -348,7 +379,7 @@ pub(crate) fn verify_files(
         .min(VERIFY_THREADS_MAX)
         .min(spans.len())
         .max(1);
-    let results = verify_spans(fs, base, &spans, threads);
+    let results = verify_spans(fs, base, &spans, diagnose, threads);
     for (i, r) in results.into_iter().enumerate() {
         report.bytes_checked += r.map_err(wrap)?;
         if i < meta.files.len() {
@@ -370,13 +401,14 @@ fn verify_spans(
     fs: &dyn Fs,
     base: &Path,
     spans: &[Span<'_>],
+    diagnose: Option<RawDiagnose>,
     threads: usize,
 ) -> Vec<Result<u64, CheckpointError>> {
     let discard = |_: &[u8]| Ok::<(), CheckpointError>(());
     if threads <= 1 {
         let mut out = Vec::with_capacity(spans.len());
         for s in spans {
-            let r = stream_span(fs, base, s, discard);
+            let r = stream_span(fs, base, s, diagnose, discard);
             let failed = r.is_err();
             out.push(r);
             if failed {
@@ -402,7 +434,7 @@ fn verify_spans(
                 if i > first_failed.load(std::sync::atomic::Ordering::Relaxed) {
                     continue;
                 }
-                let r = stream_span(fs, base, &spans[i], discard);
+                let r = stream_span(fs, base, &spans[i], diagnose, discard);
                 if r.is_err() {
                     first_failed.fetch_min(i, std::sync::atomic::Ordering::Relaxed);
                 }
@@ -433,6 +465,7 @@ pub struct Savepoint {
     fs: Arc<dyn Fs>,
     dir: PathBuf,
     metadata: CheckpointMetadata,
+    diagnose: Option<RawDiagnose>,
 }
 
 impl Savepoint {
@@ -456,7 +489,14 @@ impl Savepoint {
             fs,
             dir: dir.to_owned(),
             metadata,
+            diagnose: None,
         })
+    }
+
+    /// Locate the damage in raw files whose CRC fails with `diagnose` (see [`RawDiagnose`]).
+    pub fn with_raw_diagnose(mut self, diagnose: RawDiagnose) -> Savepoint {
+        self.diagnose = Some(diagnose);
+        self
     }
 
     /// The savepoint's verified metadata.
@@ -471,23 +511,23 @@ impl Savepoint {
 
     /// Read a whole file of the savepoint, verified.
     pub fn read_file(&self, r: &FileRef) -> Result<Vec<u8>, CheckpointError> {
-        read_span(&*self.fs, &self.dir, &Span::of_file(r))
+        read_span(&*self.fs, &self.dir, &Span::of_file(r), self.diagnose)
     }
 
     /// Copy the content of a whole file of the savepoint to the new file `dest`, verified as
     /// [`read_file`](Self::read_file) verifies it, without holding it in memory. `dest` is
     /// removed on error and not fsynced (see [`CheckpointStorage::copy_file_to`](crate::CheckpointStorage::copy_file_to)).
     pub fn copy_file_to(&self, r: &FileRef, dest: &Path) -> Result<u64, CheckpointError> {
-        copy_span_to(&*self.fs, &self.dir, &Span::of_file(r), dest)
+        copy_span_to(&*self.fs, &self.dir, &Span::of_file(r), self.diagnose, dest)
     }
 
     /// Read a logical file of the savepoint, verified.
     pub fn read_logical(&self, r: &LogicalFileRef) -> Result<Vec<u8>, CheckpointError> {
-        read_span(&*self.fs, &self.dir, &Span::of_logical(r))
+        read_span(&*self.fs, &self.dir, &Span::of_logical(r), self.diagnose)
     }
 
     /// Check every CRC of every file the savepoint references.
     pub fn verify(&self) -> Result<VerifyReport, VerifyError> {
-        verify_files(&*self.fs, &self.dir, &self.metadata)
+        verify_files(&*self.fs, &self.dir, &self.metadata, self.diagnose)
     }
 }

@@ -23,14 +23,14 @@ use crate::checkpoint::format::{
     FILE_KIND_UPLOAD, METADATA_FILE, SHARED_DIR, TASKOWNED_DIR,
 };
 use crate::checkpoint::read::{
-    copy_span_to, read_metadata_file, read_span, verify_files, Span, VerifyReport,
+    copy_span_to, read_metadata_file, read_span, verify_files, RawDiagnose, Span, VerifyReport,
 };
 use crate::error::{FormatError, IoError};
 use crate::frame::{crc32, encode_block, BlockHeader};
 use crate::fs::{publish_file, DirLock, Fs, FsFile};
 
 /// Tunables of checkpoint storage.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 pub struct StorageOptions {
     /// A merged physical file is rolled when the next logical file would take it past this.
     pub physical_file_bytes_max: u64,
@@ -40,6 +40,11 @@ pub struct StorageOptions {
     /// [`CheckpointWriter::upload_shared`]). Off, or where the link fails, they are copied and
     /// framed in blocks.
     pub link_uploads: bool,
+    /// Where a raw file fails its whole-file CRC, find the damaged part from the file's own
+    /// format (see [`RawDiagnose`]), so that the error names its offset. `None` by default:
+    /// storage knows no file formats; the runtime and the `weir` tool pass the state crate's
+    /// segment check.
+    pub raw_diagnose: Option<RawDiagnose>,
 }
 
 impl Default for StorageOptions {
@@ -48,6 +53,7 @@ impl Default for StorageOptions {
             physical_file_bytes_max: 64 << 20,
             block_payload_bytes_max: 1 << 20,
             link_uploads: true,
+            raw_diagnose: None,
         }
     }
 }
@@ -259,10 +265,21 @@ impl CheckpointStorage {
         root: &Path,
         job_id: &str,
     ) -> Result<CheckpointStorage, CheckpointError> {
+        Self::open_read_only_with(fs, root, job_id, StorageOptions::default())
+    }
+
+    /// [`open_read_only`](Self::open_read_only) with explicit options (of which reading uses
+    /// [`StorageOptions::raw_diagnose`]).
+    pub fn open_read_only_with(
+        fs: Arc<dyn Fs>,
+        root: &Path,
+        job_id: &str,
+        options: StorageOptions,
+    ) -> Result<CheckpointStorage, CheckpointError> {
         check_name("job id", job_id)?;
         let job_dir = root.join(job_id);
         fs.list_dir(&job_dir)?;
-        Self::build(fs, job_dir, job_id, StorageOptions::default(), true, None)
+        Self::build(fs, job_dir, job_id, options, true, None)
     }
 
     fn build(
@@ -552,7 +569,13 @@ impl CheckpointStorage {
 
     /// Read a whole file of this job, verified (header, every block, content CRC).
     pub fn read_file(&self, r: &FileRef) -> Result<Vec<u8>, CheckpointError> {
-        read_span(&*self.shared.fs, &self.shared.job_dir, &Span::of_file(r))
+        let sh = &self.shared;
+        read_span(
+            &*sh.fs,
+            &sh.job_dir,
+            &Span::of_file(r),
+            sh.options.raw_diagnose,
+        )
     }
 
     /// Copy the content of a whole file of this job to the new file `dest` (it must not exist),
@@ -563,17 +586,20 @@ impl CheckpointStorage {
     /// removed and the error names the checkpoint file and offset. `dest` is not fsynced: it
     /// is a scratch copy that a crash discards.
     pub fn copy_file_to(&self, r: &FileRef, dest: &Path) -> Result<u64, CheckpointError> {
-        copy_span_to(
-            &*self.shared.fs,
-            &self.shared.job_dir,
-            &Span::of_file(r),
-            dest,
-        )
+        let sh = &self.shared;
+        let diagnose = sh.options.raw_diagnose;
+        copy_span_to(&*sh.fs, &sh.job_dir, &Span::of_file(r), diagnose, dest)
     }
 
     /// Read a logical file of this job, verified.
     pub fn read_logical(&self, r: &LogicalFileRef) -> Result<Vec<u8>, CheckpointError> {
-        read_span(&*self.shared.fs, &self.shared.job_dir, &Span::of_logical(r))
+        let sh = &self.shared;
+        read_span(
+            &*sh.fs,
+            &sh.job_dir,
+            &Span::of_logical(r),
+            sh.options.raw_diagnose,
+        )
     }
 
     /// Check the metadata and every CRC of every file checkpoint `checkpoint_id` uses.
@@ -582,7 +608,8 @@ impl CheckpointStorage {
         let m = self
             .read_metadata(checkpoint_id)
             .map_err(|e| VerifyError::from_read(checkpoint_id, &dir, e))?;
-        verify_files(&*self.shared.fs, &self.shared.job_dir, &m)
+        let sh = &self.shared;
+        verify_files(&*sh.fs, &sh.job_dir, &m, sh.options.raw_diagnose)
     }
 
     fn scan(&self) -> Result<Vec<(u64, PathBuf, Status)>, CheckpointError> {
@@ -731,7 +758,7 @@ impl CheckpointStorage {
             copy_file(&*sh.fs, &sh.job_dir.join(&rel), &target.join(&rel))?;
         }
         // The copies are verbatim: check them before the metadata makes them a savepoint.
-        verify_files(&*sh.fs, &target, &metadata)?;
+        verify_files(&*sh.fs, &target, &metadata, sh.options.raw_diagnose)?;
         for d in [SHARED_DIR, TASKOWNED_DIR] {
             sh.fs.sync_dir(&target.join(d))?;
         }

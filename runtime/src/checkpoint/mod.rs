@@ -24,6 +24,16 @@ pub use layout::{layout, CheckpointLayout, PartLayout};
 
 /// Whether operators with several inputs hold back inputs that delivered a barrier until the
 /// others did (exactly once), or only wait for the last barrier (at least once).
+/// The options the engine opens checkpoint storage with: the defaults, and segment files
+/// that a checkpoint holds raw are checked block by block when their whole-file CRC fails,
+/// so that the error names the damaged block's offset instead of offset 0.
+pub fn storage_options() -> weir_io::StorageOptions {
+    weir_io::StorageOptions {
+        raw_diagnose: Some(weir_state::diagnose_segment),
+        ..weir_io::StorageOptions::default()
+    }
+}
+
 pub(crate) fn aligns(ctx: &crate::graph::BuildCtx) -> bool {
     ctx.checkpoint
         .as_ref()
