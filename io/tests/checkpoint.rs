@@ -1101,6 +1101,67 @@ fn raw_uploads_link_the_source_and_are_verified_like_framed_ones() {
     st.verify(1).unwrap();
 }
 
+/// `link_file_to` gives a raw file a second name once its length is checked, without reading
+/// it (its caller's reader checks the bytes); a framed file it copies, verified as
+/// `copy_file_to` does, and a savepoint's files the same way.
+#[test]
+fn link_file_to_links_raw_files_by_length_and_copies_framed_ones_verified() {
+    let tmp = tempfile::tempdir().unwrap();
+    let local = tmp.path().join("l");
+    std::fs::create_dir_all(&local).unwrap();
+    let content = bytes(70_000, 9);
+    for opts in [RAW_OPTS, OPTS] {
+        // Anew each time: the raw checkpoint file below is a second name of it.
+        let src = local.join(if opts.link_uploads { "raw-seg" } else { "seg" });
+        std::fs::write(&src, &content).unwrap();
+        let root = tmp
+            .path()
+            .join(if opts.link_uploads { "raw" } else { "framed" });
+        let st = CheckpointStorage::open_with(Arc::new(StdFs), &root, "job", opts).unwrap();
+        let p = st.begin(1).unwrap();
+        let mut w = p.writer();
+        let f = w.upload_shared(&src, "seg").unwrap();
+        w.finish().unwrap();
+        st.commit(p, info(1)).unwrap();
+        let fpath = st.job_dir().join(&f.path);
+        let dest = tmp.path().join("dest");
+        assert_eq!(st.link_file_to(&f, &dest).unwrap(), content.len() as u64);
+        assert_eq!(std::fs::read(&dest).unwrap(), content);
+        assert_eq!(inode(&dest) == inode(&fpath), opts.link_uploads);
+        std::fs::remove_file(&dest).unwrap();
+        let sp_dir = st
+            .export_savepoint(
+                1,
+                &tmp.path().join("sp"),
+                &format!("sp{}", opts.link_uploads),
+            )
+            .unwrap();
+        let sp = Savepoint::open(Arc::new(StdFs), &sp_dir).unwrap();
+        assert_eq!(sp.link_file_to(&f, &dest).unwrap(), content.len() as u64);
+        assert_eq!(std::fs::read(&dest).unwrap(), content);
+        std::fs::remove_file(&dest).unwrap();
+        // A flipped bit: a framed copy checks its blocks; a raw link does not read.
+        FaultyFs::flip_bit(&fpath, fpath.metadata().unwrap().len() / 2, 1).unwrap();
+        if opts.link_uploads {
+            st.link_file_to(&f, &dest).unwrap();
+            std::fs::remove_file(&dest).unwrap();
+        } else {
+            let e = expect_format(st.link_file_to(&f, &dest));
+            assert!(matches!(e, FormatError::ChecksumMismatch { .. }), "{e}");
+            assert!(!dest.exists());
+        }
+        // A length other than the reference's is refused either way, naming the file.
+        let good = std::fs::read(&fpath).unwrap();
+        std::fs::write(&fpath, &good[..good.len() - 1]).unwrap();
+        let e = expect_format(st.link_file_to(&f, &dest));
+        assert!(
+            matches!(&e, FormatError::Truncated { file, .. } if *file == fpath),
+            "{e}"
+        );
+        assert!(!dest.exists());
+    }
+}
+
 /// A toy file format for [`raw_files_failing_their_crc_are_located_by_their_owner`]: no byte
 /// may be 0xff. Its "check" names the first one.
 fn no_ff_diagnose(fs: &dyn weir_io::Fs, path: &Path) -> Option<FormatError> {

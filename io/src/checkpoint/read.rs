@@ -224,16 +224,9 @@ fn diagnosed(
     e
 }
 
-/// [`stream_span`] of a raw file: its whole length is the content, checked against the
-/// reference's length and content CRC (there are no blocks). The source's own format (an LSM
-/// segment's block CRCs) is its reader's to check once this passed.
-fn stream_raw(
-    file: &dyn crate::fs::FsFile,
-    path: &Path,
-    file_len: u64,
-    span: &Span<'_>,
-    mut sink: impl FnMut(&[u8]) -> Result<(), CheckpointError>,
-) -> Result<u64, CheckpointError> {
+/// A raw file is as long as its reference says: `Truncated` at its length if shorter,
+/// `Malformed` at the referenced length if longer.
+fn check_raw_len(path: &Path, file_len: u64, span: &Span<'_>) -> Result<(), CheckpointError> {
     if file_len < span.size_bytes {
         return Err(FormatError::Truncated {
             file: path.to_owned(),
@@ -254,6 +247,20 @@ fn stream_raw(
         }
         .into());
     }
+    Ok(())
+}
+
+/// [`stream_span`] of a raw file: its whole length is the content, checked against the
+/// reference's length and content CRC (there are no blocks). The source's own format (an LSM
+/// segment's block CRCs) is its reader's to check once this passed.
+fn stream_raw(
+    file: &dyn crate::fs::FsFile,
+    path: &Path,
+    file_len: u64,
+    span: &Span<'_>,
+    mut sink: impl FnMut(&[u8]) -> Result<(), CheckpointError>,
+) -> Result<u64, CheckpointError> {
+    check_raw_len(path, file_len, span)?;
     let mut buf = vec![0u8; STREAM_CHUNK_BYTES.min(file_len) as usize];
     let mut crc = crc32fast::Hasher::new();
     let mut pos = 0u64;
@@ -337,6 +344,30 @@ pub(crate) fn copy_span_to(
         let _ = fs.remove(dest);
     }
     result
+}
+
+/// Give the new file `dest` the content of `span` under `base`: where the span is a whole raw
+/// file, a hard link once its length is checked, without reading it; otherwise (a framed
+/// file, or where links fail) a verified copy as by [`copy_span_to`]. Returns the content
+/// length. The link is for a caller that has verified the checkpoint already and whose reader
+/// checks every byte it uses once more against the size and CRC it holds (a store opening a
+/// segment checks every block, then size and whole-file CRC against its handle): a restore
+/// read each segment three times, and the third read alone is what the store trusts.
+pub(crate) fn link_span_to(
+    fs: &dyn Fs,
+    base: &Path,
+    span: &Span<'_>,
+    diagnose: Option<RawDiagnose>,
+    dest: &Path,
+) -> Result<u64, CheckpointError> {
+    if span.file_kind == FILE_KIND_RAW {
+        let path = base.join(span.rel);
+        check_raw_len(&path, fs.open(&path)?.len()?, span)?;
+        if fs.hard_link(&path, dest).is_ok() {
+            return Ok(span.size_bytes);
+        }
+    }
+    copy_span_to(fs, base, span, diagnose, dest)
 }
 
 /// What [`verify`](crate::CheckpointStorage::verify) checked.
@@ -519,6 +550,12 @@ impl Savepoint {
     /// removed on error and not fsynced (see [`CheckpointStorage::copy_file_to`](crate::CheckpointStorage::copy_file_to)).
     pub fn copy_file_to(&self, r: &FileRef, dest: &Path) -> Result<u64, CheckpointError> {
         copy_span_to(&*self.fs, &self.dir, &Span::of_file(r), self.diagnose, dest)
+    }
+
+    /// [`CheckpointStorage::link_file_to`](crate::CheckpointStorage::link_file_to) for a file
+    /// of the savepoint.
+    pub fn link_file_to(&self, r: &FileRef, dest: &Path) -> Result<u64, CheckpointError> {
+        link_span_to(&*self.fs, &self.dir, &Span::of_file(r), self.diagnose, dest)
     }
 
     /// Read a logical file of the savepoint, verified.

@@ -23,7 +23,8 @@ use crate::checkpoint::format::{
     FILE_KIND_UPLOAD, METADATA_FILE, SHARED_DIR, TASKOWNED_DIR,
 };
 use crate::checkpoint::read::{
-    copy_span_to, read_metadata_file, read_span, verify_files, RawDiagnose, Span, VerifyReport,
+    copy_span_to, link_span_to, read_metadata_file, read_span, verify_files, RawDiagnose, Span,
+    VerifyReport,
 };
 use crate::error::{FormatError, IoError};
 use crate::frame::{crc32, encode_block, BlockHeader};
@@ -589,6 +590,19 @@ impl CheckpointStorage {
         let sh = &self.shared;
         let diagnose = sh.options.raw_diagnose;
         copy_span_to(&*sh.fs, &sh.job_dir, &Span::of_file(r), diagnose, dest)
+    }
+
+    /// Give the new file `dest` (it must not exist) the content of a whole file of this job.
+    /// A raw file becomes a hard link once its length is checked, *without reading it*; a
+    /// framed one (or a raw one where links fail) is copied as by
+    /// [`copy_file_to`](Self::copy_file_to), verified. Only for a caller that verified the
+    /// checkpoint ([`verify`](Self::verify)) and whose reader of `dest` checks every byte it
+    /// uses against the file's size and CRC (a store opening a segment: every block, then
+    /// size and whole-file CRC against its handle). Returns the content length.
+    pub fn link_file_to(&self, r: &FileRef, dest: &Path) -> Result<u64, CheckpointError> {
+        let sh = &self.shared;
+        let diagnose = sh.options.raw_diagnose;
+        link_span_to(&*sh.fs, &sh.job_dir, &Span::of_file(r), diagnose, dest)
     }
 
     /// Read a logical file of this job, verified.

@@ -12,9 +12,14 @@ use super::snapshot::{
 
 /// Reads files of one checkpoint (or savepoint), verifying every CRC before returning a byte.
 pub(crate) trait CheckpointReader: Send + Sync {
-    /// Writes the verified content of `f` to the new file `dest` without holding it in
-    /// memory; `dest` is removed on error.
-    fn copy_file_to(&self, f: &FileRefData, dest: &Path) -> Result<(), String>;
+    /// Gives the new file `dest` the content of `f`: a raw file becomes a hard link once its
+    /// length is checked, without reading it; a framed one is copied, verified, without being
+    /// held in memory (`dest` is removed on error). For segments only, after the checkpoint
+    /// verified: the store that opens `dest` checks every block, then size and whole-file CRC
+    /// against its handle, which the caller has compared with `f`.
+    fn link_file_to(&self, f: &FileRefData, dest: &Path) -> Result<(), String>;
+    /// Where `f` is: what an error about a link to it names as well.
+    fn path_of(&self, f: &FileRefData) -> std::path::PathBuf;
     fn read_logical(&self, f: &LogicalRefData) -> Result<Vec<u8>, String>;
 }
 

@@ -222,11 +222,11 @@ pub(crate) struct SavepointReader(pub Savepoint);
 
 /// Both read verified files the same way; only the directory they resolve paths in differs.
 macro_rules! checkpoint_reader {
-    ($t:ty) => {
+    ($t:ty, $base:ident) => {
         impl CheckpointReader for $t {
-            fn copy_file_to(&self, f: &FileRefData, dest: &Path) -> Result<(), String> {
+            fn link_file_to(&self, f: &FileRefData, dest: &Path) -> Result<(), String> {
                 self.0
-                    .copy_file_to(&to_ref(f), dest)
+                    .link_file_to(&to_ref(f), dest)
                     .map(|_| ())
                     .map_err(|e| e.to_string())
             }
@@ -235,9 +235,12 @@ macro_rules! checkpoint_reader {
                     .read_logical(&to_logical(f))
                     .map_err(|e| e.to_string())
             }
+            fn path_of(&self, f: &FileRefData) -> std::path::PathBuf {
+                self.0.$base().join(&f.path)
+            }
         }
     };
 }
 
-checkpoint_reader!(StorageReader);
-checkpoint_reader!(SavepointReader);
+checkpoint_reader!(StorageReader, job_dir);
+checkpoint_reader!(SavepointReader, dir);
