@@ -256,7 +256,7 @@ impl ShardState {
                                 "checkpoint {}: segment {} of `{name}`: the checkpoint lists its file {} as {} bytes with CRC {:#010x}, its state handle as {} bytes with CRC {:#010x}",
                                 r.checkpoint_id,
                                 seg.segment_id,
-                                f.path,
+                                r.reader.path_of(f).display(),
                                 f.size_bytes,
                                 f.crc32,
                                 seg.size_bytes,
@@ -1048,10 +1048,12 @@ mod tests {
     #[test]
     fn a_segment_whose_file_reference_and_handle_disagree_is_refused() {
         let tmp = tempfile::tempdir().unwrap();
-        let (st, _) = checkpoint_with(tmp.path(), |f| f.crc32 ^= 1);
+        let (st, paths) = checkpoint_with(tmp.path(), |f| f.crc32 ^= 1);
         let e = restore_error(&st, &tmp.path().join("state"));
         assert!(
-            e.contains("checkpoint 1") && e.contains("its state handle as"),
+            e.contains("checkpoint 1")
+                && e.contains(&paths[0].display().to_string())
+                && e.contains("its state handle as"),
             "{e}"
         );
     }
