@@ -304,7 +304,10 @@ pub(crate) fn read_span(
 /// verified as [`read_span`] verifies it, in one pass with bounded memory. On any error
 /// `dest` is removed (best effort) and the error names the checkpoint file and offset. The
 /// copy is not fsynced: it is a scratch copy that a crash discards (a restore starts over
-/// from checkpoint storage), and a reader of it checks it again.
+/// from checkpoint storage), and a reader of it checks it again. A raw file is the content
+/// itself: once it verified, `dest` becomes a second name of it (no copy). Checkpoint files
+/// are never written again, and the reader of `dest` only maps it. Where links fail
+/// (another file system), it is copied.
 pub(crate) fn copy_span_to(
     fs: &dyn Fs,
     base: &Path,
@@ -312,12 +315,42 @@ pub(crate) fn copy_span_to(
     diagnose: Option<RawDiagnose>,
     dest: &Path,
 ) -> Result<u64, CheckpointError> {
+    give_span_to(fs, base, span, diagnose, dest, true)
+}
+
+/// [`copy_span_to`], except that a whole raw file is linked once its length is checked,
+/// without reading it. For a caller that has verified the checkpoint already and whose reader
+/// checks every byte it uses once more against the size and CRC it holds (a store opening a
+/// segment checks every block, then size and whole-file CRC against its handle): a restore
+/// read each segment three times, and the third read alone is what the store trusts.
+pub(crate) fn link_span_to(
+    fs: &dyn Fs,
+    base: &Path,
+    span: &Span<'_>,
+    diagnose: Option<RawDiagnose>,
+    dest: &Path,
+) -> Result<u64, CheckpointError> {
+    give_span_to(fs, base, span, diagnose, dest, false)
+}
+
+/// [`copy_span_to`] (`read_raw`) or [`link_span_to`].
+fn give_span_to(
+    fs: &dyn Fs,
+    base: &Path,
+    span: &Span<'_>,
+    diagnose: Option<RawDiagnose>,
+    dest: &Path,
+    read_raw: bool,
+) -> Result<u64, CheckpointError> {
     if span.file_kind == FILE_KIND_RAW {
-        // A raw file is the content itself: once it verified, `dest` becomes a second name of
-        // it (no copy). Checkpoint files are never written again, and the reader of `dest`
-        // only maps it. Where links fail (another file system), it is copied as below.
-        let n = stream_span(fs, base, span, diagnose, |_| Ok(()))?;
-        if fs.hard_link(&base.join(span.rel), dest).is_ok() {
+        let path = base.join(span.rel);
+        let n = if read_raw {
+            stream_span(fs, base, span, diagnose, |_| Ok(()))?
+        } else {
+            check_raw_len(&path, fs.open(&path)?.len()?, span)?;
+            span.size_bytes
+        };
+        if fs.hard_link(&path, dest).is_ok() {
             return Ok(n);
         }
     }
@@ -344,30 +377,6 @@ pub(crate) fn copy_span_to(
         let _ = fs.remove(dest);
     }
     result
-}
-
-/// Give the new file `dest` the content of `span` under `base`: where the span is a whole raw
-/// file, a hard link once its length is checked, without reading it; otherwise (a framed
-/// file, or where links fail) a verified copy as by [`copy_span_to`]. Returns the content
-/// length. The link is for a caller that has verified the checkpoint already and whose reader
-/// checks every byte it uses once more against the size and CRC it holds (a store opening a
-/// segment checks every block, then size and whole-file CRC against its handle): a restore
-/// read each segment three times, and the third read alone is what the store trusts.
-pub(crate) fn link_span_to(
-    fs: &dyn Fs,
-    base: &Path,
-    span: &Span<'_>,
-    diagnose: Option<RawDiagnose>,
-    dest: &Path,
-) -> Result<u64, CheckpointError> {
-    if span.file_kind == FILE_KIND_RAW {
-        let path = base.join(span.rel);
-        check_raw_len(&path, fs.open(&path)?.len()?, span)?;
-        if fs.hard_link(&path, dest).is_ok() {
-            return Ok(span.size_bytes);
-        }
-    }
-    copy_span_to(fs, base, span, diagnose, dest)
 }
 
 /// What [`verify`](crate::CheckpointStorage::verify) checked.
