@@ -836,7 +836,16 @@ pub(crate) fn malformed(path: &Path, offset: usize, reason: impl Into<String>) -
 /// [`weir_io::RawDiagnose`]: the checkpoint reader calls it when a segment that a checkpoint
 /// holds raw fails its whole-file CRC, which cannot say where the file changed.
 pub fn diagnose_segment(fs: &dyn Fs, path: &Path) -> Option<FormatError> {
-    Segment::diagnose(fs, path)
+    let map = fs.map_readonly(path).ok()?;
+    // Only a file that says it is a segment is judged as one: another kind of file would get
+    // a misleading "bad magic" (a segment with a damaged magic keeps offset 0).
+    if map.get(FH_MAGIC..FH_MAGIC + 8) != Some(&FILE_MAGIC[..]) {
+        return None;
+    }
+    match Segment::verified(path, map, None) {
+        Err(StateError::Format(e)) => Some(e),
+        _ => None,
+    }
 }
 
 impl Segment {
@@ -851,20 +860,6 @@ impl Segment {
         let map = fs.map_readonly(path)?;
         let segment = Self::verified(path, map, expect_id)?;
         Ok(segment(SegmentFile::new(fs, path.to_owned(), owned)))
-    }
-
-    /// See [`diagnose_segment`].
-    fn diagnose(fs: &dyn Fs, path: &Path) -> Option<FormatError> {
-        let map = fs.map_readonly(path).ok()?;
-        // Only a file that says it is a segment is judged as one: another kind of file would
-        // get a misleading "bad magic" (a segment with a damaged magic keeps offset 0).
-        if map.get(FH_MAGIC..FH_MAGIC + 8) != Some(&FILE_MAGIC[..]) {
-            return None;
-        }
-        match Self::verified(path, map, None) {
-            Err(StateError::Format(e)) => Some(e),
-            _ => None,
-        }
     }
 
     /// Check the whole of the mapped segment file `map`; on success, what makes the
