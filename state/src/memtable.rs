@@ -45,7 +45,8 @@ const R_KEY_LEN: usize = 12;
 const R_FLAGS: usize = 14;
 const R_SPARE: usize = 15;
 const REC_TOMBSTONE: u8 = 1;
-/// The record was replaced by a copy before its epoch was sealed: not part of that epoch.
+/// The record is in the log of the epoch being written but moved within it (its value
+/// outgrew it): not part of that epoch.
 const REC_DEAD: u8 = 2;
 
 #[inline]
@@ -67,7 +68,8 @@ unsafe impl Pod for Loc {}
 
 /// One arena chunk. Shared (`Arc`) between the memtable that writes it and the [`Sealed`]
 /// epochs whose records it holds: those are read by a snapshot job on another thread while
-/// the shard goes on writing records above the seal mark.
+/// the shard goes on writing records above the seal mark, and copies the chunk before it
+/// writes one below.
 struct Chunk {
     /// Owns the memory; never borrowed after construction except uniquely (`populate`).
     buf: ZeroedBuf<u128>,
@@ -81,11 +83,14 @@ struct Chunk {
 
 // SAFETY: `Chunk` owns its memory (moving `buf` moves neither a mapping nor a heap buffer, so
 // `ptr` stays valid). Concurrent access follows the seal protocol (see `Arena::sealed_below`):
-// the owning memtable writes only records at or above the mark, through slices that start at
-// such a record; other threads read only through a sealed view, whose slices end at the mark,
-// over records nobody writes again under that chunk number. A chunk's memory is written again
-// only after `Arena::reclaim` retired it, which requires the arena's `Arc` to be the only one
-// (`Arc::get_mut`: every view that read it has been dropped, and that drop happens-before).
+// in a chunk that a view shares, the owning memtable writes only records at or above the
+// mark, through slices that start at such a record; below the mark it writes only chunks it
+// holds alone (`Arena::own_chunk` copies a shared one first, and only a seal shares one
+// again). Other threads read only through a sealed view, whose slices end at the mark, over
+// records nobody writes again in that chunk. A chunk's memory is written again only after its
+// last holder dropped it (the pool hands it out then) or after `Arena::reclaim` retired it,
+// which requires the arena's `Arc` to be the only one (`Arc::get_mut`: every view that read
+// it has been dropped, and that drop happens-before).
 unsafe impl Send for Chunk {}
 // SAFETY: as for `Send`.
 unsafe impl Sync for Chunk {}
@@ -139,12 +144,19 @@ impl std::fmt::Debug for Chunk {
 }
 
 /// Which records of one arena chunk are live: allocated there and not replaced since by a
-/// copy or a move. A bit per 16 bytes marks where each live record starts.
+/// move. A bit per 16 bytes marks where each live record starts.
+///
+/// And which of its records sealed before the current epoch are in that epoch's log: a bit
+/// per 16 bytes again, valid while `stamp` is the arena's seal count (see
+/// [`Arena::log_sealed`]), so that a seal clears nothing.
 #[derive(Debug, Default)]
 struct ChunkUse {
     live: u32,
     born: u32,
     bits: Vec<u64>,
+    logged: Vec<u64>,
+    /// The seal count when `logged` was last cleared; 0 (no seal yet) means never.
+    stamp: u64,
 }
 
 impl ChunkUse {
@@ -157,6 +169,7 @@ impl ChunkUse {
         self.bits.fill(0);
         self.live = 0;
         self.born = 0;
+        self.stamp = 0;
     }
 
     #[inline]
@@ -173,13 +186,31 @@ impl ChunkUse {
         (u64::from(self.live) * 1024 / u64::from(self.born.max(1))) as usize
     }
 
-    /// Hint the CPU to load the live bit of the record at `off`.
+    /// Hint the CPU to load the logged bit of the record at `off`.
     #[inline]
-    fn prefetch(&self, off: u32) {
+    fn prefetch_logged(&self, off: u32) {
         let unit = off as usize / 16;
-        if let Some(w) = self.bits.get(unit / 64) {
+        if let Some(w) = self.logged.get(unit / 64) {
             prefetch_read(std::ptr::from_ref(w));
         }
+    }
+
+    /// Whether the sealed record at `off` is in the log of epoch `seals` already.
+    #[inline]
+    fn is_logged(&self, off: u32, seals: u64) -> bool {
+        let unit = off as usize / 16;
+        self.stamp == seals && self.logged[unit / 64] & (1 << (unit % 64)) != 0
+    }
+
+    /// Mark the sealed record at `off` as logged in the current epoch (the stamp is current);
+    /// true if it was not yet.
+    #[inline]
+    fn log_once(&mut self, off: u32) -> bool {
+        let unit = off as usize / 16;
+        let (w, bit) = (&mut self.logged[unit / 64], 1u64 << (unit % 64));
+        let new = *w & bit == 0;
+        *w |= bit;
+        new
     }
 
     /// True when that was the last live record.
@@ -238,9 +269,17 @@ struct Arena {
     /// Bytes of the chunks in use (`chunks[..=cur]`).
     bytes: usize,
     /// Records allocated before this mark ([`packed`] address) are sealed: a snapshot job may
-    /// be reading them, so they are never written again (an update copies the record). Chunks
-    /// in use are never reordered, so allocation order is address order.
+    /// be reading them, so the first write to one in an epoch makes the chunk the arena's own
+    /// first (see [`Arena::log_sealed`]). Chunks in use are never reordered, so allocation
+    /// order is address order.
     sealed_below: u64,
+    /// Seals so far (never reset): the epoch that [`ChunkUse::stamp`] is compared with.
+    seals: u64,
+    /// Chunks [`Self::own_chunk`] copied, whose originals views may still hold, and the bytes
+    /// of those that some view held at the last [`Self::refresh_away`]: memory the
+    /// memtable's snapshots cost beside its own, counted in its budget.
+    away: Vec<(std::sync::Weak<Chunk>, usize)>,
+    away_bytes: usize,
     /// A sealed epoch's read-only view ([`Memtable::seal`]): its slices end at
     /// `sealed_below`, because the memtable goes on writing above it.
     view: bool,
@@ -270,15 +309,7 @@ impl Arena {
         loc
     }
 
-    /// Hint the CPU to load what [`Self::release`] of `loc` writes.
-    #[inline]
-    fn prefetch_use(&self, loc: Loc) {
-        if let Some(u) = self.uses.get(loc.chunk as usize) {
-            u.prefetch(loc.off);
-        }
-    }
-
-    /// The record at `loc` was replaced by a newer one (a copy or a move).
+    /// The record at `loc` was replaced by a newer one elsewhere (a move).
     #[inline]
     fn release(&mut self, loc: Loc) {
         if self.uses[loc.chunk as usize].release(loc.off) {
@@ -287,16 +318,14 @@ impl Arena {
     }
 
     /// Take back the memory of a chunk whose records were all replaced, once no sealed epoch
-    /// reads it: the chunk lies wholly below the seal mark (so every record in it, dead ones
-    /// included, went to an epoch whose view holds the chunk) and nothing else holds it. Its
-    /// number is retired (an empty placeholder keeps the numbering: allocation order stays
-    /// address order, and the memory comes back under a new number above the mark). A
-    /// standard-size chunk is returned for the next allocations; others are freed.
+    /// reads it ([`Self::unread`]). Its number is retired (an empty placeholder keeps the
+    /// numbering: allocation order stays address order, and the memory comes back under a
+    /// new number above the mark). A standard-size chunk is returned for the next
+    /// allocations; others are freed.
     ///
-    /// Why: a keyed job checkpointing every 100 ms copies nearly every record after each seal.
-    /// Without this the copies grew the memtable into fresh memory (a first touch costs about
-    /// a millisecond per 2 MiB here: a third of what checkpoints cost the shards) until it
-    /// froze, and the frozen memtable's flush and the lookups past it cost more.
+    /// Why: values that outgrow their records move, and a job whose values grow (lists,
+    /// aggregates) would otherwise grow the memtable into fresh memory until it froze (a
+    /// first touch costs about a millisecond per 2 MiB here).
     #[cold]
     fn reclaim(&mut self) {
         let mut i = 0;
@@ -316,12 +345,15 @@ impl Arena {
         }
     }
 
-    /// Whether chunk `c` lies wholly below the seal mark (every record in it, dead ones
-    /// included, went to an epoch whose view holds the chunk) and no such view holds it any
-    /// more: then nothing but this arena will read it.
+    /// Whether chunk `c` lies wholly below the seal mark, the epoch being written logged none
+    /// of its records (so every record in it, dead ones included, went to an epoch whose view
+    /// holds the chunk), and no such view holds it any more: then nothing but this arena will
+    /// read it.
     #[inline]
     fn unread(&mut self, c: usize) -> bool {
-        c < (self.sealed_below >> 32) as usize && Arc::get_mut(&mut self.chunks[c]).is_some()
+        c < (self.sealed_below >> 32) as usize
+            && self.uses[c].stamp != self.seals
+            && Arc::get_mut(&mut self.chunks[c]).is_some()
     }
 
     /// Retire chunk `c` (unread, no live record): an empty placeholder keeps its number, so
@@ -340,6 +372,7 @@ impl Arena {
 
     #[cold]
     fn next_chunk(&mut self, len16: usize) {
+        self.refresh_away();
         let next = if self.chunks.is_empty() {
             0
         } else {
@@ -363,8 +396,15 @@ impl Arena {
         self.used = 0;
         self.bytes += self.chunks[next].bytes;
         self.uses[next].start(self.chunks[next].bytes);
-        // Only copies after a seal leave chunks to reuse.
+        // Moves leave chunks to reuse; they empty only past a seal.
         self.wants_spare = self.sealed_below != 0 && next + 1 == self.chunks.len();
+    }
+
+    /// Forget the copied chunks whose views are all gone (see `away`).
+    #[cold]
+    fn refresh_away(&mut self) {
+        self.away.retain(|(w, _)| w.strong_count() > 0);
+        self.away_bytes = self.away.iter().map(|&(_, b)| b).sum();
     }
 
     /// Fault in chunks until the arena holds `bytes` (in use and spare), adding standard-size
@@ -429,6 +469,55 @@ impl Arena {
         packed(loc) < self.sealed_below
     }
 
+    /// Before the sealed record at `loc` is written in place: make its chunk this arena's own
+    /// if an epoch's view shares it (first write there since the seal), and say whether the
+    /// record has to join the current epoch's log (true once per epoch).
+    ///
+    /// Why copy whole chunks: a keyed job checkpointing every 100 ms updates nearly every
+    /// record between two seals. Copying each record on its first update (where it was
+    /// before) cost the shards 100-150 ms of CPU per checkpoint of a million keys: a new
+    /// record, its chunk's live bit and its entry, each a miss, and an arena that grew by a
+    /// copy of every record. A chunk copied once is a 2 MiB `memcpy`, and records stay put.
+    #[inline]
+    fn log_sealed(&mut self, loc: Loc) -> bool {
+        let c = loc.chunk as usize;
+        if self.uses[c].stamp != self.seals {
+            self.own_chunk(c);
+        }
+        self.uses[c].log_once(loc.off)
+    }
+
+    /// Whether the sealed record at `loc` is in the current epoch's log.
+    #[inline]
+    fn is_logged(&self, loc: Loc) -> bool {
+        self.uses[loc.chunk as usize].is_logged(loc.off, self.seals)
+    }
+
+    /// The first write this epoch below the seal mark in chunk `c`: copy the chunk if a view
+    /// shares it (the view keeps the original, as it was at its seal), and start the chunk's
+    /// logged bits for this epoch. Only a seal shares chunks, so the chunk stays this arena's
+    /// own until the next one.
+    #[cold]
+    fn own_chunk(&mut self, c: usize) {
+        if Arc::get_mut(&mut self.chunks[c]).is_none() {
+            let old = &self.chunks[c];
+            let copy = Chunk::new_in(old.pool, old.bytes / 16);
+            // The current chunk is written only up to `used`; others are copied whole.
+            let len = if c == self.cur { self.used } else { old.bytes };
+            // SAFETY: both chunks hold `old.bytes >= len` bytes and are distinct mappings.
+            // Nothing writes `old` any more (this arena writes only through `self.chunks`,
+            // which is about to hold `copy`); the views that share it only read.
+            unsafe { std::ptr::copy_nonoverlapping(old.ptr, copy.ptr, len) };
+            self.away_bytes += old.bytes;
+            self.away.push((Arc::downgrade(old), old.bytes));
+            self.chunks[c] = Arc::new(copy);
+        }
+        let u = &mut self.uses[c];
+        u.logged.clear();
+        u.logged.resize(u.bits.len(), 0);
+        u.stamp = self.seals;
+    }
+
     /// The bytes of chunk `loc.chunk` from `loc.off` on (in a view, up to the seal mark).
     #[inline]
     fn chunk(&self, loc: Loc) -> &[u8] {
@@ -447,17 +536,23 @@ impl Arena {
         unsafe { std::slice::from_raw_parts(c.ptr.add(off), end - off) }
     }
 
-    /// The bytes of chunk `loc.chunk` from `loc.off` on, to write the (unsealed) record there.
+    /// The bytes of chunk `loc.chunk` from `loc.off` on, to write the record there: one above
+    /// the seal mark, or a sealed one in a chunk [`Self::own_chunk`] made this arena's own.
     #[inline]
     fn chunk_mut(&mut self, loc: Loc) -> &mut [u8] {
         debug_assert!(!self.view, "write to a sealed epoch's view");
-        debug_assert!(!self.is_sealed(loc), "write to a sealed record");
+        debug_assert!(
+            !self.is_sealed(loc) || self.uses[loc.chunk as usize].stamp == self.seals,
+            "write to a sealed record of a chunk a view may share"
+        );
         let c = &self.chunks[loc.chunk as usize - self.base];
         let off = (loc.off as usize).min(c.bytes);
         // SAFETY: as in `chunk` for validity. Uniqueness: `&mut self` excludes this arena's
-        // other borrows, and sealed epochs sharing the chunk read only records below
-        // `sealed_below`, which is at most `loc` (allocation order is address order): the
-        // slice starts at or above every byte they read.
+        // other borrows. Below the seal mark the chunk is this arena's alone (`own_chunk`
+        // copied it if a view shared it, and only a seal shares it again). At or above the
+        // mark, views sharing the chunk read only records below their marks, which are at
+        // most this one's (allocation order is address order): the slice starts at or above
+        // every byte they read.
         unsafe { std::slice::from_raw_parts_mut(c.ptr.add(off), c.bytes - off) }
     }
 
@@ -920,8 +1015,9 @@ pub(crate) struct Memtable {
     /// Unique per memtable incarnation (set by the store) in the high 32 bits; the low bits
     /// count record moves and seals. See [`MemHint`].
     epoch: u64,
-    /// Records allocated since the last [`Memtable::seal`] (new keys, moved and copied
-    /// records), in allocation order: what the next sealed epoch holds.
+    /// Records written since the last [`Memtable::seal`]: new keys and moved records in
+    /// allocation order, and sealed records at their first update in the epoch. What the next
+    /// sealed epoch holds.
     log: MapVec<Loc>,
     /// A sealed epoch's log given back after its snapshot (see [`Self::give_log`]), the next
     /// epoch's log: a fresh one would fault its pages in on the shard's thread.
@@ -1390,7 +1486,8 @@ impl Memtable {
         self.epoch = n << 32;
     }
 
-    /// Memory for the budget: arena chunks in use, the entry table's, id lists' and log's
+    /// Memory for the budget: arena chunks in use, those it copied that sealed epochs still
+    /// hold (as of the last [`Self::refresh_away`]), the entry table's, id lists' and log's
     /// capacity (a recycled memtable keeps it resident), the whole hash index, and what its
     /// flush will need to sort it ([`FLUSH_ORDER_BYTES`] an entry). A memtable out of chunk
     /// numbers reports itself over any budget.
@@ -1401,6 +1498,7 @@ impl Memtable {
         }
         let n = self.entries.len();
         self.arena.bytes
+            + self.arena.away_bytes
             + self.tables_bytes()
             + self.tables_growth_bytes()
             + self.index.bytes()
@@ -1443,7 +1541,13 @@ impl Memtable {
     /// What a recycled memtable kept for reuse costs.
     pub fn held_bytes(&self) -> usize {
         let chunks: usize = self.arena.chunks.iter().map(|c| c.bytes).sum();
-        chunks + self.tables_bytes() + self.index.bytes()
+        chunks + self.arena.away_bytes + self.tables_bytes() + self.index.bytes()
+    }
+
+    /// Drop from [`Self::approx_bytes`] the chunks this memtable copied whose sealed epochs
+    /// are all done (their snapshot jobs let go). O(chunks copied and still counted).
+    pub fn refresh_away(&mut self) {
+        self.arena.refresh_away();
     }
 
     /// Fault in now the memory this memtable needs to fill `budget_bytes`, and return how many
@@ -1492,25 +1596,39 @@ impl Memtable {
     }
 
     /// Seal the records written since the last seal as an epoch (a snapshot's synchronous
-    /// part): O(chunks), no copy. From now on an update of a sealed record writes a copy, so
-    /// the epoch stays as it was while a snapshot job reads it on another thread, and the
-    /// memtable keeps serving every key: no lookup has to go past it afterwards, as it would
-    /// after a freeze. `None` when nothing was written since the last seal.
+    /// part): O(chunks), no copy. From now on the first write in an epoch to a chunk the
+    /// epoch's view shares copies that chunk (see [`Arena::log_sealed`]), so the epoch stays
+    /// as it was while a snapshot job reads it on another thread, and the memtable keeps
+    /// serving every key: no lookup has to go past it afterwards, as it would after a freeze.
+    /// `None` when nothing was written since the last seal.
     pub fn seal(&mut self) -> Option<Sealed> {
         if self.log.is_empty() {
             return None;
         }
         let arena = &mut self.arena;
-        // The epoch's records lie between the previous mark and this one: the view holds the
-        // chunks from the previous mark's on (the older ones may be reclaimed meanwhile, and
-        // a memtable checkpointed for long has thousands of retired chunk numbers).
+        arena.refresh_away();
+        // The epoch's records: those allocated since the previous mark, and sealed ones it
+        // logged, in chunks stamped with this epoch. The view holds those chunks and no
+        // others (a chunk it holds is copied at its next write), from the first of them on:
+        // a memtable checkpointed for long may have many retired chunk numbers below.
         let first = (arena.sealed_below >> 32) as usize;
+        let seals = arena.seals;
+        let logged_in = |c: usize| arena.uses[c].stamp == seals && seals != 0;
+        let lo = (0..first).find(|&c| logged_in(c)).unwrap_or(first);
+        let chunks = (lo..=arena.cur)
+            .map(|c| {
+                if c >= first || logged_in(c) {
+                    Arc::clone(&arena.chunks[c])
+                } else {
+                    retired_chunk()
+                }
+            })
+            .collect();
         arena.sealed_below = arena.position();
-        // Hints taken before point at records that are sealed now.
-        self.epoch = self.epoch.wrapping_add(1);
+        arena.seals += 1;
         let view = Arena {
-            chunks: arena.chunks[first..=arena.cur].to_vec(),
-            base: first,
+            chunks,
+            base: lo,
             uses: Vec::new(),
             emptied: Vec::new(),
             cur: arena.cur,
@@ -1518,6 +1636,9 @@ impl Memtable {
             used: 0,
             bytes: 0,
             sealed_below: arena.sealed_below,
+            seals: 0,
+            away: Vec::new(),
+            away_bytes: 0,
             view: true,
             dead: std::mem::take(&mut arena.dead),
             wants_spare: false,
@@ -1572,13 +1693,10 @@ impl Memtable {
                 prefetch_read(r);
                 prefetch_read(r.wrapping_add(48));
                 if self.arena.is_sealed(s.loc()) {
-                    // An update will copy it: load what the copy writes besides the record
-                    // (its chunk's live bit, its entry), scattered over megabytes, which
-                    // otherwise missed in `put_hashed` (three quarters of its time with
-                    // checkpoints every 100 ms).
-                    self.arena.prefetch_use(s.loc());
-                    if let Some(e) = self.entries.get(s.id as usize) {
-                        prefetch_read(std::ptr::from_ref(e));
+                    // An update reads its logged bit (see `Arena::log_sealed`), scattered over
+                    // a bitmap of a sixteenth of the arena's bytes.
+                    if let Some(u) = self.arena.uses.get(s.chunk as usize) {
+                        u.prefetch_logged(s.off);
                     }
                 }
             }
@@ -1643,13 +1761,16 @@ impl Memtable {
                 let slot = index.slot_mut(at);
                 let mut loc = slot.loc();
                 let sealed = arena.is_sealed(loc);
-                if !sealed && value.len() <= arena.capacity(loc) {
+                if value.len() <= arena.capacity(loc) {
+                    if sealed && arena.log_sealed(loc) {
+                        log.push(loc);
+                    }
                     arena.overwrite(loc, value, expire_at_ms, tombstone);
                 } else {
-                    // The value outgrew its record, or a sealed epoch holds it: write a new
-                    // record (hints become stale). A sealed one stays as it is for its
-                    // snapshot; an unsealed one is left out of the next epoch.
-                    if !sealed {
+                    // The value outgrew its record: write a new one (hints become stale).
+                    // If the old one is in the log of the epoch being written, it is left
+                    // out of it; a sealed one stays as it is for its epoch.
+                    if !sealed || arena.is_logged(loc) {
                         arena.mark_dead(loc);
                     }
                     arena.release(loc);
@@ -1678,15 +1799,14 @@ impl Memtable {
     /// Bring the memtable under `target` bytes ([`Self::approx_bytes`]) without a freeze, if
     /// chunks that no sealed epoch reads any more can be reused: those whose records were all
     /// replaced since, and sparse ones (at most a quarter of their records live), whose live
-    /// records are copied to the current position first, as an update would copy them. Does
-    /// nothing unless that frees enough. True when the memtable fits `target`; hints taken
-    /// before are stale.
+    /// records are copied to the current position first. Does nothing unless that frees
+    /// enough. True when the memtable fits `target`; hints taken before are stale.
     ///
-    /// Why: a job checkpointing often copies most records after every seal, and the chunks it
-    /// copies from hold a few keys it did not update for a while: they emptied only after
-    /// four or five more epochs, so the memtable still filled and froze (and its flush, the
-    /// lookups past it and fresh memory for its successor cost the job more).
+    /// Why: records whose values outgrew them moved, and the chunks they left hold a few keys
+    /// that did not grow for a while: they empty late, so the memtable would fill and freeze
+    /// (and its flush, the lookups past it and fresh memory for its successor cost the job).
     pub fn make_room(&mut self, target: usize) -> bool {
+        self.arena.refresh_away();
         self.arena.reclaim();
         let fixed = self.approx_bytes() - self.arena.bytes;
         let Some(need) = (self.arena.bytes + fixed).checked_sub(target) else {
@@ -1701,26 +1821,27 @@ impl Memtable {
         self.arena.bytes
     }
 
-    /// Bytes of replaced records in chunks below the seal mark that a sealed epoch still
-    /// reads: what [`Self::make_room`] may reuse once the epochs reading them are dropped.
+    /// Bytes that come back once the sealed epochs reading them are dropped: chunks copied
+    /// away from them, and replaced records in chunks below the seal mark that they still
+    /// read (which [`Self::make_room`] may then reuse).
     pub fn held_replaced_bytes(&self) -> usize {
         let arena = &self.arena;
         let below = ((arena.sealed_below >> 32) as usize).min(arena.chunks.len());
-        (0..below)
+        let replaced: usize = (0..below)
             .filter(|&c| arena.chunks[c].bytes == arena.chunk_bytes)
             .filter(|&c| Arc::strong_count(&arena.chunks[c]) > 1)
             .map(|c| arena.chunk_bytes - arena.chunk_bytes * arena.uses[c].live_share() / 1024)
-            .sum()
+            .sum();
+        replaced + arena.away_bytes
     }
 
-    /// Keep a spare chunk for the next one the arena takes, when a copy took the last: the
-    /// sparsest chunk no sealed epoch reads any more, if at most a quarter of it is live, is
-    /// emptied into the current chunk (just started, so the copies fit) and retired.
+    /// Keep a spare chunk for the next one the arena takes, when a move took the last after a
+    /// seal: the sparsest chunk no sealed epoch reads any more, if at most a quarter of it is
+    /// live, is emptied into the current chunk (just started, so the copies fit) and retired.
     ///
     /// Why: [`Self::make_room`] runs only at the memtable's share, and until then every chunk
-    /// the copies after seals took was fresh memory (a first touch costs about a millisecond
-    /// per 2 MiB here, often more): the keyed job checkpointing every 100 ms took about 50
-    /// chunks a shard where it holds fewer than 30, and froze twice on its way.
+    /// that moves took was fresh memory (a first touch costs about a millisecond per 2 MiB
+    /// here, often more).
     #[cold]
     fn make_spare(&mut self) {
         self.arena.wants_spare = false;
@@ -1779,6 +1900,8 @@ impl Memtable {
                     debug_assert!(false, "a live record is indexed");
                     continue;
                 };
+                // Unread: the epoch being written logged none of the chunk's records.
+                debug_assert!(!arena.is_logged(old));
                 let new = arena.new_record(&rec[..klen], &rec[klen..], expire_at_ms, tombstone);
                 let slot = index.slot_mut(at);
                 slot.set_loc(new);
@@ -1803,14 +1926,14 @@ impl Memtable {
         expire_at_ms: u64,
         tombstone: bool,
     ) -> bool {
-        if hint.epoch != self.epoch
-            || self.arena.is_sealed(hint.loc())
-            || value.len() > self.arena.capacity(hint.loc())
-        {
+        let loc = hint.loc();
+        if hint.epoch != self.epoch || value.len() > self.arena.capacity(loc) {
             return false;
         }
-        self.arena
-            .overwrite(hint.loc(), value, expire_at_ms, tombstone);
+        if self.arena.is_sealed(loc) && self.arena.log_sealed(loc) {
+            self.log.push(loc);
+        }
+        self.arena.overwrite(loc, value, expire_at_ms, tombstone);
         true
     }
 
@@ -1979,9 +2102,8 @@ fn order_of(
         n,
         chunk_bits + off_bits,
         |i| {
-            // Records replaced after a seal are copies far from their first place: a
-            // checkpointed memtable's entries point all over the arena (the first load of each
-            // record was 59% of this sort in the checkpointed keyed job).
+            // An epoch's log lists sealed records in update order, all over the arena (the
+            // first load of each record was 59% of this sort in the checkpointed keyed job).
             if i + ahead < n {
                 arena.prefetch_loc(loc_at(i + ahead));
             }
@@ -1998,13 +2120,14 @@ fn order_of(
 
 /// The records one epoch of a memtable wrote, sealed by a snapshot ([`Memtable::seal`]):
 /// what the snapshot writes as its incremental segment. Shares the arena chunks with the
-/// memtable, which writes only above the seal mark from then on, so the job that writes the
-/// segment can read the records on another thread while the shard goes on.
+/// memtable, which from then on writes only above the seal mark in a shared chunk (and copies
+/// the chunk to write below it), so the job that writes the segment can read the records on
+/// another thread while the shard goes on.
 #[derive(Debug)]
 pub(crate) struct Sealed {
-    /// A read-only view of the memtable's chunks in use at the seal.
+    /// A read-only view of the memtable's chunks that hold the epoch's records.
     arena: Arena,
-    /// The epoch's records in allocation order, including records replaced within it.
+    /// The epoch's records (see `Memtable::log`), including records replaced within it.
     log: MapVec<Loc>,
 }
 
@@ -2012,8 +2135,9 @@ impl Sealed {
     /// The epoch's live records in key order. A key has at most one: within an epoch its
     /// record is updated in place, and a record that moves is marked dead.
     ///
-    /// The log is in allocation order, so its records are read front to back: prefetched
-    /// [`SEQUENTIAL_AHEAD`] ahead, as far as a few lines of them. With no dead record (values
+    /// The log's records are read front to back, prefetched [`SEQUENTIAL_AHEAD`] ahead (new
+    /// records are in allocation order, so that is as far as a few lines of them). With no
+    /// dead record (values
     /// that kept their size, as counters and fixed-size aggregates do) the log is the live set
     /// and the filtering pass is skipped: it was a sixth of the checkpointed keyed job's
     /// snapshot sorting, every record's first load.
@@ -2185,16 +2309,18 @@ mod tests {
         assert_eq!(listed(&second), want);
     }
 
-    /// Copies made after seals reuse the chunks whose records were all replaced once no
-    /// sealed epoch reads them, instead of growing the arena; an epoch still read keeps its
-    /// chunks and its records as they were at the seal.
+    /// Updates after a seal write records where they are: the first write in an epoch to a
+    /// chunk that a sealed epoch's view shares copies the chunk, once, and the view keeps the
+    /// records as they were at its seal. The arena does not grow; the copies count in the
+    /// memtable's bytes until the views holding the originals are dropped. A chunk that no
+    /// view holds any more is written without a copy.
     #[test]
-    fn copies_reuse_chunks_of_replaced_records_once_no_epoch_reads_them() {
+    fn updates_after_a_seal_copy_each_shared_chunk_once_and_records_stay_put() {
         let key = |i: u32| i.to_be_bytes().to_vec();
         let big = |round: u64| vec![round as u8; 100 << 10];
         let n = 4000u32;
-        // 64 KiB chunks; 48-byte records: an epoch of every key fills 3 of them. One key's
-        // value is larger than a chunk and gets a chunk of its own each time it is copied.
+        // 64 KiB chunks; 48-byte records: every key fills 3 of them. One key's value is larger
+        // than a chunk and has a chunk of its own.
         let fill = |m: &mut Memtable, round: u64| {
             for i in 0..n {
                 m.put(&key(i), &round.to_le_bytes(), NO_EXPIRY, false);
@@ -2213,18 +2339,37 @@ mod tests {
                 })
                 .collect()
         };
+        let ptrs = |m: &Memtable| m.arena.chunks.iter().map(|c| c.ptr).collect::<Vec<_>>();
         let rounds = 30u64;
 
-        // Each epoch's snapshot is done before the next seal.
+        // Each epoch is read while the next one is written, then dropped.
         let mut m = Memtable::with_budget(1 << 20);
         fill(&mut m, 0);
-        let mut most = 0;
+        assert_eq!(m.arena.chunk_bytes, 64 << 10);
+        let (chunks, bytes) = (m.arena.chunks.len(), m.arena.bytes);
+        assert_eq!(chunks, 4, "three of small records and the big value's");
         for round in 1..=rounds {
             let epoch = m.seal().expect("written");
+            let (sealed, base) = (ptrs(&m), m.approx_bytes());
             fill(&mut m, round);
+            let copied = ptrs(&m);
+            assert!(
+                sealed.iter().zip(&copied).all(|(a, b)| a != b),
+                "round {round}: every chunk copied"
+            );
+            assert_eq!(m.arena.away_bytes, bytes, "round {round}");
+            assert!(
+                m.approx_bytes() >= base + bytes,
+                "round {round}: copies count"
+            );
+            // Once per epoch: the same chunks take the next writes.
+            fill(&mut m, round);
+            assert_eq!(ptrs(&m), copied);
             assert_eq!(listed(&epoch), want(round - 1), "round {round}");
             drop(epoch);
-            most = most.max(m.held_bytes());
+            m.refresh_away();
+            assert_eq!(m.arena.away_bytes, 0, "round {round}: the copies came back");
+            assert_eq!((m.arena.chunks.len(), m.arena.bytes), (chunks, bytes));
         }
         for i in 0..=n {
             let v = m.get_hashed(&key(i), xxh3_64(&key(i))).expect("present");
@@ -2235,22 +2380,16 @@ mod tests {
             };
             assert_eq!(v.bytes, &w[..]);
         }
-        // Three epochs of small records (the one read, the one written, the one whose chunks
-        // come back) and the spare: 10 chunks, less than 1 MiB with the big values and tables.
-        let chunks = m.arena.chunk_bytes;
-        assert_eq!(chunks, 64 << 10);
-        assert!(
-            most < (1 << 20) + m.tables_bytes() + m.index.bytes(),
-            "held at most {most} bytes"
-        );
-        let retired = m.arena.chunks.iter().filter(|c| c.bytes == 0).count();
-        assert!(
-            retired > 2 * rounds as usize,
-            "{retired} chunk numbers retired"
-        );
+        // An epoch dropped before the next writes: no copy.
+        drop(m.seal().expect("written"));
+        let before = ptrs(&m);
+        fill(&mut m, rounds + 1);
+        assert_eq!(ptrs(&m), before);
+        let epoch = m.seal().expect("written");
+        assert_eq!(listed(&epoch), want(rounds + 1));
 
-        // Epochs that stay read keep every chunk: the arena grows, and the first epoch's
-        // records are intact after the others were copied over and over.
+        // Epochs that stay read keep their chunks: each one's records are intact after the
+        // others were written over and over, and each counts one arena of copies.
         let mut m = Memtable::with_budget(1 << 20);
         fill(&mut m, 0);
         let mut epochs = Vec::new();
@@ -2258,11 +2397,15 @@ mod tests {
             epochs.push(m.seal().expect("written"));
             fill(&mut m, round);
         }
-        assert!(m.held_bytes() > rounds as usize * 3 * chunks);
-        assert_eq!(m.arena.chunks.iter().filter(|c| c.bytes == 0).count(), 0);
+        assert_eq!((m.arena.chunks.len(), m.arena.bytes), (chunks, bytes));
+        assert_eq!(m.arena.away_bytes, rounds as usize * bytes);
+        assert!(m.approx_bytes() > m.arena.away_bytes + bytes);
         for (round, epoch) in epochs.iter().enumerate() {
             assert_eq!(listed(epoch), want(round as u64), "epoch {round}");
         }
+        epochs.truncate(rounds as usize / 2);
+        m.refresh_away();
+        assert_eq!(m.arena.away_bytes, rounds as usize / 2 * bytes);
     }
 
     /// `make_room` copies the few live records of chunks no epoch reads any more and reuses
@@ -2271,7 +2414,8 @@ mod tests {
     fn make_room_copies_the_few_live_records_of_unread_chunks() {
         let key = |i: u32| i.to_be_bytes().to_vec();
         let n = 4000u32;
-        // Every key at value 0, sealed and read; then `share` of the keys updated (copied).
+        // Every key at value 0 (48-byte records), sealed and read; then `share` of the keys
+        // given a value that outgrows its record (moved to 80-byte ones).
         let setup = |share: u32| {
             let mut m = Memtable::with_budget(1 << 20);
             for i in 0..n {
@@ -2279,7 +2423,7 @@ mod tests {
             }
             let epoch = m.seal().expect("written");
             for i in (0..n).filter(|i| i % 10 < share) {
-                m.put(&key(i), &[1; 8], NO_EXPIRY, false);
+                m.put(&key(i), &[1; 40], NO_EXPIRY, false);
             }
             (m, epoch)
         };
@@ -2287,15 +2431,22 @@ mod tests {
             let k = i.to_be_bytes();
             m.get_hashed(&k, xxh3_64(&k)).unwrap().bytes
         }
+        let want = |i: u32, share: u32| {
+            if i % 10 < share {
+                vec![1; 40]
+            } else {
+                vec![0; 8]
+            }
+        };
         let chunk = 64 << 10;
 
-        // 9 keys in 10 copied: the first epoch's chunks hold a tenth of their records live.
+        // 9 keys in 10 moved: the first epoch's chunks hold a tenth of their records live.
         let (mut m, epoch) = setup(9);
         let before = m.approx_bytes();
         assert!(!m.make_room(before - chunk), "the epoch is still read");
         assert_eq!(m.approx_bytes(), before);
         drop(epoch);
-        // The second seal puts the copies' chunks below the mark as well (dense: 9 in 10).
+        // The second seal puts the moves' chunks below the mark as well (dense: 9 in 10).
         let second = m.seal().expect("written");
         drop(second);
         let h = xxh3_64(&key(0));
@@ -2307,8 +2458,7 @@ mod tests {
             "hint went stale"
         );
         for i in 0..n {
-            let want = if i % 10 < 9 { [1; 8] } else { [0; 8] };
-            assert_eq!(value(&m, i), &want, "key {i}");
+            assert_eq!(value(&m, i), &want(i, 9)[..], "key {i}");
         }
         // The copies are in the next epoch, with the values they had: keys not updated since
         // the first epoch, from the chunks it reused.
@@ -2323,7 +2473,7 @@ mod tests {
             assert_eq!((i % 10, v), (9, vec![0; 8]), "key {i}");
         }
 
-        // 1 key in 10 copied: the first epoch's chunks are dense, nothing is done.
+        // 1 key in 10 moved: the first epoch's chunks are dense, nothing is done.
         let (mut m, epoch) = setup(1);
         drop(epoch);
         drop(m.seal());
@@ -2331,8 +2481,7 @@ mod tests {
         assert!(!m.make_room(before - chunk));
         assert_eq!(m.approx_bytes(), before);
         for i in 0..n {
-            let want = if i % 10 < 1 { [1; 8] } else { [0; 8] };
-            assert_eq!(value(&m, i), &want, "key {i}");
+            assert_eq!(value(&m, i), &want(i, 1)[..], "key {i}");
         }
     }
 

@@ -917,41 +917,46 @@ impl Store {
     /// mutable one grows (up to the whole budget) while the writer is stalled
     /// ([`Self::write_stalled`]) and the flush's install freezes it. After a snapshot it
     /// first reuses the memory of replaced records, or waits for a snapshot job to let go of
-    /// them, or, when copies and not new keys took it past its share, goes on: up to a
-    /// quarter past its share in each case. True if it froze.
+    /// them and of the chunks copied for it, or, when such copies and not new keys took it
+    /// past its share, goes on: up to a quarter past its share in each case. True if it froze.
     fn maybe_freeze(&mut self) -> bool {
-        let bytes = self.mem.approx_bytes();
+        let mut bytes = self.mem.approx_bytes();
+        if bytes >= self.freeze_at() {
+            // Chunks copied for snapshot jobs that are done since count no more.
+            self.mem.refresh_away();
+            bytes = self.mem.approx_bytes();
+        }
         if bytes < self.freeze_at()
             || (bytes < memtables_budget(&self.config) && self.frozen_memtables() > 0)
         {
             return false;
         }
         if self.snapshot_gen != 0 {
-            // Up to a quarter past its share, a memtable whose chunks of replaced records a
-            // snapshot job still reads waits for them rather than freezes: they are reused
-            // once the job is done. Tried again only when the arena changed (a chunk taken or
-            // retired), not on every put. The bound keeps a bet lost cheap: the memtable then
-            // freezes a little larger, with room for its successor.
+            // Up to a quarter past its share, a memtable whose chunks (copied away, or of
+            // replaced records) a snapshot job still reads waits for them rather than
+            // freezes: they come back once the job is done. Tried again only when the arena
+            // changed (a chunk taken or retired), not on every put. The bound keeps a bet lost
+            // cheap: the memtable then freezes a little larger, with room for its successor.
             let cap = self.freeze_at() + self.freeze_at() / 4;
             let arena = self.mem.arena_bytes();
             if self.deferred_at != 0 && arena == self.deferred_at && bytes < cap {
                 return false;
             }
-            // Copies after snapshots leave chunks of replaced records behind: reuse them if
-            // that makes room (a little below the share, so that it runs every few chunks at
-            // most).
+            // Records that moved (values that outgrew them) leave chunks of replaced records
+            // behind: reuse them if that makes room (a little below the share, so that it
+            // runs every few chunks at most).
             let target = self.freeze_at() - self.freeze_at() / 32;
             if self.mem.make_room(target) {
                 self.deferred_at = 0;
                 self.over_share_len = None;
                 return false;
             }
-            // Past its share with (nearly) no more keys than when it got there: copies after
-            // seals took the room, not new keys, and its successor would need as much for the
-            // same keys after a flush of all of them, reading each from the frozen memtable
-            // first. Up to the same bound it goes on; the copies' chunks come back as they
-            // empty. (A few new keys are allowed, a 64th of those it has: a key set that is
-            // nearly complete need not freeze for its stragglers.)
+            // Past its share with (nearly) no more keys than when it got there: copies for
+            // snapshots or moves took the room, not new keys, and its successor would need as
+            // much for the same keys after a flush of all of them, reading each from the
+            // frozen memtable first. Up to the same bound it goes on; the copies come back as
+            // jobs finish and chunks empty. (A few new keys are allowed, a 64th of those it
+            // has: a key set that is nearly complete need not freeze for its stragglers.)
             let len = self.mem.len();
             let first = *self.over_share_len.get_or_insert(len);
             let copies_only = len <= first + first / 64;
