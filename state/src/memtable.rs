@@ -1550,6 +1550,18 @@ impl Memtable {
         self.arena.refresh_away();
     }
 
+    /// [`Self::approx_bytes`] with the chunks copied for sealed epochs counted as of now: for
+    /// a frozen memtable, which cannot [`Self::refresh_away`]. O(chunks copied).
+    pub fn approx_bytes_now(&self) -> usize {
+        let away = &self.arena.away;
+        let held: usize = away
+            .iter()
+            .filter(|(w, _)| w.strong_count() > 0)
+            .map(|&(_, b)| b)
+            .sum();
+        self.approx_bytes() - self.arena.away_bytes + held
+    }
+
     /// Fault in now the memory this memtable needs to fill `budget_bytes`, and return how many
     /// bytes that was: an index of the largest power of two at most budget / 48 slots (a sixth
     /// to a third of the budget), entry tables for 3/4 of its slots, and arena chunks for what
@@ -1602,11 +1614,11 @@ impl Memtable {
     /// serving every key: no lookup has to go past it afterwards, as it would after a freeze.
     /// `None` when nothing was written since the last seal.
     pub fn seal(&mut self) -> Option<Sealed> {
+        self.arena.refresh_away();
         if self.log.is_empty() {
             return None;
         }
         let arena = &mut self.arena;
-        arena.refresh_away();
         // The epoch's records: those allocated since the previous mark, and sealed ones it
         // logged, in chunks stamped with this epoch. The view holds those chunks and no
         // others (a chunk it holds is copied at its next write), from the first of them on:

@@ -920,12 +920,7 @@ impl Store {
     /// them and of the chunks copied for it, or, when such copies and not new keys took it
     /// past its share, goes on: up to a quarter past its share in each case. True if it froze.
     fn maybe_freeze(&mut self) -> bool {
-        let mut bytes = self.mem.approx_bytes();
-        if bytes >= self.freeze_at() {
-            // Chunks copied for snapshot jobs that are done since count no more.
-            self.mem.refresh_away();
-            bytes = self.mem.approx_bytes();
-        }
+        let bytes = self.mem.approx_bytes();
         if bytes < self.freeze_at()
             || (bytes < memtables_budget(&self.config) && self.frozen_memtables() > 0)
         {
@@ -940,6 +935,15 @@ impl Store {
             let cap = self.freeze_at() + self.freeze_at() / 4;
             let arena = self.mem.arena_bytes();
             if self.deferred_at != 0 && arena == self.deferred_at && bytes < cap {
+                return false;
+            }
+            // Chunks copied for snapshot jobs that are done since count no more (counted as of
+            // the last refresh until here, so the checks above only erred towards waiting).
+            self.mem.refresh_away();
+            let bytes = self.mem.approx_bytes();
+            if bytes < self.freeze_at() {
+                self.deferred_at = 0;
+                self.over_share_len = None;
                 return false;
             }
             // Records that moved (values that outgrew them) leave chunks of replaced records
@@ -1450,7 +1454,7 @@ impl Store {
         self.frozen
             .iter()
             .filter(|f| !f.is_sealed())
-            .map(|f| f.mem.approx_bytes())
+            .map(|f| f.mem.approx_bytes_now())
             .sum()
     }
 

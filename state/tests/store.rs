@@ -1557,10 +1557,10 @@ fn snapshot_rounds(n: u32, check_every: u32) -> (Store, Model, usize, tempfile::
 }
 
 /// A store snapshotted after every round of updates to half of its keys at random, as a job
-/// that checkpoints often, reuses the memory of replaced records instead of freezing: the
-/// copies each seal causes would otherwise fill the memtable. A chunk empties by itself only
-/// once each of its keys was updated again, a dozen rounds or more: the few live records of
-/// older chunks are copied to make room. Every snapshot restores to the state at its seal.
+/// that checkpoints often, does not freeze: updates after a seal stay in place (each job is
+/// done before them here, so no chunk is even copied). (When each sealed record was copied
+/// at its first update, the copies filled the memtable, and the few live records of older
+/// chunks were copied to make room.) Every snapshot restores to the state at its seal.
 #[test]
 fn frequent_snapshots_reuse_the_memory_of_replaced_records_instead_of_freezing() {
     let (mut s, model, _, _dir) = snapshot_rounds(40_000, 10);
@@ -1684,8 +1684,8 @@ fn an_epochs_segment_is_kept_as_a_file_not_as_an_open_segment() {
     assert_eq!(restored(&fs, &at("r2"), second).len(), 20_000);
 }
 
-/// A memtable that passes its share while a snapshot job still reads the records its copies
-/// replaced waits for that job instead of freezing (the job runs on another thread in a real
+/// A memtable that passes its share while a snapshot job still reads the chunks it copied
+/// waits for that job instead of freezing (the job runs on another thread in a real
 /// store, and its chunks are reused once it is done), but only up to a quarter past its
 /// share: with jobs that never finish it freezes. Each snapshot restores to its seal.
 #[test]
@@ -1729,7 +1729,8 @@ fn a_memtable_past_its_share_waits_for_the_snapshot_job_reading_what_it_replaced
     }
     let m = s.metrics();
     assert_eq!((m.flushes, m.frozen_memtables), (0, 0), "{m:?}");
-    // It did pass its share (15 MiB) meanwhile.
+    // It did pass its share (15 MiB: half the budget less a write-behind buffer) meanwhile,
+    // with the chunks it copied while the previous job held them.
     assert!(most > 16 << 20, "{most} bytes at most");
     drop(pending);
     assert_eq!(all(&mut s), model.into_iter().collect::<Vec<_>>());
@@ -1751,12 +1752,13 @@ fn a_memtable_past_its_share_waits_for_the_snapshot_job_reading_what_it_replaced
 }
 
 /// A memtable that its keys fill to its share, snapshotted after every round of updates to
-/// half of its keys (each snapshot's job done at once, so no job holds replaced records),
-/// goes past its share with the copies the seals cause and cannot make room by moving the
-/// few live records of sparse chunks (half of each chunk's records stay). It goes on up to a
-/// quarter past its share instead of freezing, since it has no more keys than when it got
-/// there: before, it froze five times in 40 rounds, each time flushing all 99,000 keys for
-/// a successor that read them back. New keys make it freeze, within the same bound.
+/// half of its keys (each snapshot's job done at once, so no job holds its chunks), goes
+/// past its share with what its tables grow by and cannot make room by moving the few live
+/// records of sparse chunks (it has none). It goes on up to a quarter past its share instead
+/// of freezing, since it has no more keys than when it got there: without this rule, when
+/// sealed records were still copied one by one, it froze
+/// five times in 40 rounds, each time flushing all 99,000 keys for a successor that read
+/// them back. New keys make it freeze, within the same bound.
 #[test]
 fn a_memtable_past_its_share_by_copies_alone_does_not_freeze() {
     let n = 99_000u32;
@@ -1778,4 +1780,51 @@ fn a_memtable_past_its_share_by_copies_alone_does_not_freeze() {
     assert!(m.flushes + m.frozen_memtables as u64 > 0, "{m:?}");
     s.run_pending_maintenance().unwrap();
     assert_eq!(all(&mut s), model.into_iter().collect::<Vec<_>>());
+}
+
+/// The arena chunks that writes after a seal copy while the snapshot job holds the originals
+/// count in the memtable's bytes, frozen or not, until the job lets go.
+#[test]
+fn chunks_copied_for_a_snapshot_job_count_until_it_lets_go() {
+    let root = tempfile::tempdir().unwrap();
+    let fs: Arc<dyn Fs> = Arc::new(StdFs);
+    // Arena chunks of a sixteenth of the memtable's share (about 1 MiB): 20,000 records of 48
+    // bytes fit one, and the copy is at least their bytes.
+    let mut s = Store::open(fs.clone(), &root.path().join("s"), copies_config()).unwrap();
+    let n = 20_000u32;
+    let records = 960_000;
+    for i in 0..n {
+        s.put(&spread_key(i), &round_value(0, i));
+    }
+    let base = s.metrics().memtable_bytes;
+    let job = s.snapshot(1);
+    for i in 0..n {
+        s.put(&spread_key(i), &round_value(1, i));
+    }
+    let copied = s.metrics().memtable_bytes - base;
+    assert!(copied >= records, "{copied} bytes more after the copy");
+    s.freeze();
+    let m = s.metrics();
+    assert_eq!(m.memtable_entries, 0);
+    let h = job.run().unwrap();
+    drop(h);
+    // The store lets go of the sealed epoch (with its view of the original) when it takes in
+    // the next snapshot: frozen, the memtable counted the copy until then.
+    let job2 = s.snapshot(2);
+    let after = s.metrics();
+    assert_eq!(after.frozen_memtables, 1, "its flush still waits");
+    assert!(
+        after.frozen_bytes + records <= m.frozen_bytes,
+        "{after:?} after {m:?}"
+    );
+    let h2 = job2.run().unwrap();
+    s.run_pending_maintenance().unwrap();
+    assert_eq!(
+        restored(&fs, &root.path().join("r"), h2),
+        (0..n)
+            .map(|i| (spread_key(i), round_value(1, i)))
+            .collect::<Model>()
+            .into_iter()
+            .collect::<Vec<_>>()
+    );
 }
