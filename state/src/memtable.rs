@@ -1599,6 +1599,7 @@ impl Memtable {
     /// table and hash index capacity (no page faults, no rehashing on the next fill).
     pub fn recycle(&mut self) {
         self.arena.reset();
+        self.arena.refresh_away();
         self.entries.clear();
         self.index.clear();
         self.runs.clear();

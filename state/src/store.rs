@@ -1470,7 +1470,7 @@ impl Store {
     /// 256 MiB of state.
     pub fn write_stalled(&self) -> bool {
         let frozen = self.frozen_bytes();
-        frozen > 0 && frozen + self.mem.approx_bytes() >= memtables_budget(&self.config)
+        frozen > 0 && frozen + self.mem.approx_bytes_now() >= memtables_budget(&self.config)
     }
 
     /// True when a flush or compaction job is due.
