@@ -578,7 +578,7 @@ fn overhead(opts: &Opts) -> BenchResult {
                 / w.completed.max(1) as f64,
         ));
         // The same by thread kind: whose CPU a checkpoint costs (the shards' copies of the
-        // records a snapshot holds, the snapshot jobs on the maintenance threads, ...).
+        // arena chunks a snapshot holds, the snapshot jobs on the maintenance threads, ...).
         for (kind, ms) in splits[i] {
             extra.push((format!("run{i}_cpu_ms_per_checkpoint_{kind}"), ms));
         }
@@ -614,8 +614,8 @@ fn overhead(opts: &Opts) -> BenchResult {
         extra.push((format!("cpu_ms_per_checkpoint_{kind}"), median_f(&per)));
     }
     // Past the start: each job's memtables first grow into fresh memory (a first touch costs
-    // microseconds a page here), and checkpoints make them grow twice as far (copies of the
-    // records a snapshot job still reads, and a second memtable after the first freeze).
+    // microseconds a page here), and checkpoints add memory (copies of the arena chunks a
+    // snapshot job still reads, and a second memtable after a freeze).
     extra.push((
         "ratio_per_cpu_second_half".into(),
         med(&with, KeyedRun::per_cpu_second_half) / med(&without, KeyedRun::per_cpu_second_half),
