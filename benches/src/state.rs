@@ -1,6 +1,6 @@
 //! State store benchmarks: keyed updates with flushes and compaction, point gets from
-//! segments, bloom rejections, segment write bandwidth, snapshot synchronous latency, memory,
-//! compaction.
+//! segments, bloom rejections, segment write bandwidth, snapshot synchronous latency, updates
+//! while a snapshot job holds its epoch (and the job's CPU per record), memory, compaction.
 //! Every figure is per core (one working thread), per wall second and per CPU second of that
 //! thread, against a baseline measured in the same run.
 
@@ -368,8 +368,9 @@ fn enabled(section: &str) -> bool {
     }
 }
 
-/// Run the state benchmarks. `WEIR_STATE_BENCH=updates,gets,write,snapshot,memtable,hot,compaction`
-/// selects sections (gets need updates).
+/// Run the state benchmarks.
+/// `WEIR_STATE_BENCH=updates,gets,write,snapshot,epoch,memtable,hot,compaction` selects
+/// sections (gets need updates).
 pub fn run(opts: &Opts) -> Vec<BenchResult> {
     let (fs, fs_name) = fs();
     let keys: u64 = if opts.quick { 200_000 } else { 10_000_000 };
@@ -780,6 +781,110 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
             ],
         });
         drop(ss);
+    }
+
+    // 4b. What a checkpoint costs the store, without a job around it: updates while a
+    // snapshot job holds the previous epoch (copies of the chunks it reads) against the same
+    // updates without snapshots, in alternating rounds on this thread, and the snapshot job's
+    // CPU per record it writes. The keyed checkpoint benchmark measures the same costs end to
+    // end, as the difference of two runs: on this shared machine that difference was noisier
+    // than the costs themselves.
+    if enabled("epoch") {
+        let n: u64 = if opts.quick { 100_000 } else { 500_000 };
+        let rounds = if opts.quick { 2 } else { 6 };
+        // The runtime's default budget: the epochs and their copies fit without a freeze.
+        let ecfg = StoreConfig {
+            memtable_budget_bytes: 160 << 20,
+            ..StoreConfig::default()
+        };
+        let mut es = Store::open(fs.clone(), &dir.path().join("epoch"), ecfg).expect("open");
+        for user in 0..n {
+            key_of(user, &mut k);
+            es.put(&k, &[1u8; 16]);
+        }
+        let mut rng = Rng(11);
+        // 2n updates of random keys: about 86% of the keys change between two snapshots.
+        let mut update = |s: &mut Store, round: u64| {
+            let mut v = [0u8; 16];
+            v[..8].copy_from_slice(&round.to_le_bytes());
+            timed(|| {
+                for _ in 0..2 * n {
+                    key_of(rng.next() % n, &mut k);
+                    s.put(&k, &v);
+                }
+            })
+        };
+        let (mut plain, mut held, mut job) = (Vec::new(), Vec::new(), Vec::new());
+        let mut records = 0u64;
+        for round in 0..rounds as u64 {
+            let snap = |s: &mut Store, update: &mut dyn FnMut(&mut Store, u64) -> Timed| {
+                let j = s.snapshot(round + 1);
+                let t = update(s, round);
+                let mut h = None;
+                let tj = timed(|| h = Some(j.run().expect("snapshot")));
+                let h = h.expect("ran");
+                let written: u64 = h
+                    .segments
+                    .iter()
+                    .filter(|r| r.is_new)
+                    .map(|r| r.entry_count)
+                    .sum();
+                s.release_snapshot(round + 1);
+                s.run_pending_maintenance().expect("maintenance");
+                (t, tj, written)
+            };
+            // Alternate which goes first.
+            let (p, (t, tj, written)) = if round % 2 == 0 {
+                let p = update(&mut es, round);
+                (p, snap(&mut es, &mut update))
+            } else {
+                let r = snap(&mut es, &mut update);
+                (update(&mut es, round), r)
+            };
+            plain.push(p);
+            held.push(t);
+            job.push(tj);
+            records += written;
+        }
+        let sum = |v: &[Timed]| Timed {
+            wall_ns: v.iter().map(|t| t.wall_ns).sum(),
+            cpu_ns: v.iter().map(|t| t.cpu_ns).sum(),
+        };
+        let (held_t, plain_t, job_t) = (sum(&held), sum(&plain), sum(&job));
+        let ups = 2 * n * rounds as u64;
+        let mut r = result(
+            "state_updates_under_snapshot",
+            ups,
+            &held_t,
+            "same_updates_without_snapshots",
+            ups,
+            &plain_t,
+        );
+        r.extra = vec![
+            ("keys".into(), n as f64),
+            ("rounds".into(), rounds as f64),
+            (
+                "ratio_incl_snapshot_job".into(),
+                per_sec(ups, held_t.cpu_ns + job_t.cpu_ns) / per_sec(ups, plain_t.cpu_ns),
+            ),
+            ("epoch_records".into(), records as f64 / rounds as f64),
+            (
+                "snapshot_job_cpu_ns_per_record".into(),
+                job_t.cpu_ns as f64 / records.max(1) as f64,
+            ),
+        ];
+        // Per round: the updates' CPU with the epoch held less without, and the job's.
+        for (i, ((h, p), j)) in held.iter().zip(&plain).zip(&job).enumerate() {
+            let extra_ms = (h.cpu_ns as f64 - p.cpu_ns as f64) / 1e6;
+            r.extra
+                .push((format!("round{i}_updates_extra_cpu_ms"), extra_ms));
+            r.extra.push((
+                format!("round{i}_snapshot_job_cpu_ms"),
+                j.cpu_ns as f64 / 1e6,
+            ));
+        }
+        out.push(r);
+        drop(es);
     }
 
     // 5. Memtable design: hash index (the store) vs a sorted map, same updates, no flushes.
