@@ -817,34 +817,26 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
         let (mut plain, mut held, mut job) = (Vec::new(), Vec::new(), Vec::new());
         let mut records = 0u64;
         for round in 0..rounds as u64 {
-            let snap = |s: &mut Store, update: &mut dyn FnMut(&mut Store, u64) -> Timed| {
-                let j = s.snapshot(round + 1);
-                let t = update(s, round);
+            // Alternate which goes first.
+            for with_snapshot in [round % 2 == 1, round % 2 == 0] {
+                if !with_snapshot {
+                    plain.push(update(&mut es, round));
+                    continue;
+                }
+                let j = es.snapshot(round + 1);
+                held.push(update(&mut es, round));
                 let mut h = None;
-                let tj = timed(|| h = Some(j.run().expect("snapshot")));
+                job.push(timed(|| h = Some(j.run().expect("snapshot"))));
                 let h = h.expect("ran");
-                let written: u64 = h
+                records += h
                     .segments
                     .iter()
                     .filter(|r| r.is_new)
                     .map(|r| r.entry_count)
-                    .sum();
-                s.release_snapshot(round + 1);
-                s.run_pending_maintenance().expect("maintenance");
-                (t, tj, written)
-            };
-            // Alternate which goes first.
-            let (p, (t, tj, written)) = if round % 2 == 0 {
-                let p = update(&mut es, round);
-                (p, snap(&mut es, &mut update))
-            } else {
-                let r = snap(&mut es, &mut update);
-                (update(&mut es, round), r)
-            };
-            plain.push(p);
-            held.push(t);
-            job.push(tj);
-            records += written;
+                    .sum::<u64>();
+                es.release_snapshot(round + 1);
+                es.run_pending_maintenance().expect("maintenance");
+            }
         }
         let sum = |v: &[Timed]| Timed {
             wall_ns: v.iter().map(|t| t.wall_ns).sum(),
