@@ -591,8 +591,10 @@ impl Arena {
         }
     }
 
-    /// Key and value of the record at `loc`.
-    #[inline]
+    /// Key and value of the record at `loc`. Always inlined: a flush or snapshot job calls it
+    /// once a record, and as a call (its result returned through memory) the snapshot job of
+    /// 430 K records took 39.3-42.3 ms of CPU at best, inlined 34.6-35.5.
+    #[inline(always)]
     fn record(&self, loc: Loc) -> (&[u8], ValueRef<'_>) {
         let r = self.chunk(loc);
         let h: &[u8; REC_HEADER] = r[..REC_HEADER].try_into().expect("header");
