@@ -575,8 +575,9 @@ impl Arena {
 
     /// [`Self::prefix_and_len`], always inlined: for a pass over records in address order. In
     /// a flush of 1.6 M records that pass took 27 ms with the call, 16.5-19.5 ms without. The
-    /// pass over an epoch's scattered records was slower inlined (snapshot jobs of 500 K
-    /// records: 121-138 ms against 114-117), so that one keeps the call.
+    /// pass over an epoch's scattered records gained nothing inlined (snapshot jobs of 430 K
+    /// records through buffered writes: 121-138 ms against 114-117; through `UringFs`: the
+    /// same, 34.7-35.5 ms at best either way), so that one keeps the call.
     #[inline(always)]
     fn prefix_and_len_inlined(&self, loc: Loc) -> (u128, usize) {
         let r = self.chunk(loc);
