@@ -574,7 +574,7 @@ impl Arena {
     }
 
     /// [`Self::prefix_and_len`], always inlined: for a pass over records in address order. In
-    /// a flush of 1.6 M records that pass took 27 ms with the call, 16.5-19.5 ms without. The
+    /// a flush of 1.6 M records that pass took 26-27 ms with the call, 16-19.5 ms without. The
     /// pass over an epoch's scattered records gained nothing inlined (snapshot jobs of 430 K
     /// records through buffered writes: 121-138 ms against 114-117; through `UringFs`: the
     /// same, 34.7-35.5 ms at best either way), so that one keeps the call.
@@ -2102,8 +2102,8 @@ impl Arena {
 /// The `n` records `loc_at(0..n)` of `arena`, in key order (keys must be distinct).
 /// `ahead`: how many records ahead of the one read to prefetch, for records scattered over the
 /// arena; `None` for records in address order, which the hardware prefetcher follows (a
-/// software prefetch there only cost instructions: the sort of a 1.6 M record flush took 37.7
-/// ms with it, 33.3 ms without).
+/// software prefetch there only cost instructions: the sort of a 1.6 M record flush took
+/// 37.4-38.5 ms with it, 33.2-34.2 ms without).
 fn order_of(
     arena: &Arena,
     n: usize,
