@@ -794,7 +794,7 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
         let rounds = if opts.quick { 2 } else { 6 };
         // The runtime's default budget: the epochs and their copies fit without a freeze.
         let ecfg = StoreConfig {
-            memtable_budget_bytes: 160 << 20,
+            memtable_budget_bytes: weir_runtime::JobConfig::default().memtable_budget_bytes,
             ..StoreConfig::default()
         };
         let mut es = Store::open(fs.clone(), &dir.path().join("epoch"), ecfg).expect("open");
