@@ -126,7 +126,15 @@ struct Background {
     tx: Option<mpsc::Sender<Job>>,
     rx: mpsc::Receiver<JobDone>,
     in_flight: usize,
-    thread: Option<std::thread::JoinHandle<u64>>,
+    thread: Option<std::thread::JoinHandle<BackgroundCpu>>,
+}
+
+/// The maintenance thread's CPU nanoseconds: in all, and in flush and compaction jobs.
+#[derive(Clone, Copy, Default)]
+struct BackgroundCpu {
+    total: u64,
+    flush: u64,
+    compaction: u64,
 }
 
 impl Background {
@@ -135,16 +143,27 @@ impl Background {
         let (done_tx, rx) = mpsc::channel::<JobDone>();
         let thread = std::thread::spawn(move || {
             let c0 = thread_cpu_ns();
+            let mut cpu = BackgroundCpu::default();
             for j in jobs {
+                let j0 = thread_cpu_ns();
                 let d: JobDone = match j {
-                    Job::Flush(j) => j.run().into(),
-                    Job::Compact(j) => j.run().into(),
+                    Job::Flush(j) => {
+                        let d = j.run().into();
+                        cpu.flush += thread_cpu_ns() - j0;
+                        d
+                    }
+                    Job::Compact(j) => {
+                        let d = j.run().into();
+                        cpu.compaction += thread_cpu_ns() - j0;
+                        d
+                    }
                 };
                 if done_tx.send(d).is_err() {
                     break;
                 }
             }
-            thread_cpu_ns() - c0
+            cpu.total = thread_cpu_ns() - c0;
+            cpu
         });
         Background {
             tx: Some(tx),
@@ -193,10 +212,12 @@ impl Background {
         }
     }
 
-    /// Stop the thread; its CPU nanoseconds.
-    fn finish(mut self) -> u64 {
+    /// Stop the thread; its CPU.
+    fn finish(mut self) -> BackgroundCpu {
         self.tx = None;
-        self.thread.take().map_or(0, |t| t.join().expect("worker"))
+        self.thread
+            .take()
+            .map_or(BackgroundCpu::default(), |t| t.join().expect("worker"))
     }
 }
 
@@ -268,6 +289,9 @@ struct UpdateRound {
     t_drain: Timed,
     /// The maintenance thread's CPU.
     bg_cpu: u64,
+    /// Of which in flush and in compaction jobs.
+    flush_cpu: u64,
+    compaction_cpu: u64,
     /// The whole process's CPU over the round.
     process_cpu: u64,
     metrics: StoreMetrics,
@@ -340,7 +364,11 @@ fn update_round(store: &mut Store, keys: u64, updates: u64, budget: usize) -> Up
     let (a, f) = rss_now();
     peak_anon = peak_anon.max(a);
     peak_file = peak_file.max(f);
-    let bg_cpu = bg.finish();
+    let BackgroundCpu {
+        total: bg_cpu,
+        flush: flush_cpu,
+        compaction: compaction_cpu,
+    } = bg.finish();
     let process_cpu = process_cpu_ns() - p0;
     let metrics = store.metrics();
     worst.sample(
@@ -352,6 +380,8 @@ fn update_round(store: &mut Store, keys: u64, updates: u64, budget: usize) -> Up
         t,
         t_drain,
         bg_cpu,
+        flush_cpu,
+        compaction_cpu,
         process_cpu,
         metrics,
         anon0,
@@ -438,6 +468,8 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
             ("baseline_map_len".into(), baseline_len as f64),
             ("per_cpu_sec_incl_maintenance".into(), incl(u)),
             ("maintenance_cpu_s".into(), u.bg_cpu as f64 / 1e9),
+            ("flush_cpu_s".into(), u.flush_cpu as f64 / 1e9),
+            ("compaction_cpu_s".into(), u.compaction_cpu as f64 / 1e9),
             // What neither thread's clock saw: io_uring workers' buffered-write copies.
             (
                 "io_worker_cpu_s".into(),

@@ -50,6 +50,25 @@ fn every_row_of_every_suite_keeps_the_json_contract() {
                 "`{bench}`: `{k}` is {v}"
             );
         }
+        if bench == "state_random_updates" {
+            // The maintenance thread's CPU split by job kind: flushes ran (the quick run
+            // fills its memtable many times over), and the parts fit in the whole.
+            let f = |k: &str| {
+                obj.get(k)
+                    .and_then(Value::as_f64)
+                    .unwrap_or_else(|| panic!("`{bench}`: no `{k}`"))
+            };
+            let (all, flush, compaction) = (
+                f("maintenance_cpu_s"),
+                f("flush_cpu_s"),
+                f("compaction_cpu_s"),
+            );
+            assert!(flush > 0.0 && compaction >= 0.0, "{flush} {compaction}");
+            assert!(
+                flush + compaction <= all * 1.001 + 1e-6,
+                "{flush} + {compaction} > {all}"
+            );
+        }
         let lat: Vec<Option<u64>> = ["p50_ns", "p99_ns", "p999_ns"]
             .iter()
             .map(|k| obj.get(*k).and_then(Value::as_u64))
