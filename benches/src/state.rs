@@ -400,11 +400,16 @@ fn enabled(section: &str) -> bool {
 
 /// Run the state benchmarks.
 /// `WEIR_STATE_BENCH=updates,gets,write,snapshot,epoch,memtable,hot,compaction` selects
-/// sections (gets need updates).
+/// sections (gets need updates); `WEIR_BENCH_STATE_UPDATES` sets the number of updates.
 pub fn run(opts: &Opts) -> Vec<BenchResult> {
     let (fs, fs_name) = fs();
     let keys: u64 = if opts.quick { 200_000 } else { 10_000_000 };
-    let updates: u64 = if opts.quick { 400_000 } else { 20_000_000 };
+    // `WEIR_BENCH_STATE_UPDATES` sets the update count of section 1: a longer run reaches
+    // the larger compactions that 20 M updates (76 flushes) do not.
+    let updates: u64 = std::env::var("WEIR_BENCH_STATE_UPDATES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(if opts.quick { 400_000 } else { 20_000_000 });
     let budget: usize = if opts.quick { 8 << 20 } else { 64 << 20 };
     let mut out = Vec::new();
     let dir = bench_dir();

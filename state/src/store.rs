@@ -11,10 +11,12 @@
 //! handed out as `Send` jobs ([`FlushJob`], [`CompactionJob`], [`SnapshotJob`]) that run on any
 //! thread and are installed back with [`Store::install`].
 //!
-//! **Compaction is size-tiered** (universal style): flushes produce segments of about one
-//! memtable; a run of the newest segments is merged when each older member is no bigger than
-//! `size_ratio` times the sum of the newer ones and the run has at least `min_merge` members,
-//! or everything is merged when there are more than `max_segments`. Why tiered and not
+//! **Compaction is size-tiered**: flushes produce segments of about one memtable; the newest
+//! bucket of segments of similar size (an older segment joins while it is at most
+//! `size_ratio` times the mean of the newer ones in it) is merged once it has `min_merge`
+//! members, so a segment of ten flushes waits for nine more like it. Above `max_segments`
+//! the newest bucket is merged early if that brings the count back to the cap, else
+//! everything is merged (a restored store's dozens of segments). Why tiered and not
 //! leveled: keyed state in a stream processor is write-heavy (every record updates state),
 //! and snapshots share immutable segments between checkpoints; tiering writes each byte
 //! O(log n) times instead of leveled's O(fan-out * levels), keeps few large files that stay
@@ -83,21 +85,28 @@ pub struct StoreConfig {
     /// Bloom filter bits per key.
     pub bloom_bits_per_key: u32,
     /// Minimum number of segments a tiered compaction merges. 10 (with `max_segments` 16):
-    /// random updates over 10 M keys took 1.63 GB of compaction input for 20 M updates and
-    /// 7.14 GB for 60 M, against 2.24 GB and 8.33 GB with 8 (and 12), and 3.57-4.49 M updates
-    /// per CPU second with maintenance against 3.23-3.30 M (two alternated runs of three
-    /// rounds); batched point gets after compaction stayed at 3.4-6.5 M/s (12 segments
-    /// against 6; bloom filters keep a read near one probe). 4 took 2.91 GB at 20 M.
+    /// under the sum rule this store had before (see `compaction_size_ratio`), random updates
+    /// over 10 M keys took 1.63 GB of compaction input for 20 M updates and 7.14 GB for 60 M,
+    /// against 2.24 GB and 8.33 GB with 8 (and 12), and 3.57-4.49 M updates per CPU second
+    /// with maintenance against 3.23-3.30 M (two alternated runs of three rounds); batched
+    /// point gets after compaction stayed at 3.4-6.5 M/s (12 segments against 6; bloom
+    /// filters keep a read near one probe). 4 took 2.91 GB at 20 M.
     pub compaction_min_merge: usize,
-    /// An older segment joins a compaction run if it is at most this many times the newer ones
-    /// together. 1 (as RocksDB's universal compaction, whose default allows 1% more): a
-    /// segment waits until the newer ones add up to its size, so a byte is rewritten about
-    /// log_min_merge(flushes) times. 2 rewrote the largest segment every few flushes: 35%
-    /// more compaction input in the updates benchmark.
+    /// An older segment joins the newest bucket if it is at most this many times the mean
+    /// size of the segments already in it. 2: flushes of uneven size (freezes at snapshots,
+    /// merges that dropped duplicates) still form a bucket, and a segment of ten flushes does
+    /// not join the next ten. Before, an older segment joined while it was at most the newer
+    /// ones together (RocksDB's universal rule): a merge of ten flushes joined the next ten,
+    /// their merge the next twenty, and a flushed byte was rewritten 1.58, 2.70 and 3.70 times
+    /// over 76, 256 and 1024 equal flushes, against 0.92, 1.73 and 2.65 now. In the updates
+    /// benchmark, compaction input fell from 1.63 to 1.05 GB for 20 M updates and from 7.14
+    /// to 5.89 GB for 60 M; the price is more segments between merges (7.8 against 5.9 on
+    /// average over 76 equal flushes, simulated), each a bloom probe for a read that misses
+    /// the newer ones.
     pub compaction_size_ratio: u64,
-    /// Above this many segments everything is merged: what a read meets at most. 16 leaves
-    /// room for a run of `compaction_min_merge` flushes beside the few larger segments below
-    /// it, so that full merges stay the exception.
+    /// Above this many segments the newest bucket is merged early if that brings the count
+    /// back to this, else everything is: what a read meets at most. 16 leaves room for a
+    /// bucket of `compaction_min_merge` flushes beside the few larger segments below it.
     pub max_segments: usize,
     /// Number of key groups.
     pub max_parallelism: u16,
@@ -136,7 +145,7 @@ impl Default for StoreConfig {
             block_target_bytes: 1024,
             bloom_bits_per_key: 10,
             compaction_min_merge: 10,
-            compaction_size_ratio: 1,
+            compaction_size_ratio: 2,
             max_segments: 16,
             max_parallelism: DEFAULT_MAX_PARALLELISM,
             retained_memtable_bytes: 0,
@@ -2059,17 +2068,20 @@ impl EntrySource for CompactionEntries {
 }
 
 /// The start of the run of newest segments (sizes oldest first) that a tiered compaction
-/// merges under `config`'s policy (see the module docs), if one is due.
+/// merges under `config`'s policy (see the module docs and `StoreConfig`), if one is due.
 fn tiered_run(sizes: &[u64], config: &StoreConfig) -> Option<usize> {
     let n = sizes.len();
     if n < 2 {
         return None;
     }
-    let mut sum = sizes[n - 1];
+    // The newest bucket: an older segment joins while it is at most `size_ratio` times the
+    // mean of the segments already in it.
+    let mut sum = u128::from(sizes[n - 1]);
     let mut start = n - 1;
     while start > 0 {
-        let older = sizes[start - 1];
-        if older > sum.saturating_mul(config.compaction_size_ratio) {
+        let older = u128::from(sizes[start - 1]);
+        let members = (n - start) as u128;
+        if older * members > sum * u128::from(config.compaction_size_ratio) {
             break;
         }
         sum += older;
@@ -2078,7 +2090,12 @@ fn tiered_run(sizes: &[u64], config: &StoreConfig) -> Option<usize> {
     if n - start >= config.compaction_min_merge {
         Some(start)
     } else if n > config.max_segments {
-        Some(0)
+        // Over the cap: the newest bucket early if merging it is enough, else everything.
+        if n - start >= 2 && start < config.max_segments {
+            Some(start)
+        } else {
+            Some(0)
+        }
     } else {
         None
     }
@@ -2543,54 +2560,84 @@ impl<'a> Iterator for ScanIter<'a> {
 
 #[cfg(test)]
 mod tests {
-    /// The policy's rules with runs of at least 4, then equal flushes through the default
-    /// policy: a flushed byte is rewritten about log_10(flushes) times on average (classic
-    /// tiering: 1.7, 2.7 and 3.7 times for 64, 256 and 1024 flushes) until the `max_segments`
-    /// cap's full merges take over (log_4 with runs of 4), and a segment bigger than the newer
-    /// ones together waits for them. A looser size ratio (2, an old default) rewrote the big
-    /// segment with every few flushes: 4.3 rewrites per byte for 256 flushes with runs of 4,
-    /// and 35% more compaction input in the updates benchmark, where merges also shrink (keys
-    /// updated again).
+    /// The policy's rules with buckets of at least 4, then flushes through the default
+    /// policy. Equal flushes: a flushed byte is rewritten about log_10(flushes) times on
+    /// average (0.94, 1.73 and 2.65 times for 64, 256 and 1024 flushes; the universal rule
+    /// this store had before, where an older segment joined while the newer ones together
+    /// were as big, 1.72, 2.70 and 3.70), until the `max_segments` cap's merges take over.
+    /// Flushes of uneven size (50 to 113 units, as freezes at snapshots and merges that drop
+    /// duplicates make them): 2.53 rewrites over 1024 flushes, against 3.37 under that rule.
     #[test]
     fn tiered_compaction_rewrites_each_byte_log_n_times() {
-        let runs_of_4 = StoreConfig {
+        let buckets_of_4 = StoreConfig {
             compaction_min_merge: 4,
             ..StoreConfig::default()
         };
-        let config = &runs_of_4;
+        let config = &buckets_of_4;
         assert_eq!(super::tiered_run(&[1, 1, 1, 1], config), Some(0));
-        assert_eq!(super::tiered_run(&[5, 1, 1, 1, 1], config), Some(1));
-        assert_eq!(super::tiered_run(&[4, 1, 1, 1, 1], config), Some(0));
-        assert_eq!(super::tiered_run(&[3, 1, 1, 1], config), Some(0));
-        assert_eq!(super::tiered_run(&[4, 1, 1, 1], config), None);
+        // A segment more than twice the bucket's mean stays out of it.
+        assert_eq!(super::tiered_run(&[3, 1, 1, 1, 1], config), Some(1));
+        assert_eq!(super::tiered_run(&[2, 1, 1, 1, 1], config), Some(0));
+        assert_eq!(super::tiered_run(&[3, 1, 1, 1], config), None);
         assert_eq!(super::tiered_run(&[1, 1, 1], config), None);
-        // Above `max_segments` everything merges, whatever the sizes.
+        // A merge of four waits for three more like it, not for the next four flushes.
+        assert_eq!(super::tiered_run(&[4, 1, 1, 1, 1], config), Some(1));
+        assert_eq!(super::tiered_run(&[4, 4, 4, 4], config), Some(0));
+        // An older segment's size is compared with the mean, not the newest one's: sizes
+        // doubling from the newest form no bucket beyond the newest two.
         let doubling: Vec<u64> = (0..=config.max_segments as u32)
             .rev()
             .map(|i| 1 << i)
             .collect();
         assert_eq!(super::tiered_run(&doubling[1..], config), None);
-        assert_eq!(super::tiered_run(&doubling, config), Some(0));
+        // Over the cap: the newest bucket if merging it is enough, else everything.
+        let n = doubling.len();
+        assert_eq!(super::tiered_run(&doubling, config), Some(n - 2));
+        let mut over = doubling.clone();
+        over.extend([1 << 20, 1 << 21]);
+        assert_eq!(super::tiered_run(&over, config), Some(0));
         let config = StoreConfig::default();
         let m = config.compaction_min_merge;
         assert_eq!(super::tiered_run(&vec![1; m - 1], &config), None);
         assert_eq!(super::tiered_run(&vec![1; m], &config), Some(0));
-        for (flushes, rewrites) in [(64u32, 2.0), (256, 3.0), (1024, 4.0)] {
+        // Flush sizes: equal, or 50-113 units from a fixed pseudo-random sequence.
+        let uneven = |i: u32| 50 + u64::from(i.wrapping_mul(2_654_435_761) >> 26);
+        // (flushes, most rewrites per byte, size of flush i)
+        type Case = (u32, f64, fn(u32) -> u64);
+        let cases: [Case; 4] = [
+            (64, 1.0, |_| 1),
+            (256, 1.8, |_| 1),
+            (1024, 2.7, |_| 1),
+            (1024, 2.6, uneven),
+        ];
+        for (flushes, rewrites, size_of) in cases {
             // Per segment: its size and, per flushed unit in it, how often it was written.
-            let mut segs: Vec<(u64, Vec<u32>)> = Vec::new();
-            for _ in 0..flushes {
-                segs.push((1, vec![0]));
-                let sizes = |s: &[(u64, Vec<u32>)]| s.iter().map(|x| x.0).collect::<Vec<_>>();
+            let mut segs: Vec<(u64, Vec<(u64, u32)>)> = Vec::new();
+            for i in 0..flushes {
+                let size = size_of(i);
+                segs.push((size, vec![(size, 0)]));
+                let sizes =
+                    |s: &[(u64, Vec<(u64, u32)>)]| s.iter().map(|x| x.0).collect::<Vec<_>>();
                 while let Some(start) = super::tiered_run(&sizes(&segs), &config) {
                     let run = segs.split_off(start);
                     let size = run.iter().map(|x| x.0).sum();
-                    let counts = run.into_iter().flat_map(|x| x.1).map(|c| c + 1).collect();
-                    segs.push((size, counts));
+                    let units = run
+                        .into_iter()
+                        .flat_map(|x| x.1)
+                        .map(|(b, c)| (b, c + 1))
+                        .collect();
+                    segs.push((size, units));
                 }
                 assert!(segs.len() <= config.max_segments);
             }
-            let counts: Vec<u32> = segs.iter().flat_map(|x| x.1.iter().copied()).collect();
-            let mean = f64::from(counts.iter().sum::<u32>()) / f64::from(flushes);
+            // Rewrites per flushed byte.
+            let (bytes, written) = segs
+                .iter()
+                .flat_map(|x| x.1.iter())
+                .fold((0u64, 0u64), |(b, w), &(size, c)| {
+                    (b + size, w + size * u64::from(c))
+                });
+            let mean = written as f64 / bytes as f64;
             assert!(
                 mean <= rewrites,
                 "{flushes} flushes: {mean} rewrites per byte"
