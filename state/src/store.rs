@@ -2593,9 +2593,14 @@ mod tests {
         // Over the cap: the newest bucket if merging it is enough, else everything.
         let n = doubling.len();
         assert_eq!(super::tiered_run(&doubling, config), Some(n - 2));
-        let mut over = doubling.clone();
-        over.extend([1 << 20, 1 << 21]);
-        assert_eq!(super::tiered_run(&over, config), Some(0));
+        let longer: Vec<u64> = (0..=config.max_segments as u32 + 4)
+            .rev()
+            .map(|i| 1 << i)
+            .collect();
+        assert_eq!(super::tiered_run(&longer, config), Some(0));
+        let mut lone = vec![8; config.max_segments];
+        lone.push(1);
+        assert_eq!(super::tiered_run(&lone, config), Some(0));
         let config = StoreConfig::default();
         let m = config.compaction_min_merge;
         assert_eq!(super::tiered_run(&vec![1; m - 1], &config), None);
