@@ -470,6 +470,7 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
         let (m, threads_cpu, all_cpu) = (&u.metrics, u.threads_cpu(), u.all_cpu());
         r.extra = vec![
             ("distinct_keys".into(), keys as f64),
+            ("updates".into(), updates as f64),
             ("baseline_map_len".into(), baseline_len as f64),
             ("per_cpu_sec_incl_maintenance".into(), incl(u)),
             ("maintenance_cpu_s".into(), u.bg_cpu as f64 / 1e9),
