@@ -146,18 +146,11 @@ impl Background {
             let mut cpu = BackgroundCpu::default();
             for j in jobs {
                 let j0 = thread_cpu_ns();
-                let d: JobDone = match j {
-                    Job::Flush(j) => {
-                        let d = j.run().into();
-                        cpu.flush += thread_cpu_ns() - j0;
-                        d
-                    }
-                    Job::Compact(j) => {
-                        let d = j.run().into();
-                        cpu.compaction += thread_cpu_ns() - j0;
-                        d
-                    }
+                let (d, spent): (JobDone, _) = match j {
+                    Job::Flush(j) => (j.run().into(), &mut cpu.flush),
+                    Job::Compact(j) => (j.run().into(), &mut cpu.compaction),
                 };
+                *spent += thread_cpu_ns() - j0;
                 if done_tx.send(d).is_err() {
                     break;
                 }
