@@ -940,6 +940,14 @@ impl Segment {
                 "footer region offsets inconsistent",
             ));
         }
+        // The filter block's index follows the data blocks'.
+        let Some(filter_block) = data_blocks.checked_add(1) else {
+            return Err(malformed(
+                p,
+                fo + F_DATA_BLOCKS,
+                "data block count too large",
+            ));
+        };
         let index_payload = decode_block(
             p,
             &b[index_offset..filter_offset],
@@ -957,7 +965,7 @@ impl Segment {
             filter_offset as u64,
             BlockHeader {
                 file_id: id,
-                block_index: data_blocks + 1,
+                block_index: filter_block,
                 kind: KIND_FILTER,
                 payload_len: (filter_len - BLOCK_HEADER_LEN.min(filter_len)) as u32,
             },
@@ -968,8 +976,11 @@ impl Segment {
         if index_payload.len() < INDEX_HEADER_LEN || rd_u32(index_payload, 0) != data_blocks {
             return Err(malformed(p, io, "index block count differs from footer"));
         }
-        let mut offsets = Vec::with_capacity(data_blocks as usize);
-        let mut prefixes = Vec::with_capacity(data_blocks as usize);
+        // Sized by what the index can hold, not by the count the file states (which must not
+        // size an allocation: 4 G blocks aborted the process).
+        let blocks_max = (data_blocks as usize).min(index_payload.len() / INDEX_ENTRY_FIXED_LEN);
+        let mut offsets = Vec::with_capacity(blocks_max);
+        let mut prefixes = Vec::with_capacity(blocks_max);
         let mut first_key: Option<(usize, usize)> = None;
         let mut pos = INDEX_HEADER_LEN;
         let mut expect_off = FILE_HEADER_LEN;

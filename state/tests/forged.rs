@@ -219,6 +219,8 @@ enum How {
     Plus(u8),
     Minus(u8),
     Flip(u8),
+    /// The byte and the three after it all ones: a length, count or offset near 4 G.
+    Ones,
 }
 
 fn change() -> impl Strategy<Value = Change> {
@@ -227,6 +229,7 @@ fn change() -> impl Strategy<Value = Change> {
         (1u8..=16).prop_map(How::Plus),
         (1u8..=16).prop_map(How::Minus),
         (0u8..8).prop_map(How::Flip),
+        Just(How::Ones),
     ];
     (any::<bool>(), any::<usize>(), 0.0..1.0f64, how).prop_map(
         |(structural, pick, anywhere, how)| Change {
@@ -287,12 +290,16 @@ proptest! {
             } else {
                 ((c.anywhere * b.len() as f64) as usize).min(b.len() - 1)
             };
-            b[at] = match c.how {
-                How::Set(x) => x,
-                How::Plus(d) => b[at].wrapping_add(d),
-                How::Minus(d) => b[at].wrapping_sub(d),
-                How::Flip(bit) => b[at] ^ (1 << bit),
-            };
+            match c.how {
+                How::Set(x) => b[at] = x,
+                How::Plus(d) => b[at] = b[at].wrapping_add(d),
+                How::Minus(d) => b[at] = b[at].wrapping_sub(d),
+                How::Flip(bit) => b[at] ^= 1 << bit,
+                How::Ones => {
+                    let end = (at + 4).min(b.len());
+                    b[at..end].fill(0xff);
+                }
+            }
         }
         fix_crcs(&mut b, &starts);
         std::fs::write(&p, &b).unwrap();
@@ -428,4 +435,47 @@ fn a_key_its_filter_does_not_hold_is_refused_naming_the_key() {
     assert_eq!(f.file(), p.as_path());
     assert_eq!(f.offset(), (first + L::ENTRY_HEADER_LEN) as u64, "{f}");
     assert!(f.to_string().contains("bloom filter"), "{f}");
+}
+
+/// A block count from the file (footer and index agreeing, CRCs fixed) does not size an
+/// allocation: 4 G blocks is an error naming the footer or the index, not an aborted process
+/// (nor, for the largest count, an overflow of the filter block's index).
+#[test]
+fn a_forged_block_count_is_an_error_not_an_allocation() {
+    let root = tempfile::tempdir().unwrap();
+    let (mut h, p) = one_segment(root.path());
+    let pristine = std::fs::read(&p).unwrap();
+    let (starts, _) = layout(&pristine);
+    let fo = pristine.len() - L::FOOTER_LEN;
+    let index_off = rd(&pristine, fo + L::F_INDEX_OFFSET, 8).unwrap() as usize;
+    let filter_off = rd(&pristine, fo + L::F_FILTER_OFFSET, 8).unwrap() as usize;
+    for count in [u32::MAX, u32::MAX - 1] {
+        let mut b = pristine.clone();
+        let count_at = index_off + weir_io::BLOCK_HEADER_LEN;
+        for at in [fo + L::F_DATA_BLOCKS, count_at] {
+            b[at..at + 4].copy_from_slice(&count.to_le_bytes());
+        }
+        // The index and filter blocks' framing names their block index: the data block count
+        // and one past it.
+        b[index_off + 8..index_off + 12].copy_from_slice(&count.to_le_bytes());
+        b[filter_off + 8..filter_off + 12].copy_from_slice(&count.wrapping_add(1).to_le_bytes());
+        fix_crcs(&mut b, &starts);
+        std::fs::write(&p, &b).unwrap();
+        h.segments[0].crc32 = crc32fast::hash(&b);
+        let e = Store::restore(
+            Arc::new(StdFs),
+            &root.path().join(format!("r{count}")),
+            config(),
+            std::slice::from_ref(&h),
+            KeyGroupRange::all(MAX_PARALLELISM),
+        )
+        .expect_err("4 G data blocks in a file of a few KiB");
+        let f = e.as_format().expect("a format error");
+        assert_eq!(f.file(), p.as_path());
+        let at = f.offset() as usize;
+        assert!(
+            (index_off..filter_off).contains(&at) || at >= fo,
+            "{count}: {f}"
+        );
+    }
 }
