@@ -65,7 +65,9 @@ impl RestoreState {
                 job.max_parallelism
             ));
         }
-        let mut shards = Vec::with_capacity(job.shards as usize);
+        // Grown section by section: a count from the file cannot size an allocation (a forged
+        // one with valid CRCs asked for 4 G shards, which aborted the process).
+        let mut shards = Vec::new();
         for s in 0..job.shards as usize {
             let name = shard_section(s);
             let bytes = find(&name)
@@ -137,5 +139,54 @@ impl RestoreState {
             .filter(|(s, _)| s % self.new_shards == shard)
             .map(|(_, p)| p)
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::snapshot::{encode, JobSnapshot, SECTIONS_VERSION};
+
+    struct NoFiles;
+
+    impl CheckpointReader for NoFiles {
+        fn link_file_to(&self, _: &FileRefData, _: &Path) -> Result<(), String> {
+            Err("no files".into())
+        }
+        fn path_of(&self, _: &FileRefData) -> std::path::PathBuf {
+            std::path::PathBuf::new()
+        }
+        fn read_logical(&self, _: &LogicalRefData) -> Result<Vec<u8>, String> {
+            Err("no files".into())
+        }
+    }
+
+    fn job(shards: u32) -> (String, Vec<u8>) {
+        let j = JobSnapshot {
+            shards,
+            max_parallelism: 128,
+            format_version: SECTIONS_VERSION,
+        };
+        (JOB_SECTION.to_owned(), encode(&j))
+    }
+
+    /// A shard count from the metadata (valid CRCs, any value) names a missing section; it
+    /// never sizes an allocation up front.
+    #[test]
+    fn a_forged_shard_count_is_an_error_naming_the_missing_section() {
+        for shards in [u32::MAX, 3] {
+            let mut sections = vec![job(shards)];
+            sections.push((shard_section(0), encode(&ShardSnapshot::default())));
+            let e = RestoreState::decode(7, &sections, Arc::new(NoFiles), 2, 128)
+                .err()
+                .expect("sections missing");
+            assert_eq!(e, "checkpoint 7 has no section weir/shard-0001", "{shards}");
+        }
+        let sections = vec![
+            job(1),
+            (shard_section(0), encode(&ShardSnapshot::default())),
+        ];
+        let r = RestoreState::decode(7, &sections, Arc::new(NoFiles), 2, 128).expect("decodes");
+        assert_eq!(r.shards.len(), 1);
     }
 }
