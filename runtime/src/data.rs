@@ -8,6 +8,10 @@
 use rkyv::api::high::{HighDeserializer, HighSerializer, HighValidator};
 use rkyv::bytecheck::CheckBytes;
 use rkyv::rancor::Error as RkyvError;
+/// The error type of validating bytes from outside the process: it says what failed and
+/// where in release builds too (`rancor::Error` does only with debug assertions, and said
+/// "failed without error information"). Only failures allocate it.
+pub type ValidateError = rkyv::rancor::BoxedError;
 use rkyv::ser::allocator::{Arena, ArenaHandle};
 use rkyv::ser::sharing::Share;
 use rkyv::ser::writer::Buffer;
@@ -20,7 +24,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 pub trait Data:
     Archive<
         Archived: Deserialize<Self, HighDeserializer<RkyvError>>
-                      + for<'a> CheckBytes<HighValidator<'a, RkyvError>>,
+                      + for<'a> CheckBytes<HighValidator<'a, ValidateError>>,
     > + for<'a, 'b> Serialize<HighSerializer<Buffer<'b>, ArenaHandle<'a>, RkyvError>>
     + for<'a> Serialize<HighSerializer<AlignedVec<16>, ArenaHandle<'a>, RkyvError>>
     + Clone
@@ -32,7 +36,7 @@ pub trait Data:
 impl<T> Data for T where
     T: Archive<
             Archived: Deserialize<T, HighDeserializer<RkyvError>>
-                          + for<'a> CheckBytes<HighValidator<'a, RkyvError>>,
+                          + for<'a> CheckBytes<HighValidator<'a, ValidateError>>,
         > + for<'a, 'b> Serialize<HighSerializer<Buffer<'b>, ArenaHandle<'a>, RkyvError>>
         + for<'a> Serialize<HighSerializer<AlignedVec<16>, ArenaHandle<'a>, RkyvError>>
         + Clone
@@ -76,9 +80,9 @@ pub(crate) unsafe fn read_trusted<T: Data>(bytes: &[u8]) -> T {
 
 /// Reads a record from bytes that came from outside this process (disk, another process):
 /// validated first.
-pub(crate) fn read_validated<T: Data>(bytes: &[u8]) -> Result<T, RkyvError> {
-    let archived = rkyv::access::<rkyv::Archived<T>, RkyvError>(bytes)?;
-    rkyv::deserialize::<T, RkyvError>(archived)
+pub(crate) fn read_validated<T: Data>(bytes: &[u8]) -> Result<T, ValidateError> {
+    let archived = rkyv::access::<rkyv::Archived<T>, ValidateError>(bytes)?;
+    rkyv::deserialize::<T, RkyvError>(archived).map_err(rkyv::rancor::Source::new)
 }
 
 #[cfg(test)]
@@ -132,7 +136,11 @@ mod tests {
         for b in &mut buf.0[n - 4..n] {
             *b = 0x7f;
         }
-        assert!(read_validated::<String>(&buf.0[..n]).is_err());
+        let e = read_validated::<String>(&buf.0[..n]).expect_err("offset out of range");
+        // What failed, in release builds too.
+        let e = e.to_string();
+        assert!(e.contains("pointer"), "{e}");
+        assert!(!e.contains("without error information"), "{e}");
     }
 
     #[test]

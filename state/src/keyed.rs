@@ -49,7 +49,7 @@ pub const TIMER_STATE_ID: u16 = 0xFFFF;
 /// What a state value must be: rkyv-archivable with validation and deserialization.
 pub trait StateValue:
     Archive<
-        Archived: for<'a> CheckBytes<HighValidator<'a, rancor::Error>>
+        Archived: for<'a> CheckBytes<HighValidator<'a, rancor::BoxedError>>
                       + Deserialize<Self, HighDeserializer<rancor::Error>>,
     > + for<'a> Serialize<HighSerializer<AlignedVec, ArenaHandle<'a>, rancor::Error>>
     + Sized
@@ -58,7 +58,7 @@ pub trait StateValue:
 
 impl<T> StateValue for T where
     T: Archive<
-            Archived: for<'a> CheckBytes<HighValidator<'a, rancor::Error>>
+            Archived: for<'a> CheckBytes<HighValidator<'a, rancor::BoxedError>>
                           + Deserialize<T, HighDeserializer<rancor::Error>>,
         > + for<'a> Serialize<HighSerializer<AlignedVec, ArenaHandle<'a>, rancor::Error>>
 {
@@ -133,7 +133,7 @@ fn access<'a, V: StateValue>(state_id: u16, f: Found<'a>) -> Result<&'a V::Archi
         // type), and they sit 16-aligned in the memtable arena, unchanged since.
         return Ok(unsafe { rkyv::access_unchecked::<V::Archived>(f.value) });
     }
-    rkyv::access::<V::Archived, rancor::Error>(f.value).map_err(|e| StateError::BadValue {
+    rkyv::access::<V::Archived, rancor::BoxedError>(f.value).map_err(|e| StateError::BadValue {
         state_id,
         source_desc: if f.in_memory {
             "memtable"

@@ -2,6 +2,10 @@
 //! validated when read back (DESIGN invariant 7: bytes from disk are validated).
 
 use rkyv::rancor::Error as RkyvError;
+/// The error type of decoding from disk: it keeps what failed validation and where in release
+/// builds too (`rancor::Error` keeps that only with debug assertions, and said "failed
+/// without error information" about a damaged checkpoint). Only failures allocate it.
+type DecodeError = rkyv::rancor::BoxedError;
 use rkyv::{Archive, Deserialize, Serialize};
 
 /// A whole file in checkpoint storage (an uploaded segment).
@@ -110,25 +114,25 @@ where
 pub fn decode_shard(bytes: &[u8]) -> Result<ShardSnapshot, String> {
     let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len());
     aligned.extend_from_slice(bytes);
-    rkyv::from_bytes::<ShardSnapshot, RkyvError>(&aligned).map_err(|e| e.to_string())
+    rkyv::from_bytes::<ShardSnapshot, DecodeError>(&aligned).map_err(|e| e.to_string())
 }
 
 /// Decodes any rkyv value read from disk: copied to aligned memory and validated first.
 pub fn decode_any<T>(bytes: &[u8]) -> Result<T, String>
 where
     T: rkyv::Archive,
-    T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, RkyvError>>
-        + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<RkyvError>>,
+    T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, DecodeError>>
+        + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<DecodeError>>,
 {
     let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len());
     aligned.extend_from_slice(bytes);
-    rkyv::from_bytes::<T, RkyvError>(&aligned).map_err(|e| e.to_string())
+    rkyv::from_bytes::<T, DecodeError>(&aligned).map_err(|e| e.to_string())
 }
 
 pub fn decode_job(bytes: &[u8]) -> Result<JobSnapshot, String> {
     let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len());
     aligned.extend_from_slice(bytes);
-    rkyv::from_bytes::<JobSnapshot, RkyvError>(&aligned).map_err(|e| e.to_string())
+    rkyv::from_bytes::<JobSnapshot, DecodeError>(&aligned).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
@@ -156,7 +160,10 @@ mod tests {
         let mut bad = b.clone();
         let n = bad.len();
         bad[n - 4..].copy_from_slice(&[0xff; 4]);
-        assert!(decode_shard(&bad).is_err());
+        // The error says what failed, in release builds too.
+        let e = decode_shard(&bad).expect_err("a pointer out of range");
+        assert!(e.contains("pointer"), "{e}");
+        assert!(!e.contains("without error information"), "{e}");
         assert!(decode_shard(&b[..n / 2]).is_err());
     }
 }
