@@ -1,0 +1,164 @@
+//! Forged checkpoints: a real checkpoint's `_metadata` with bytes of the runtime's sections
+//! changed and its CRC written again, so that only the decoders and checks behind the CRC
+//! stand between the change and a restore. A job restored from it fails with an error that is
+//! not a panic (a shard's panic is reported as one, and the job must not need it), or it runs
+//! to the end; nothing aborts the process.
+//!
+//! `WEIR_FORGED_CASES` sets the number of forged checkpoints (default 24).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use weir_io::CheckpointMetadata;
+use weir_runtime::checkpoint::{CheckpointConfig, CheckpointMode, RestartStrategy};
+use weir_runtime::{Job, JobConfig, JobError, Pinning, RestoreFrom};
+
+fn cases() -> u64 {
+    std::env::var("WEIR_FORGED_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(24)
+}
+
+/// `(key, value, index)` records: 37 keys.
+fn data(n: u64) -> Vec<(u64, i64, u64)> {
+    (0..n)
+        .map(|i| (i * 7919 % 37, (i % 13) as i64 - 6, i))
+        .collect()
+}
+
+/// The keyed running sum: a source with uid `input`, every 200th record 1 ms late when
+/// `slow` (so that checkpoints complete while it runs), summed per key by `sum`.
+fn job(config: JobConfig, data: &[(u64, i64, u64)], slow: bool) -> Job {
+    let job = Job::new(config);
+    let _out = job
+        .from_vec(data.to_vec())
+        .uid("input")
+        .inspect(move |r: &(u64, i64, u64)| {
+            if slow && r.2.is_multiple_of(200) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+        .key_by(|r| r.0)
+        .reduce(|a, b| (a.0, a.1 + b.1, b.2))
+        .uid("sum")
+        .collect();
+    job
+}
+
+/// The `_metadata` files under `dir`, each with its checkpoint directory.
+fn metadata_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_owned()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).expect("read_dir").flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.file_name().is_some_and(|n| n == "_metadata") {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// A small deterministic generator (splitmix64).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
+
+#[test]
+fn a_restore_from_forged_runtime_sections_fails_without_a_panic_or_runs() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let records = data(20_000);
+    let ck = CheckpointConfig::new(dir.path(), "forged")
+        .with_interval(Duration::from_millis(10))
+        .with_mode(CheckpointMode::ExactlyOnce)
+        .with_retained(1)
+        .with_restart(RestartStrategy::None);
+    let config = JobConfig::new()
+        .with_shards(2)
+        .with_pinning(Pinning::Never)
+        .with_checkpointing(ck);
+    let h = job(config, &records, true).start().expect("start");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while h.checkpoint_metrics().number_of_completed_checkpoints < 3 {
+        assert!(std::time::Instant::now() < deadline, "no checkpoints");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    h.cancel();
+    assert!(matches!(h.wait(), Err(JobError::Cancelled)));
+    let files = metadata_files(dir.path());
+    let meta_path = files.last().expect("a checkpoint").clone();
+    let chk = meta_path.parent().expect("checkpoint dir").to_owned();
+    let pristine = std::fs::read(&meta_path).expect("read");
+    let meta = CheckpointMetadata::decode(&meta_path, &pristine).expect("decodes");
+    assert!(meta.sections.len() >= 3, "job and shard sections");
+
+    let restore = |shards: usize| -> Result<(), String> {
+        // Checkpoints of the restored job go elsewhere, and a failure is final.
+        let ck = CheckpointConfig::new(dir.path().join("restored"), "forged")
+            .with_retained(1)
+            .with_restart(RestartStrategy::None);
+        let config = JobConfig::new()
+            .with_shards(shards)
+            .with_pinning(Pinning::Never)
+            .with_checkpointing(ck)
+            .with_restore(RestoreFrom::Path(chk.clone()));
+        match job(config, &records, false).start() {
+            Err(e) => Err(format!("start: {e}")),
+            Ok(h) => h.wait().map(|_| ()).map_err(|e| match e {
+                JobError::Panic { .. } => panic!("a forged checkpoint made a shard panic: {e}"),
+                e => format!("run: {e}"),
+            }),
+        }
+    };
+    // The harness restores: the checkpoint as it was runs to the end.
+    restore(2).expect("the pristine checkpoint restores");
+
+    let mut rng = Rng(0x5eed);
+    let (mut refused, mut ran) = (0, 0);
+    for case in 0..cases() {
+        let mut m = meta.clone();
+        let s = (rng.next() % m.sections.len() as u64) as usize;
+        let bytes = &mut m.sections[s].1;
+        let changes = 1 + rng.next() % 3;
+        for _ in 0..changes {
+            if bytes.is_empty() {
+                break;
+            }
+            let at = (rng.next() % bytes.len() as u64) as usize;
+            bytes[at] = match rng.next() % 4 {
+                0 => rng.next() as u8,
+                1 => bytes[at].wrapping_add(1),
+                2 => bytes[at].wrapping_sub(1),
+                _ => 0xff,
+            };
+        }
+        std::fs::write(&meta_path, m.encode()).expect("write");
+        let shards = 1 + (case % 3) as usize;
+        match restore(shards) {
+            Err(e) => {
+                assert!(!e.contains("panicked"), "case {case}: {e}");
+                refused += 1;
+            }
+            Ok(()) => ran += 1,
+        }
+    }
+    std::fs::write(&meta_path, &pristine).expect("write");
+    eprintln!("forged checkpoints: {refused} refused, {ran} ran");
+    assert!(
+        refused > 0,
+        "no forgery was refused: the changes missed the sections"
+    );
+}
