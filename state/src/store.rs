@@ -726,10 +726,20 @@ impl Store {
                     continue;
                 }
                 let seg = Segment::open(fs.clone(), &r.path, Some(r.segment_id), adopt)?;
+                // The handle's key groups decide which segments a restore opens: those of an
+                // opened one must be the ones its keys have.
+                let kgs = |k: Option<KeyGroupRange>| {
+                    k.map_or((u64::MAX, u64::MAX), |k| {
+                        (u64::from(k.first), u64::from(k.last))
+                    })
+                };
+                let (hkg, skg) = (kgs(r.key_groups), kgs(seg.key_groups));
                 for (what, expected, actual) in [
                     ("size", r.size_bytes, seg.size_bytes),
                     ("crc32", u64::from(r.crc32), u64::from(seg.crc32)),
                     ("entry count", r.entry_count, seg.entry_count),
+                    ("first key group", hkg.0, skg.0),
+                    ("last key group", hkg.1, skg.1),
                 ] {
                     if expected != actual {
                         return Err(StateError::HandleMismatch {

@@ -479,3 +479,35 @@ fn a_forged_block_count_is_an_error_not_an_allocation() {
         );
     }
 }
+
+/// A handle whose key groups differ from its segment's (which it names for a restore to skip
+/// segments outside the range) is refused once the segment is opened, naming the file.
+#[test]
+fn a_handle_whose_key_groups_differ_from_its_segment_is_refused() {
+    let root = tempfile::tempdir().unwrap();
+    let (h, p) = one_segment(root.path());
+    let kg = h.segments[0].key_groups.expect("keys");
+    for (n, forged) in [
+        KeyGroupRange::new(kg.first + 1, kg.last),
+        KeyGroupRange::new(kg.first, kg.last - 1),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut h = h.clone();
+        h.segments[0].key_groups = Some(forged);
+        let e = Store::restore(
+            Arc::new(StdFs),
+            &root.path().join(format!("r{n}")),
+            config(),
+            std::slice::from_ref(&h),
+            KeyGroupRange::all(MAX_PARALLELISM),
+        )
+        .expect_err("key groups differ");
+        assert!(
+            matches!(&e, StateError::HandleMismatch { file, what, .. }
+                if file == &p && what.contains("key group")),
+            "{e}"
+        );
+    }
+}
