@@ -4,14 +4,16 @@
 //! not a panic (a shard's panic is reported as one, and the job must not need it), or it runs
 //! to the end; nothing aborts the process.
 //!
-//! `WEIR_FORGED_CASES` sets the number of forged checkpoints (default 24).
+//! `WEIR_FORGED_CASES` sets the number of forged checkpoints per job (default 24).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use weir_io::CheckpointMetadata;
 use weir_runtime::checkpoint::{CheckpointConfig, CheckpointMode, RestartStrategy};
-use weir_runtime::{Job, JobConfig, JobError, Pinning, RestoreFrom};
+use weir_runtime::{
+    Job, JobConfig, JobError, Pinning, RestoreFrom, WatermarkStrategy, WindowAssigner,
+};
 
 fn cases() -> u64 {
     std::env::var("WEIR_FORGED_CASES")
@@ -27,22 +29,53 @@ fn data(n: u64) -> Vec<(u64, i64, u64)> {
         .collect()
 }
 
-/// The keyed running sum: a source with uid `input`, every 200th record 1 ms late when
-/// `slow` (so that checkpoints complete while it runs), summed per key by `sum`.
-fn job(config: JobConfig, data: &[(u64, i64, u64)], slow: bool) -> Job {
+/// The jobs whose checkpoints are forged.
+#[derive(Clone, Copy, Debug)]
+enum Shape {
+    /// A source with uid `input`, summed per key by `sum` (keyed state: segments).
+    Sum,
+    /// Event-time tumbling windows counted per key (window state and timers), then summed per
+    /// window start; with unaligned checkpoints, which also hold the records a barrier
+    /// overtook, if any.
+    Windows,
+}
+
+/// The job of `shape` over `data`, every 200th record 1 ms late when `slow` (so that
+/// checkpoints complete while it runs).
+fn job(shape: Shape, config: JobConfig, data: &[(u64, i64, u64)], slow: bool) -> Job {
     let job = Job::new(config);
-    let _out = job
+    let input = job
         .from_vec(data.to_vec())
         .uid("input")
         .inspect(move |r: &(u64, i64, u64)| {
             if slow && r.2.is_multiple_of(200) {
                 std::thread::sleep(Duration::from_millis(1));
             }
-        })
-        .key_by(|r| r.0)
-        .reduce(|a, b| (a.0, a.1 + b.1, b.2))
-        .uid("sum")
-        .collect();
+        });
+    match shape {
+        Shape::Sum => {
+            let _out = input
+                .key_by(|r| r.0)
+                .reduce(|a, b| (a.0, a.1 + b.1, b.2))
+                .uid("sum")
+                .collect();
+        }
+        Shape::Windows => {
+            let _out = input
+                .assign_timestamps(WatermarkStrategy::bounded_out_of_orderness(
+                    5,
+                    |r: &(u64, i64, u64)| r.2 as i64,
+                ))
+                .key_by(|r| r.0)
+                .window(WindowAssigner::tumbling(100))
+                .count_with(|k, w, n| (*k, w.start, n))
+                .uid("count")
+                .key_by(|c: &(u64, i64, u64)| c.1 as u64)
+                .reduce(|a, b| (a.0, a.1, a.2 + b.2))
+                .uid("per-window")
+                .collect();
+        }
+    }
     job
 }
 
@@ -77,20 +110,22 @@ impl Rng {
     }
 }
 
-#[test]
-fn a_restore_from_forged_runtime_sections_fails_without_a_panic_or_runs() {
+/// Checkpoints a job of `shape`, then restores it from `cases()` forgeries of the newest
+/// checkpoint's runtime sections (seeded by `seed`).
+fn forge_and_restore(shape: Shape, seed: u64) {
     let dir = tempfile::tempdir().expect("tmp");
     let records = data(20_000);
     let ck = CheckpointConfig::new(dir.path(), "forged")
         .with_interval(Duration::from_millis(10))
         .with_mode(CheckpointMode::ExactlyOnce)
+        .with_unaligned(matches!(shape, Shape::Windows))
         .with_retained(1)
         .with_restart(RestartStrategy::None);
     let config = JobConfig::new()
         .with_shards(2)
         .with_pinning(Pinning::Never)
         .with_checkpointing(ck);
-    let h = job(config, &records, true).start().expect("start");
+    let h = job(shape, config, &records, true).start().expect("start");
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while h.checkpoint_metrics().number_of_completed_checkpoints < 3 {
         assert!(std::time::Instant::now() < deadline, "no checkpoints");
@@ -115,7 +150,7 @@ fn a_restore_from_forged_runtime_sections_fails_without_a_panic_or_runs() {
             .with_pinning(Pinning::Never)
             .with_checkpointing(ck)
             .with_restore(RestoreFrom::Path(chk.clone()));
-        match job(config, &records, false).start() {
+        match job(shape, config, &records, false).start() {
             Err(e) => Err(format!("start: {e}")),
             Ok(h) => h.wait().map(|_| ()).map_err(|e| match e {
                 JobError::Panic { .. } => panic!("a forged checkpoint made a shard panic: {e}"),
@@ -126,7 +161,7 @@ fn a_restore_from_forged_runtime_sections_fails_without_a_panic_or_runs() {
     // The harness restores: the checkpoint as it was runs to the end.
     restore(2).expect("the pristine checkpoint restores");
 
-    let mut rng = Rng(0x5eed);
+    let mut rng = Rng(seed);
     let (mut refused, mut ran) = (0, 0);
     for case in 0..cases() {
         let mut m = meta.clone();
@@ -156,9 +191,19 @@ fn a_restore_from_forged_runtime_sections_fails_without_a_panic_or_runs() {
         }
     }
     std::fs::write(&meta_path, &pristine).expect("write");
-    eprintln!("forged checkpoints: {refused} refused, {ran} ran");
+    eprintln!("{shape:?}: forged checkpoints: {refused} refused, {ran} ran");
     assert!(
         refused > 0,
         "no forgery was refused: the changes missed the sections"
     );
+}
+
+#[test]
+fn a_restore_from_forged_keyed_state_sections_fails_without_a_panic_or_runs() {
+    forge_and_restore(Shape::Sum, 0x5eed);
+}
+
+#[test]
+fn a_restore_from_forged_window_timer_and_in_flight_sections_fails_without_a_panic_or_runs() {
+    forge_and_restore(Shape::Windows, 0xf00d);
 }
