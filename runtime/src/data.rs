@@ -8,16 +8,17 @@
 use rkyv::api::high::{HighDeserializer, HighSerializer, HighValidator};
 use rkyv::bytecheck::CheckBytes;
 use rkyv::rancor::Error as RkyvError;
-/// The error type of validating bytes from outside the process: it says what failed and
-/// where in release builds too (`rancor::Error` does only with debug assertions, and said
-/// "failed without error information"). Only failures allocate it.
-pub type ValidateError = rkyv::rancor::BoxedError;
 use rkyv::ser::allocator::{Arena, ArenaHandle};
 use rkyv::ser::sharing::Share;
 use rkyv::ser::writer::Buffer;
 use rkyv::ser::Serializer;
 use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
+
+/// The error type of validating bytes from outside the process: it says what failed and
+/// where in release builds too (`rancor::Error` does only with debug assertions, and said
+/// "failed without error information"). Only failures allocate it.
+pub type ValidateError = rkyv::rancor::BoxedError;
 
 /// A type that can be a record of a stream: derive `rkyv::Archive`, `rkyv::Serialize`,
 /// `rkyv::Deserialize` and `Clone`. Implemented for every such type.

@@ -2,11 +2,12 @@
 //! validated when read back (DESIGN invariant 7: bytes from disk are validated).
 
 use rkyv::rancor::Error as RkyvError;
+use rkyv::{Archive, Deserialize, Serialize};
+
 /// The error type of decoding from disk: it keeps what failed validation and where in release
 /// builds too (`rancor::Error` keeps that only with debug assertions, and said "failed
 /// without error information" about a damaged checkpoint). Only failures allocate it.
 type DecodeError = rkyv::rancor::BoxedError;
-use rkyv::{Archive, Deserialize, Serialize};
 
 /// A whole file in checkpoint storage (an uploaded segment).
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
