@@ -139,6 +139,10 @@ fn forge_and_restore(shape: Shape, seed: u64) {
     let pristine = std::fs::read(&meta_path).expect("read");
     let meta = CheckpointMetadata::decode(&meta_path, &pristine).expect("decodes");
     assert!(meta.sections.len() >= 3, "job and shard sections");
+    assert!(
+        !meta.files.is_empty() || !meta.logical_files.is_empty(),
+        "files to forge references to"
+    );
 
     let restore = |shards: usize| -> Result<(), String> {
         // Checkpoints of the restored job go elsewhere, and a failure is final.
@@ -165,20 +169,47 @@ fn forge_and_restore(shape: Shape, seed: u64) {
     let (mut refused, mut ran) = (0, 0);
     for case in 0..cases() {
         let mut m = meta.clone();
-        let s = (rng.next() % m.sections.len() as u64) as usize;
-        let bytes = &mut m.sections[s].1;
-        let changes = 1 + rng.next() % 3;
-        for _ in 0..changes {
-            if bytes.is_empty() {
-                break;
+        // A third of the cases change what the metadata says of a file it references (its
+        // size, CRC, offset or first block), the others the bytes of a section.
+        let mut near = |x: u64, max: u64| match rng.next() % 4 {
+            0 => x.wrapping_add(1) & max,
+            1 => x.wrapping_sub(1) & max,
+            2 => max,
+            _ => rng.next() & max,
+        };
+        let files = m.files.len() + m.logical_files.len();
+        if case % 3 == 0 && files > 0 {
+            let i = (case as usize / 3) % files;
+            let field = (case / 3 / files as u64) % 4;
+            if let Some(f) = m.files.get_mut(i) {
+                match field {
+                    0 | 2 => f.size_bytes = near(f.size_bytes, u64::MAX),
+                    _ => f.crc32 = near(u64::from(f.crc32), u64::from(u32::MAX)) as u32,
+                }
+            } else if let Some(l) = m.logical_files.get_mut(i - m.files.len()) {
+                match field {
+                    0 => l.size_bytes = near(l.size_bytes, u64::MAX),
+                    1 => l.offset = near(l.offset, u64::MAX),
+                    2 => l.first_block = near(u64::from(l.first_block), u64::from(u32::MAX)) as u32,
+                    _ => l.crc32 = near(u64::from(l.crc32), u64::from(u32::MAX)) as u32,
+                }
             }
-            let at = (rng.next() % bytes.len() as u64) as usize;
-            bytes[at] = match rng.next() % 4 {
-                0 => rng.next() as u8,
-                1 => bytes[at].wrapping_add(1),
-                2 => bytes[at].wrapping_sub(1),
-                _ => 0xff,
-            };
+        } else {
+            let s = (rng.next() % m.sections.len() as u64) as usize;
+            let bytes = &mut m.sections[s].1;
+            let changes = 1 + rng.next() % 3;
+            for _ in 0..changes {
+                if bytes.is_empty() {
+                    break;
+                }
+                let at = (rng.next() % bytes.len() as u64) as usize;
+                bytes[at] = match rng.next() % 4 {
+                    0 => rng.next() as u8,
+                    1 => bytes[at].wrapping_add(1),
+                    2 => bytes[at].wrapping_sub(1),
+                    _ => 0xff,
+                };
+            }
         }
         std::fs::write(&meta_path, m.encode()).expect("write");
         let shards = 1 + (case % 3) as usize;

@@ -436,9 +436,10 @@ pub fn inspect(a: &InspectArgs) -> Result<(), VerifyFailed> {
             p.kind,
             p.inline_bytes,
             p.files.len(),
-            p.files.iter().map(|f| f.1).sum::<u64>(),
+            p.files.iter().map(|f| f.1).fold(0, u64::saturating_add),
             p.logical.len(),
-            p.logical.iter().map(|f| f.1).sum::<u64>()
+            // Sizes as a (maybe forged) checkpoint states them: saturated, never wrapped.
+            p.logical.iter().map(|f| f.1).fold(0, u64::saturating_add)
         );
     }
     Ok(())

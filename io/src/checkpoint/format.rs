@@ -141,10 +141,14 @@ impl CheckpointMetadata {
             .collect()
     }
 
-    /// Total content bytes the checkpoint references (its full state size).
+    /// Total content bytes the checkpoint references (its full state size). Saturates: the
+    /// sizes come from a file (one whose CRC was written again after an edit can state any).
     pub fn size_bytes(&self) -> u64 {
-        self.files.iter().map(|f| f.size_bytes).sum::<u64>()
-            + self.logical_files.iter().map(|l| l.size_bytes).sum::<u64>()
+        self.files
+            .iter()
+            .map(|f| f.size_bytes)
+            .chain(self.logical_files.iter().map(|l| l.size_bytes))
+            .fold(0, u64::saturating_add)
     }
 
     /// The bytes of the section named `name`, if any.
@@ -553,7 +557,10 @@ pub(crate) fn block_count(size_bytes: u64, block_payload_bytes_max: u32) -> u64 
 
 /// On-disk length of `size_bytes` of content framed in blocks.
 pub(crate) fn framed_len(size_bytes: u64, block_payload_bytes_max: u32) -> u64 {
-    size_bytes + block_count(size_bytes, block_payload_bytes_max) * BLOCK_HEADER_LEN as u64
+    // Saturates (a size read from metadata can be anything): no file is that long.
+    let headers =
+        block_count(size_bytes, block_payload_bytes_max).saturating_mul(BLOCK_HEADER_LEN as u64);
+    size_bytes.saturating_add(headers)
 }
 
 /// The name of a data file: `<checkpoint id>-<file id, 16 hex digits>-<hint>`. The name binds
@@ -633,6 +640,19 @@ mod tests {
             }],
             sections: vec![("sources".into(), vec![1, 2, 3])],
         }
+    }
+
+    /// Sizes come from a file: any value sums and frames without overflowing (a panic in
+    /// debug builds, found by restoring forged metadata), saturating instead.
+    #[test]
+    fn stated_sizes_saturate() {
+        let mut m = sample();
+        assert_eq!(m.size_bytes(), 13);
+        m.files[0].size_bytes = u64::MAX - 1;
+        assert_eq!(m.size_bytes(), u64::MAX);
+        assert_eq!(framed_len(u64::MAX - 1, 1), u64::MAX);
+        assert_eq!(framed_len(u64::MAX, u32::MAX), u64::MAX);
+        assert_eq!(framed_len(10, 4), 10 + 3 * BLOCK_HEADER_LEN as u64);
     }
 
     #[test]
