@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use clap::Args;
 use weir_io::{
-    CheckpointError, CheckpointKind, CheckpointMetadata, CheckpointStorage, Savepoint, StdFs,
-    VerifyError,
+    CheckpointError, CheckpointKind, CheckpointMetadata, CheckpointStorage, FormatError, Savepoint,
+    StdFs, VerifyError,
 };
 
 #[derive(Args)]
@@ -172,6 +172,11 @@ fn verify_one(a: &VerifyArgs) -> Result<(), VerifyFailed> {
         let r = s
             .verify(id)
             .map_err(|e| VerifyFailed::Corrupt(format!("{job}: {e}")))?;
+        if let Ok(m) = s.read_metadata(id) {
+            check_segments(s.job_dir(), &m).map_err(|e| {
+                VerifyFailed::Corrupt(format!("{job}: checkpoint {id} is corrupt: {e}"))
+            })?;
+        }
         println!(
             "ok {job} checkpoint {id}: {} files, {} logical files, {} bytes checked",
             r.files, r.logical_files, r.bytes_checked
@@ -184,6 +189,8 @@ fn verify_one(a: &VerifyArgs) -> Result<(), VerifyFailed> {
     let r = sp
         .verify()
         .map_err(|e| VerifyFailed::Corrupt(format!("{shown}: {e}")))?;
+    check_segments(sp.dir(), sp.metadata())
+        .map_err(|e| VerifyFailed::Corrupt(format!("{shown}: savepoint is corrupt: {e}")))?;
     println!(
         "ok savepoint {shown} (checkpoint {}): {} files, {} logical files, {} bytes checked",
         r.checkpoint_id, r.files, r.logical_files, r.bytes_checked
@@ -260,7 +267,18 @@ fn verify_listed(
         }
     };
     for id in ids {
-        match s.verify(id) {
+        // The segments' own checks after the CRCs, on the metadata verify just read (gone
+        // since: retention removed the checkpoint, handled as the arms below handle it).
+        let verified = s.verify(id).and_then(|r| match s.read_metadata(id) {
+            Ok(m) => check_segments(s.job_dir(), &m)
+                .map(|()| r)
+                .map_err(|source| VerifyError::Corrupt {
+                    checkpoint_id: id,
+                    source,
+                }),
+            Err(_) => Ok(r),
+        });
+        match verified {
             Ok(r) => {
                 checked += 1;
                 println!(
@@ -288,6 +306,20 @@ fn verify_listed(
         }
     }
     Ok((checked, skipped))
+}
+
+/// After the CRCs matched the metadata: every raw segment the checkpoint references passes
+/// the checks a restore makes of it (structure, every key in its filter), so that `verify`
+/// refuses what a restore would. A CRC only says the bytes are those the metadata describes,
+/// and a file changed together with its metadata passes it. Other files (framed ones,
+/// segments of other formats) are left to the CRC.
+fn check_segments(base: &Path, m: &CheckpointMetadata) -> Result<(), FormatError> {
+    for f in &m.files {
+        if let Some(e) = weir_state::diagnose_segment(&StdFs, &base.join(&f.path)) {
+            return Err(e);
+        }
+    }
+    Ok(())
 }
 
 /// Whether checkpoint `id` still has a metadata file (a verifying, or a corrupt, one).

@@ -762,6 +762,59 @@ fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
     );
 }
 
+/// A segment changed together with the metadata that describes it (here cut short by its
+/// footer, its size and CRC in `_metadata` written again) passes the CRC comparison, but not
+/// the segment's own checks, which `verify` makes after it, as a restore does: exit code 3,
+/// naming the file and the offset.
+#[test]
+fn verify_checks_segments_beyond_the_crcs_in_the_metadata() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let recs = records(5_000, 17);
+    let input = dir.path().join("in.jsonl");
+    write_jsonl(&input, &recs);
+    let (out, ck) = (dir.path().join("out"), dir.path().join("ckpt"));
+    let r = keyed_sum(
+        &input,
+        "jsonl",
+        &out,
+        &["--checkpoint-dir", ck.to_str().expect("utf8")],
+    );
+    assert!(r.status.success(), "{}", stderr(&r));
+    let job = ck.join("keyed-sum");
+    let mut chks: Vec<PathBuf> = std::fs::read_dir(&job)
+        .expect("job dir")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.join("_metadata").is_file())
+        .collect();
+    chks.sort();
+    let chk = chks.pop().expect("a checkpoint");
+    let meta_path = chk.join("_metadata");
+    let mut m =
+        weir_io::CheckpointMetadata::decode(&meta_path, &std::fs::read(&meta_path).expect("read"))
+            .expect("metadata");
+    let f = m
+        .files
+        .iter_mut()
+        .find(|f| f.path.to_string_lossy().contains("-raw-"))
+        .expect("a raw segment");
+    let seg = job.join(&f.path);
+    let mut bytes = std::fs::read(&seg).expect("segment");
+    bytes.truncate(bytes.len() - 64);
+    std::fs::write(&seg, &bytes).expect("write");
+    f.size_bytes = bytes.len() as u64;
+    f.crc32 = weir_io::crc32(&[&bytes]);
+    std::fs::write(&meta_path, m.encode()).expect("write metadata");
+    let v = weir(&["checkpoints", "verify", chk.to_str().expect("utf8")]);
+    assert_eq!(v.status.code(), Some(3), "{}", stderr(&v));
+    let e = stderr(&v);
+    let name = seg.file_name().and_then(|n| n.to_str()).expect("name");
+    assert!(e.contains(name) && e.contains("offset"), "{e}");
+    // The whole directory as well.
+    let v = weir(&["checkpoints", "verify", ck.to_str().expect("utf8")]);
+    assert_eq!(v.status.code(), Some(3), "{}", stderr(&v));
+}
+
 /// With a checkpoint directory (and so a restart strategy) a mistake in the input is still one
 /// line and exit code 1: a malformed line under the fail policy, an unknown column and a
 /// missing input would fail every restart the same way. Before, the job restarted forever.
