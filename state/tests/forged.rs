@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use proptest::prelude::*;
-use weir_io::{Fs, StdFs};
+use weir_io::StdFs;
 use weir_state::{
     segment_layout as L, KeyGroupRange, SnapshotHandle, StateError, Store, StoreConfig,
 };
@@ -43,8 +43,7 @@ fn cases() -> u32 {
 /// One snapshot of a single segment with several data blocks: values of several lengths (so
 /// that entries start at every 16-byte phase), tombstones, and entries with a TTL.
 fn one_segment(root: &Path) -> (SnapshotHandle, PathBuf) {
-    let fs: Arc<dyn Fs> = Arc::new(StdFs);
-    let mut s = Store::open(fs, &root.join("src"), config()).unwrap();
+    let mut s = Store::open(Arc::new(StdFs), &root.join("src"), config()).unwrap();
     s.set_now_ms(NOW_MS - 500);
     s.set_ttl(1, Some(1000));
     for u in 0..48u16 {
@@ -58,6 +57,17 @@ fn one_segment(root: &Path) -> (SnapshotHandle, PathBuf) {
     assert_eq!(h.segments.len(), 1);
     let p = h.segments[0].path.clone();
     (h, p)
+}
+
+/// Restore `h` into a new store at `dir`, with every key group.
+fn restore(dir: &Path, h: &SnapshotHandle) -> Result<Store, StateError> {
+    Store::restore(
+        Arc::new(StdFs),
+        dir,
+        config(),
+        std::slice::from_ref(h),
+        KeyGroupRange::all(MAX_PARALLELISM),
+    )
 }
 
 fn rd(b: &[u8], at: usize, n: usize) -> Option<u64> {
@@ -308,14 +318,7 @@ proptest! {
         seg.size_bytes = b.len() as u64;
         seg.crc32 = crc32fast::hash(&b);
         seg.entry_count = rd(&b, b.len() - L::FOOTER_LEN + L::F_ENTRY_COUNT, 8).unwrap();
-        let fs: Arc<dyn Fs> = Arc::new(StdFs);
-        let restored = Store::restore(
-            fs,
-            &root.path().join("restored"),
-            config(),
-            std::slice::from_ref(&h),
-            KeyGroupRange::all(MAX_PARALLELISM),
-        );
+        let restored = restore(&root.path().join("restored"), &h);
         let mut store = match restored {
             Err(e) => {
                 prop_assert!(named_error(&e, &p), "refused without naming {}: {e}", p.display());
@@ -367,15 +370,7 @@ fn the_forger_reaches_the_structure_checks() {
     fix_crcs(&mut b, &starts);
     std::fs::write(&p, &b).unwrap();
     h.segments[0].crc32 = crc32fast::hash(&b);
-    let fs: Arc<dyn Fs> = Arc::new(StdFs);
-    let e = Store::restore(
-        fs.clone(),
-        &root.path().join("r1"),
-        config(),
-        std::slice::from_ref(&h),
-        KeyGroupRange::all(MAX_PARALLELISM),
-    )
-    .expect_err("a forged entry count is refused");
+    let e = restore(&root.path().join("r1"), &h).expect_err("a forged entry count is refused");
     let f = e.as_format().expect("a format error");
     assert_eq!(f.file(), p.as_path());
     assert!(
@@ -388,14 +383,7 @@ fn the_forger_reaches_the_structure_checks() {
     assert_eq!(same, pristine);
     std::fs::write(&p, &pristine).unwrap();
     h.segments[0].crc32 = crc32fast::hash(&pristine);
-    let mut s = Store::restore(
-        fs,
-        &root.path().join("r2"),
-        config(),
-        std::slice::from_ref(&h),
-        KeyGroupRange::all(MAX_PARALLELISM),
-    )
-    .unwrap();
+    let mut s = restore(&root.path().join("r2"), &h).unwrap();
     s.set_now_ms(NOW_MS);
     assert_eq!(all(&mut s), visible(&decode(&pristine).unwrap()));
 }
@@ -423,14 +411,8 @@ fn a_key_its_filter_does_not_hold_is_refused_naming_the_key() {
     fix_crcs(&mut b, &starts);
     std::fs::write(&p, &b).unwrap();
     h.segments[0].crc32 = crc32fast::hash(&b);
-    let e = Store::restore(
-        Arc::new(StdFs),
-        &root.path().join("r"),
-        config(),
-        std::slice::from_ref(&h),
-        KeyGroupRange::all(MAX_PARALLELISM),
-    )
-    .expect_err("a key the filter does not hold is refused");
+    let e =
+        restore(&root.path().join("r"), &h).expect_err("a key the filter does not hold is refused");
     let f = e.as_format().expect("a format error");
     assert_eq!(f.file(), p.as_path());
     assert_eq!(f.offset(), (first + L::ENTRY_HEADER_LEN) as u64, "{f}");
@@ -462,14 +444,8 @@ fn a_forged_block_count_is_an_error_not_an_allocation() {
         fix_crcs(&mut b, &starts);
         std::fs::write(&p, &b).unwrap();
         h.segments[0].crc32 = crc32fast::hash(&b);
-        let e = Store::restore(
-            Arc::new(StdFs),
-            &root.path().join(format!("r{count}")),
-            config(),
-            std::slice::from_ref(&h),
-            KeyGroupRange::all(MAX_PARALLELISM),
-        )
-        .expect_err("4 G data blocks in a file of a few KiB");
+        let e = restore(&root.path().join(format!("r{count}")), &h)
+            .expect_err("4 G data blocks in a file of a few KiB");
         let f = e.as_format().expect("a format error");
         assert_eq!(f.file(), p.as_path());
         let at = f.offset() as usize;
@@ -496,14 +472,7 @@ fn a_handle_whose_key_groups_differ_from_its_segment_is_refused() {
     {
         let mut h = h.clone();
         h.segments[0].key_groups = Some(forged);
-        let e = Store::restore(
-            Arc::new(StdFs),
-            &root.path().join(format!("r{n}")),
-            config(),
-            std::slice::from_ref(&h),
-            KeyGroupRange::all(MAX_PARALLELISM),
-        )
-        .expect_err("key groups differ");
+        let e = restore(&root.path().join(format!("r{n}")), &h).expect_err("key groups differ");
         assert!(
             matches!(&e, StateError::HandleMismatch { file, what, .. }
                 if file == &p && what.contains("key group")),

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use weir_io::CheckpointMetadata;
 use weir_runtime::checkpoint::{CheckpointConfig, CheckpointMode, RestartStrategy};
+use weir_runtime::source::splitmix64;
 use weir_runtime::{
     Job, JobConfig, JobError, Pinning, RestoreFrom, WatermarkStrategy, WindowAssigner,
 };
@@ -97,16 +98,16 @@ fn metadata_files(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
-/// A small deterministic generator (splitmix64).
-struct Rng(u64);
+/// A deterministic random sequence: `splitmix64(seed, i)` for i = 0, 1, ...
+struct Rng {
+    seed: u64,
+    i: u64,
+}
 
 impl Rng {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        self.i += 1;
+        splitmix64(self.seed, self.i)
     }
 }
 
@@ -165,7 +166,7 @@ fn forge_and_restore(shape: Shape, seed: u64) {
     // The harness restores: the checkpoint as it was runs to the end.
     restore(2).expect("the pristine checkpoint restores");
 
-    let mut rng = Rng(seed);
+    let mut rng = Rng { seed, i: 0 };
     let (mut refused, mut ran) = (0, 0);
     for case in 0..cases() {
         let mut m = meta.clone();
