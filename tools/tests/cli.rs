@@ -813,6 +813,33 @@ fn verify_checks_segments_beyond_the_crcs_in_the_metadata() {
     // The whole directory as well.
     let v = weir(&["checkpoints", "verify", ck.to_str().expect("utf8")]);
     assert_eq!(v.status.code(), Some(3), "{}", stderr(&v));
+    // A savepoint copies what the metadata describes (its CRCs match); verifying the copy
+    // makes the segment checks too.
+    let id = chk
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("chk-"))
+        .expect("chk-<n>");
+    let sp = dir.path().join("sp");
+    let o = weir(&[
+        "checkpoints",
+        "savepoint",
+        ck.to_str().expect("utf8"),
+        "--checkpoint",
+        id,
+        "--to",
+        sp.to_str().expect("utf8"),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let saved = std::fs::read_dir(&sp)
+        .expect("savepoint dir")
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.join("_metadata").is_file())
+        .expect("a savepoint");
+    let v = weir(&["checkpoints", "verify", saved.to_str().expect("utf8")]);
+    assert_eq!(v.status.code(), Some(3), "{}", stderr(&v));
+    assert!(stderr(&v).contains(name), "{}", stderr(&v));
 }
 
 /// With a checkpoint directory (and so a restart strategy) a mistake in the input is still one
