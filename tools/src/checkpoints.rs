@@ -267,8 +267,8 @@ fn verify_listed(
         }
     };
     for id in ids {
-        // The segments' own checks after the CRCs, on the metadata verify just read (gone
-        // since: retention removed the checkpoint, handled as the arms below handle it).
+        // The segments' own checks after the CRCs. If the metadata is gone by then, retention
+        // removed the checkpoint meanwhile, and it counts as verified by its CRCs.
         let verified = s.verify(id).and_then(|r| match s.read_metadata(id) {
             Ok(m) => check_segments(s.job_dir(), &m)
                 .map(|()| r)
