@@ -213,6 +213,22 @@ fn fix_crcs(b: &mut [u8], starts: &[usize]) {
     b[fo + L::F_CRC..fo + L::F_CRC + 4].copy_from_slice(&crc.to_le_bytes());
 }
 
+/// Write `b` as the segment file `p` and make its handle `h` agree with it (size, CRC, the
+/// footer's entry count), so that only the file's own checks can refuse it.
+fn install(p: &Path, h: &mut SnapshotHandle, b: &[u8]) {
+    std::fs::write(p, b).unwrap();
+    let seg = &mut h.segments[0];
+    seg.size_bytes = b.len() as u64;
+    seg.crc32 = crc32fast::hash(b);
+    seg.entry_count = rd(b, b.len() - L::FOOTER_LEN + L::F_ENTRY_COUNT, 8).unwrap();
+}
+
+/// [`fix_crcs`], then [`install`]: a forged file in place.
+fn forge(p: &Path, h: &mut SnapshotHandle, b: &mut [u8], starts: &[usize]) {
+    fix_crcs(b, starts);
+    install(p, h, b);
+}
+
 /// One change: at a structural field (`pick` chooses one, when `structural`) or anywhere
 /// (`anywhere`, a fraction of the file), the byte there is replaced as `how` says.
 #[derive(Debug, Clone)]
@@ -311,13 +327,7 @@ proptest! {
                 }
             }
         }
-        fix_crcs(&mut b, &starts);
-        std::fs::write(&p, &b).unwrap();
-        // The handle agrees with the forged file, so only the file's own checks can refuse it.
-        let seg = &mut h.segments[0];
-        seg.size_bytes = b.len() as u64;
-        seg.crc32 = crc32fast::hash(&b);
-        seg.entry_count = rd(&b, b.len() - L::FOOTER_LEN + L::F_ENTRY_COUNT, 8).unwrap();
+        forge(&p, &mut h, &mut b, &starts);
         let restored = restore(&root.path().join("restored"), &h);
         let mut store = match restored {
             Err(e) => {
@@ -367,9 +377,7 @@ fn the_forger_reaches_the_structure_checks() {
     let count_at = starts[0] + weir_io::BLOCK_HEADER_LEN;
     let mut b = pristine.clone();
     b[count_at] += 1;
-    fix_crcs(&mut b, &starts);
-    std::fs::write(&p, &b).unwrap();
-    h.segments[0].crc32 = crc32fast::hash(&b);
+    forge(&p, &mut h, &mut b, &starts);
     let e = restore(&root.path().join("r1"), &h).expect_err("a forged entry count is refused");
     let f = e.as_format().expect("a format error");
     assert_eq!(f.file(), p.as_path());
@@ -381,8 +389,7 @@ fn the_forger_reaches_the_structure_checks() {
     let mut same = pristine.clone();
     fix_crcs(&mut same, &starts);
     assert_eq!(same, pristine);
-    std::fs::write(&p, &pristine).unwrap();
-    h.segments[0].crc32 = crc32fast::hash(&pristine);
+    install(&p, &mut h, &pristine);
     let mut s = restore(&root.path().join("r2"), &h).unwrap();
     s.set_now_ms(NOW_MS);
     assert_eq!(all(&mut s), visible(&decode(&pristine).unwrap()));
@@ -408,9 +415,7 @@ fn a_key_its_filter_does_not_hold_is_refused_naming_the_key() {
     );
     let mut b = pristine.clone();
     b[last_byte] = 1;
-    fix_crcs(&mut b, &starts);
-    std::fs::write(&p, &b).unwrap();
-    h.segments[0].crc32 = crc32fast::hash(&b);
+    forge(&p, &mut h, &mut b, &starts);
     let e =
         restore(&root.path().join("r"), &h).expect_err("a key the filter does not hold is refused");
     let f = e.as_format().expect("a format error");
@@ -441,9 +446,7 @@ fn a_forged_block_count_is_an_error_not_an_allocation() {
         // and one past it.
         b[index_off + 8..index_off + 12].copy_from_slice(&count.to_le_bytes());
         b[filter_off + 8..filter_off + 12].copy_from_slice(&count.wrapping_add(1).to_le_bytes());
-        fix_crcs(&mut b, &starts);
-        std::fs::write(&p, &b).unwrap();
-        h.segments[0].crc32 = crc32fast::hash(&b);
+        forge(&p, &mut h, &mut b, &starts);
         let e = restore(&root.path().join(format!("r{count}")), &h)
             .expect_err("4 G data blocks in a file of a few KiB");
         let f = e.as_format().expect("a format error");

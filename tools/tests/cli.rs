@@ -493,6 +493,37 @@ fn committed_lines(dir: &Path) -> Vec<String> {
     lines
 }
 
+/// What the checkpointing tests start from: a temporary directory holding `n` records with
+/// `keys` keys as `in.csv` or `in.jsonl` (`format`), and where output (`out`) and checkpoints
+/// (`ckpt`) go.
+struct Inputs {
+    dir: tempfile::TempDir,
+    recs: Vec<(String, i64, i64)>,
+    input: PathBuf,
+    out: PathBuf,
+    ck: PathBuf,
+}
+
+impl Inputs {
+    fn new(n: u64, keys: u64, format: &str) -> Inputs {
+        let dir = tempfile::tempdir().expect("tmp");
+        let recs = records(n, keys);
+        let input = dir.path().join(format!("in.{format}"));
+        match format {
+            "csv" => write_csv(&input, &recs),
+            _ => write_jsonl(&input, &recs),
+        }
+        let (out, ck) = (dir.path().join("out"), dir.path().join("ckpt"));
+        Inputs {
+            dir,
+            recs,
+            input,
+            out,
+            ck,
+        }
+    }
+}
+
 /// A checkpointed `weir run keyed-sum` over a fresh CSV of `n` records with `keys` keys, in a
 /// temporary directory: exactly once into `out` on `shards` shards, a checkpoint every
 /// `interval` in `ck`, continuing from the newest one (`--restore latest`).
@@ -506,11 +537,13 @@ struct CheckpointedRun {
 
 impl CheckpointedRun {
     fn new(n: u64, keys: u64, shards: &str, interval: &str) -> CheckpointedRun {
-        let dir = tempfile::tempdir().expect("tmp");
-        let recs = records(n, keys);
-        let input = dir.path().join("in.csv");
-        write_csv(&input, &recs);
-        let (out, ck) = (dir.path().join("out"), dir.path().join("ckpt"));
+        let Inputs {
+            dir,
+            recs,
+            input,
+            out,
+            ck,
+        } = Inputs::new(n, keys, "csv");
         let mut args = keyed_sum_args(&input, "csv", &out);
         let ck_s = ck.to_str().expect("utf8");
         args.extend(["--shards", shards, "--checkpoint-dir", ck_s]);
@@ -672,11 +705,13 @@ fn sigterm_stops_with_a_savepoint_that_continues_exactly() {
 
 #[test]
 fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
-    let dir = tempfile::tempdir().expect("tmp");
-    let recs = records(20_000, 31);
-    let input = dir.path().join("in.jsonl");
-    write_jsonl(&input, &recs);
-    let (out, ck) = (dir.path().join("out"), dir.path().join("ckpt"));
+    let Inputs {
+        dir,
+        recs,
+        input,
+        out,
+        ck,
+    } = Inputs::new(20_000, 31, "jsonl");
     let r = keyed_sum(
         &input,
         "jsonl",
@@ -768,11 +803,13 @@ fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
 /// naming the file and the offset.
 #[test]
 fn verify_checks_segments_beyond_the_crcs_in_the_metadata() {
-    let dir = tempfile::tempdir().expect("tmp");
-    let recs = records(5_000, 17);
-    let input = dir.path().join("in.jsonl");
-    write_jsonl(&input, &recs);
-    let (out, ck) = (dir.path().join("out"), dir.path().join("ckpt"));
+    let Inputs {
+        dir,
+        input,
+        out,
+        ck,
+        ..
+    } = Inputs::new(5_000, 17, "jsonl");
     let r = keyed_sum(
         &input,
         "jsonl",
@@ -977,11 +1014,13 @@ fn a_corrupt_metadata_file_stops_restore_latest_instead_of_starting_over() {
 
 #[test]
 fn checkpoints_inspect_shows_the_parts_and_clean_keeps_the_newest() {
-    let dir = tempfile::tempdir().expect("tmp");
-    let recs = records(200_000, 97);
-    let input = dir.path().join("in.csv");
-    write_csv(&input, &recs);
-    let (out, ck) = (dir.path().join("out"), dir.path().join("ckpt"));
+    let Inputs {
+        dir,
+        recs,
+        input,
+        out,
+        ck,
+    } = Inputs::new(200_000, 97, "csv");
     let ck_s = ck.to_str().expect("utf8");
     let r = keyed_sum(
         &input,
