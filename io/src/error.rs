@@ -123,6 +123,21 @@ impl FormatError {
         }
     }
 
+    /// The same error naming `file` instead: for bytes checked in a copy (a framed file's
+    /// content taken out to a scratch file), the file they came from.
+    pub fn in_file(mut self, file: PathBuf) -> FormatError {
+        match &mut self {
+            FormatError::ChecksumMismatch { file: f, .. }
+            | FormatError::Truncated { file: f, .. }
+            | FormatError::BadMagic { file: f, .. }
+            | FormatError::UnsupportedVersion { file: f, .. }
+            | FormatError::UnsupportedChecksum { file: f, .. }
+            | FormatError::Misdirected { file: f, .. }
+            | FormatError::Malformed { file: f, .. } => *f = file,
+        }
+        self
+    }
+
     /// The byte offset the error names.
     pub fn offset(&self) -> u64 {
         match self {
@@ -134,5 +149,31 @@ impl FormatError {
             | FormatError::Misdirected { offset, .. }
             | FormatError::Malformed { offset, .. } => *offset,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    /// `in_file` names another file and keeps everything else the error says.
+    #[test]
+    fn in_file_names_the_other_file_and_keeps_the_offset() {
+        let e = FormatError::Malformed {
+            file: PathBuf::from("/scratch/content"),
+            offset: 77,
+            reason: "keys out of order".into(),
+        };
+        let e = e.in_file(PathBuf::from("shared/7-seg (content of the framed file)"));
+        assert_eq!(
+            e.file(),
+            Path::new("shared/7-seg (content of the framed file)")
+        );
+        assert_eq!(e.offset(), 77);
+        assert_eq!(
+            e.to_string(),
+            "shared/7-seg (content of the framed file): malformed content at offset 77: keys out of order"
+        );
     }
 }

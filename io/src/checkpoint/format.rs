@@ -97,6 +97,17 @@ pub struct FileRef {
     pub crc32: u32,
 }
 
+impl FileRef {
+    /// Whether the file is raw (the uploaded file's bytes verbatim, a hard link of it) rather
+    /// than framed in checksummed blocks: its name says so (see `raw_file_name`).
+    pub fn is_raw(&self) -> bool {
+        self.path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(is_raw_file_name)
+    }
+}
+
 /// A logical file: a range of blocks inside a merged physical file.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct LogicalFileRef {
@@ -288,12 +299,7 @@ impl CheckpointMetadata {
                 size_bytes: c.u64()?,
                 crc32: c.u32()?,
             };
-            let raw = f
-                .path
-                .file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(is_raw_file_name);
-            if raw && version < 2 {
+            if f.is_raw() && version < 2 {
                 return Err(FormatError::Malformed {
                     file: file.to_owned(),
                     offset: at as u64,

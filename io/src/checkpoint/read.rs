@@ -6,10 +6,9 @@ use std::sync::Arc;
 
 use crate::checkpoint::error::{is_not_found, CheckpointError, VerifyError};
 use crate::checkpoint::format::{
-    block_count, framed_len, is_raw_file_name, parse_data_file_name, CheckpointKind,
-    CheckpointMetadata, DataHeader, FileRef, LogicalFileRef, DATA_BLOCK_KIND, DATA_HEADER_LEN,
-    FILE_KIND_MERGED_SHARED, FILE_KIND_MERGED_TASKOWNED, FILE_KIND_RAW, FILE_KIND_UPLOAD,
-    METADATA_FILE, TASKOWNED_DIR,
+    block_count, framed_len, parse_data_file_name, CheckpointKind, CheckpointMetadata, DataHeader,
+    FileRef, LogicalFileRef, DATA_BLOCK_KIND, DATA_HEADER_LEN, FILE_KIND_MERGED_SHARED,
+    FILE_KIND_MERGED_TASKOWNED, FILE_KIND_RAW, FILE_KIND_UPLOAD, METADATA_FILE, TASKOWNED_DIR,
 };
 use crate::error::{FormatError, IoError};
 use crate::frame::{decode_block, BlockHeader, BLOCK_HEADER_LEN};
@@ -59,12 +58,7 @@ pub(crate) struct Span<'a> {
 
 impl<'a> Span<'a> {
     pub(crate) fn of_file(r: &'a FileRef) -> Span<'a> {
-        // The name says whether the file is raw or framed (see `raw_file_name`).
-        let raw = r
-            .path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .is_some_and(is_raw_file_name);
+        let raw = r.is_raw();
         Span {
             rel: &r.path,
             file_kind: if raw { FILE_KIND_RAW } else { FILE_KIND_UPLOAD },
