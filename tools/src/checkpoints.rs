@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use clap::Args;
 use weir_io::{
-    CheckpointError, CheckpointKind, CheckpointMetadata, CheckpointStorage, FormatError, Savepoint,
-    StdFs, VerifyError,
+    CheckpointError, CheckpointKind, CheckpointMetadata, CheckpointStorage, FileRef, IoError,
+    Savepoint, StdFs, VerifyError,
 };
 
 #[derive(Args)]
@@ -173,9 +173,8 @@ fn verify_one(a: &VerifyArgs) -> Result<(), VerifyFailed> {
             .verify(id)
             .map_err(|e| VerifyFailed::Corrupt(format!("{job}: {e}")))?;
         if let Ok(m) = s.read_metadata(id) {
-            check_segments(s.job_dir(), &m).map_err(|e| {
-                VerifyFailed::Corrupt(format!("{job}: checkpoint {id} is corrupt: {e}"))
-            })?;
+            check_segments(s.job_dir(), &m, &|f, to| s.copy_file_to(f, to))
+                .map_err(|e| segments_failed(&job, e))?;
         }
         println!(
             "ok {job} checkpoint {id}: {} files, {} logical files, {} bytes checked",
@@ -189,8 +188,8 @@ fn verify_one(a: &VerifyArgs) -> Result<(), VerifyFailed> {
     let r = sp
         .verify()
         .map_err(|e| VerifyFailed::Corrupt(format!("{shown}: {e}")))?;
-    check_segments(sp.dir(), sp.metadata())
-        .map_err(|e| VerifyFailed::Corrupt(format!("{shown}: savepoint is corrupt: {e}")))?;
+    check_segments(sp.dir(), sp.metadata(), &|f, to| sp.copy_file_to(f, to))
+        .map_err(|e| segments_failed(&shown, e))?;
     println!(
         "ok savepoint {shown} (checkpoint {}): {} files, {} logical files, {} bytes checked",
         r.checkpoint_id, r.files, r.logical_files, r.bytes_checked
@@ -270,12 +269,7 @@ fn verify_listed(
         // The segments' own checks after the CRCs. If the metadata is gone by then, retention
         // removed the checkpoint meanwhile, and it counts as verified by its CRCs.
         let verified = s.verify(id).and_then(|r| match s.read_metadata(id) {
-            Ok(m) => check_segments(s.job_dir(), &m)
-                .map(|()| r)
-                .map_err(|source| VerifyError::Corrupt {
-                    checkpoint_id: id,
-                    source,
-                }),
+            Ok(m) => check_segments(s.job_dir(), &m, &|f, to| s.copy_file_to(f, to)).map(|()| r),
             Err(_) => Ok(r),
         });
         match verified {
@@ -308,18 +302,81 @@ fn verify_listed(
     Ok((checked, skipped))
 }
 
-/// After the CRCs matched the metadata: every raw segment the checkpoint references passes
-/// the checks a restore makes of it (structure, every key in its filter), so that `verify`
-/// refuses what a restore would. A CRC only says the bytes are those the metadata describes,
-/// and a file changed together with its metadata passes it. Other files (framed ones,
-/// segments of other formats) are left to the CRC.
-fn check_segments(base: &Path, m: &CheckpointMetadata) -> Result<(), FormatError> {
+/// After the CRCs matched the metadata: every segment the checkpoint references passes the
+/// checks a restore makes of it (structure, every key in its filter), so that `verify` refuses
+/// what a restore would. A CRC only says the bytes are those the metadata describes, and a
+/// file changed together with its metadata passes it. A raw segment is checked in place. A
+/// framed one (a copy, made where the hard link failed: the state directory on another file
+/// system) is first taken out of its frames by `copy_out`, as a restore does, into a scratch
+/// file in the system's temporary directory, one at a time; its errors name the framed file
+/// and offsets in its content. Files that are not segments are left to the CRC.
+fn check_segments(
+    base: &Path,
+    m: &CheckpointMetadata,
+    copy_out: &dyn Fn(&FileRef, &Path) -> Result<u64, CheckpointError>,
+) -> Result<(), VerifyError> {
+    let checkpoint_id = m.checkpoint_id;
+    let corrupt = |source| VerifyError::Corrupt {
+        checkpoint_id,
+        source,
+    };
+    let io = |op, path: &Path, source| VerifyError::Io {
+        checkpoint_id,
+        source: IoError::Os {
+            op,
+            path: path.to_owned(),
+            source,
+        },
+    };
+    let mut scratch: Option<tempfile::TempDir> = None;
     for f in &m.files {
-        if let Some(e) = weir_state::diagnose_segment(&StdFs, &base.join(&f.path)) {
-            return Err(e);
+        if f.is_raw() {
+            if let Some(e) = weir_state::diagnose_segment(&StdFs, &base.join(&f.path)) {
+                return Err(corrupt(e));
+            }
+            continue;
+        }
+        let dir = match &scratch {
+            Some(d) => d,
+            None => scratch.insert(
+                tempfile::Builder::new()
+                    .prefix("weir-verify-")
+                    .tempdir()
+                    .map_err(|e| io("create a scratch directory in", &std::env::temp_dir(), e))?,
+            ),
+        };
+        let copy = dir.path().join("content");
+        match copy_out(f, &copy) {
+            Ok(_) => {}
+            Err(CheckpointError::Format(e)) => return Err(corrupt(e)),
+            Err(CheckpointError::Io(source)) => {
+                return Err(VerifyError::Io {
+                    checkpoint_id,
+                    source,
+                })
+            }
+            Err(e) => return Err(io("copy", &f.path, std::io::Error::other(e.to_string()))),
+        }
+        let found = weir_state::diagnose_segment(&StdFs, &copy);
+        // The copy goes before the next one is made (a checkpoint of many large segments).
+        let _ = std::fs::remove_file(&copy);
+        if let Some(e) = found {
+            let framed = base.join(&f.path);
+            let content =
+                PathBuf::from(format!("{} (content of the framed file)", framed.display()));
+            return Err(corrupt(e.in_file(content)));
         }
     }
     Ok(())
+}
+
+/// A failed [`check_segments`] of `what`: corruption is exit code 3, a scratch copy that
+/// could not be made is not.
+fn segments_failed(what: &str, e: VerifyError) -> VerifyFailed {
+    match e {
+        VerifyError::Corrupt { .. } => VerifyFailed::Corrupt(format!("{what}: {e}")),
+        _ => VerifyFailed::Other(format!("{what}: {e}")),
+    }
 }
 
 /// Whether checkpoint `id` still has a metadata file (a verifying, or a corrupt, one).

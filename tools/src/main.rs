@@ -94,6 +94,11 @@ pub struct CheckpointArgs {
     /// CHECKPOINT_DIR/savepoints]. A second signal ends the process at once.
     #[arg(long)]
     pub savepoint_dir: Option<PathBuf>,
+    /// Where the shards keep their local state (segment files) [default: a fresh directory in
+    /// the system's temporary directory, removed at exit]. On the checkpoint directory's file
+    /// system, checkpoints hard-link segments instead of copying them.
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, Default, ValueEnum)]
@@ -166,6 +171,10 @@ pub fn apply_checkpointing(
     default_job_id: &str,
 ) -> Result<weir_runtime::JobConfig, String> {
     use weir_runtime::checkpoint::{CheckpointConfig, CheckpointMode};
+    let c = match &a.state_dir {
+        Some(d) => c.with_state_dir(d),
+        None => c,
+    };
     let Some(dir) = &a.checkpoint_dir else {
         if a.restore.as_deref() == Some("latest") {
             return Err("--restore latest needs --checkpoint-dir".into());

@@ -818,22 +818,11 @@ fn verify_checks_segments_beyond_the_crcs_in_the_metadata() {
     );
     assert!(r.status.success(), "{}", stderr(&r));
     let job = ck.join("keyed-sum");
-    let mut chks: Vec<PathBuf> = std::fs::read_dir(&job)
-        .expect("job dir")
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.join("_metadata").is_file())
-        .collect();
-    chks.sort();
-    let chk = chks.pop().expect("a checkpoint");
-    let meta_path = chk.join("_metadata");
-    let mut m =
-        weir_io::CheckpointMetadata::decode(&meta_path, &std::fs::read(&meta_path).expect("read"))
-            .expect("metadata");
+    let (chk, meta_path, mut m) = newest_checkpoint(&job);
     let f = m
         .files
         .iter_mut()
-        .find(|f| f.path.to_string_lossy().contains("-raw-"))
+        .find(|f| f.is_raw())
         .expect("a raw segment");
     let seg = job.join(&f.path);
     let mut bytes = std::fs::read(&seg).expect("segment");
@@ -877,6 +866,125 @@ fn verify_checks_segments_beyond_the_crcs_in_the_metadata() {
     let v = weir(&["checkpoints", "verify", saved.to_str().expect("utf8")]);
     assert_eq!(v.status.code(), Some(3), "{}", stderr(&v));
     assert!(stderr(&v).contains(name), "{}", stderr(&v));
+}
+
+/// The newest checkpoint of job directory `job` (by name: `chk-<n>` of one width here): its
+/// directory, its metadata file and that file's content.
+fn newest_checkpoint(job: &Path) -> (PathBuf, PathBuf, weir_io::CheckpointMetadata) {
+    let mut chks: Vec<PathBuf> = std::fs::read_dir(job)
+        .expect("job dir")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.join("_metadata").is_file())
+        .collect();
+    chks.sort();
+    let chk = chks.pop().expect("a checkpoint");
+    let meta_path = chk.join("_metadata");
+    let m =
+        weir_io::CheckpointMetadata::decode(&meta_path, &std::fs::read(&meta_path).expect("read"))
+            .expect("metadata");
+    (chk, meta_path, m)
+}
+
+/// A fresh directory on another file system than the system's temporary directory (where the
+/// tests' checkpoint directories are), if this machine has one (`/dev/shm`: a tmpfs).
+fn on_another_file_system() -> Option<tempfile::TempDir> {
+    use std::os::unix::fs::MetadataExt;
+    let tmp = std::fs::metadata(std::env::temp_dir()).ok()?.dev();
+    ["/dev/shm", "/run/shm"].iter().find_map(|c| {
+        let m = std::fs::metadata(c).ok()?;
+        if m.dev() == tmp {
+            return None;
+        }
+        tempfile::Builder::new()
+            .prefix("weir-cli-")
+            .tempdir_in(c)
+            .ok()
+    })
+}
+
+/// With `--state-dir` on another file system than the checkpoints, segments cannot be
+/// hard-linked and are uploaded as copies framed in checksummed blocks. `verify` takes such a
+/// segment out of its frames and makes the segment's own checks on it, as for a raw one: a
+/// segment changed together with its frames' CRCs and the metadata's content CRC exits 3,
+/// naming the framed file and the offset in its content. A restore refuses it too (exit 1).
+#[test]
+fn verify_checks_framed_segments_too() {
+    let Some(state) = on_another_file_system() else {
+        eprintln!(
+            "skipped: no second file system (/dev/shm) beside {}",
+            std::env::temp_dir().display()
+        );
+        return;
+    };
+    let Inputs {
+        dir: _dir,
+        input,
+        out,
+        ck,
+        ..
+    } = Inputs::new(5_000, 17, "jsonl");
+    let (ck_s, state_s) = (
+        ck.to_str().expect("utf8"),
+        state.path().to_str().expect("utf8"),
+    );
+    let flags = ["--checkpoint-dir", ck_s, "--state-dir", state_s];
+    let r = keyed_sum(&input, "jsonl", &out, &flags);
+    assert!(r.status.success(), "{}", stderr(&r));
+    // The state went where it was told, and the intact framed checkpoint verifies.
+    assert!(state.path().join("shard-0").is_dir());
+    let v = weir(&["checkpoints", "verify", ck_s]);
+    assert!(v.status.success(), "{}", stderr(&v));
+    let job = ck.join("keyed-sum");
+    let (chk, meta_path, mut m) = newest_checkpoint(&job);
+    let f = m
+        .files
+        .iter_mut()
+        .find(|f| !f.is_raw())
+        .expect("a framed segment: a hard link across file systems fails");
+    let framed = job.join(&f.path);
+    let mut bytes = std::fs::read(&framed).expect("framed file");
+    // The frames follow the data file header; each is a block header and its payload.
+    let (first, head) = (weir_io::DATA_HEADER_LEN, weir_io::BLOCK_HEADER_LEN);
+    let payload_len = |b: &[u8], at: usize| {
+        u32::from_le_bytes(b[at + 16..at + 20].try_into().expect("4 bytes")) as usize
+    };
+    // Content byte 70 is in the segment's first entry (after its 32-byte file header, the
+    // first block's 24-byte header and 8-byte data header): the segment's block CRC fails.
+    let len = payload_len(&bytes, first);
+    assert!(len > 70, "a first frame of {len} bytes");
+    bytes[first + head + 70] ^= 0x01;
+    let crc = weir_io::crc32(&[
+        &bytes[first..first + 20],
+        &bytes[first + head..first + head + len],
+    ]);
+    bytes[first + 20..first + 24].copy_from_slice(&crc.to_le_bytes());
+    let mut content = Vec::new();
+    let mut at = first;
+    while at < bytes.len() {
+        let len = payload_len(&bytes, at);
+        content.extend_from_slice(&bytes[at + head..at + head + len]);
+        at += head + len;
+    }
+    assert_eq!(content.len() as u64, f.size_bytes);
+    f.crc32 = weir_io::crc32(&[&content]);
+    std::fs::write(&framed, &bytes).expect("write");
+    std::fs::write(&meta_path, m.encode()).expect("write metadata");
+    let name = framed.file_name().and_then(|n| n.to_str()).expect("name");
+    for dir in [&chk, &ck] {
+        let v = weir(&["checkpoints", "verify", dir.to_str().expect("utf8")]);
+        assert_eq!(v.status.code(), Some(3), "{}", stderr(&v));
+        let e = stderr(&v);
+        assert!(
+            e.contains(name) && e.contains("content of the framed file") && e.contains("offset"),
+            "{e}"
+        );
+    }
+    let mut again = flags.to_vec();
+    again.extend(["--restore", "latest"]);
+    let r = keyed_sum(&input, "jsonl", &out, &again);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    assert!(stderr(&r).contains(name), "{}", stderr(&r));
 }
 
 /// With a checkpoint directory (and so a restart strategy) a mistake in the input is still one
