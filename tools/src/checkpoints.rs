@@ -174,7 +174,7 @@ fn verify_one(a: &VerifyArgs) -> Result<(), VerifyFailed> {
             .map_err(|e| VerifyFailed::Corrupt(format!("{job}: {e}")))?;
         if let Ok(m) = s.read_metadata(id) {
             check_segments(s.job_dir(), &m, &|f, to| s.copy_file_to(f, to))
-                .map_err(|e| segments_failed(&job, e))?;
+                .map_err(|e| e.into_failed(&job))?;
         }
         println!(
             "ok {job} checkpoint {id}: {} files, {} logical files, {} bytes checked",
@@ -189,7 +189,7 @@ fn verify_one(a: &VerifyArgs) -> Result<(), VerifyFailed> {
         .verify()
         .map_err(|e| VerifyFailed::Corrupt(format!("{shown}: {e}")))?;
     check_segments(sp.dir(), sp.metadata(), &|f, to| sp.copy_file_to(f, to))
-        .map_err(|e| segments_failed(&shown, e))?;
+        .map_err(|e| e.into_failed(&shown))?;
     println!(
         "ok savepoint {shown} (checkpoint {}): {} files, {} logical files, {} bytes checked",
         r.checkpoint_id, r.files, r.logical_files, r.bytes_checked
@@ -268,10 +268,20 @@ fn verify_listed(
     for id in ids {
         // The segments' own checks after the CRCs. If the metadata is gone by then, retention
         // removed the checkpoint meanwhile, and it counts as verified by its CRCs.
-        let verified = s.verify(id).and_then(|r| match s.read_metadata(id) {
-            Ok(m) => check_segments(s.job_dir(), &m, &|f, to| s.copy_file_to(f, to)).map(|()| r),
-            Err(_) => Ok(r),
-        });
+        let verified =
+            s.verify(id)
+                .map_err(SegmentsFailed::Verify)
+                .and_then(|r| match s.read_metadata(id) {
+                    Ok(m) => {
+                        check_segments(s.job_dir(), &m, &|f, to| s.copy_file_to(f, to)).map(|()| r)
+                    }
+                    Err(_) => Ok(r),
+                });
+        let verified = match verified {
+            Err(e @ SegmentsFailed::Scratch(_)) => return Err(e.into_failed(job)),
+            Err(SegmentsFailed::Verify(e)) => Err(e),
+            Ok(r) => Ok(r),
+        };
         match verified {
             Ok(r) => {
                 checked += 1;
@@ -314,19 +324,19 @@ fn check_segments(
     base: &Path,
     m: &CheckpointMetadata,
     copy_out: &dyn Fn(&FileRef, &Path) -> Result<u64, CheckpointError>,
-) -> Result<(), VerifyError> {
+) -> Result<(), SegmentsFailed> {
     let checkpoint_id = m.checkpoint_id;
-    let corrupt = |source| VerifyError::Corrupt {
-        checkpoint_id,
-        source,
-    };
-    let io = |op, path: &Path, source| VerifyError::Io {
-        checkpoint_id,
-        source: IoError::Os {
-            op,
-            path: path.to_owned(),
+    let corrupt = |source| {
+        SegmentsFailed::Verify(VerifyError::Corrupt {
+            checkpoint_id,
             source,
-        },
+        })
+    };
+    let unread = |source| {
+        SegmentsFailed::Verify(VerifyError::Io {
+            checkpoint_id,
+            source,
+        })
     };
     let mut scratch: Option<tempfile::TempDir> = None;
     for f in &m.files {
@@ -342,20 +352,27 @@ fn check_segments(
                 tempfile::Builder::new()
                     .prefix("weir-verify-")
                     .tempdir()
-                    .map_err(|e| io("create a scratch directory in", &std::env::temp_dir(), e))?,
+                    .map_err(|source| {
+                        SegmentsFailed::Scratch(IoError::Os {
+                            op: "create a scratch directory in",
+                            path: std::env::temp_dir(),
+                            source,
+                        })
+                    })?,
             ),
         };
         let copy = dir.path().join("content");
         match copy_out(f, &copy) {
             Ok(_) => {}
             Err(CheckpointError::Format(e)) => return Err(corrupt(e)),
-            Err(CheckpointError::Io(source)) => {
-                return Err(VerifyError::Io {
-                    checkpoint_id,
-                    source,
-                })
+            Err(CheckpointError::Io(e)) => return Err(unread(e)),
+            Err(e) => {
+                return Err(unread(IoError::Os {
+                    op: "copy",
+                    path: base.join(&f.path),
+                    source: std::io::Error::other(e.to_string()),
+                }))
             }
-            Err(e) => return Err(io("copy", &f.path, std::io::Error::other(e.to_string()))),
         }
         let found = weir_state::diagnose_segment(&StdFs, &copy);
         // The copy goes before the next one is made (a checkpoint of many large segments).
@@ -370,12 +387,23 @@ fn check_segments(
     Ok(())
 }
 
-/// A failed [`check_segments`] of `what`: corruption is exit code 3, a scratch copy that
-/// could not be made is not.
-fn segments_failed(what: &str, e: VerifyError) -> VerifyFailed {
-    match e {
-        VerifyError::Corrupt { .. } => VerifyFailed::Corrupt(format!("{what}: {e}")),
-        _ => VerifyFailed::Other(format!("{what}: {e}")),
+/// Why [`check_segments`] failed.
+enum SegmentsFailed {
+    /// A segment failed its checks or could not be read: the checkpoint fails verification,
+    /// as when its CRCs do (exit code 3).
+    Verify(VerifyError),
+    /// No scratch directory for a framed segment's copy: this machine's problem, not the
+    /// checkpoint's (exit code 1).
+    Scratch(IoError),
+}
+
+impl SegmentsFailed {
+    /// The failure of verifying `what` (a job or savepoint directory).
+    fn into_failed(self, what: &str) -> VerifyFailed {
+        match self {
+            SegmentsFailed::Verify(e) => VerifyFailed::Corrupt(format!("{what}: {e}")),
+            SegmentsFailed::Scratch(e) => VerifyFailed::Other(format!("{what}: {e}")),
+        }
     }
 }
 

@@ -918,7 +918,7 @@ fn verify_checks_framed_segments_too() {
         return;
     };
     let Inputs {
-        dir: _dir,
+        dir,
         input,
         out,
         ck,
@@ -935,6 +935,15 @@ fn verify_checks_framed_segments_too() {
     assert!(state.path().join("shard-0").is_dir());
     let v = weir(&["checkpoints", "verify", ck_s]);
     assert!(v.status.success(), "{}", stderr(&v));
+    // Without a temporary directory for the scratch copy, that is this machine's problem,
+    // not the checkpoint's: exit 1, not 3.
+    let v = Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(["checkpoints", "verify", ck_s])
+        .env("TMPDIR", dir.path().join("no-such-dir"))
+        .output()
+        .expect("weir runs");
+    assert_eq!(v.status.code(), Some(1), "{}", stderr(&v));
+    assert!(stderr(&v).contains("scratch directory"), "{}", stderr(&v));
     let job = ck.join("keyed-sum");
     let (chk, meta_path, mut m) = newest_checkpoint(&job);
     let f = m
