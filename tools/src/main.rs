@@ -164,7 +164,7 @@ fn parse_policy(s: &str) -> Result<Policy, String> {
     }
 }
 
-/// Applies the checkpoint flags to a job configuration.
+/// Applies the checkpoint flags (and `--state-dir`) to a job configuration.
 pub fn apply_checkpointing(
     c: weir_runtime::JobConfig,
     a: &CheckpointArgs,
