@@ -65,7 +65,19 @@ pub fn write_sentinel(dir: &Path) -> Result<PathBuf, StartError> {
         path: path.clone(),
         source,
     };
-    std::fs::create_dir_all(dir).map_err(io)?;
+    // The directory's own failure names the directory; a file in its place is said to be one
+    // (mkdir(2) only says "File exists").
+    let made = match std::fs::metadata(dir) {
+        Ok(m) if !m.is_dir() => Err(std::io::Error::new(
+            std::io::ErrorKind::NotADirectory,
+            "exists and is not a directory",
+        )),
+        _ => std::fs::create_dir_all(dir),
+    };
+    made.map_err(|source| StartError::StateDir {
+        path: dir.to_owned(),
+        source,
+    })?;
     let ok = std::fs::metadata(&path)
         .map(|m| m.len() == SENTINEL_BYTES as u64)
         .unwrap_or(false);
@@ -115,6 +127,23 @@ mod tests {
         assert_eq!(std::fs::metadata(&p).expect("meta").len(), 4096);
         let p2 = write_sentinel(dir.path()).expect("again");
         assert_eq!(p, p2);
+    }
+
+    /// A state directory that is a file is refused, naming it and saying what it is.
+    #[test]
+    fn a_file_as_state_directory_is_named_as_not_a_directory() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let file = dir.path().join("state");
+        std::fs::write(&file, b"x").expect("file");
+        let e = write_sentinel(&file).expect_err("a file");
+        assert!(
+            matches!(&e, StartError::StateDir { path, .. } if *path == file),
+            "{e:?}"
+        );
+        assert!(
+            e.to_string().contains("exists and is not a directory"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -435,13 +435,20 @@ fn errors_name_what_and_where_with_the_right_exit_code() {
     );
     assert_eq!(r.status.code(), Some(2), "{}", stderr(&r));
     assert!(stderr(&r).contains("--retained"), "{}", stderr(&r));
-    // An output path that is a file.
+    // An output path, or a state directory, that is a file.
     let r = keyed_sum(&input, "csv", &input, &[]);
     assert_eq!(r.status.code(), Some(1));
     assert!(
         stderr(&r).contains("exists and is not a directory"),
         "{}",
         stderr(&r)
+    );
+    let r = keyed_sum(&input, "csv", &out, &["--state-dir", i]);
+    assert_eq!(r.status.code(), Some(1));
+    let e = stderr(&r);
+    assert!(
+        e.contains(&format!("{i}: exists and is not a directory")),
+        "{e}"
     );
     let r = weir(&["run", "nope"]);
     assert_eq!(r.status.code(), Some(2));
