@@ -276,7 +276,10 @@ struct Registry {
 /// retained checkpoint holds them) and becomes the new base.
 #[derive(Debug)]
 struct Chain {
-    segs: Vec<Listed>,
+    /// Shared with the snapshot jobs that extend it: a snapshot's synchronous part takes the
+    /// list with one reference count, not one per segment (a clone of each segment's file
+    /// `Arc`, a cache miss apiece, made that part grow by about 0.2 us per chained segment).
+    segs: Arc<[Listed]>,
     /// `Store::next_gen` when that snapshot was taken: epochs of later generations are new.
     covered_gen: u64,
     base_bytes: u64,
@@ -1675,7 +1678,7 @@ impl Store {
         let (delta, base_bytes, delta_bytes) = match chain {
             Some(c) => {
                 // Oldest first: the chain, then the tails, then this snapshot's epoch.
-                parts.extend(c.segs.iter().cloned().map(Part::Listed));
+                parts.push(Part::Chain(Arc::clone(&c.segs)));
                 let (prefix, base, deltas) = (c.segs.len(), c.base_bytes, c.delta_bytes);
                 let tails = std::mem::take(&mut self.tails);
                 let own = (first_new..self.next_gen).map(|g| (g, None));
@@ -2141,6 +2144,8 @@ enum Wrote {
 enum Part {
     Done(Arc<Segment>),
     Listed(Listed),
+    /// The segments of the chain the snapshot extends, in order.
+    Chain(Arc<[Listed]>),
     Write(Arc<Frozen>, u64),
 }
 
@@ -2176,6 +2181,7 @@ impl SnapshotJob {
             match part {
                 Part::Done(s) => segs.push(Listed::of(&s)),
                 Part::Listed(l) => segs.push(l),
+                Part::Chain(chain) => segs.extend(chain.iter().cloned()),
                 Part::Write(f, id) => {
                     let entries = Entries::new(f.entries().map(Ok));
                     let written = match &result {
@@ -2232,7 +2238,7 @@ impl SnapshotJob {
             None => (size(&segs), 0),
         };
         let chain = Chain {
-            segs: segs.clone(),
+            segs: segs.clone().into(),
             covered_gen: self.covered_gen,
             base_bytes,
             delta_bytes,
