@@ -50,9 +50,9 @@ use hdrhistogram::Histogram;
 use weir_runtime::checkpoint::{CheckpointConfig, CheckpointMetrics, RestartStrategy};
 use weir_runtime::sink::{Sink, SinkWriter};
 use weir_runtime::source::{
-    splitmix64, GeneratorSource, Source, SourceError, SourcePoll, SourceReader,
+    splitmix64, GeneratorSource, ScheduleStart, Source, SourceError, SourcePoll, SourceReader,
 };
-use weir_runtime::{FnProcess, Job, JobConfig, JobHandle, KeyedContext, StartError};
+use weir_runtime::{FnProcess, Job, JobConfig, JobHandle, JobStatus, KeyedContext, StartError};
 
 use crate::runtime::{keyed_count, new_hist, LatencySink, LATENCY_BATCH_RECORDS, LIVE_STEP};
 use crate::{process_cpu_ns, BenchResult, Opts};
@@ -404,25 +404,30 @@ fn keyed_run(
 ) -> KeyedRun {
     let dir = tempfile::tempdir().expect("checkpoint temp dir");
     let epoch = Instant::now();
-    // Latency runs stamp every record with its creation time; throughput runs one in
-    // STAMP_EVERY (0: no stamp), so that they cost what the keyed benchmark does: a clock
+    // Latency runs stamp every record with the time it was due on the rate's schedule, as
+    // the runtime suite's latency row does: a record a stall held back (a checkpoint's
+    // synchronous part, an alignment) keeps the stall in its latency. Stamped when made, the
+    // generator's catch-up after a stall hid it (coordinated omission). The schedule starts
+    // once the job runs (see below). Throughput runs stamp one record in STAMP_EVERY with its
+    // creation time (0: no stamp), so that they cost what the keyed benchmark does: a clock
     // read per record was a fifth of the shards' time.
-    let every = if rate_per_shard.is_some() {
-        1
-    } else {
-        STAMP_EVERY
-    };
+    let schedule = ScheduleStart::new();
+    let origin_ns = Arc::new(AtomicU64::new(0));
+    let origin = origin_ns.clone();
     let mut gen = GeneratorSource::new(Some(n), 3, move |i: u64, r: u64| {
-        // Shard s generates indices s, s + SHARDS, ...: one in `every` of each shard's own.
-        let stamp = if (i / SHARDS as u64).is_multiple_of(every) {
-            (epoch.elapsed().as_nanos() as u64).max(1)
-        } else {
-            0
+        // Shard s generates indices s, s + SHARDS, ...: the shard's own `i / SHARDS`th.
+        let own = i / SHARDS as u64;
+        let stamp = match rate_per_shard {
+            Some(rate) => origin.load(Ordering::Relaxed) + own * 1_000_000_000 / rate,
+            None if own.is_multiple_of(STAMP_EVERY) => (epoch.elapsed().as_nanos() as u64).max(1),
+            None => 0,
         };
         (r % keys, stamp)
     });
     if let Some(rate) = rate_per_shard {
-        gen = gen.with_rate_per_shard(rate);
+        gen = gen
+            .with_rate_per_shard(rate)
+            .with_schedule(schedule.clone());
     }
     let mut cfg = config();
     if rate_per_shard.is_some() {
@@ -475,7 +480,17 @@ fn keyed_run(
             (None, half)
         })
     };
-    let summary = job.run().expect("keyed job");
+    let handle = job.start().expect("keyed job");
+    if rate_per_shard.is_some() {
+        while handle.status() == JobStatus::Initializing {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let start = Instant::now();
+        // Read by the generators only after the schedule starts (its start publishes this).
+        origin_ns.store((start - epoch).as_nanos() as u64, Ordering::Relaxed);
+        schedule.start_at(start);
+    }
+    let summary = handle.wait().expect("keyed job");
     let (wall_ns, cpu_ns) = (w0.elapsed().as_nanos() as u64, process_cpu_ns() - c0);
     done.store(true, Ordering::Relaxed);
     let (processed, half) = watcher.join().expect("watcher");
