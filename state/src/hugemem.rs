@@ -396,6 +396,25 @@ impl ScratchPool {
         }
     }
 
+    /// Add up to `n` new mappings of `bytes` each, faulted in, while the pool's bounds leave
+    /// room for them; the bytes faulted in.
+    pub(crate) fn fill(&self, n: usize, bytes: usize) -> usize {
+        let mut faulted = 0;
+        for _ in 0..n {
+            {
+                let p = self.maps();
+                let held: usize = p.iter().map(|m| m.len()).sum();
+                if p.len() >= self.max || held + bytes > self.max_bytes {
+                    break;
+                }
+            }
+            let mut b = ZeroedBuf::<u8>::new(bytes);
+            faulted += b.populate();
+            b.recycle_into(self);
+        }
+        faulted
+    }
+
     #[cfg(test)]
     pub(crate) fn bytes(&self) -> usize {
         self.maps().iter().map(|m| m.len()).sum()
@@ -579,6 +598,22 @@ fn prefetch_hint<const HINT: i32, T>(p: *const T) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `fill` adds faulted-in mappings up to the pool's count and byte bounds, and they are
+    /// what the next buffers of that size get.
+    #[test]
+    fn filling_the_pool_stops_at_its_bounds() {
+        let pool = ScratchPool::new(3, 8 * HUGE_PAGE_BYTES);
+        assert_eq!(pool.fill(5, HUGE_PAGE_BYTES), 3 * HUGE_PAGE_BYTES);
+        assert_eq!(pool.bytes(), 3 * HUGE_PAGE_BYTES);
+        assert_eq!(pool.fill(1, HUGE_PAGE_BYTES), 0, "full by count");
+        let bytes_bound = ScratchPool::new(8, 2 * HUGE_PAGE_BYTES);
+        assert_eq!(bytes_bound.fill(5, HUGE_PAGE_BYTES), 2 * HUGE_PAGE_BYTES);
+        let b = ZeroedBuf::<u128>::scratch_in(&pool, HUGE_PAGE_BYTES / 16);
+        assert_eq!(pool.bytes(), 2 * HUGE_PAGE_BYTES, "taken from the pool");
+        b.recycle_into(&pool);
+        assert_eq!(pool.bytes(), 3 * HUGE_PAGE_BYTES);
+    }
 
     #[test]
     fn the_scratch_pool_hands_out_the_smallest_fit_within_its_limits() {

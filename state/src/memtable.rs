@@ -1586,7 +1586,8 @@ impl Memtable {
     /// Why: left to fill lazily, a memtable takes its page faults inside the shard's loop,
     /// and a fresh 2 MiB page costs about a millisecond here (PLATFORM.md): the first second
     /// of a keyed job had steps of 10-37 ms, almost all in `clear_page_erms`. A recycled
-    /// memtable keeps what this faulted in.
+    /// memtable keeps what this faulted in. The arena-chunk pool also gets chunks for the
+    /// copies that seals cause (see the end), which the returned figure includes.
     pub fn prefault(&mut self, budget_bytes: usize) -> usize {
         let max_slots = (budget_bytes / 48).max(MIN_INDEX_SLOTS);
         let slots = if max_slots.is_power_of_two() {
@@ -1605,7 +1606,14 @@ impl Memtable {
         // The arena gets what the budget leaves beside index and tables, less the flush's sort
         // reserve: a quarter, as for 48-byte records (16 bytes of sort each).
         let arena = budget_bytes.saturating_sub(self.index.bytes() + self.tables_bytes()) / 4 * 3;
-        faulted + tables + self.arena.prefault(arena)
+        let faulted = faulted + tables + self.arena.prefault(arena);
+        // After a seal, the first write to each chunk the snapshot shares copies it into a
+        // chunk from `ARENA_CHUNKS` (`Arena::own_chunk`), and a keyed job's updates reach every
+        // chunk within milliseconds: with the pool empty, the first checkpoints faulted a fresh
+        // 2 MiB page per chunk inside the shard's loop, runs of 10 ms of page faults after
+        // each seal in the first second of the checkpointed latency run. So the pool gets as
+        // many, faulted in now, as far as its bounds allow (64 MiB for the process).
+        faulted + ARENA_CHUNKS.fill(self.arena.chunks.len(), HUGE_PAGE_BYTES)
     }
 
     /// Empty this memtable for reuse as a fresh one, keeping its memory: arena chunks, entry
