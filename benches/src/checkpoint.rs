@@ -1164,8 +1164,8 @@ fn backpressure(opts: &Opts) -> BenchResult {
     let ack_ratio = quantile(&pool(&loaded, |r| &r.acks), 0.5) as f64
         / quantile(&pool(&unloaded, |r| &r.acks), 0.5).max(1) as f64;
     extra.push(("ack_p50_ratio_loaded_over_unloaded".into(), ack_ratio));
-    // Nanosecond durations: an unloaded median of 1-3 ms read 0-3 ms in Flink's milliseconds,
-    // too coarse for a ratio (a 0 ms median had to count as 1 ms).
+    // Nanosecond durations: Flink's milliseconds would round a checkpoint of a few
+    // milliseconds by up to a third of it (a 0 ms median had to count as 1 ms).
     let ratio = quantile(&ll, 0.5) as f64 / quantile(&ul, 0.5).max(1) as f64;
     BenchResult {
         bench: "checkpoint_unaligned_backpressure_10pct".into(),
