@@ -1165,7 +1165,7 @@ fn backpressure(opts: &Opts) -> BenchResult {
         / quantile(&pool(&unloaded, |r| &r.acks), 0.5).max(1) as f64;
     extra.push(("ack_p50_ratio_loaded_over_unloaded".into(), ack_ratio));
     // Nanosecond durations: Flink's milliseconds would round a checkpoint of a few
-    // milliseconds by up to a third of it (a 0 ms median had to count as 1 ms).
+    // milliseconds down by up to half of it (a 0 ms median had to count as 1 ms).
     let ratio = quantile(&ll, 0.5) as f64 / quantile(&ul, 0.5).max(1) as f64;
     BenchResult {
         bench: "checkpoint_unaligned_backpressure_10pct".into(),
