@@ -848,12 +848,20 @@ fn verify_checks_segments_beyond_the_crcs_in_the_metadata() {
     assert_eq!(v.status.code(), Some(3), "{}", stderr(&v));
     // A savepoint copies what the metadata describes (its CRCs match); verifying the copy
     // makes the segment checks too.
+    let saved = savepoint_of(&ck, &chk, &dir.path().join("sp"));
+    let v = weir(&["checkpoints", "verify", saved.to_str().expect("utf8")]);
+    assert_eq!(v.status.code(), Some(3), "{}", stderr(&v));
+    assert!(stderr(&v).contains(name), "{}", stderr(&v));
+}
+
+/// `weir checkpoints savepoint` of checkpoint directory `chk` (of checkpoint directory `ck`)
+/// into `to`: the savepoint's directory.
+fn savepoint_of(ck: &Path, chk: &Path, to: &Path) -> PathBuf {
     let id = chk
         .file_name()
         .and_then(|n| n.to_str())
         .and_then(|n| n.strip_prefix("chk-"))
         .expect("chk-<n>");
-    let sp = dir.path().join("sp");
     let o = weir(&[
         "checkpoints",
         "savepoint",
@@ -861,18 +869,15 @@ fn verify_checks_segments_beyond_the_crcs_in_the_metadata() {
         "--checkpoint",
         id,
         "--to",
-        sp.to_str().expect("utf8"),
+        to.to_str().expect("utf8"),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let saved = std::fs::read_dir(&sp)
+    std::fs::read_dir(to)
         .expect("savepoint dir")
         .flatten()
         .map(|e| e.path())
         .find(|p| p.join("_metadata").is_file())
-        .expect("a savepoint");
-    let v = weir(&["checkpoints", "verify", saved.to_str().expect("utf8")]);
-    assert_eq!(v.status.code(), Some(3), "{}", stderr(&v));
-    assert!(stderr(&v).contains(name), "{}", stderr(&v));
+        .expect("a savepoint")
 }
 
 /// The newest checkpoint of job directory `job` (by name: `chk-<n>` of one width here): its
@@ -987,8 +992,11 @@ fn verify_checks_framed_segments_too() {
     std::fs::write(&framed, &bytes).expect("write");
     std::fs::write(&meta_path, m.encode()).expect("write metadata");
     let name = framed.file_name().and_then(|n| n.to_str()).expect("name");
-    for dir in [&chk, &ck] {
-        let v = weir(&["checkpoints", "verify", dir.to_str().expect("utf8")]);
+    // The checkpoint, its job's directory, and a savepoint made of it (a copy whose CRCs
+    // match, as `savepoint` checks).
+    let saved = savepoint_of(&ck, &chk, &dir.path().join("sp"));
+    for d in [&chk, &ck, &saved] {
+        let v = weir(&["checkpoints", "verify", d.to_str().expect("utf8")]);
         assert_eq!(v.status.code(), Some(3), "{}", stderr(&v));
         let e = stderr(&v);
         assert!(
