@@ -116,10 +116,12 @@ pub struct StoreConfig {
     /// keeps updating would otherwise be read back from segments.
     pub retained_memtable_bytes: usize,
     /// Fault in the mutable memtable's memory (index, arena, entry table) when the store
-    /// opens, rather than as it fills. Costs the budget in resident memory from the start and
-    /// about a millisecond per 2 MiB at open on this platform; saves the shard those faults
-    /// while it processes (they were the first second's latency spikes of the keyed job). A
-    /// memtable that replaces it later is a recycled one where possible, which keeps its pages.
+    /// opens, rather than as it fills, and as much for a spare that replaces it at its first
+    /// freeze. Costs the budget in resident memory from the start and about a millisecond per
+    /// 2 MiB at open on this platform; saves the shard those faults while it processes (they
+    /// were the first second's latency spikes of the keyed job, and a fresh successor's were
+    /// the checkpointed latency run's p99). A memtable that replaces it later is a recycled
+    /// one where possible, which keeps its pages.
     pub prefault_memtable: bool,
     /// Most segments a delta snapshot lists (the previous snapshot's list and the epochs
     /// sealed since, see `Chain`); a snapshot that would list more lists the store's own
@@ -662,6 +664,13 @@ impl Store {
         };
         if prefault {
             store.mem.prefault(budget_bytes);
+            // The memtable that replaces it at its first freeze comes faulted in too: a
+            // fresh one faulted its index, tables and chunks in the shard's loop, a second of
+            // page faults that was the checkpointed latency run's p99 (a freeze comes there
+            // when chunk copies for snapshots take the memtable past its share).
+            let mut spare = Memtable::with_budget(budget_bytes);
+            spare.prefault(budget_bytes);
+            store.spare = Some(spare);
         }
         Ok(store)
     }
@@ -2726,6 +2735,57 @@ mod tests {
     /// the frozen memtable's flush would push it out of the read cache anyway, and every key
     /// still reads back: the retained memtable's keys from its segment, newer ones from the
     /// frozen memtable. A cache with room for both keeps both.
+    /// A prefaulting store opens with its successor memtable faulted in as well, and its first
+    /// freeze takes that one: the memtable after it has the spare's memory, and filling it
+    /// takes no new chunk (a fresh one faulted them in the shard's loop).
+    #[test]
+    fn a_prefaulting_store_freezes_into_a_prefaulted_spare() {
+        let root = tempfile::tempdir().unwrap();
+        let fs: Arc<dyn Fs> = Arc::new(weir_io::StdFs);
+        let config = StoreConfig {
+            memtable_budget_bytes: 16 << 20,
+            prefault_memtable: true,
+            ..StoreConfig::default()
+        };
+        let mut store = Store::open(fs, root.path(), config).unwrap();
+        let held = store.spare.as_ref().map_or(0, Memtable::held_bytes);
+        assert!(held >= store.freeze_at() / 2, "spare holds {held} bytes");
+        assert_eq!(store.metrics().spare_memtable_bytes, held);
+        let key = |i: u32| [&[0u8, 1, 0, 7][..], &i.to_be_bytes()].concat();
+        for i in 0..1000 {
+            store.put(&key(i), &[7; 16]);
+        }
+        store.freeze();
+        assert!(store.spare.is_none(), "the freeze took the spare");
+        assert_eq!(
+            store.mem.held_bytes(),
+            held,
+            "the mutable memtable is the spare"
+        );
+        for i in 1000..21_000 {
+            store.put(&key(i), &[8; 16]);
+        }
+        assert_eq!(
+            store.mem.held_bytes(),
+            held,
+            "no chunk taken, no table or index growth while filling"
+        );
+        store.run_pending_maintenance().unwrap();
+        for i in (0..21_000).step_by(13) {
+            let v = if i < 1000 { 7 } else { 8 };
+            assert_eq!(
+                store.get(&key(i)).unwrap().unwrap().value,
+                [v; 16],
+                "key {i}"
+            );
+        }
+        // Without prefaulting there is no spare until a flushed memtable comes back.
+        let root = tempfile::tempdir().unwrap();
+        let fs: Arc<dyn Fs> = Arc::new(weir_io::StdFs);
+        let store = Store::open(fs, root.path(), StoreConfig::default()).unwrap();
+        assert!(store.spare.is_none());
+    }
+
     #[test]
     fn a_freeze_without_a_spare_recycles_the_retained_memtable_its_flush_would_evict() {
         let key = |i: u32| {
