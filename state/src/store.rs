@@ -2731,10 +2731,6 @@ mod tests {
         }
     }
 
-    /// A freeze that finds no memtable kept for reuse recycles the oldest retained one when
-    /// the frozen memtable's flush would push it out of the read cache anyway, and every key
-    /// still reads back: the retained memtable's keys from its segment, newer ones from the
-    /// frozen memtable. A cache with room for both keeps both.
     /// A prefaulting store opens with its successor memtable faulted in as well, and its first
     /// freeze takes that one: the memtable after it has the spare's memory, and filling it
     /// takes no new chunk (a fresh one faulted them in the shard's loop).
@@ -2786,6 +2782,10 @@ mod tests {
         assert!(store.spare.is_none());
     }
 
+    /// A freeze that finds no memtable kept for reuse recycles the oldest retained one when
+    /// the frozen memtable's flush would push it out of the read cache anyway, and every key
+    /// still reads back: the retained memtable's keys from its segment, newer ones from the
+    /// frozen memtable. A cache with room for both keeps both.
     #[test]
     fn a_freeze_without_a_spare_recycles_the_retained_memtable_its_flush_would_evict() {
         let key = |i: u32| {
