@@ -1,4 +1,4 @@
-//! weir's keyed state: an LSM store per shard on memory-mapped, CRC-checked segment files,
+//! weir's keyed state: an LSM store per keyed operator and shard on memory-mapped, CRC-checked segment files,
 //! key groups, and the keyed state API operators use.
 //!
 //! * [`Store`]: memtable, frozen memtables, segments, size-tiered compaction, snapshots.

@@ -1,7 +1,7 @@
 //! `weir`: run jobs, and (with checkpointing) list, verify, inspect and clean checkpoints.
 //!
 //! Exit codes: 0 success, 1 a failure of the job or its input (one line on stderr naming what
-//! and where), 2 a usage error.
+//! and where), 2 a usage error, 3 a checkpoint that failed `verify` (naming file and offset).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
