@@ -585,42 +585,95 @@ impl CheckpointedRun {
 /// exactly once, in input order per key.
 #[test]
 fn kill_loop_with_restore_latest_commits_every_result_exactly_once() {
+    kill_loop(&[]);
+}
+
+/// The kill loop with unaligned checkpoints: what a barrier overtook in the exchange rings is
+/// restored from the checkpoint's channel state and replayed before new input, so the output
+/// is still exact.
+#[test]
+fn kill_loop_with_unaligned_checkpoints_commits_every_result_exactly_once() {
+    kill_loop(&["--unaligned"]);
+}
+
+/// The kill loop with unaligned checkpoints that start aligned and turn unaligned after 1 ms.
+#[test]
+fn kill_loop_with_an_alignment_timeout_commits_every_result_exactly_once() {
+    kill_loop(&["--unaligned", "--aligned-timeout", "1ms"]);
+}
+
+/// `WEIR_KILL_LOOPS` kills (default 4) of checkpointed keyed-sum runs with `extra` flags. A
+/// round kills a run again and again at random moments, each restart continuing from the
+/// newest checkpoint, until a run finishes before its kill; a final run then checks the
+/// committed output and the checkpoint. Rounds repeat, each on a fresh input, until the kills
+/// are done: a finished job has nothing left to kill, and restarts after that test nothing.
+fn kill_loop(extra: &[&str]) {
     let kills: u32 = std::env::var("WEIR_KILL_LOOPS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(4);
-    let run = CheckpointedRun::new(400_000, 997, "2", "50ms");
-    let (recs, out, ck, args) = (&run.recs, &run.out, &run.ck, run.args());
     let mut rng = 0x2545_F491_4F6C_DD1Du64;
-    for _ in 0..kills {
-        let mut child = run.spawn();
+    let mut next_delay_ms = || {
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
-        std::thread::sleep(std::time::Duration::from_millis(150 + rng % 400));
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    let o = weir(&args);
-    assert!(o.status.success(), "{}", stderr(&o));
-    assert!(
-        stderr(&o).contains("restoring from checkpoint"),
-        "the killed runs left checkpoints: {}",
-        stderr(&o)
-    );
-    let got = parse_sums(&committed_lines(out));
-    let want = running_sums(recs);
-    for (k, sums) in &want {
-        assert_eq!(
-            got.get(k),
-            Some(sums),
-            "key {k}: every running sum exactly once, in order"
+        60 + rng % 240
+    };
+    let mut killed = 0u32;
+    while killed < kills {
+        // About 0.7 s of work on 2 cores here, so that most kills land mid-run.
+        let mut run = CheckpointedRun::new(1_200_000, 997, "2", "50ms");
+        run.args.extend(extra.iter().map(|s| s.to_string()));
+        let mut mid_run = 0u32;
+        while killed < kills {
+            let mut child = run.spawn();
+            std::thread::sleep(std::time::Duration::from_millis(next_delay_ms()));
+            if child.try_wait().expect("try_wait").is_some() {
+                break;
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            mid_run += 1;
+            killed += 1;
+        }
+        assert!(
+            mid_run > 0,
+            "the round's first run finished before its kill"
         );
+        let checkpointed = has_complete_checkpoint(&run.ck.join("keyed-sum"));
+        let o = weir(&run.args());
+        assert!(o.status.success(), "{}", stderr(&o));
+        if checkpointed {
+            assert!(
+                stderr(&o).contains("restoring from checkpoint"),
+                "the killed runs left checkpoints: {}",
+                stderr(&o)
+            );
+        }
+        let got = parse_sums(&committed_lines(&run.out));
+        let want = running_sums(&run.recs);
+        for (k, sums) in &want {
+            assert_eq!(
+                got.get(k),
+                Some(sums),
+                "key {k}: every running sum exactly once, in order ({mid_run} kills mid-run)"
+            );
+        }
+        assert_eq!(got.len(), want.len());
+        // No hidden leftovers are visible to readers, and the checkpoint verifies.
+        let v = weir(&["checkpoints", "verify", run.ck.to_str().expect("utf8")]);
+        assert!(v.status.success(), "{}", stderr(&v));
     }
-    assert_eq!(got.len(), want.len());
-    // No hidden leftovers are visible to readers, and the checkpoint verifies.
-    let v = weir(&["checkpoints", "verify", ck.to_str().expect("utf8")]);
-    assert!(v.status.success(), "{}", stderr(&v));
+}
+
+/// Whether `job_dir` holds a complete checkpoint (a `chk-<n>` directory with its metadata).
+fn has_complete_checkpoint(job_dir: &Path) -> bool {
+    std::fs::read_dir(job_dir).is_ok_and(|d| {
+        d.flatten().any(|e| {
+            e.file_name().to_string_lossy().starts_with("chk-")
+                && e.path().join("_metadata").exists()
+        })
+    })
 }
 
 /// SIGTERM stops a checkpointed `weir run` with a savepoint: exit 0, the savepoint's path
@@ -658,12 +711,7 @@ fn sigterm_stops_with_a_savepoint_that_continues_exactly() {
     // Once a checkpoint completed, so that the savepoint is past the start.
     let job_dir = ck.join("keyed-sum");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while !std::fs::read_dir(&job_dir).is_ok_and(|d| {
-        d.flatten().any(|e| {
-            e.file_name().to_string_lossy().starts_with("chk-")
-                && e.path().join("_metadata").exists()
-        })
-    }) {
+    while !has_complete_checkpoint(&job_dir) {
         assert!(std::time::Instant::now() < deadline, "no checkpoint");
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
