@@ -613,11 +613,17 @@ fn kill_loop(extra: &[&str]) {
         .and_then(|v| v.parse().ok())
         .unwrap_or(4);
     let mut rng = 0x2545_F491_4F6C_DD1Du64;
-    let mut next_delay_ms = || {
+    // A round's first kill comes early (40-120 ms), so that it lands mid-run on a machine
+    // faster than this one too; later ones anywhere in 60-300 ms.
+    let mut next_delay_ms = |first: bool| {
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
-        60 + rng % 240
+        if first {
+            40 + rng % 80
+        } else {
+            60 + rng % 240
+        }
     };
     let mut killed = 0u32;
     while killed < kills {
@@ -627,7 +633,8 @@ fn kill_loop(extra: &[&str]) {
         let mut mid_run = 0u32;
         while killed < kills {
             let mut child = run.spawn();
-            std::thread::sleep(std::time::Duration::from_millis(next_delay_ms()));
+            let delay = next_delay_ms(mid_run == 0);
+            std::thread::sleep(std::time::Duration::from_millis(delay));
             if child.try_wait().expect("try_wait").is_some() {
                 break;
             }
