@@ -154,7 +154,9 @@ impl JobHandle {
         lock(&self.ctl.checkpoints).clone()
     }
 
-    /// Triggers a checkpoint now (it starts as soon as no other is in progress).
+    /// Triggers a checkpoint now (it starts as soon as no other is in progress; requests made
+    /// before the job's coordinator runs, or during a restart, are served once it does, and
+    /// requests made before a trigger is served share its checkpoint).
     pub fn trigger_checkpoint(&self) -> Result<(), StartError> {
         if !self.ctl.checkpointing {
             return Err(StartError::Config {

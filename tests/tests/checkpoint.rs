@@ -42,8 +42,9 @@ struct Outcome {
     violations: u64,
     restarts: u64,
     completed: u64,
-    /// In-flight bytes unaligned checkpoints persisted, over the retained history.
-    inflight_bytes: u64,
+    /// With [`Setup::restore_inflight`]: the in-flight bytes of each checkpoint a failure
+    /// restored.
+    restored_inflight: Vec<u64>,
     /// The retained history of checkpoint statistics.
     history: Vec<weir_runtime::checkpoint::CheckpointStats>,
 }
@@ -66,6 +67,9 @@ struct Setup {
     /// Each shard's state memory, when not the default.
     memtable_budget: Option<usize>,
     keys: u64,
+    /// No periodic checkpoints: before each failure, checkpoints are triggered by hand until
+    /// one persisted in-flight records, so that every restore replays channel state.
+    restore_inflight: bool,
 }
 
 impl Default for Setup {
@@ -76,6 +80,7 @@ impl Default for Setup {
             slow_sink: false,
             memtable_budget: None,
             keys: KEYS,
+            restore_inflight: false,
         }
     }
 }
@@ -93,16 +98,21 @@ fn run_verification_with(
         slow_sink,
         memtable_budget,
         keys,
+        restore_inflight,
     } = setup;
     let dir = tempfile::tempdir().expect("tmp");
     let fail_now = Arc::new(AtomicBool::new(false));
     let violations = Arc::new(AtomicU64::new(0));
     let max_seq: Arc<Mutex<HashMap<u64, u64>>> = Arc::default();
+    let mut checkpointing = ck_with(dir.path(), mode, unaligned, aligned_timeout);
+    if restore_inflight {
+        checkpointing = checkpointing.with_interval(Duration::from_secs(3600));
+    }
     let mut config = JobConfig::new()
         .with_shards(shards)
         .with_pinning(Pinning::Never)
         .with_ring_capacity_bytes(64 << 10)
-        .with_checkpointing(ck_with(dir.path(), mode, unaligned, aligned_timeout));
+        .with_checkpointing(checkpointing);
     if let Some(bytes) = memtable_budget {
         config = config.with_memtable_budget_bytes(bytes);
     }
@@ -152,17 +162,40 @@ fn run_verification_with(
     });
     let handle = job.start().expect("start");
     let mut seen = 0;
+    let mut restored_inflight = Vec::new();
     for i in 0..failures {
         // Wait for a checkpoint newer than the last restore, then fail.
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while handle.checkpoint_metrics().number_of_completed_checkpoints <= seen {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "no checkpoint completed"
-            );
-            std::thread::sleep(Duration::from_millis(2));
+        let await_one = |seen: u64| {
+            while handle.checkpoint_metrics().number_of_completed_checkpoints <= seen {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "no checkpoint completed"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            handle.checkpoint_metrics()
+        };
+        if restore_inflight {
+            // Only these checkpoints complete, so the newest is the one the failure restores.
+            loop {
+                handle.trigger_checkpoint().expect("trigger");
+                let m = await_one(seen);
+                seen = m.number_of_completed_checkpoints;
+                let newest = m
+                    .history
+                    .iter()
+                    .rev()
+                    .find(|c| c.failure.is_none())
+                    .expect("a complete checkpoint");
+                if newest.persisted_inflight_bytes > 0 {
+                    restored_inflight.push(newest.persisted_inflight_bytes);
+                    break;
+                }
+            }
+        } else {
+            seen = await_one(seen).number_of_completed_checkpoints;
         }
-        seen = handle.checkpoint_metrics().number_of_completed_checkpoints;
         fail_now.store(true, Ordering::Release);
         while handle.restarts() <= u64::from(i) {
             assert!(
@@ -181,13 +214,8 @@ fn run_verification_with(
         violations: violations.load(Ordering::Relaxed),
         restarts: summary.restarts,
         completed: summary.checkpoints.number_of_completed_checkpoints,
-        inflight_bytes: summary
-            .checkpoints
-            .history
-            .iter()
-            .map(|h| h.persisted_inflight_bytes)
-            .sum(),
         history: summary.checkpoints.history,
+        restored_inflight,
     }
 }
 
@@ -363,14 +391,16 @@ fn unaligned_checkpoints_under_backpressure_are_exactly_once() {
     let setup = Setup {
         unaligned: true,
         slow_sink: true,
+        restore_inflight: true,
         ..Setup::default()
     };
     let o = run_verification_with(CheckpointMode::ExactlyOnce, setup, 3, n, 2);
     assert_eq!(o.restarts, 2);
     assert!(o.completed >= 3, "checkpoints completed: {}", o.completed);
     assert!(
-        o.inflight_bytes > 0,
-        "the barriers overtook queued records and persisted them"
+        o.restored_inflight.len() == 2 && o.restored_inflight.iter().all(|&b| b > 0),
+        "each failure restored a checkpoint whose barriers overtook queued records: {:?}",
+        o.restored_inflight
     );
     assert_eq!(
         o.violations, 0,
@@ -386,10 +416,17 @@ fn alignment_timeout_turns_aligned_checkpoints_unaligned() {
         unaligned: true,
         aligned_timeout: Duration::from_millis(1),
         slow_sink: true,
+        restore_inflight: true,
         ..Setup::default()
     };
     let o = run_verification_with(CheckpointMode::ExactlyOnce, setup, 2, n, 2);
     assert_eq!(o.restarts, 2);
+    // A checkpoint persists in-flight records only once its alignment timed out.
+    assert!(
+        o.restored_inflight.len() == 2 && o.restored_inflight.iter().all(|&b| b > 0),
+        "each failure restored a checkpoint that turned unaligned: {:?}",
+        o.restored_inflight
+    );
     assert_eq!(o.violations, 0);
     assert_complete(&o, n, 2);
 }
@@ -569,6 +606,45 @@ fn running_sum_job(
         .key_by(|r| r.0)
         .reduce(|a, b| (a.0, a.1 + b.1, b.2))
         .uid(sum_uid)
+}
+
+/// A checkpoint triggered by hand right after the start, before the coordinator of the first
+/// attempt ran, is taken: with no periodic checkpoints, the job completes it and then the
+/// final one. (The coordinator used to count requests made before it existed as seen, and
+/// dropped them; a request during a restart went the same way.)
+#[test]
+fn a_checkpoint_triggered_right_after_the_start_completes() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let n = 100_000u64;
+    let Sums { data, at, .. } = Sums::new(n);
+    let config = CheckpointConfig::new(dir.path(), "manual").with_mode(CheckpointMode::ExactlyOnce);
+    assert!(config.interval.is_none(), "no periodic checkpoints");
+    let job = Job::new(
+        JobConfig::new()
+            .with_shards(2)
+            .with_pinning(Pinning::Never)
+            .with_checkpointing(config),
+    );
+    let out = running_sum_job(&job, &data, true, "sum").collect();
+    let h = job.start().expect("start");
+    h.trigger_checkpoint().expect("trigger");
+    await_checkpoints(&h, 1);
+    let summary = h.wait().expect("job");
+    let ids: Vec<u64> = summary
+        .checkpoints
+        .history
+        .iter()
+        .filter(|c| c.failure.is_none())
+        .map(|c| c.checkpoint_id)
+        .collect();
+    assert_eq!(
+        ids.len(),
+        2,
+        "the manual checkpoint, then the final one: {ids:?}"
+    );
+    let got = out.take();
+    assert_eq!(got.len() as u64, n);
+    assert!(got.iter().all(|(_, sum, i)| at.get(i) == Some(sum)));
 }
 
 /// Waits (30 s at most) until `h` completed `n` checkpoints.

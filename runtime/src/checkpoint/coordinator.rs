@@ -89,6 +89,10 @@ pub(crate) struct SavepointRequest {
 #[derive(Default)]
 pub(crate) struct Requests {
     pub manual: std::sync::atomic::AtomicU64,
+    /// How many of `manual` a coordinator took: kept here, not in the coordinator, so that a
+    /// request made before an attempt's coordinator exists (right after the start, during a
+    /// restart) is served rather than counted as seen.
+    pub manual_taken: std::sync::atomic::AtomicU64,
     /// Savepoint requests waiting for a checkpoint to be triggered for them.
     pub savepoints: Mutex<Vec<SavepointRequest>>,
 }
@@ -103,7 +107,6 @@ pub(crate) struct Coordinator {
     last_completion: Option<Instant>,
     next_periodic: Instant,
     consecutive_failures: u32,
-    manual_seen: u64,
     requests: Arc<Requests>,
     /// Savepoint requests and the checkpoint that serves them.
     savepoint_waiters: Vec<(u64, SavepointWaiter)>,
@@ -136,7 +139,6 @@ impl Coordinator {
             .config
             .interval
             .unwrap_or(Duration::from_secs(3600 * 24 * 365));
-        let manual_seen = requests.manual.load(Ordering::Acquire);
         Self {
             shared,
             shards,
@@ -147,7 +149,6 @@ impl Coordinator {
             last_completion: None,
             next_periodic: Instant::now() + interval,
             consecutive_failures: 0,
-            manual_seen,
             requests,
             savepoint_waiters: Vec::new(),
             stop_id: None,
@@ -238,8 +239,9 @@ impl Coordinator {
             return;
         }
         let manual = self.requests.manual.load(Ordering::Acquire);
-        if manual > self.manual_seen {
-            self.manual_seen = manual;
+        if manual > self.requests.manual_taken.load(Ordering::Acquire) {
+            // Requests made meanwhile are served by this one checkpoint.
+            self.requests.manual_taken.store(manual, Ordering::Release);
             self.trigger(now);
             return;
         }
