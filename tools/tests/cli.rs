@@ -466,8 +466,14 @@ fn demo_runs_and_reports_its_summary() {
     assert!(out.contains("bids counted in windows 200000"), "{out}");
 }
 
-/// Part files of a transactional sink in commit order: by shard, then sequence number.
+/// Lines of the part files of a transactional sink in commit order: by shard, then sequence
+/// number.
 fn committed_lines(dir: &Path) -> Vec<String> {
+    lines_of(&part_files(dir))
+}
+
+/// The part files of a transactional sink in commit order: by shard, then sequence number.
+fn part_files(dir: &Path) -> Vec<PathBuf> {
     let mut parts: Vec<(u64, u64, std::path::PathBuf)> = Vec::new();
     for e in std::fs::read_dir(dir).expect("output dir") {
         let p = e.expect("entry").path();
@@ -488,10 +494,15 @@ fn committed_lines(dir: &Path) -> Vec<String> {
         }
     }
     parts.sort();
+    parts.into_iter().map(|(_, _, p)| p).collect()
+}
+
+/// The lines of `files`, in order.
+fn lines_of(files: &[PathBuf]) -> Vec<String> {
     let mut lines = Vec::new();
-    for (_, _, p) in parts {
+    for p in files {
         lines.extend(
-            std::fs::read_to_string(&p)
+            std::fs::read_to_string(p)
                 .expect("part")
                 .lines()
                 .map(String::from),
@@ -688,12 +699,25 @@ fn has_complete_checkpoint(job_dir: &Path) -> bool {
 /// restored from the savepoint commits the rest: every running sum exactly once.
 #[test]
 fn sigterm_stops_with_a_savepoint_that_continues_exactly() {
+    sigterm_savepoint_then_restore_onto(2);
+}
+
+/// The same, restored onto 3 shards: every key's state moves with its key group, and the
+/// files the restored run commits hold each key's remaining running sums, exactly once.
+#[test]
+fn a_savepoint_taken_mid_run_restores_onto_three_shards_exactly() {
+    sigterm_savepoint_then_restore_onto(3);
+}
+
+/// A run on 2 shards stopped by SIGTERM with a savepoint, then restored from it onto
+/// `shards` shards.
+fn sigterm_savepoint_then_restore_onto(shards: usize) {
     let run = CheckpointedRun::new(2_000_000, 997, "2", "50ms");
     let (recs, out) = (&run.recs, &run.out);
     let input = run.dir.path().join("in.csv");
     let ck = run.dir.path().join("ckpt-stop");
-    // keyed-sum on 2 shards into `out`, checkpointing into `dir`, with `extra` flags.
-    let args_with = |dir: &Path, extra: [&str; 2]| -> Vec<String> {
+    // keyed-sum on `shards` shards into `out`, checkpointing into `dir`, with `extra` flags.
+    let args_with = |shards: usize, dir: &Path, extra: [&str; 2]| -> Vec<String> {
         let mut a: Vec<String> = keyed_sum_args(&input, "csv", out)
             .into_iter()
             .map(str::to_owned)
@@ -701,14 +725,14 @@ fn sigterm_stops_with_a_savepoint_that_continues_exactly() {
         let dir = dir.to_str().expect("utf8").to_owned();
         a.extend([
             "--shards".into(),
-            "2".into(),
+            shards.to_string(),
             "--checkpoint-dir".into(),
             dir,
         ]);
         a.extend(extra.map(str::to_owned));
         a
     };
-    let args = args_with(&ck, ["--checkpoint-interval", "50ms"]);
+    let args = args_with(2, &ck, ["--checkpoint-interval", "50ms"]);
     let child = Command::new(env!("CARGO_BIN_EXE_weir"))
         .args(&args)
         .stdout(std::process::Stdio::null())
@@ -755,14 +779,32 @@ fn sigterm_stops_with_a_savepoint_that_continues_exactly() {
         );
     }
 
-    let args = args_with(&run.dir.path().join("ckpt-restored"), ["--restore", &sp]);
+    let stopped = part_files(out);
+    let restored = run.dir.path().join("ckpt-restored");
+    let args = args_with(shards, &restored, ["--restore", &sp]);
     let o = weir(&args.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(o.status.success(), "{}", stderr(&o));
-    assert_eq!(
-        parse_sums(&committed_lines(out)),
-        want,
-        "every running sum exactly once"
-    );
+    // What the stopped run committed stays, and the restored run's own files hold the rest.
+    let all = part_files(out);
+    assert!(stopped.iter().all(|f| all.contains(f)));
+    let fresh: Vec<PathBuf> = all.into_iter().filter(|f| !stopped.contains(f)).collect();
+    let rest = parse_sums(&lines_of(&fresh));
+    for (k, sums) in &want {
+        let before = got.get(k).map_or(0, Vec::len);
+        assert_eq!(
+            rest.get(k).map_or(&[][..], Vec::as_slice),
+            &sums[before..],
+            "key {k}: the rest of its running sums, exactly once"
+        );
+    }
+    if shards == 2 {
+        // Each key stays on its shard, so its files hold all its sums in order.
+        assert_eq!(
+            parse_sums(&committed_lines(out)),
+            want,
+            "every running sum exactly once"
+        );
+    }
 }
 
 #[test]
