@@ -81,6 +81,19 @@ struct Inner {
     uploaded: HashMap<u64, (FileRefData, u64)>,
     /// Timers of the restored checkpoint, for the operator to take.
     restored_timers: Vec<Vec<u8>>,
+    /// The store's figures in the job's metrics, updated when background work is installed.
+    counters: Arc<crate::metrics::StateCounters>,
+}
+
+/// Copies the store's figures into the job's metrics.
+fn publish_metrics(be: &KeyedBackend, c: &crate::metrics::StateCounters) {
+    let m = be.store().metrics();
+    c.flushes.store(m.flushes, Ordering::Relaxed);
+    c.compactions.store(m.compactions, Ordering::Relaxed);
+    c.segments.store(m.segments as u64, Ordering::Relaxed);
+    c.segment_bytes.store(m.segment_bytes, Ordering::Relaxed);
+    c.memtable_bytes
+        .store(m.memtable_bytes as u64, Ordering::Relaxed);
 }
 
 impl Drop for Inner {
@@ -337,6 +350,7 @@ impl ShardState {
                 checkpoint: ctx.checkpoint.clone(),
                 uploaded,
                 restored_timers,
+                counters: ctx.metrics.state(name, shard),
             })),
         })
     }
@@ -401,6 +415,7 @@ impl ShardState {
                 store
                     .run_pending_maintenance()
                     .map_err(|e| fail(e.to_string()))?;
+                publish_metrics(&inner.be, &inner.counters);
             }
             return Ok(());
         };
@@ -412,6 +427,7 @@ impl ShardState {
                         .store_mut()
                         .install(done)
                         .map_err(|e| fail(e.to_string()))?;
+                    publish_metrics(&inner.be, &inner.counters);
                 }
                 Ok(Output::Snapshot {
                     checkpoint_id,

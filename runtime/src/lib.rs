@@ -46,7 +46,7 @@ pub use keyed::{
     shard_for_key_group, AggregateFunction, FnProcess, KeyedContext, KeyedProcessFunction,
     KeyedStream, ProcessStream, TimeDomain,
 };
-pub use metrics::{HeadMetrics, JobMetrics, LatencySummary, OperatorMetrics};
+pub use metrics::{HeadMetrics, JobMetrics, LatencySummary, OperatorMetrics, StateMetrics};
 pub use shard::{JobHandle, JobStatus, JobSummary, STATE_STALL};
 pub use stream::{Job, Stream, StreamSink};
 pub use time::WatermarkStrategy;

@@ -31,6 +31,24 @@ pub struct HeadCounters {
     pub idle_ns: AtomicU64,
 }
 
+/// One keyed operator's state store on one shard, as of its last installed flush, compaction
+/// or snapshot (what Flink reports of RocksDB as native metrics).
+#[derive(Debug, Default)]
+pub(crate) struct StateCounters {
+    pub flushes: AtomicU64,
+    pub compactions: AtomicU64,
+    pub segments: AtomicU64,
+    pub segment_bytes: AtomicU64,
+    pub memtable_bytes: AtomicU64,
+}
+
+#[derive(Debug)]
+pub(crate) struct StateEntry {
+    pub name: String,
+    pub shard: usize,
+    pub counters: Arc<StateCounters>,
+}
+
 #[derive(Debug)]
 pub(crate) struct OperatorEntry {
     pub name: String,
@@ -50,6 +68,7 @@ pub(crate) struct HeadEntry {
 pub(crate) struct Registry {
     pub operators: Mutex<Vec<OperatorEntry>>,
     pub heads: Mutex<Vec<HeadEntry>>,
+    pub states: Mutex<Vec<StateEntry>>,
     /// Source-to-sink latency from latency markers, in nanoseconds.
     pub latency: Mutex<Histogram<u64>>,
     pub started: std::time::Instant,
@@ -60,6 +79,7 @@ impl Registry {
         Arc::new(Self {
             operators: Mutex::new(Vec::new()),
             heads: Mutex::new(Vec::new()),
+            states: Mutex::new(Vec::new()),
             latency: Mutex::new(new_latency_histogram()),
             started: std::time::Instant::now(),
         })
@@ -78,6 +98,16 @@ impl Registry {
     pub fn head(&self, name: &str, shard: usize) -> Arc<HeadCounters> {
         let counters = Arc::new(HeadCounters::default());
         lock(&self.heads).push(HeadEntry {
+            name: name.to_string(),
+            shard,
+            counters: counters.clone(),
+        });
+        counters
+    }
+
+    pub fn state(&self, name: &str, shard: usize) -> Arc<StateCounters> {
+        let counters = Arc::new(StateCounters::default());
+        lock(&self.states).push(StateEntry {
             name: name.to_string(),
             shard,
             counters: counters.clone(),
@@ -111,6 +141,18 @@ impl Registry {
                 idle_ns: e.counters.idle_ns.load(Relaxed),
             })
             .collect();
+        let states = lock(&self.states)
+            .iter()
+            .map(|e| StateMetrics {
+                operator: e.name.clone(),
+                shard: e.shard,
+                flushes: e.counters.flushes.load(Relaxed),
+                compactions: e.counters.compactions.load(Relaxed),
+                segments: e.counters.segments.load(Relaxed),
+                segment_bytes: e.counters.segment_bytes.load(Relaxed),
+                memtable_bytes: e.counters.memtable_bytes.load(Relaxed),
+            })
+            .collect();
         let h = lock(&self.latency);
         let latency = LatencySummary {
             samples: h.len(),
@@ -123,6 +165,7 @@ impl Registry {
             elapsed: self.started.elapsed(),
             operators,
             heads,
+            states,
             latency,
         }
     }
@@ -162,6 +205,21 @@ pub struct HeadMetrics {
     pub idle_ns: u64,
 }
 
+/// A snapshot of one keyed operator's state store on one shard (one entry per attempt: a
+/// restart opens the stores again).
+#[derive(Clone, Debug)]
+pub struct StateMetrics {
+    pub operator: String,
+    pub shard: usize,
+    /// Memtables written as segments.
+    pub flushes: u64,
+    pub compactions: u64,
+    /// Live segments and their bytes.
+    pub segments: u64,
+    pub segment_bytes: u64,
+    pub memtable_bytes: u64,
+}
+
 /// Source-to-sink latency measured by latency markers.
 #[derive(Clone, Debug, Default)]
 pub struct LatencySummary {
@@ -178,6 +236,7 @@ pub struct JobMetrics {
     pub elapsed: std::time::Duration,
     pub operators: Vec<OperatorMetrics>,
     pub heads: Vec<HeadMetrics>,
+    pub states: Vec<StateMetrics>,
     pub latency: LatencySummary,
 }
 
@@ -197,6 +256,15 @@ impl JobMetrics {
             .iter()
             .filter(|o| o.operator == name)
             .map(|o| o.records_out)
+            .sum()
+    }
+
+    /// Flushes of operator `name`'s state stores, summed over shards and attempts.
+    pub fn state_flushes(&self, name: &str) -> u64 {
+        self.states
+            .iter()
+            .filter(|s| s.operator == name)
+            .map(|s| s.flushes)
             .sum()
     }
 

@@ -45,6 +45,8 @@ struct Outcome {
     /// With [`Setup::restore_inflight`]: the in-flight bytes of each checkpoint a failure
     /// restored.
     restored_inflight: Vec<u64>,
+    /// Memtables the `verify` operator's stores flushed, over shards and attempts.
+    state_flushes: u64,
     /// The retained history of checkpoint statistics.
     history: Vec<weir_runtime::checkpoint::CheckpointStats>,
 }
@@ -214,6 +216,7 @@ fn run_verification_with(
         violations: violations.load(Ordering::Relaxed),
         restarts: summary.restarts,
         completed: summary.checkpoints.number_of_completed_checkpoints,
+        state_flushes: summary.metrics.state_flushes("verify"),
         history: summary.checkpoints.history,
         restored_inflight,
     }
@@ -282,6 +285,11 @@ fn exactly_once_state_survives_failures_while_memtables_reuse_their_memory() {
     };
     let o = run_verification_with(CheckpointMode::ExactlyOnce, setup, 2, n, 3);
     assert_eq!(o.restarts, 3);
+    eprintln!(
+        "DEBUG flushes {} completed {}",
+        o.state_flushes, o.completed
+    );
+    assert!(o.state_flushes > 0, "the memtables filled and froze");
     assert_eq!(o.violations, 0, "no record lost or counted twice in state");
     assert_complete_keys(&o, n, 2, keys);
 }
