@@ -16,9 +16,20 @@ pub struct Opts {
 }
 
 impl Opts {
-    /// Whether the benchmark `name` is selected.
+    /// Whether the benchmark `name`, or a group of benchmarks whose names start with `name`,
+    /// is selected: `--only` may name a row in full (`checkpoint_duration_1024MiB_1pct`
+    /// selects the `checkpoint_duration` group) or any part of its name.
     pub fn wants(&self, name: &str) -> bool {
-        self.only.as_deref().is_none_or(|o| name.contains(o))
+        self.only
+            .as_deref()
+            .is_none_or(|o| name.contains(o) || o.starts_with(name))
+    }
+
+    /// Whether a printed row is selected: its name contains `--only`'s text. A suite may run
+    /// a section that a selected row needs (the point gets read the updates' store) and
+    /// print only the selected rows.
+    pub fn shows(&self, bench: &str) -> bool {
+        self.only.as_deref().is_none_or(|o| bench.contains(o))
     }
 }
 

@@ -447,11 +447,33 @@ fn update_round(store: &mut Store, keys: u64, updates: u64, budget: usize) -> Up
     }
 }
 
-fn enabled(section: &str) -> bool {
-    match std::env::var("WEIR_STATE_BENCH") {
+/// Each section of `run` and the rows it prints.
+const SECTIONS: [(&str, &[&str]); 8] = [
+    ("updates", &["state_random_updates", "state_memory"]),
+    (
+        "gets",
+        &["state_point_get_segment", "state_get_absent_bloom"],
+    ),
+    ("write", &["state_segment_write"]),
+    ("snapshot", &["state_snapshot_sync_part"]),
+    ("epoch", &["state_updates_under_snapshot"]),
+    ("memtable", &["memtable_hash_vs_btree"]),
+    ("hot", &["keyed_value_u64_get_update"]),
+    ("compaction", &["state_compaction"]),
+];
+
+/// Whether `section` runs: `WEIR_STATE_BENCH` lists it (or is unset), and `--only` selects
+/// one of its rows.
+fn enabled(opts: &Opts, section: &str) -> bool {
+    let listed = match std::env::var("WEIR_STATE_BENCH") {
         Ok(v) if !v.is_empty() => v.split(',').any(|s| s == section),
         _ => true,
-    }
+    };
+    listed
+        && SECTIONS
+            .iter()
+            .filter(|(name, _)| *name == section)
+            .any(|(_, rows)| rows.iter().any(|r| opts.wants(r)))
 }
 
 /// Run the state benchmarks.
@@ -482,7 +504,7 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
     let mut k = [0u8; 12];
     let mut store = None;
     let mut base_map = None;
-    if enabled("updates") || enabled("gets") {
+    if enabled(opts, "updates") || enabled(opts, "gets") {
         let rounds = if opts.quick { 1 } else { UPDATE_ROUNDS };
         let mut done = Vec::new();
         for round in 0..rounds {
@@ -505,7 +527,7 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
         // the gets' baseline below: it holds exactly the keys the updates wrote.
         let (map, base) = hashbrown_updates(keys, updates);
         let baseline_len = map.len();
-        base_map = enabled("gets").then_some(map);
+        base_map = enabled(opts, "gets").then_some(map);
         let mut r = result(
             "state_random_updates",
             updates,
@@ -596,7 +618,7 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
     }
 
     // 2. Point gets from segments (warm page cache) and absent keys (bloom negatives).
-    if let (true, Some(store)) = (enabled("gets"), store.as_mut()) {
+    if let (true, Some(store)) = (enabled(opts, "gets"), store.as_mut()) {
         store.flush_and_compact_all().expect("compact");
         let gets: u64 = if opts.quick { 200_000 } else { 4_000_000 };
         let mut rng = Rng(2);
@@ -742,7 +764,7 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
     drop(store);
 
     // 3. Segment write bandwidth vs raw sequential writes + fsync of the same size.
-    if enabled("write") {
+    if enabled(opts, "write") {
         let wcfg = StoreConfig {
             memtable_budget_bytes: 1 << 30,
             ..StoreConfig::default()
@@ -832,7 +854,7 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
     }
 
     // 4. Snapshot synchronous part with a full memtable.
-    if enabled("snapshot") {
+    if enabled(opts, "snapshot") {
         // The mutable memtable's share (half the budget) above the 64 MiB it is filled to:
         // this measures the seal, not a freeze.
         let scfg = StoreConfig {
@@ -909,7 +931,7 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
     // CPU per record it writes. The keyed checkpoint benchmark measures the same costs end to
     // end, as the difference of two runs: on this shared machine that difference was noisier
     // than the costs themselves.
-    if enabled("epoch") {
+    if enabled(opts, "epoch") {
         let n: u64 = if opts.quick { 100_000 } else { 500_000 };
         let rounds = if opts.quick { 2 } else { 6 };
         // The runtime's default budget: the epochs and their copies fit without a freeze.
@@ -1005,7 +1027,7 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
     }
 
     // 5. Memtable design: hash index (the store) vs a sorted map, same updates, no flushes.
-    if enabled("memtable") {
+    if enabled(opts, "memtable") {
         let n_mem: u64 = if opts.quick { 200_000 } else { 2_000_000 };
         let distinct = n_mem / 4;
         let mcfg = StoreConfig {
@@ -1051,12 +1073,12 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
 
     // 6. Keyed-count hot path: ValueState<u64> value() + update() of keys in the memtable,
     // as the runtime calls it (set_current_key_bytes, set_namespace(&[]), value, update).
-    if enabled("hot") {
+    if enabled(opts, "hot") {
         out.push(hot_path(&fs, dir.path(), opts));
     }
 
     // 7. Compaction: a merge of a tier of flushed segments into one.
-    if enabled("compaction") {
+    if enabled(opts, "compaction") {
         out.push(compaction(&fs, dir.path(), opts));
     }
 

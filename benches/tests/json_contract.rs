@@ -102,3 +102,48 @@ fn every_row_of_every_suite_keeps_the_json_contract() {
     }
     assert!(latency_rows >= 5, "{latency_rows} rows with latencies");
 }
+
+/// The rows `weir-bench SUITE --quick --json --only ONLY` printed.
+fn rows_of(suite: &str, only: &str) -> Vec<String> {
+    let out = Command::new(env!("CARGO_BIN_EXE_weir-bench"))
+        .args([suite, "--quick", "--json", "--only", only])
+        .output()
+        .expect("run weir-bench");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "exit {:?}: {stderr}", out.status);
+    String::from_utf8(out.stdout)
+        .expect("UTF-8 output")
+        .lines()
+        .map(|l| {
+            let row: Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"));
+            row["bench"].as_str().expect("bench").to_owned()
+        })
+        .collect()
+}
+
+#[test]
+fn only_selects_rows_by_their_full_name_or_a_part_of_it() {
+    // A full row name, in the suites whose sections are named by a prefix of their rows
+    // (the checkpoint suite's overhead section) or not at all (the state suite's).
+    assert_eq!(
+        rows_of("checkpoint", "checkpoint_overhead_keyed_100ms"),
+        ["checkpoint_overhead_keyed_100ms"]
+    );
+    assert_eq!(
+        rows_of("state", "state_segment_write"),
+        ["state_segment_write"]
+    );
+    // A row that needs another section's work (the gets read the updates' store) runs it
+    // and prints only itself.
+    assert_eq!(
+        rows_of("state", "state_point_get_segment"),
+        ["state_point_get_segment"]
+    );
+    // A part of a name selects every row that contains it.
+    let mut snap = rows_of("state", "snapshot");
+    snap.sort();
+    assert_eq!(
+        snap,
+        ["state_snapshot_sync_part", "state_updates_under_snapshot"]
+    );
+}

@@ -1,4 +1,5 @@
-//! `weir-bench SUITE [--json] [--quick]`: runs a benchmark suite and prints its figures.
+//! `weir-bench SUITE [--json] [--quick] [--only TEXT]`: runs a benchmark suite and prints its
+//! figures (with `--only`, the rows whose name contains TEXT).
 
 use clap::{Parser, ValueEnum};
 use weir_benches::report::{print_json, print_table};
@@ -57,6 +58,7 @@ fn main() {
     if matches!(cli.suite, Suite::Nexmark | Suite::All) {
         rows.extend(weir_benches::nexmark::run(&opts));
     }
+    rows.retain(|r| opts.shows(&r.bench));
     if opts.json {
         print_json(&rows);
     } else {
