@@ -3,8 +3,9 @@
 //! It remembers, per file, the content at the last `sync` and which directory entries were made
 //! durable by `sync_dir`. [`FaultyFs::crash`] then rewinds the files to what a power cut would
 //! leave: unsynced data is lost, renames and creations not followed by a directory fsync are
-//! undone. Configured faults (a torn write that leaves only a prefix, a failing fsync or rename,
-//! a flipped bit in written data) fire at a chosen step; each operation is one step. Every
+//! undone (a rename over an existing file brings that file back). Configured faults (a torn
+//! write that leaves only a prefix, a failing fsync, rename or directory fsync, a flipped bit in
+//! written data) fire at a chosen step; each operation is one step. Every
 //! injected failure prints its seed so a failing test can be replayed.
 
 use std::collections::{HashMap, HashSet};
@@ -16,7 +17,7 @@ use crate::fs::{FsFile, Mapped, StdFs};
 use crate::Fs;
 
 /// Which faults to inject. Steps count `write_at`, `sync`, `rename`, `hard_link` and `sync_dir`
-/// calls from 0.
+/// calls from 0 (not `create`, `remove` or reads).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct FaultConfig {
     /// Seed of the pseudo-random choices (prefix length of a torn write, flipped bit).
@@ -31,6 +32,9 @@ pub struct FaultConfig {
     pub flip_bit_at_step: Option<u64>,
     /// At this step, a hard link fails without linking.
     pub fail_link_at_step: Option<u64>,
+    /// At this step, a directory fsync fails (and the directory changes it would have made
+    /// durable stay undone by a crash).
+    pub fail_sync_dir_at_step: Option<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -44,7 +48,17 @@ struct State {
     /// Files whose directory entry is not yet durable.
     created_unsynced: HashSet<PathBuf>,
     /// Renames not yet made durable by a directory fsync, in order.
-    renames_unsynced: Vec<(PathBuf, PathBuf)>,
+    renames_unsynced: Vec<UnsyncedRename>,
+}
+
+/// A rename that a crash undoes.
+#[derive(Debug)]
+struct UnsyncedRename {
+    from: PathBuf,
+    to: PathBuf,
+    /// The durable content of the file that `to` named before, which a crash brings back
+    /// (`publish_file` replaces a checkpoint's metadata this way).
+    replaced: Option<Vec<u8>>,
 }
 
 impl State {
@@ -119,7 +133,9 @@ impl FaultyFs {
     pub fn crash(&self) -> Result<(), IoError> {
         let mut st = self.shared.lock();
         let st = &mut *st;
-        for (from, to) in std::mem::take(&mut st.renames_unsynced).into_iter().rev() {
+        for UnsyncedRename { from, to, replaced } in
+            std::mem::take(&mut st.renames_unsynced).into_iter().rev()
+        {
             if to.exists() {
                 std::fs::rename(&to, &from)
                     .map_err(|e| IoError::os("crash: undo rename", &to, e))?;
@@ -131,6 +147,9 @@ impl FaultyFs {
             }
             if let Some(d) = st.durable.remove(&to) {
                 st.durable.insert(from.clone(), d);
+            }
+            if let Some(old) = replaced {
+                std::fs::write(&to, old).map_err(|e| IoError::os("crash: restore", &to, e))?;
             }
         }
         for path in std::mem::take(&mut st.created_unsynced) {
@@ -274,8 +293,21 @@ impl Fs for FaultyFs {
             drop(st);
             return Err(self.shared.injected(step, "rename failure", from));
         }
+        // The file `to` names now, as a crash would bring it back: its content at its last
+        // sync, or none if its own creation was not durable either.
+        let replaced = if st.created_unsynced.contains(to) {
+            None
+        } else if st.dirty.contains(to) {
+            st.durable.get(to).cloned()
+        } else {
+            std::fs::read(to).ok()
+        };
         StdFs.rename(from, to)?;
         let st = &mut *st;
+        // What was known of the replaced file is no longer the file at `to`.
+        st.dirty.remove(to);
+        st.created_unsynced.remove(to);
+        st.durable.remove(to);
         for set in [&mut st.dirty, &mut st.created_unsynced] {
             if set.remove(from) {
                 set.insert(to.to_owned());
@@ -284,16 +316,23 @@ impl Fs for FaultyFs {
         if let Some(d) = st.durable.remove(from) {
             st.durable.insert(to.to_owned(), d);
         }
-        st.renames_unsynced.push((from.to_owned(), to.to_owned()));
+        st.renames_unsynced.push(UnsyncedRename {
+            from: from.to_owned(),
+            to: to.to_owned(),
+            replaced,
+        });
         Ok(())
     }
 
     fn sync_dir(&self, dir: &Path) -> Result<(), IoError> {
-        let (_step, mut st) = self.take_step();
+        let (step, mut st) = self.take_step();
+        if self.shared.config.fail_sync_dir_at_step == Some(step) {
+            drop(st);
+            return Err(self.shared.injected(step, "directory fsync failure", dir));
+        }
         StdFs.sync_dir(dir)?;
         st.created_unsynced.retain(|p| p.parent() != Some(dir));
-        st.renames_unsynced
-            .retain(|(_, to)| to.parent() != Some(dir));
+        st.renames_unsynced.retain(|r| r.to.parent() != Some(dir));
         Ok(())
     }
 
@@ -365,6 +404,41 @@ mod tests {
     }
 
     #[test]
+    fn crash_undoes_an_unsynced_rename_of_a_durable_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let fs = FaultyFs::new(FaultConfig::default());
+        let (b, c) = (dir.path().join("b"), dir.path().join("c"));
+        let mut f = fs.create(&b).unwrap();
+        f.write_at(0, b"synced").unwrap();
+        f.sync().unwrap();
+        fs.sync_dir(dir.path()).unwrap();
+        fs.rename(&b, &c).unwrap();
+        fs.crash().unwrap();
+        assert_eq!(std::fs::read(&b).unwrap(), b"synced");
+        assert!(!c.exists(), "the rename was never made durable");
+    }
+
+    #[test]
+    fn crash_brings_back_the_file_an_unsynced_rename_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let fs = FaultyFs::new(FaultConfig::default());
+        let (b, c) = (dir.path().join("b"), dir.path().join("c"));
+        for (p, bytes) in [(&b, &b"new"[..]), (&c, &b"old"[..])] {
+            let mut f = fs.create(p).unwrap();
+            f.write_at(0, bytes).unwrap();
+            f.sync().unwrap();
+        }
+        fs.sync_dir(dir.path()).unwrap();
+        // `c` was written again but not synced: a crash brings back its synced content.
+        fs.open(&c).unwrap().write_at(0, b"OLD?").unwrap();
+        fs.rename(&b, &c).unwrap();
+        assert_eq!(std::fs::read(&c).unwrap(), b"new");
+        fs.crash().unwrap();
+        assert_eq!(std::fs::read(&b).unwrap(), b"new");
+        assert_eq!(std::fs::read(&c).unwrap(), b"old");
+    }
+
+    #[test]
     fn publish_survives_crash_after_completion() {
         let dir = tempfile::tempdir().unwrap();
         let fs = FaultyFs::new(FaultConfig::default());
@@ -376,9 +450,12 @@ mod tests {
 
     #[test]
     fn publish_is_all_or_nothing_at_every_failure_step() {
-        // Steps of publish_file: write(0) sync(1) rename(2) sync_dir(3).
+        // Steps of publish_file: write(0) sync(1) rename(2) sync_dir(3). Each fault kind
+        // fires only on its own operation: at its step, publish fails and a crash leaves the
+        // old file (the rename over it undone, after it, if the directory fsync failed); at
+        // another step nothing fires, and the new file survives the crash.
         for step in 0..4u64 {
-            for kind in 0..3 {
+            for kind in 0..4u64 {
                 let dir = tempfile::tempdir().unwrap();
                 let p = dir.path().join("meta");
                 publish_file(&StdFs, &p, b"old").unwrap();
@@ -387,14 +464,19 @@ mod tests {
                     tear_write_at_step: (kind == 0).then_some(step),
                     fail_sync_at_step: (kind == 1).then_some(step),
                     fail_rename_at_step: (kind == 2).then_some(step),
+                    fail_sync_dir_at_step: (kind == 3).then_some(step),
                     ..FaultConfig::default()
                 };
                 let fs = FaultyFs::new(cfg);
                 let r = publish_file(&fs, &p, b"new contents");
+                let fires = kind == step;
+                assert_eq!(r.is_err(), fires, "seed {}: {r:?}", fs.seed());
                 fs.crash().unwrap();
                 let got = std::fs::read(&p).unwrap();
-                assert!(
-                    got == b"old" || (r.is_ok() && got == b"new contents"),
+                let want: &[u8] = if fires { b"old" } else { b"new contents" };
+                assert_eq!(
+                    got,
+                    want,
                     "seed {}: got {:?}",
                     fs.seed(),
                     String::from_utf8_lossy(&got)

@@ -291,8 +291,8 @@ fn crash_at_every_step(opts: StorageOptions) {
     assert!(steps > 10, "{steps}");
     let mut outcomes = [0usize; 2];
     for step in 0..=steps {
-        for kind in 0..4u64 {
-            let seed = step * 4 + kind;
+        for kind in 0..5u64 {
+            let seed = step * 5 + kind;
             let tmp = tempfile::tempdir().unwrap();
             let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
             let c1 = write_checkpoint(&open(Arc::new(StdFs), &root), 1, &local, None).unwrap();
@@ -304,12 +304,12 @@ fn crash_at_every_step(opts: StorageOptions) {
                 fail_sync_at_step: at.filter(|_| kind == 1),
                 fail_rename_at_step: at.filter(|_| kind == 2),
                 fail_link_at_step: at.filter(|_| kind == 3),
+                fail_sync_dir_at_step: at.filter(|_| kind == 4),
                 ..FaultConfig::default()
             });
-            let r = {
-                let st = open(Arc::new(fs.clone()), &root);
-                write_checkpoint(&st, 2, &local, Some(&c1.metadata))
-            };
+            // Opening the storage takes steps too (it makes its directories durable).
+            let r = CheckpointStorage::open_with(Arc::new(fs.clone()), &root, "job", opts)
+                .and_then(|st| write_checkpoint(&st, 2, &local, Some(&c1.metadata)));
             fs.crash().unwrap();
 
             let st = open(Arc::new(StdFs), &root);
