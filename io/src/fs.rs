@@ -492,6 +492,12 @@ impl DirLock {
     /// included): [`IoError::Locked`] at once. Held for a process that has exited: waits for
     /// the kernel to release it, up to [`DEAD_OWNER_WAIT`].
     pub fn acquire(dir: &Path) -> Result<DirLock, IoError> {
+        DirLock::acquire_with(dir, &mut || {})
+    }
+
+    /// [`DirLock::acquire`], calling `waiting` before each wait for a dead owner's lock (tests
+    /// observe the waits through it rather than through a clock).
+    fn acquire_with(dir: &Path, waiting: &mut dyn FnMut()) -> Result<DirLock, IoError> {
         let path = dir.join("LOCK");
         let file = OpenOptions::new()
             .read(true)
@@ -524,6 +530,7 @@ impl DirLock {
                     lock_file: path,
                 });
             }
+            waiting();
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
     }
@@ -602,23 +609,32 @@ mod tests {
             std::process::id().to_string()
         );
         std::fs::write(&lock_file, format!("{dead}\n")).unwrap();
+        // The lock is released only once `acquire` has found it held for the dead owner and
+        // waits: it must then take it.
+        let (waits_tx, waits_rx) = std::sync::mpsc::channel();
         let release = std::thread::spawn(move || {
-            std::thread::sleep(std::time::Duration::from_millis(200));
+            waits_rx.recv().unwrap();
             drop(held);
         });
-        let got = DirLock::acquire(dir.path()).expect("waited for the dead owner's lock");
+        let mut waits = 0;
+        let got = DirLock::acquire_with(dir.path(), &mut || {
+            waits += 1;
+            let _ = waits_tx.send(());
+        })
+        .expect("waited for the dead owner's lock");
         release.join().unwrap();
+        assert!(waits >= 1);
         assert_eq!(
             std::fs::read_to_string(&lock_file).unwrap().trim(),
             std::process::id().to_string()
         );
-        // A live owner (this process) is refused without waiting for the deadline.
-        let t = std::time::Instant::now();
+        // A live owner (this process) is refused without a single wait.
+        let mut waits = 0;
         assert!(matches!(
-            DirLock::acquire(dir.path()),
+            DirLock::acquire_with(dir.path(), &mut || waits += 1),
             Err(IoError::Locked { .. })
         ));
-        assert!(t.elapsed() < DEAD_OWNER_WAIT / 2);
+        assert_eq!(waits, 0);
         drop(got);
     }
 
