@@ -2002,6 +2002,8 @@ impl Memtable {
 
     /// Sort ids by key (see [`sort_by_key`]).
     fn sort_ids(&self, ids: &mut [u32]) {
+        #[cfg(test)]
+        tests::SCAN_WORK.with(|w| w.set((w.get().0 + ids.len(), w.get().1)));
         if ids.len() < 2 {
             return;
         }
@@ -2022,6 +2024,8 @@ impl Memtable {
     }
 
     fn merge_ids(&self, a: &[u32], b: &[u32]) -> Vec<u32> {
+        #[cfg(test)]
+        tests::SCAN_WORK.with(|w| w.set((w.get().0, w.get().1 + a.len() + b.len())));
         let mut out = Vec::with_capacity(a.len() + b.len());
         let (mut i, mut j) = (0, 0);
         while i < a.len() && j < b.len() {
@@ -2313,6 +2317,13 @@ impl Frozen {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    thread_local! {
+        /// (ids sorted by `sort_ids`, ids moved by `merge_ids`) on this thread: the scan
+        /// work that `interleaved_put_and_scan_sorts_only_new_ids` bounds.
+        pub(super) static SCAN_WORK: std::cell::Cell<(usize, usize)> =
+            const { std::cell::Cell::new((0, 0)) };
+    }
     use proptest::prelude::*;
 
     /// A sealed epoch lists each key it wrote once, in key order, with its last value of the
@@ -2966,18 +2977,24 @@ mod tests {
 
     #[test]
     fn interleaved_put_and_scan_sorts_only_new_ids() {
-        // One put, one scan, many times: every scan must see every key in order, the run
-        // count must stay logarithmic, and the work must not be quadratic (4000 rounds of a
-        // full re-sort would be ~8M key sorts; this finishes in milliseconds).
+        // One put, one scan, many times: every scan must see every key in order, every run
+        // must be sorted, the run count must stay logarithmic, and the work must not be
+        // quadratic: each id is sorted once, and merges move each id O(log n) times (4000
+        // rounds of a full re-sort would sort ~8M ids).
+        SCAN_WORK.with(|w| w.set((0, 0)));
+        let n = 4000u32;
         let mut m = Memtable::new();
         let mut model = std::collections::BTreeSet::new();
-        for i in 0..4000u32 {
+        for i in 0..n {
             let k = i.wrapping_mul(2_654_435_761).to_be_bytes();
             m.put(&k, b"v", NO_EXPIRY, false);
             model.insert(k.to_vec());
             m.prepare_scan();
             let runs = m.runs();
             assert!(runs.len() <= 2 + (usize::BITS - (i as usize + 1).leading_zeros()) as usize);
+            for r in &runs {
+                assert!(r.windows(2).all(|w| m.entry(w[0]).0 < m.entry(w[1]).0));
+            }
             if i % 97 == 0 {
                 let mut all: Vec<Vec<u8>> = runs
                     .iter()
@@ -2988,6 +3005,10 @@ mod tests {
                 assert_eq!(all, model.iter().cloned().collect::<Vec<_>>());
             }
         }
+        let (sorted, merged) = SCAN_WORK.with(|w| w.get());
+        assert_eq!(sorted, n as usize, "each id is sorted once");
+        let log_n = (usize::BITS - (n as usize).leading_zeros()) as usize;
+        assert!(merged <= n as usize * (log_n + 2), "{merged} ids merged");
         let f = Frozen::new(m, 1);
         let keys: Vec<Vec<u8>> = f.entries().map(|(k, _)| k.to_vec()).collect();
         assert_eq!(keys, model.into_iter().collect::<Vec<_>>());
