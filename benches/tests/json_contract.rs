@@ -19,6 +19,7 @@ fn every_row_of_every_suite_keeps_the_json_contract() {
     let stdout = String::from_utf8(out.stdout).expect("UTF-8 output");
     let mut names = HashSet::new();
     let mut latency_rows = 0;
+    let mut cpu_split_checked = false;
     for (i, line) in stdout.lines().enumerate() {
         let row: Value = serde_json::from_str(line)
             .unwrap_or_else(|e| panic!("line {}: not JSON ({e}): {line}", i + 1));
@@ -68,6 +69,7 @@ fn every_row_of_every_suite_keeps_the_json_contract() {
                 flush + compaction <= all * 1.001 + 1e-6,
                 "{flush} + {compaction} > {all}"
             );
+            cpu_split_checked = true;
         }
         let lat: Vec<Option<u64>> = ["p50_ns", "p99_ns", "p999_ns"]
             .iter()
@@ -101,6 +103,7 @@ fn every_row_of_every_suite_keeps_the_json_contract() {
         );
     }
     assert!(latency_rows >= 5, "{latency_rows} rows with latencies");
+    assert!(cpu_split_checked, "no `state_random_updates` row");
 }
 
 /// The rows `weir-bench SUITE --quick --json --only ONLY` printed.

@@ -125,8 +125,16 @@ mod tests {
         let dir = tempfile::tempdir().expect("tmp");
         let p = write_sentinel(dir.path()).expect("sentinel");
         assert_eq!(std::fs::metadata(&p).expect("meta").len(), 4096);
+        // A sentinel of the right size is kept as it is (a second shard or run does not
+        // rewrite a file another may be reading)...
+        std::fs::write(&p, [0x11u8; 4096]).expect("overwrite");
         let p2 = write_sentinel(dir.path()).expect("again");
         assert_eq!(p, p2);
+        assert_eq!(std::fs::read(&p).expect("read"), [0x11u8; 4096]);
+        // ...and one cut short (a crash while writing it) is written again, whole.
+        std::fs::write(&p, b"short").expect("truncate");
+        write_sentinel(dir.path()).expect("repair");
+        assert_eq!(std::fs::read(&p).expect("read"), [0x77u8; 4096]);
     }
 
     /// A state directory that is a file is refused, naming it and saying what it is.

@@ -195,9 +195,20 @@ mod tests {
         tx.push_batch(vec![1]).expect("push");
         let tx2 = tx.clone();
         let t = std::thread::spawn(move || tx2.push_batch(vec![2]));
+        // The host stays blocked while nothing is taken. (A push that did not block would
+        // return within this time; one that blocks is never finished here, however slow the
+        // machine: the check cannot fail spuriously.)
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!t.is_finished(), "push_batch returned with the queue full");
         let mut r = src.create_reader(0, 1).expect("reader");
         let mut out = Vec::new();
+        // A lost wake-up fails here rather than hanging the suite.
+        let give_up = std::time::Instant::now() + std::time::Duration::from_secs(60);
         while out.len() < 2 {
+            assert!(
+                std::time::Instant::now() < give_up,
+                "the host was never woken"
+            );
             r.poll(&mut out, 10).expect("poll");
             std::thread::yield_now();
         }
