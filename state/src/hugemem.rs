@@ -338,6 +338,13 @@ const SCRATCH_POOL_MAX: usize = 12;
 /// See [`ScratchPool`]: the sort buffers and write buffers of a flush of 2 M entries.
 const SCRATCH_POOL_BYTES: usize = 48 << 20;
 
+#[cfg(test)]
+thread_local! {
+    /// Pooled mappings this thread took that held data (a nonzero byte among their first
+    /// 64): tests of writers on used buffers check that they really got one.
+    pub(crate) static TAKEN_DIRTY: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 static SCRATCH: ScratchPool = ScratchPool::new(SCRATCH_POOL_MAX, SCRATCH_POOL_BYTES);
 
 /// Memtable arena chunks whose last holder let go, for the next chunk an arena needs (see
@@ -374,7 +381,13 @@ impl ScratchPool {
             .filter(|&i| p[i].len() >= bytes)
             .min_by_key(|&i| p[i].len());
         match best {
-            Some(i) => Some(p.swap_remove(i)),
+            Some(i) => {
+                let m = p.swap_remove(i);
+                #[cfg(test)]
+                TAKEN_DIRTY
+                    .with(|c| c.set(c.get() + usize::from(m.iter().take(64).any(|&b| b != 0))));
+                Some(m)
+            }
             None => {
                 if let Some(i) = (0..p.len()).max_by_key(|&i| p[i].len()) {
                     drop(p.swap_remove(i));

@@ -1985,16 +1985,27 @@ mod tests {
     /// give the document's fixture byte for byte.
     #[test]
     fn a_writer_on_used_scratch_buffers_writes_the_same_bytes() {
-        let dir = tempfile::tempdir().unwrap();
-        for _ in 0..2 {
-            let mut b = crate::hugemem::ZeroedBuf::<u8>::new(
-                WRITE_BUFFER_BYTES + 2 * 4096 + crate::hugemem::HUGE_PAGE_BYTES,
-            );
-            b.fill(0xA5);
-            b.recycle();
+        // The pool is the process's: a test on another thread may take the garbage buffers
+        // first. Tries until this writer got a used one, checking the bytes every time.
+        let mut reused = false;
+        for _ in 0..20 {
+            let dir = tempfile::tempdir().unwrap();
+            for _ in 0..2 {
+                let mut b = crate::hugemem::ZeroedBuf::<u8>::new(
+                    WRITE_BUFFER_BYTES + 2 * 4096 + crate::hugemem::HUGE_PAGE_BYTES,
+                );
+                b.fill(0xA5);
+                b.recycle();
+            }
+            let before = crate::hugemem::TAKEN_DIRTY.with(|c| c.get());
+            let p = write_fixture(dir.path());
+            assert_eq!(std::fs::read(&p).unwrap(), doc_fixture());
+            if crate::hugemem::TAKEN_DIRTY.with(|c| c.get()) > before {
+                reused = true;
+                break;
+            }
         }
-        let p = write_fixture(dir.path());
-        assert_eq!(std::fs::read(&p).unwrap(), doc_fixture());
+        assert!(reused, "the writer never got a used buffer from the pool");
     }
 
     fn doc_fixture() -> Vec<u8> {
