@@ -42,33 +42,31 @@ pub(crate) struct StateCounters {
     pub memtable_bytes: AtomicU64,
 }
 
+/// One registered instance's counters: an operator, a source head or a store, on a shard.
 #[derive(Debug)]
-pub(crate) struct StateEntry {
+pub(crate) struct Entry<C> {
     pub name: String,
     pub shard: usize,
-    pub counters: Arc<StateCounters>,
+    pub counters: Arc<C>,
 }
 
-#[derive(Debug)]
-pub(crate) struct OperatorEntry {
-    pub name: String,
-    pub shard: usize,
-    pub counters: Arc<OperatorCounters>,
-}
-
-#[derive(Debug)]
-pub(crate) struct HeadEntry {
-    pub name: String,
-    pub shard: usize,
-    pub counters: Arc<HeadCounters>,
+/// Registers fresh counters for `name` on `shard` in `list`, returning them to the writer.
+fn register<C: Default>(list: &Mutex<Vec<Entry<C>>>, name: &str, shard: usize) -> Arc<C> {
+    let counters = Arc::new(C::default());
+    lock(list).push(Entry {
+        name: name.to_string(),
+        shard,
+        counters: counters.clone(),
+    });
+    counters
 }
 
 /// The registry a job's shards write into and its handle reads from.
 #[derive(Debug)]
 pub(crate) struct Registry {
-    pub operators: Mutex<Vec<OperatorEntry>>,
-    pub heads: Mutex<Vec<HeadEntry>>,
-    pub states: Mutex<Vec<StateEntry>>,
+    pub operators: Mutex<Vec<Entry<OperatorCounters>>>,
+    pub heads: Mutex<Vec<Entry<HeadCounters>>>,
+    pub states: Mutex<Vec<Entry<StateCounters>>>,
     /// Source-to-sink latency from latency markers, in nanoseconds.
     pub latency: Mutex<Histogram<u64>>,
     pub started: std::time::Instant,
@@ -86,33 +84,15 @@ impl Registry {
     }
 
     pub fn operator(&self, name: &str, shard: usize) -> Arc<OperatorCounters> {
-        let counters = Arc::new(OperatorCounters::default());
-        lock(&self.operators).push(OperatorEntry {
-            name: name.to_string(),
-            shard,
-            counters: counters.clone(),
-        });
-        counters
+        register(&self.operators, name, shard)
     }
 
     pub fn head(&self, name: &str, shard: usize) -> Arc<HeadCounters> {
-        let counters = Arc::new(HeadCounters::default());
-        lock(&self.heads).push(HeadEntry {
-            name: name.to_string(),
-            shard,
-            counters: counters.clone(),
-        });
-        counters
+        register(&self.heads, name, shard)
     }
 
     pub fn state(&self, name: &str, shard: usize) -> Arc<StateCounters> {
-        let counters = Arc::new(StateCounters::default());
-        lock(&self.states).push(StateEntry {
-            name: name.to_string(),
-            shard,
-            counters: counters.clone(),
-        });
-        counters
+        register(&self.states, name, shard)
     }
 
     pub fn record_latency(&self, h: &Histogram<u64>) {
