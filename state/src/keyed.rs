@@ -535,6 +535,42 @@ fn decode_timer_key(k: &[u8]) -> Option<(TimeDomain, Timer)> {
     ))
 }
 
+/// What the typed handles that are only an id share: `Clone` and `Copy` (whatever their type
+/// parameters), and construction from a cached id. `state_handle!(Name[impl generics][type
+/// arguments])`.
+macro_rules! state_handle {
+    ($name:ident [$($gen:tt)*] [$($arg:tt)*]) => {
+        impl<$($gen)*> Clone for $name<$($arg)*> {
+            fn clone(&self) -> Self {
+                *self
+            }
+        }
+
+        impl<$($gen)*> Copy for $name<$($arg)*> {}
+
+        impl<$($gen)*> $name<$($arg)*> {
+            /// A handle for the state whose id is `id`, without hashing its name: cache the
+            /// id once (from [`Self::id`] of a handle obtained by name, or
+            /// [`KeyedBackend::state_id`]) and build typed handles from it on every access for
+            /// free. The id must come from a registration of this same state name (ids depend
+            /// on the name only, so a registration on any backend of the job will do), and the
+            /// value type must be the one the state is always used with: as with handles
+            /// obtained by name, values this process wrote are read in place unchecked, which
+            /// relies on one value type per state.
+            pub const fn from_id(id: u16) -> Self {
+                $name {
+                    id,
+                    _v: PhantomData,
+                }
+            }
+
+            pub fn id(&self) -> u16 {
+                self.id
+            }
+        }
+    };
+}
+
 /// A single value per key (and namespace).
 #[derive(Debug)]
 pub struct ValueState<V> {
@@ -542,32 +578,9 @@ pub struct ValueState<V> {
     _v: PhantomData<fn() -> V>,
 }
 
-impl<V> Clone for ValueState<V> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<V> Copy for ValueState<V> {}
+state_handle!(ValueState[V][V]);
 
 impl<V: StateValue> ValueState<V> {
-    /// A handle for the state whose id is `id`, without hashing its name: cache the id once
-    /// (from [`Self::id`] of a handle obtained by name, or [`KeyedBackend::state_id`]) and build
-    /// typed handles from it on every access for free. The id must come from a registration of
-    /// this same state name (ids depend on the name only, so a registration on any backend of
-    /// the job will do), and the value type must be the one the state is always used with: as
-    /// with handles obtained by name, values this process wrote are read in place unchecked,
-    /// which relies on one value type per state.
-    pub const fn from_id(id: u16) -> Self {
-        ValueState {
-            id,
-            _v: PhantomData,
-        }
-    }
-
-    pub fn id(&self) -> u16 {
-        self.id
-    }
-
     /// The archived value of the current key, if any.
     #[inline]
     pub fn get<'a>(&self, be: &'a mut KeyedBackend) -> Result<Option<&'a V::Archived>, StateError> {
@@ -620,32 +633,9 @@ pub struct ListState<V> {
     _v: PhantomData<fn() -> V>,
 }
 
-impl<V> Clone for ListState<V> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<V> Copy for ListState<V> {}
+state_handle!(ListState[V][V]);
 
 impl<V: StateValue> ListState<V> {
-    /// A handle for the state whose id is `id`, without hashing its name: cache the id once
-    /// (from [`Self::id`] of a handle obtained by name, or [`KeyedBackend::state_id`]) and build
-    /// typed handles from it on every access for free. The id must come from a registration of
-    /// this same state name (ids depend on the name only, so a registration on any backend of
-    /// the job will do), and the value type must be the one the state is always used with: as
-    /// with handles obtained by name, values this process wrote are read in place unchecked,
-    /// which relies on one value type per state.
-    pub const fn from_id(id: u16) -> Self {
-        ListState {
-            id,
-            _v: PhantomData,
-        }
-    }
-
-    pub fn id(&self) -> u16 {
-        self.id
-    }
-
     pub fn add(&self, be: &mut KeyedBackend, v: &V) -> Result<(), StateError> {
         be.build_key(self.id);
         let seq = be.store.next_seq();
@@ -716,32 +706,9 @@ pub struct MapState<K: ?Sized, V> {
     _v: PhantomData<MapMarker<K, V>>,
 }
 
-impl<K: ?Sized, V> Clone for MapState<K, V> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<K: ?Sized, V> Copy for MapState<K, V> {}
+state_handle!(MapState[K: ?Sized, V][K, V]);
 
 impl<K: KeyCodec + ?Sized, V: StateValue> MapState<K, V> {
-    /// A handle for the state whose id is `id`, without hashing its name: cache the id once
-    /// (from [`Self::id`] of a handle obtained by name, or [`KeyedBackend::state_id`]) and build
-    /// typed handles from it on every access for free. The id must come from a registration of
-    /// this same state name (ids depend on the name only, so a registration on any backend of
-    /// the job will do), and the value type must be the one the state is always used with: as
-    /// with handles obtained by name, values this process wrote are read in place unchecked,
-    /// which relies on one value type per state.
-    pub const fn from_id(id: u16) -> Self {
-        MapState {
-            id,
-            _v: PhantomData,
-        }
-    }
-
-    pub fn id(&self) -> u16 {
-        self.id
-    }
-
     fn build(&self, be: &mut KeyedBackend, mk: &K) {
         be.build_key(self.id);
         mk.encode_key(&mut be.kbuf);
