@@ -473,7 +473,7 @@ pub fn publish_file(fs: &dyn Fs, path: &Path, bytes: &[u8]) -> Result<(), IoErro
 /// An exclusive advisory lock (`flock`) on `<dir>/LOCK`, held until dropped. Mapped files must
 /// have no other writer: a second store on the same directory fails with [`IoError::Locked`].
 /// The holder writes its process id into the file, so that a lock still held for an exited
-/// process can be told from one a live process holds (see [`DEAD_OWNER_WAIT`]).
+/// process can be told from one a live process holds (see `DEAD_OWNER_WAIT`).
 #[derive(Debug)]
 pub struct DirLock {
     _file: File,
@@ -490,7 +490,7 @@ pub const DEAD_OWNER_WAIT: std::time::Duration = std::time::Duration::from_secs(
 impl DirLock {
     /// Take the lock, creating the lock file if needed. Held by a live process (this one
     /// included): [`IoError::Locked`] at once. Held for a process that has exited: waits for
-    /// the kernel to release it, up to [`DEAD_OWNER_WAIT`].
+    /// the kernel to release it, up to `DEAD_OWNER_WAIT` (30 s).
     pub fn acquire(dir: &Path) -> Result<DirLock, IoError> {
         DirLock::acquire_with(dir, &mut || {})
     }

@@ -1526,8 +1526,10 @@ impl Store {
     }
 
     /// The flush of the oldest frozen memtable, if one is due and none is running (flushes
-    /// install in freeze order so segments stay ordered); see also
-    /// [`Self::flush_waits_for_compaction`].
+    /// install in freeze order so segments stay ordered), and unless a running compaction
+    /// leaves `max_segments` segments outside its inputs: writes then stall until that
+    /// compaction is installed, so that flushes cannot add segments faster than compactions
+    /// merge them.
     pub fn flush_job(&mut self) -> Option<FlushJob> {
         self.absorb();
         if self.flush_in_flight.is_some() || self.flush_waits_for_compaction() {

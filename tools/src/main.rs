@@ -56,6 +56,8 @@ enum CheckpointsCommand {
 }
 
 /// Checkpointing of `weir run` jobs.
+// The field docs are clap's help text, where `<job-id>` is meant literally.
+#[allow(rustdoc::invalid_html_tags)]
 #[derive(Args, Clone, Debug, Default)]
 pub struct CheckpointArgs {
     /// Checkpoint into DIR/<job-id>; with it, --output is written exactly once (two-phase

@@ -1,14 +1,13 @@
 //! Checkpointing: asynchronous barrier snapshots (Chandy-Lamport as Flink does it).
 //!
-//! The [`coordinator`] injects barrier `n` by raising `requested` to `n`; every source head
-//! sees it at its next step, records its position and sends [`Event::Barrier`] down its chain.
-//! Exchange writers put the barrier into every output ring; exchange readers align it (or
-//! let it pass, at least once); every stateful operator snapshots when the barrier reaches it
-//! and reports a [`Part`] to its shard's [`ShardCheckpoint`]. When every participant of a shard
-//! reported (the asynchronous parts included), the shard acknowledges `n` to the coordinator,
-//! which writes the checkpoint's metadata durably and only then announces it complete.
-//!
-//! [`Event::Barrier`]: crate::operator::Event::Barrier
+//! The coordinator (module `coordinator`) injects barrier `n` by raising `requested` to `n`;
+//! every source head sees it at its next step, records its position and sends
+//! `Event::Barrier` down its chain. Exchange writers put the barrier into every output ring;
+//! exchange readers align it (or let it pass, at least once); every stateful operator
+//! snapshots when the barrier reaches it and reports a `Part` to its shard's
+//! `ShardCheckpoint`. When every participant of a shard reported (the asynchronous parts
+//! included), the shard acknowledges `n` to the coordinator, which writes the checkpoint's
+//! metadata durably and only then announces it complete.
 
 pub mod config;
 pub(crate) mod coordinator;
