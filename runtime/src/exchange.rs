@@ -481,13 +481,24 @@ impl<T: Data> ExchangeHead<T> {
         self.channels.start(id, done);
     }
 
+    /// Whether checkpoint `id` must stay aligned: the final checkpoint of a bounded job (see
+    /// `Shared::final_id`).
+    fn stays_aligned(&self, id: u64) -> bool {
+        self.checkpoint
+            .as_ref()
+            .is_some_and(|c| c.borrow().shared.is_final(id))
+    }
+
     /// Acts on barrier announcements and on an alignment that waited too long.
     fn check_unaligned(&mut self) {
         let Some(timeout) = self.channels.unaligned_after else {
             return;
         };
         if let (Some(started), Some(id)) = (self.align_started, self.merger.aligning()) {
-            if started.elapsed() >= timeout && id > self.channels.last_id() {
+            if started.elapsed() >= timeout
+                && id > self.channels.last_id()
+                && !self.stays_aligned(id)
+            {
                 self.start_unaligned(id);
             }
         }
@@ -498,7 +509,7 @@ impl<T: Data> ExchangeHead<T> {
             let Some((id, pos)) = self.consumers[i].announcement() else {
                 continue;
             };
-            if id > self.channels.last_id() && timeout.is_zero() {
+            if id > self.channels.last_id() && timeout.is_zero() && !self.stays_aligned(id) {
                 self.start_unaligned(id);
             }
             if self.channels.active_id() == Some(id) && self.channels.capturing(i) {

@@ -352,6 +352,85 @@ fn a_finished_job_commits_a_final_checkpoint_and_restore_latest_resumes() {
     );
 }
 
+/// The final checkpoint of a bounded job commits all of its output, so it is taken aligned
+/// even when checkpoints are unaligned (as Flink takes savepoints and final checkpoints
+/// aligned). Unaligned, its barriers overtook the records queued in the exchange rings: their
+/// results came after the checkpoint, were published when the input ended, and a restart
+/// from that checkpoint replayed the records and emitted the results again (the CLI's
+/// unaligned kill loop saw a key's last three sums committed twice).
+#[test]
+fn the_final_checkpoint_is_aligned_so_restoring_it_replays_nothing() {
+    // Whether the final barrier finds records queued depends on the moment the sources end:
+    // several runs, so that a final checkpoint taken unaligned would be caught.
+    let mut overtook = 0;
+    for timeout in [Duration::ZERO, Duration::from_millis(1)] {
+        for _ in 0..3 {
+            let dir = tempfile::tempdir().expect("tmp");
+            let cfg = || ck_with(dir.path(), CheckpointMode::ExactlyOnce, true, timeout);
+            let n = 40_000;
+            let (s, out) = run_slow_sums(cfg(), None, n);
+            assert_eq!(out.len() as u64, n);
+            let history = &s.checkpoints.history;
+            let last = history.last().expect("the final checkpoint");
+            assert_eq!(
+                Some(last.checkpoint_id),
+                s.checkpoints.last_completed_checkpoint_id
+            );
+            assert_eq!(
+                last.persisted_inflight_bytes, 0,
+                "the final checkpoint holds no channel state (aligned timeout {timeout:?})"
+            );
+            overtook += history
+                .iter()
+                .filter(|c| c.persisted_inflight_bytes > 0)
+                .count();
+            let (_, out2) = run_slow_sums(cfg(), Some(RestoreFrom::Latest), n);
+            assert!(
+                out2.is_empty(),
+                "restoring the final checkpoint emitted {} results again (aligned timeout \
+                 {timeout:?})",
+                out2.len()
+            );
+        }
+    }
+    // The periodic checkpoints before the final ones did overtake queued records: the jobs
+    // took them unaligned.
+    assert!(overtook > 0, "no checkpoint overtook a queued record");
+}
+
+/// A bounded job over `0..n` (two shards) summing per key `x % 7` behind small exchange
+/// rings that stay full: every 4th sum takes 50 us downstream of them, so that they take
+/// longer to drain than a checkpoint takes. The job's summary and the sums it emitted.
+fn run_slow_sums(
+    ck: CheckpointConfig,
+    restore: Option<RestoreFrom>,
+    n: u64,
+) -> (weir_runtime::JobSummary, Vec<u64>) {
+    let mut c = JobConfig::new()
+        .with_shards(2)
+        .with_pinning(Pinning::Never)
+        .with_ring_capacity_bytes(64 << 10)
+        .with_checkpointing(ck);
+    if let Some(r) = restore {
+        c = c.with_restore(r);
+    }
+    let job = Job::new(c);
+    let out = job
+        .from_iter(move |shard, shards| (0..n).filter(move |i| *i as usize % shards == shard))
+        .key_by(|x: &u64| x % 7)
+        .reduce(|a, b| a + b)
+        .uid("sum")
+        .map(|s: u64| {
+            if s.is_multiple_of(4) {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+            s
+        })
+        .collect();
+    let s = job.run().expect("job");
+    (s, out.take())
+}
+
 /// A restore from the job's own checkpoints keeps their state files where they are: the
 /// next checkpoint references the restored segments' files instead of uploading them again
 /// (before, every restore added the whole state to what the next checkpoint held), and

@@ -197,11 +197,11 @@ impl Coordinator {
             && self.pending.is_empty()
         {
             // Every source read its input to the end: take the checkpoint that commits the
-            // job's last output. Sources end their streams once it completes.
-            let id = self.trigger(now);
-            if let Some(id) = id {
-                self.shared.final_id.store(id, Ordering::Release);
-            }
+            // job's last output. Sources end their streams once it completes. It is marked
+            // final before its barriers exist, so that every exchange sees the mark and takes
+            // it aligned (see `Shared::final_id`); a failed trigger clears the mark.
+            self.shared.final_id.store(self.next_id, Ordering::Release);
+            self.trigger(now);
             return;
         }
         if sources_done {

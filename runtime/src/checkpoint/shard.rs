@@ -49,7 +49,11 @@ pub(crate) struct Shared {
     /// Shards that finished building their operators.
     pub shards_ready: AtomicUsize,
     /// The id of the checkpoint taken after every source finished (0: none yet). Sources end
-    /// their streams once it is complete, so a finished job's output is committed.
+    /// their streams once it is complete, so a finished job's output is committed. It is
+    /// always aligned, as Flink takes its final checkpoints: unaligned, its barriers would
+    /// overtake queued records, whose results come after it and are published when the
+    /// input ends, and a restart from it would replay those records and commit their results
+    /// twice. Set before its barriers are requested.
     pub final_id: AtomicU64,
     /// The job is ending (stop triggering).
     pub stopping: AtomicBool,
@@ -63,6 +67,11 @@ pub(crate) struct Shared {
 impl Shared {
     pub fn mode(&self) -> CheckpointMode {
         self.config.mode
+    }
+
+    /// Whether checkpoint `id` is the final one (taken aligned).
+    pub fn is_final(&self, id: u64) -> bool {
+        id != 0 && self.final_id.load(Ordering::Acquire) == id
     }
 
     /// True once the final checkpoint completed: finished sources may end their streams.
