@@ -263,13 +263,23 @@ pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 
 /// Sets the cancel flag when a shard's thread unwinds, so that the other shards stop instead of
 /// waiting forever on its rings.
-struct CancelOnPanic(Arc<AtomicBool>);
+struct ShardExit {
+    cancel: Arc<AtomicBool>,
+    running: Arc<AtomicUsize>,
+    supervisor: std::thread::Thread,
+}
 
-impl Drop for CancelOnPanic {
+/// Held by a shard's thread for its whole life: however the thread ends, returning or
+/// unwinding, the count of running shards drops and the supervisor wakes, and a panic
+/// cancels the attempt's other shards. (A panic while the shard built its operators, in a
+/// source's factory say, used to unwind past the count, and the job never ended.)
+impl Drop for ShardExit {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            self.0.store(true, Ordering::Release);
+            self.cancel.store(true, Ordering::Release);
         }
+        self.running.fetch_sub(1, Ordering::AcqRel);
+        self.supervisor.unpark();
     }
 }
 
@@ -776,7 +786,11 @@ fn run_attempt(
             .name(&format!("weir-shard-{shard}"))
             .io_memory(config.io_memory_bytes)
             .spawn(move || async move {
-                let _guard = CancelOnPanic(cancel2.clone());
+                let _exit = ShardExit {
+                    cancel: cancel2.clone(),
+                    running: running2,
+                    supervisor,
+                };
                 let r = async {
                     crate::platform::dma_probe(&sentinel, shard).await?;
                     let mut ctx = BuildCtx {
@@ -835,8 +849,6 @@ fn run_attempt(
                 if r.is_err() {
                     cancel2.store(true, Ordering::Release);
                 }
-                running2.fetch_sub(1, Ordering::AcqRel);
-                supervisor.unpark();
                 r
             });
         match spawned {

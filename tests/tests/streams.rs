@@ -193,6 +193,35 @@ fn a_slow_sink_backpressures_without_loss_or_unbounded_buffering() {
     );
 }
 
+/// A panic while a shard builds its operators (here in a source's factory, on one shard of
+/// three) fails the job with the panic's message. It used to unwind past the count of running
+/// shards, so that the job never ended: the job runs on a thread of its own, with a deadline.
+#[test]
+fn a_panic_while_a_shard_builds_its_operators_fails_the_job() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let job = Job::new(config(3));
+        job.from_iter(|shard, _| {
+            if shard == 1 {
+                panic!("no input for shard 1");
+            }
+            0..1000u64
+        })
+        .key_by(|x| *x % 10)
+        .reduce(|a, b| a + b)
+        .for_each(|_| {});
+        let _ = tx.send(job.run());
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs(60)) {
+        Ok(Err(JobError::Panic { shard, message })) => {
+            assert_eq!(shard, 1);
+            assert!(message.contains("no input for shard 1"), "{message}");
+        }
+        Ok(other) => panic!("expected a panic failure, got {other:?}"),
+        Err(_) => panic!("the job did not end within 60 s of a shard's panic"),
+    }
+}
+
 #[test]
 fn a_panicking_user_function_fails_the_job_with_its_message() {
     let job = Job::new(config(3));
