@@ -353,10 +353,7 @@ pub(crate) fn start(config: JobConfig, graph: Graph) -> Result<JobHandle, StartE
         checkpointing: config.checkpoint.is_some(),
         status: Arc::new(AtomicU8::new(JobStatus::Initializing as u8)),
     });
-    if restore.is_some() {
-        lock(&ctl.checkpoints).last_checkpoint_restore_timestamp =
-            Some(crate::checkpoint::coordinator::now_ms());
-    }
+    note_restore(&ctl, restore.as_deref());
     let plan = Plan {
         config: Arc::new(config),
         roots: Arc::new(graph.roots),
@@ -672,9 +669,17 @@ fn supervise(
         restore = latest_restore(&plan.config, store, first_id)
             .map_err(JobError::Start)?
             .or_else(|| initial.clone());
+        note_restore(ctl, restore.as_deref());
         ctl.restarts.fetch_add(1, Ordering::AcqRel);
-        lock(&ctl.checkpoints).last_checkpoint_restore_timestamp =
-            Some(crate::checkpoint::coordinator::now_ms());
+    }
+}
+
+/// Records in the checkpoint metrics that an attempt restores `restore`, if it does.
+fn note_restore(ctl: &Control, restore: Option<&RestoreState>) {
+    if let Some(r) = restore {
+        let mut m = lock(&ctl.checkpoints);
+        m.last_checkpoint_restore_timestamp = Some(crate::checkpoint::coordinator::now_ms());
+        m.last_restored_checkpoint_id = Some(r.checkpoint_id);
     }
 }
 

@@ -58,6 +58,9 @@ pub struct CheckpointMetrics {
     pub last_checkpoint_full_size: u64,
     /// When the job last restored from a checkpoint (ms since the epoch), if it did.
     pub last_checkpoint_restore_timestamp: Option<u64>,
+    /// The id of the checkpoint or savepoint the job last restored from, if it did (an
+    /// attempt that found no checkpoint starts over and leaves both unchanged).
+    pub last_restored_checkpoint_id: Option<u64>,
     /// Id of the newest complete checkpoint.
     pub last_completed_checkpoint_id: Option<u64>,
     /// The most recent checkpoints, newest last.
