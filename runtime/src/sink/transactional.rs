@@ -1401,20 +1401,31 @@ mod tests {
     fn exactly_once_across_a_failure_at_every_step() {
         let batches = [lines("a", 0..12), lines("b", 0..12), lines("c", 0..12)];
         // A clean run first: how many steps there are to fail at.
-        let total = failure_case(u64::MAX, 3, &batches);
-        assert!(total > 20, "{total} steps");
+        let (total, failed) = failure_case(u64::MAX, 3, &batches);
+        assert!(total > 20 && !failed, "{total} steps");
+        // How many runs each kind of fault really cut short: a sweep whose faults never
+        // fired (the file system's steps out of step with the sink's operations) checks
+        // nothing but clean runs.
+        let mut fired = [0u32; 4];
         for step in 0..=total {
             for kind in 0..4 {
-                failure_case(step, kind, &batches);
+                if failure_case(step, kind, &batches).1 {
+                    fired[kind as usize] += 1;
+                }
             }
         }
+        assert!(
+            fired.iter().all(|&n| n > 0),
+            "faults fired per kind: {fired:?}"
+        );
     }
 
     /// Runs three checkpoints with a fault of `kind` at `step` (0: torn write, 1: failed
     /// fsync, 2: failed rename, 3: power cut once `step` steps are taken), crashes, restores
     /// the newest checkpoint whose pre-commit succeeded and checks the visible output is
-    /// exactly the lines up to it. Returns the steps taken before the crash.
-    fn failure_case(step: u64, kind: u64, batches: &[Vec<String>; 3]) -> u64 {
+    /// exactly the lines up to it. Returns the steps taken before the crash, and whether the
+    /// fault cut the run short (an operation failed, or the power cut came before the end).
+    fn failure_case(step: u64, kind: u64, batches: &[Vec<String>; 3]) -> (u64, bool) {
         let tmp = tempfile::tempdir().expect("temp dir");
         let dir = tmp.path().to_owned();
         let faulty = FaultyFs::new(FaultConfig {
@@ -1433,11 +1444,12 @@ mod tests {
         let mut committed = 0u64;
         let mut expected: Vec<String> = Vec::new();
         let cut = |faulty: &FaultyFs| kind == 3 && faulty.steps() >= step;
-        let run = (|| -> io::Result<()> {
+        // Ok(true): the power cut came before the end.
+        let run = (|| -> io::Result<bool> {
             for (n, batch) in (1u64..).zip(batches.iter()) {
                 for l in batch {
                     if cut(&faulty) {
-                        return Ok(());
+                        return Ok(true);
                     }
                     w.write(l.clone(), 0)?;
                 }
@@ -1445,17 +1457,21 @@ mod tests {
                 let st = w.pre_commit(n)?;
                 prepared.push((n, st, expected.clone()));
                 if cut(&faulty) {
-                    return Ok(());
+                    return Ok(true);
                 }
                 w.commit(n)?;
                 committed = n;
             }
-            Ok(())
+            Ok(false)
         })();
         // A failed run is the point of the test; what matters is the restore below.
-        if let Err(e) = run {
-            eprintln!("step {step} kind {kind}: run failed as injected: {e}");
-        }
+        let failed = match run {
+            Ok(cut_short) => cut_short,
+            Err(e) => {
+                eprintln!("step {step} kind {kind}: run failed as injected: {e}");
+                true
+            }
+        };
         let steps = faulty.steps();
         drop(w);
         faulty.crash().expect("crash");
@@ -1463,7 +1479,7 @@ mod tests {
         // succeeded); commits after it may or may not have happened.
         let Some((n, st, want)) = prepared.last() else {
             assert!(visible(&dir).is_empty(), "step {step} kind {kind}");
-            return steps;
+            return (steps, failed);
         };
         assert!(committed <= *n);
         let mut w = writer(&s, 0);
@@ -1474,7 +1490,7 @@ mod tests {
         if step == u64::MAX {
             assert_eq!(want.len(), 36, "the clean run prepares everything");
         }
-        steps
+        (steps, failed)
     }
 
     #[test]
