@@ -261,18 +261,17 @@ pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
-/// Sets the cancel flag when a shard's thread unwinds, so that the other shards stop instead of
-/// waiting forever on its rings.
+/// Held by a shard's thread for its whole life: however the thread ends, returning or
+/// unwinding, the count of running shards drops and the supervisor wakes; a panic also sets
+/// the cancel flag, so that the other shards stop instead of waiting forever on its rings. (A
+/// panic while the shard built its operators, in a source's factory say, used to unwind past
+/// the count, and the job never ended.)
 struct ShardExit {
     cancel: Arc<AtomicBool>,
     running: Arc<AtomicUsize>,
     supervisor: std::thread::Thread,
 }
 
-/// Held by a shard's thread for its whole life: however the thread ends, returning or
-/// unwinding, the count of running shards drops and the supervisor wakes, and a panic
-/// cancels the attempt's other shards. (A panic while the shard built its operators, in a
-/// source's factory say, used to unwind past the count, and the job never ended.)
 impl Drop for ShardExit {
     fn drop(&mut self) {
         if std::thread::panicking() {
