@@ -383,8 +383,8 @@ fn a_finished_job_commits_a_final_checkpoint_and_restore_latest_resumes() {
 }
 
 /// The final checkpoint of a bounded job commits all of its output, so it is taken aligned
-/// even when checkpoints are unaligned (as Flink takes savepoints and final checkpoints
-/// aligned). Unaligned, its barriers overtook the records queued in the exchange rings: their
+/// even when checkpoints are unaligned (in Flink too it comes after every record was
+/// processed). Unaligned, its barriers overtook the records queued in the exchange rings: their
 /// results came after the checkpoint, were published when the input ended, and a restart
 /// from that checkpoint replayed the records and emitted the results again (the CLI's
 /// unaligned kill loop saw a key's last three sums committed twice).

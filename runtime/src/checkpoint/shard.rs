@@ -50,10 +50,10 @@ pub(crate) struct Shared {
     pub shards_ready: AtomicUsize,
     /// The id of the checkpoint taken after every source finished (0: none yet). Sources end
     /// their streams once it is complete, so a finished job's output is committed. It is
-    /// always aligned, as Flink takes its final checkpoints: unaligned, its barriers would
-    /// overtake queued records, whose results come after it and are published when the
-    /// input ends, and a restart from it would replay those records and commit their results
-    /// twice. Set before its barriers are requested.
+    /// always aligned (in Flink too it comes after every record was processed): unaligned,
+    /// its barriers would overtake queued records, whose results come after it and are
+    /// published when the input ends, and a restart from it would replay those records and
+    /// commit their results twice. Set before its barriers are requested.
     pub final_id: AtomicU64,
     /// The job is ending (stop triggering).
     pub stopping: AtomicBool,
