@@ -1162,7 +1162,7 @@ mod tests {
         assert_eq!(
             id_of(drx.recv().unwrap()),
             4,
-            "the compaction ran inside the flush"
+            "the compaction ran after the flush, not inside it"
         );
         drop(jtx);
         thread.join().unwrap();

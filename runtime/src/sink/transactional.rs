@@ -1316,7 +1316,7 @@ mod tests {
     #[test]
     fn finish_after_a_completed_checkpoint_is_a_no_op() {
         let tmp = tempfile::tempdir().expect("temp dir");
-        // A file system that fails the next fsync: finish must not touch anything.
+        // A fault-free FaultyFs, for its count of operations: finish must take none.
         let faulty = FaultyFs::new(FaultConfig::default());
         let s = sink(tmp.path()).with_fs(Arc::new(faulty.clone()));
         let mut w = writer(&s, 0);
