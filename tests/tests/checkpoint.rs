@@ -75,6 +75,9 @@ struct Setup {
     /// No periodic checkpoints: before each failure, checkpoints are triggered by hand until
     /// one persisted in-flight records, so that every restore replays channel state.
     restore_inflight: bool,
+    /// Before the last failure, wait until the `verify` operator's stores flushed a memtable
+    /// and a checkpoint completed after that, so that the last restore follows a flush.
+    flush_before_last_failure: bool,
 }
 
 impl Default for Setup {
@@ -86,6 +89,7 @@ impl Default for Setup {
             memtable_budget: None,
             keys: KEYS,
             restore_inflight: false,
+            flush_before_last_failure: false,
         }
     }
 }
@@ -104,6 +108,7 @@ fn run_verification_with(
         memtable_budget,
         keys,
         restore_inflight,
+        flush_before_last_failure,
     } = setup;
     let dir = tempfile::tempdir().expect("tmp");
     let fail_now = Arc::new(AtomicBool::new(false));
@@ -211,6 +216,13 @@ fn run_verification_with(
         } else {
             seen = await_one(seen).number_of_completed_checkpoints;
         }
+        if flush_before_last_failure && i + 1 == failures {
+            while handle.metrics().state_flushes("verify") == 0 {
+                assert!(std::time::Instant::now() < deadline, "no memtable flushed");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            seen = await_one(seen).number_of_completed_checkpoints;
+        }
         let newest = handle
             .checkpoint_metrics()
             .last_completed_checkpoint_id
@@ -308,6 +320,7 @@ fn exactly_once_state_survives_failures_while_memtables_reuse_their_memory() {
     let setup = Setup {
         memtable_budget: Some(MEMTABLE_BUDGET),
         keys,
+        flush_before_last_failure: true,
         ..Setup::default()
     };
     let o = run_verification_with(CheckpointMode::ExactlyOnce, setup, 2, n, 3);
