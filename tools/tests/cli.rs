@@ -542,9 +542,10 @@ impl Inputs {
     }
 }
 
-/// A checkpointed `weir run keyed-sum` over a fresh CSV of `n` records with `keys` keys, in a
-/// temporary directory: exactly once into `out` on `shards` shards, a checkpoint every
-/// `interval` in `ck`, continuing from the newest one (`--restore latest`).
+/// A checkpointed `weir run keyed-sum` (or another job, see [`CheckpointedRun::window_count`])
+/// over a fresh CSV of `n` records with `keys` keys, in a temporary directory: exactly once
+/// into `out` on `shards` shards, a checkpoint every `interval` in `ck`, continuing from the
+/// newest one (`--restore latest`).
 struct CheckpointedRun {
     dir: tempfile::TempDir,
     recs: Vec<(String, i64, i64)>,
@@ -555,6 +556,51 @@ struct CheckpointedRun {
 
 impl CheckpointedRun {
     fn new(n: u64, keys: u64, shards: &str, interval: &str) -> CheckpointedRun {
+        Self::of_job(n, keys, shards, interval, |input, out| {
+            keyed_sum_args(input, "csv", out)
+                .into_iter()
+                .map(str::to_owned)
+                .collect()
+        })
+    }
+
+    /// `weir run window-count` with `window` tumbling windows (a 2 s bound on disorder, so
+    /// that no record of [`records`] is late).
+    fn window_count(n: u64, keys: u64, shards: &str, interval: &str, window: &str) -> Self {
+        Self::of_job(n, keys, shards, interval, |input, out| {
+            let (input, out) = (input.to_str().expect("utf8"), out.to_str().expect("utf8"));
+            [
+                "run",
+                "window-count",
+                "--input",
+                input,
+                "--format",
+                "csv",
+                "--key",
+                "user",
+                "--timestamp",
+                "ts",
+                "--window",
+                window,
+                "--out-of-orderness",
+                "2s",
+                "--output",
+                out,
+            ]
+            .into_iter()
+            .map(str::to_owned)
+            .collect()
+        })
+    }
+
+    /// The run of the job whose arguments `job(input, output)` gives.
+    fn of_job(
+        n: u64,
+        keys: u64,
+        shards: &str,
+        interval: &str,
+        job: impl FnOnce(&Path, &Path) -> Vec<String>,
+    ) -> CheckpointedRun {
         let Inputs {
             dir,
             recs,
@@ -562,11 +608,21 @@ impl CheckpointedRun {
             out,
             ck,
         } = Inputs::new(n, keys, "csv");
-        let mut args = keyed_sum_args(&input, "csv", &out);
+        let mut args = job(&input, &out);
         let ck_s = ck.to_str().expect("utf8");
-        args.extend(["--shards", shards, "--checkpoint-dir", ck_s]);
-        args.extend(["--checkpoint-interval", interval, "--restore", "latest"]);
-        let args = args.into_iter().map(str::to_owned).collect();
+        args.extend(
+            [
+                "--shards",
+                shards,
+                "--checkpoint-dir",
+                ck_s,
+                "--checkpoint-interval",
+                interval,
+                "--restore",
+                "latest",
+            ]
+            .map(str::to_owned),
+        );
         CheckpointedRun {
             dir,
             recs,
@@ -619,6 +675,64 @@ fn kill_loop_with_an_alignment_timeout_commits_every_result_exactly_once() {
 /// committed output and the checkpoint. Rounds repeat, each on a fresh input, until the kills
 /// are done: a finished job has nothing left to kill, and restarts after that test nothing.
 fn kill_loop(extra: &[&str]) {
+    kill_loop_of(
+        "keyed-sum",
+        || CheckpointedRun::new(1_200_000, 997, "2", "50ms"),
+        extra,
+        |run, mid_run| {
+            let got = parse_sums(&committed_lines(&run.out));
+            let want = running_sums(&run.recs);
+            for (k, sums) in &want {
+                assert_eq!(
+                    got.get(k),
+                    Some(sums),
+                    "key {k}: every running sum exactly once, in order ({mid_run} kills mid-run)"
+                );
+            }
+            assert_eq!(got.len(), want.len());
+        },
+    );
+}
+
+/// The kill loop of `weir run window-count` with unaligned checkpoints, 100 ms windows and a
+/// 2 s bound on disorder: windows fire as the watermark passes them, the last ones when the
+/// input ends, and every window's count is committed exactly once.
+#[test]
+fn kill_loop_of_window_count_commits_every_window_exactly_once() {
+    kill_loop_of(
+        "window-count",
+        || CheckpointedRun::window_count(1_200_000, 997, "2", "50ms", "100ms"),
+        &["--unaligned"],
+        |run, mid_run| {
+            let mut got = committed_lines(&run.out);
+            got.sort();
+            let mut counts: BTreeMap<(i64, &str), u64> = BTreeMap::new();
+            for (k, _, t) in &run.recs {
+                *counts.entry((t - t.rem_euclid(100), k)).or_default() += 1;
+            }
+            let mut want: Vec<String> = counts
+                .iter()
+                .map(|((w, k), n)| format!("{w},{k},{n}"))
+                .collect();
+            want.sort();
+            assert_eq!(got.len(), want.len(), "{mid_run} kills mid-run");
+            assert!(
+                got == want,
+                "every window exactly once ({mid_run} kills mid-run)"
+            );
+        },
+    );
+}
+
+/// `WEIR_KILL_LOOPS` kills (default 4) of checkpointed runs of `job` (made by `make`) with
+/// `extra` flags; `check(run, kills mid-run)` checks the committed output of each round (see
+/// [`kill_loop`]).
+fn kill_loop_of(
+    job: &str,
+    make: impl Fn() -> CheckpointedRun,
+    extra: &[&str],
+    check: impl Fn(&CheckpointedRun, u32),
+) {
     let kills: u32 = std::env::var("WEIR_KILL_LOOPS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -639,7 +753,7 @@ fn kill_loop(extra: &[&str]) {
     let mut killed = 0u32;
     while killed < kills {
         // About 0.7 s of work on 2 cores here, so that most kills land mid-run.
-        let mut run = CheckpointedRun::new(1_200_000, 997, "2", "50ms");
+        let mut run = make();
         run.args.extend(extra.iter().map(|s| s.to_string()));
         let mut mid_run = 0u32;
         while killed < kills {
@@ -658,7 +772,7 @@ fn kill_loop(extra: &[&str]) {
             mid_run > 0,
             "the round's first run finished before its kill"
         );
-        let checkpointed = has_complete_checkpoint(&run.ck.join("keyed-sum"));
+        let checkpointed = has_complete_checkpoint(&run.ck.join(job));
         let o = weir(&run.args());
         assert!(o.status.success(), "{}", stderr(&o));
         if checkpointed {
@@ -668,16 +782,7 @@ fn kill_loop(extra: &[&str]) {
                 stderr(&o)
             );
         }
-        let got = parse_sums(&committed_lines(&run.out));
-        let want = running_sums(&run.recs);
-        for (k, sums) in &want {
-            assert_eq!(
-                got.get(k),
-                Some(sums),
-                "key {k}: every running sum exactly once, in order ({mid_run} kills mid-run)"
-            );
-        }
-        assert_eq!(got.len(), want.len());
+        check(&run, mid_run);
         // No hidden leftovers are visible to readers, and the checkpoint verifies.
         let v = weir(&["checkpoints", "verify", run.ck.to_str().expect("utf8")]);
         assert!(v.status.success(), "{}", stderr(&v));
