@@ -679,6 +679,7 @@ fn kill_loop(extra: &[&str]) {
         "keyed-sum",
         || CheckpointedRun::new(1_200_000, 997, "2", "50ms"),
         extra,
+        false,
         |run, mid_run| {
             let got = parse_sums(&committed_lines(&run.out));
             let want = running_sums(&run.recs);
@@ -703,6 +704,7 @@ fn kill_loop_of_window_count_commits_every_window_exactly_once() {
         "window-count",
         || CheckpointedRun::window_count(1_200_000, 997, "2", "50ms", "100ms"),
         &["--unaligned"],
+        false,
         |run, mid_run| {
             let mut got = committed_lines(&run.out);
             got.sort();
@@ -724,13 +726,48 @@ fn kill_loop_of_window_count_commits_every_window_exactly_once() {
     );
 }
 
+/// The unaligned keyed-sum kill loop restarting on 1, 2 or 3 shards in turn: each restore
+/// redistributes the key groups and the channel state. Part files are per shard, so a key
+/// that moved has its sums in several shards' files, in no order between them: each key's
+/// committed sums are compared as a multiset.
+#[test]
+fn kill_loop_that_changes_the_shard_count_commits_every_result_exactly_once() {
+    kill_loop_of(
+        "keyed-sum",
+        || CheckpointedRun::new(1_200_000, 997, "2", "50ms"),
+        &["--unaligned"],
+        true,
+        |run, mid_run| {
+            let sorted = |m: BTreeMap<String, Vec<i64>>| {
+                m.into_iter()
+                    .map(|(k, mut v)| {
+                        v.sort_unstable();
+                        (k, v)
+                    })
+                    .collect::<BTreeMap<_, _>>()
+            };
+            let got = sorted(parse_sums(&committed_lines(&run.out)));
+            let want = sorted(running_sums(&run.recs));
+            for (k, sums) in &want {
+                assert_eq!(
+                    got.get(k),
+                    Some(sums),
+                    "key {k}: every running sum exactly once ({mid_run} kills mid-run)"
+                );
+            }
+            assert_eq!(got.len(), want.len());
+        },
+    );
+}
+
 /// `WEIR_KILL_LOOPS` kills (default 4) of checkpointed runs of `job` (made by `make`) with
-/// `extra` flags; `check(run, kills mid-run)` checks the committed output of each round (see
-/// [`kill_loop`]).
+/// `extra` flags, with `rescale` each run on 1, 2 or 3 shards in turn; `check(run, kills
+/// mid-run)` checks the committed output of each round (see [`kill_loop`]).
 fn kill_loop_of(
     job: &str,
     make: impl Fn() -> CheckpointedRun,
     extra: &[&str],
+    rescale: bool,
     check: impl Fn(&CheckpointedRun, u32),
 ) {
     let kills: u32 = std::env::var("WEIR_KILL_LOOPS")
@@ -751,12 +788,24 @@ fn kill_loop_of(
         }
     };
     let mut killed = 0u32;
+    // Channel-state parts in the checkpoints the killed runs left: `--unaligned` must take
+    // checkpoints unaligned (a CLI that dropped the flag passed every exactly-once check).
+    let (mut channel_parts, mut inspected) = (0usize, 0u32);
     while killed < kills {
         // About 0.7 s of work on 2 cores here, so that most kills land mid-run.
         let mut run = make();
         run.args.extend(extra.iter().map(|s| s.to_string()));
         let mut mid_run = 0u32;
+        let shards_at = run
+            .args
+            .iter()
+            .position(|a| a == "--shards")
+            .expect("--shards")
+            + 1;
         while killed < kills {
+            if rescale {
+                run.args[shards_at] = (1 + killed % 3).to_string();
+            }
             let mut child = run.spawn();
             let delay = next_delay_ms(mid_run == 0);
             std::thread::sleep(std::time::Duration::from_millis(delay));
@@ -773,6 +822,19 @@ fn kill_loop_of(
             "the round's first run finished before its kill"
         );
         let checkpointed = has_complete_checkpoint(&run.ck.join(job));
+        if checkpointed {
+            let i = weir(&[
+                "checkpoints",
+                "inspect",
+                run.ck.to_str().expect("utf8"),
+                "--json",
+            ]);
+            assert!(i.status.success(), "{}", stderr(&i));
+            let v: serde_json::Value = serde_json::from_slice(&i.stdout).expect("json");
+            let parts = v["parts"].as_array().expect("parts");
+            channel_parts += parts.iter().filter(|p| p["kind"] == "channel").count();
+            inspected += 1;
+        }
         let o = weir(&run.args());
         assert!(o.status.success(), "{}", stderr(&o));
         if checkpointed {
@@ -786,6 +848,19 @@ fn kill_loop_of(
         // No hidden leftovers are visible to readers, and the checkpoint verifies.
         let v = weir(&["checkpoints", "verify", run.ck.to_str().expect("utf8")]);
         assert!(v.status.success(), "{}", stderr(&v));
+    }
+    // Some kill came after a checkpoint, so that some restart restored one.
+    assert!(inspected > 0, "no killed run left a complete checkpoint");
+    if !extra.contains(&"--unaligned") {
+        assert_eq!(
+            channel_parts, 0,
+            "aligned checkpoints hold no channel state"
+        );
+    } else if !extra.contains(&"--aligned-timeout") {
+        assert!(
+            channel_parts > 0,
+            "no checkpoint of {inspected} inspected was taken unaligned"
+        );
     }
 }
 
@@ -937,8 +1012,16 @@ fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
     let l = weir(&["checkpoints", "list", ck.to_str().expect("utf8")]);
     assert!(l.status.success());
     let listing = String::from_utf8_lossy(&l.stdout);
+    // A header, then one row per checkpoint: job, id, status (word 3), sizes, time.
+    let rows: Vec<Vec<&str>> = listing
+        .lines()
+        .skip(1)
+        .map(|r| r.split_whitespace().collect())
+        .collect();
+    assert!(!rows.is_empty(), "{listing}");
     assert!(
-        listing.contains("keyed-sum") && listing.contains("complete"),
+        rows.iter()
+            .all(|r| r[0] == "keyed-sum" && r[2] == "complete"),
         "{listing}"
     );
     let v = weir(&["checkpoints", "verify", ck.to_str().expect("utf8")]);
