@@ -2,8 +2,9 @@
 //!
 //! It remembers, per file, the content at the last `sync` and which directory entries were made
 //! durable by `sync_dir`. [`FaultyFs::crash`] then rewinds the files to what a power cut would
-//! leave: unsynced data is lost, renames and creations not followed by a directory fsync are
-//! undone (a rename over an existing file brings that file back). Configured faults (a torn
+//! leave: unsynced data is lost, renames and creations (of files and of directories) not
+//! followed by a directory fsync are undone (a rename over an existing file brings that file
+//! back; a directory whose entry was not made durable goes with everything in it). Configured faults (a torn
 //! write that leaves only a prefix, a failing fsync, rename or directory fsync, a flipped bit in
 //! written data) fire at a chosen step; each operation is one step. Every
 //! injected failure prints its seed so a failing test can be replayed.
@@ -49,6 +50,8 @@ struct State {
     created_unsynced: HashSet<PathBuf>,
     /// Renames not yet made durable by a directory fsync, in order.
     renames_unsynced: Vec<UnsyncedRename>,
+    /// Directories `create_dir_all` made whose entry in their parent is not yet durable.
+    dirs_unsynced: HashSet<PathBuf>,
 }
 
 /// A rename that a crash undoes.
@@ -167,6 +170,15 @@ impl FaultyFs {
             }
         }
         st.durable.clear();
+        // Outermost first: a directory that goes takes the ones inside it along.
+        let mut dirs: Vec<PathBuf> = std::mem::take(&mut st.dirs_unsynced).into_iter().collect();
+        dirs.sort_by_key(|d| d.components().count());
+        for dir in dirs {
+            if dir.exists() {
+                std::fs::remove_dir_all(&dir)
+                    .map_err(|e| IoError::os("crash: remove directory", &dir, e))?;
+            }
+        }
         Ok(())
     }
 
@@ -333,6 +345,7 @@ impl Fs for FaultyFs {
         StdFs.sync_dir(dir)?;
         st.created_unsynced.retain(|p| p.parent() != Some(dir));
         st.renames_unsynced.retain(|r| r.to.parent() != Some(dir));
+        st.dirs_unsynced.retain(|d| d.parent() != Some(dir));
         Ok(())
     }
 
@@ -350,7 +363,15 @@ impl Fs for FaultyFs {
     }
 
     fn create_dir_all(&self, dir: &Path) -> Result<(), IoError> {
-        StdFs.create_dir_all(dir)
+        // The directories this call makes: `dir` and its missing ancestors.
+        let new: Vec<PathBuf> = dir
+            .ancestors()
+            .take_while(|d| !d.as_os_str().is_empty() && !d.exists())
+            .map(Path::to_path_buf)
+            .collect();
+        StdFs.create_dir_all(dir)?;
+        self.shared.lock().dirs_unsynced.extend(new);
+        Ok(())
     }
 
     fn map_readonly(&self, path: &Path) -> Result<Mapped, IoError> {
@@ -375,6 +396,54 @@ impl Fs for FaultyFs {
 mod tests {
     use super::*;
     use crate::publish_file;
+
+    /// A directory `create_dir_all` made survives a crash only once its parent was synced,
+    /// whatever was made durable inside it; its missing ancestors count the same way.
+    #[test]
+    fn crash_removes_directories_whose_entry_was_not_made_durable() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fs = FaultyFs::new(FaultConfig::default());
+        let (kept, gone) = (tmp.path().join("kept"), tmp.path().join("gone"));
+        let deep = gone.join("a").join("b");
+        fs.create_dir_all(&kept).unwrap();
+        fs.create_dir_all(&deep).unwrap();
+        // A durable file in each: synced, and its own entry synced.
+        for d in [&kept, &deep] {
+            let mut f = fs.create(&d.join("f")).unwrap();
+            f.write_at(0, b"durable").unwrap();
+            f.sync().unwrap();
+            fs.sync_dir(d).unwrap();
+        }
+        fs.sync_dir(tmp.path()).unwrap();
+        // `gone`'s entry is durable now, but not `a`'s inside it.
+        fs.crash().unwrap();
+        assert_eq!(std::fs::read(kept.join("f")).unwrap(), b"durable");
+        assert!(gone.is_dir(), "its entry was synced");
+        assert!(
+            !gone.join("a").exists(),
+            "a directory whose entry was never synced"
+        );
+        // An existing directory is not the call's to lose.
+        fs.create_dir_all(&kept).unwrap();
+        fs.crash().unwrap();
+        assert!(kept.is_dir());
+    }
+
+    /// `create_dir_all_durable` makes every directory it creates survive a crash, relative
+    /// paths included.
+    #[test]
+    fn durably_created_directories_survive_a_crash() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fs = FaultyFs::new(FaultConfig::default());
+        let deep = tmp.path().join("x").join("y").join("z");
+        crate::fs::create_dir_all_durable(&fs, &deep).unwrap();
+        fs.crash().unwrap();
+        assert!(deep.is_dir());
+        let steps = fs.steps();
+        // Nothing created, nothing synced.
+        crate::fs::create_dir_all_durable(&fs, &deep).unwrap();
+        assert_eq!(fs.steps(), steps);
+    }
 
     #[test]
     fn crash_drops_unsynced_and_undoes_unsynced_rename() {

@@ -448,6 +448,25 @@ impl Fs for StdFs {
     }
 }
 
+/// `fs.create_dir_all(dir)`, then fsync the parent of every directory it created, outermost
+/// first: a directory whose entry is not durable goes at a power cut with everything made
+/// durable inside it (a sink's output directory with its committed files, say).
+pub fn create_dir_all_durable(fs: &dyn Fs, dir: &Path) -> Result<(), IoError> {
+    let missing: Vec<&Path> = dir
+        .ancestors()
+        .take_while(|d| !d.as_os_str().is_empty() && !d.exists())
+        .collect();
+    fs.create_dir_all(dir)?;
+    for d in missing.iter().rev() {
+        let parent = match d.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        fs.sync_dir(parent)?;
+    }
+    Ok(())
+}
+
 /// Durably publish `bytes` at `path`: write `<path>.tmp`, fsync it, rename over `path`, fsync
 /// the directory. A crash at any point leaves either the old file (or none) or the new one.
 pub fn publish_file(fs: &dyn Fs, path: &Path, bytes: &[u8]) -> Result<(), IoError> {

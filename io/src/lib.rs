@@ -7,7 +7,8 @@
 //! * [`Mapped`]: a read-only memory map of a sealed file, exactly its length.
 //! * Checksummed block framing ([`frame`](crate::encode_block)) with typed [`FormatError`]s that
 //!   name the file and offset.
-//! * [`publish_file`]: write temp, fsync, rename, fsync directory.
+//! * [`publish_file`]: write temp, fsync, rename, fsync directory; [`create_dir_all_durable`]:
+//!   directories whose entries are durable.
 //! * [`DirLock`]: an exclusive lock file on a directory (mapped files must have no other writer).
 //!
 //! **Architecture invariant:** only this crate opens, writes or maps files.
@@ -33,6 +34,7 @@ pub use frame::{
     crc32, decode_block, encode_block, BlockHeader, BLOCK_HEADER_LEN, CHECKSUM_CRC32_IEEE,
 };
 pub use fs::{
-    publish_file, DirLock, Fs, FsFile, Mapped, ReadAhead, ReadBuf, StdFs, WriteBuf, DIRECT_ALIGN,
+    create_dir_all_durable, publish_file, DirLock, Fs, FsFile, Mapped, ReadAhead, ReadBuf, StdFs,
+    WriteBuf, DIRECT_ALIGN,
 };
 pub use uring::{UringFs, URING_CHUNK_BYTES, URING_DEPTH};

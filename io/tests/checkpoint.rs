@@ -493,9 +493,15 @@ fn bit_flip_while_writing_is_caught_by_verify() {
     for step in 0..6u64 {
         let tmp = tempfile::tempdir().unwrap();
         let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+        // The steps of opening a new storage (its directory syncs), counted on another root.
+        let open_steps = {
+            let probe = FaultyFs::new(FaultConfig::default());
+            open(Arc::new(probe.clone()), &tmp.path().join("probe"));
+            probe.steps()
+        };
         let fs = FaultyFs::new(FaultConfig {
             seed: step,
-            flip_bit_at_step: Some(step + 2), // steps 0 and 1 are open's directory syncs
+            flip_bit_at_step: Some(open_steps + step),
             ..FaultConfig::default()
         });
         let st = open(Arc::new(fs.clone()), &root);

@@ -28,7 +28,7 @@ use crate::checkpoint::read::{
 };
 use crate::error::{FormatError, IoError};
 use crate::frame::{crc32, encode_block, BlockHeader};
-use crate::fs::{publish_file, DirLock, Fs, FsFile};
+use crate::fs::{create_dir_all_durable, publish_file, DirLock, Fs, FsFile};
 
 /// Tunables of checkpoint storage.
 #[derive(Debug, Clone, Copy)]
@@ -251,7 +251,7 @@ impl CheckpointStorage {
         }
         let job_dir = root.join(job_id);
         for d in [SHARED_DIR, TASKOWNED_DIR] {
-            fs.create_dir_all(&job_dir.join(d))?;
+            create_dir_all_durable(&*fs, &job_dir.join(d))?;
         }
         fs.sync_dir(&job_dir)?;
         fs.sync_dir(root)?;
@@ -766,7 +766,7 @@ impl CheckpointStorage {
         let mut metadata = self.read_metadata(checkpoint_id)?;
         metadata.kind = CheckpointKind::Savepoint;
         for d in [SHARED_DIR, TASKOWNED_DIR] {
-            sh.fs.create_dir_all(&target.join(d))?;
+            create_dir_all_durable(&*sh.fs, &target.join(d))?;
         }
         for rel in metadata.physical_paths() {
             copy_file(&*sh.fs, &sh.job_dir.join(&rel), &target.join(&rel))?;

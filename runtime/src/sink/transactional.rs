@@ -292,7 +292,8 @@ impl TransactionalFileWriter {
                 format!("shard index {shard} does not fit the part file names (u32)"),
             )
         })?;
-        fs.create_dir_all(dir).map_err(to_io)?;
+        // Durably: a power cut must not take the directory with the files committed in it.
+        weir_io::create_dir_all_durable(&*fs, dir).map_err(to_io)?;
         let abs_dir = std::fs::canonicalize(dir)?;
         let mut w = Self {
             fs,
