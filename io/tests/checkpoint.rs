@@ -625,6 +625,8 @@ fn gc_spares_an_older_checkpoint_still_in_progress() {
     assert_eq!(r.dropped_checkpoints, vec![1]);
     assert!(job.join(&c1.metadata.files[0].path).exists(), "reused by 2");
     assert!(job.join(&l2.physical).exists(), "created by 2");
+    // Checkpoint 1's own files went (not only nothing at all), and none of another's.
+    assert!(!r.deleted_files.is_empty(), "checkpoint 1's unshared files");
     assert!(r
         .deleted_files
         .iter()

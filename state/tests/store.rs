@@ -425,14 +425,15 @@ fn corruption_of_every_region_is_detected_with_file_and_offset() {
     assert!(regs.len() >= 6, "want several data blocks: {regs:?}");
     let fs: Arc<dyn Fs> = Arc::new(StdFs);
     let mut n = 0;
-    for (name, start, end) in &regs {
-        // First, last and a few interior bytes of each region, every bit position once.
+    for (r, (name, start, end)) in regs.iter().enumerate() {
+        // First, last and a few interior bytes of each region, each a different bit; over
+        // the regions, every bit position.
         let len = end - start;
         let picks = [0, 1, len / 3, len / 2, len - 2, len - 1];
         for (j, &at) in picks.iter().enumerate() {
             let off = start + at;
             let mut c = pristine.clone();
-            c[off] ^= 1 << (j % 8);
+            c[off] ^= 1 << ((j * 3 + r) % 8);
             std::fs::write(&p, &c).unwrap();
             n += 1;
             let err = Store::restore(

@@ -257,7 +257,10 @@ fn duplicate_uids_are_rejected_before_start() {
     let job = Job::new(config(1));
     let a = job.from_vec(vec![1u32]).map(|x| x).uid("same");
     a.map(|x| x).uid("same").for_each(|_| {});
-    assert!(job.start().is_err());
+    match job.start() {
+        Err(e) => assert!(e.to_string().contains("same"), "names the uid: {e}"),
+        Ok(_) => panic!("a job with a duplicate uid started"),
+    }
 }
 
 /// A sink whose writer takes long to build on the last shard and notes when it is built.
