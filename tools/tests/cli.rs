@@ -167,12 +167,28 @@ fn window_count_matches_sequential_windows() {
     let input = dir.path().join("in.csv");
     write_csv(&input, &recs);
     let out = dir.path().join("out");
-    // Disorder is under 1.5 s and the bound is 2 s: no record is late, so the counts are exact.
-    let o = weir(&[
+    let mut args = window_count_args(&input, &out, "10s");
+    args.extend(["--shards".to_owned(), "4".to_owned()]);
+    let o = weir(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mut got = output_lines(&out);
+    got.sort();
+    assert_eq!(got, window_counts(&recs, 10_000));
+}
+
+/// `weir run window-count` over the CSV `input` into `output` with `window` tumbling windows.
+/// Disorder in [`records`] is under 1.5 s and the bound is 2 s: no record is late, so the
+/// counts are exact.
+fn window_count_args(input: &Path, output: &Path, window: &str) -> Vec<String> {
+    let (input, output) = (
+        input.to_str().expect("utf8"),
+        output.to_str().expect("utf8"),
+    );
+    [
         "run",
         "window-count",
         "--input",
-        input.to_str().expect("utf8"),
+        input,
         "--format",
         "csv",
         "--key",
@@ -180,29 +196,28 @@ fn window_count_matches_sequential_windows() {
         "--timestamp",
         "ts",
         "--window",
-        "10s",
+        window,
         "--out-of-orderness",
         "2s",
         "--output",
-        out.to_str().expect("utf8"),
-        "--shards",
-        "4",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let mut got = output_lines(&out);
-    got.sort();
-    let mut counts: BTreeMap<(i64, String), u64> = BTreeMap::new();
-    for (k, _, t) in &recs {
-        *counts
-            .entry((t - t.rem_euclid(10_000), k.clone()))
-            .or_default() += 1;
+        output,
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
+/// The lines `window,key,count` of `window_ms` tumbling windows over `recs`, sorted.
+fn window_counts(recs: &[(String, i64, i64)], window_ms: i64) -> Vec<String> {
+    let mut counts: BTreeMap<(i64, &str), u64> = BTreeMap::new();
+    for (k, _, t) in recs {
+        *counts.entry((t - t.rem_euclid(window_ms), k)).or_default() += 1;
     }
-    let mut want: Vec<String> = counts
+    let mut lines: Vec<String> = counts
         .iter()
         .map(|((w, k), n)| format!("{w},{k},{n}"))
         .collect();
-    want.sort();
-    assert_eq!(got, want);
+    lines.sort();
+    lines
 }
 
 #[test]
@@ -564,32 +579,10 @@ impl CheckpointedRun {
         })
     }
 
-    /// `weir run window-count` with `window` tumbling windows (a 2 s bound on disorder, so
-    /// that no record of [`records`] is late).
+    /// `weir run window-count` with `window` tumbling windows ([`window_count_args`]).
     fn window_count(n: u64, keys: u64, shards: &str, interval: &str, window: &str) -> Self {
         Self::of_job(n, keys, shards, interval, |input, out| {
-            let (input, out) = (input.to_str().expect("utf8"), out.to_str().expect("utf8"));
-            [
-                "run",
-                "window-count",
-                "--input",
-                input,
-                "--format",
-                "csv",
-                "--key",
-                "user",
-                "--timestamp",
-                "ts",
-                "--window",
-                window,
-                "--out-of-orderness",
-                "2s",
-                "--output",
-                out,
-            ]
-            .into_iter()
-            .map(str::to_owned)
-            .collect()
+            window_count_args(input, out, window)
         })
     }
 
@@ -717,15 +710,7 @@ fn kill_loop_of_window_count_commits_every_window_exactly_once() {
         |run, mid_run| {
             let mut got = committed_lines(&run.out);
             got.sort();
-            let mut counts: BTreeMap<(i64, &str), u64> = BTreeMap::new();
-            for (k, _, t) in &run.recs {
-                *counts.entry((t - t.rem_euclid(100), k)).or_default() += 1;
-            }
-            let mut want: Vec<String> = counts
-                .iter()
-                .map(|((w, k), n)| format!("{w},{k},{n}"))
-                .collect();
-            want.sort();
+            let want = window_counts(&run.recs, 100);
             assert_eq!(got.len(), want.len(), "{mid_run} kills mid-run");
             assert!(
                 got == want,
