@@ -4,9 +4,9 @@
 //! durable by `sync_dir`. [`FaultyFs::crash`] then rewinds the files to what a power cut would
 //! leave: unsynced data is lost, renames and creations (of files and of directories) not
 //! followed by a directory fsync are undone (a rename over an existing file brings that file
-//! back; a directory whose entry was not made durable goes with everything in it). Configured faults (a torn
-//! write that leaves only a prefix, a failing fsync, rename or directory fsync, a flipped bit in
-//! written data) fire at a chosen step; each operation is one step. Every
+//! back; a directory whose entry was not made durable goes with everything in it). Configured
+//! faults (a torn write that leaves only a prefix, a failing fsync, rename or directory fsync,
+//! a flipped bit in written data) fire at a chosen step; each operation is one step. Every
 //! injected failure prints its seed so a failing test can be replayed.
 
 use std::collections::{HashMap, HashSet};
@@ -429,8 +429,8 @@ mod tests {
         assert!(kept.is_dir());
     }
 
-    /// `create_dir_all_durable` makes every directory it creates survive a crash, relative
-    /// paths included.
+    /// `create_dir_all_durable` makes every directory it creates survive a crash, and takes no
+    /// step where it creates none.
     #[test]
     fn durably_created_directories_survive_a_crash() {
         let tmp = tempfile::tempdir().unwrap();
