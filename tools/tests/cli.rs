@@ -855,6 +855,14 @@ fn kill_loop_of(
     }
 }
 
+/// The first number after "offset " in the error text `e`.
+fn offset_in(e: &str) -> usize {
+    e.split("offset ")
+        .skip(1)
+        .find_map(|t| t.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no offset in {e}"))
+}
+
 /// Whether `job_dir` holds a complete checkpoint (a `chk-<n>` directory with its metadata).
 fn has_complete_checkpoint(job_dir: &Path) -> bool {
     std::fs::read_dir(job_dir).is_ok_and(|d| {
@@ -1039,12 +1047,7 @@ fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
     );
     // The offset is the damaged block's: the file is a segment held raw, whose whole-file
     // CRC alone would say offset 0.
-    let offset: usize = e
-        .split("at offset ")
-        .nth(1)
-        .and_then(|t| t.split(|c: char| !c.is_ascii_digit()).next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no offset in {e}"));
+    let offset = offset_in(&e);
     assert!(
         offset > 0 && offset <= at,
         "offset {offset}, flipped {at}: {e}"
@@ -1279,6 +1282,10 @@ fn verify_checks_framed_segments_too() {
             e.contains(name) && e.contains("content of the framed file") && e.contains("offset"),
             "{e}"
         );
+        // The damaged block's offset in the content: after the segment's 32-byte file header,
+        // at or before the flipped byte 70.
+        let offset = offset_in(&e);
+        assert!((32..=70).contains(&offset), "offset {offset}: {e}");
     }
     let mut again = flags.to_vec();
     again.extend(["--restore", "latest"]);
