@@ -1106,9 +1106,19 @@ fn a_snapshot_job_on_another_thread_sees_the_state_at_its_snapshot() {
     for round in 1..=4u8 {
         let job = s.snapshot(u64::from(round));
         let want = model.clone();
-        let writer = std::thread::spawn(move || job.run().unwrap());
-        // Races the job: every key changes, a tenth are deleted, new keys arrive.
-        for u in 0..6000u16 + 500 * u16::from(round) {
+        // The job starts only once half of the changes below are made (so that it reads
+        // its epoch after they were), and races the other half.
+        let (go, start) = std::sync::mpsc::channel::<()>();
+        let writer = std::thread::spawn(move || {
+            start.recv().unwrap();
+            job.run().unwrap()
+        });
+        // Every key changes, a tenth are deleted, new keys arrive.
+        let n = 6000u16 + 500 * u16::from(round);
+        for u in 0..n {
+            if u == n / 2 {
+                go.send(()).unwrap();
+            }
             let k = key(u % 8, u);
             if u % 10 == usize::from(round) as u16 {
                 s.delete(&k);
