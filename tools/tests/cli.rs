@@ -753,7 +753,8 @@ fn kill_loop_that_changes_the_shard_count_commits_every_result_exactly_once() {
 
 /// `WEIR_KILL_LOOPS` kills (default 4) of checkpointed runs of `job` (made by `make`) with
 /// `extra` flags, with `rescale` each run on 1, 2 or 3 shards in turn; `check(run, kills
-/// mid-run)` checks the committed output of each round (see [`kill_loop`]).
+/// mid-run)` checks the committed output of each round (see [`kill_loop`]). A round's kills
+/// alternate between a random moment and just after the run completed a new checkpoint.
 fn kill_loop_of(
     job: &str,
     make: impl Fn() -> CheckpointedRun,
@@ -797,8 +798,22 @@ fn kill_loop_of(
             if rescale {
                 run.args[shards_at] = (1 + killed % 3).to_string();
             }
+            // Every second kill of a round waits for a checkpoint newer than the ones the run
+            // started with, so that restarts restore checkpoints however slow the machine is (on a
+            // loaded one, timed kills alone could all land before the first checkpoint).
+            let before = newest_complete_id(&run.ck.join(job));
             let mut child = run.spawn();
+            if mid_run % 2 == 1 {
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+                while newest_complete_id(&run.ck.join(job)) <= before
+                    && child.try_wait().expect("try_wait").is_none()
+                    && std::time::Instant::now() < deadline
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+            }
             let delay = next_delay_ms(mid_run == 0);
+            let delay = if mid_run % 2 == 1 { delay % 40 } else { delay };
             std::thread::sleep(std::time::Duration::from_millis(delay));
             if child.try_wait().expect("try_wait").is_some() {
                 break;
@@ -865,12 +880,18 @@ fn offset_in(e: &str) -> usize {
 
 /// Whether `job_dir` holds a complete checkpoint (a `chk-<n>` directory with its metadata).
 fn has_complete_checkpoint(job_dir: &Path) -> bool {
-    std::fs::read_dir(job_dir).is_ok_and(|d| {
-        d.flatten().any(|e| {
-            e.file_name().to_string_lossy().starts_with("chk-")
-                && e.path().join("_metadata").exists()
-        })
-    })
+    newest_complete_id(job_dir).is_some()
+}
+
+/// The id of the newest complete checkpoint in `job_dir` (a `chk-<n>` directory with its
+/// metadata), if any.
+fn newest_complete_id(job_dir: &Path) -> Option<u64> {
+    std::fs::read_dir(job_dir)
+        .ok()?
+        .flatten()
+        .filter(|e| e.path().join("_metadata").exists())
+        .filter_map(|e| e.file_name().to_str()?.strip_prefix("chk-")?.parse().ok())
+        .max()
 }
 
 /// SIGTERM stops a checkpointed `weir run` with a savepoint: exit 0, the savepoint's path
