@@ -2,12 +2,17 @@
 //!
 //! It remembers, per file, the content at the last `sync` and which directory entries were made
 //! durable by `sync_dir`. [`FaultyFs::crash`] then rewinds the files to what a power cut would
-//! leave: unsynced data is lost, renames and creations (of files and of directories) not
-//! followed by a directory fsync are undone (a rename over an existing file brings that file
-//! back; a directory whose entry was not made durable goes with everything in it). Configured
-//! faults (a torn write that leaves only a prefix, a failing fsync, rename or directory fsync,
-//! a flipped bit in written data) fire at a chosen step; each operation is one step. Every
-//! injected failure prints its seed so a failing test can be replayed.
+//! leave: unsynced data is lost, renames, creations and removals (of files and of directories)
+//! not followed by a directory fsync are undone (a rename over an existing file brings that
+//! file back, and so does a removal, with its content at its last sync; a directory whose entry
+//! was not made durable goes with everything in it). Configured faults (a torn write that
+//! leaves only a prefix, a failing fsync, rename or directory fsync, a flipped bit in written
+//! data) fire at a chosen step; each operation is one step. A power cut at a step stops the
+//! file system there: that operation and every later one that would change a file or a
+//! directory fails without effect, as if the process died, so that [`FaultyFs::crash`] then
+//! sees exactly the operations before it (a failure at a step lets the caller go on, clean up
+//! and retry, which a real power cut never does). Every injected failure prints its seed so a
+//! failing test can be replayed.
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -17,8 +22,8 @@ use crate::error::IoError;
 use crate::fs::{FsFile, Mapped, StdFs};
 use crate::Fs;
 
-/// Which faults to inject. Steps count `write_at`, `sync`, `rename`, `hard_link` and `sync_dir`
-/// calls from 0 (not `create`, `remove` or reads).
+/// Which faults to inject. Steps count `write_at`, `sync`, `rename`, `hard_link`, `sync_dir`,
+/// `remove` and `remove_dir` calls from 0 (not `create`, `create_dir_all` or reads).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct FaultConfig {
     /// Seed of the pseudo-random choices (prefix length of a torn write, flipped bit).
@@ -36,6 +41,9 @@ pub struct FaultConfig {
     /// At this step, a directory fsync fails (and the directory changes it would have made
     /// durable stay undone by a crash).
     pub fail_sync_dir_at_step: Option<u64>,
+    /// At this step the power goes: this operation and every later one that would change a
+    /// file or a directory (creations and `start_writeback` included) fail without effect.
+    pub power_cut_at_step: Option<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -48,23 +56,57 @@ struct State {
     dirty: HashSet<PathBuf>,
     /// Files whose directory entry is not yet durable.
     created_unsynced: HashSet<PathBuf>,
-    /// Renames not yet made durable by a directory fsync, in order.
-    renames_unsynced: Vec<UnsyncedRename>,
+    /// Renames and removals not yet made durable by a directory fsync, in order.
+    unsynced: Vec<Unsynced>,
     /// Directories `create_dir_all` made whose entry in their parent is not yet durable.
     dirs_unsynced: HashSet<PathBuf>,
+    /// The power went at this step (see [`FaultConfig::power_cut_at_step`]).
+    cut_at: Option<u64>,
 }
 
-/// A rename that a crash undoes.
+/// A directory change that a crash undoes until the directory holding the entry is synced.
 #[derive(Debug)]
-struct UnsyncedRename {
-    from: PathBuf,
-    to: PathBuf,
-    /// The durable content of the file that `to` named before, which a crash brings back
-    /// (`publish_file` replaces a checkpoint's metadata this way).
-    replaced: Option<Vec<u8>>,
+enum Unsynced {
+    Rename {
+        from: PathBuf,
+        to: PathBuf,
+        /// The durable content of the file that `to` named before, which a crash brings back
+        /// (`publish_file` replaces a checkpoint's metadata this way).
+        replaced: Option<Vec<u8>>,
+    },
+    /// A removed file and its content at its last sync; `None` if its own creation was not
+    /// durable either, so that a crash would not bring it back anyway.
+    Remove {
+        path: PathBuf,
+        durable: Option<Vec<u8>>,
+    },
+    /// A removed (empty) directory.
+    RemoveDir(PathBuf),
+}
+
+impl Unsynced {
+    /// The entry whose directory must be synced to make the change durable.
+    fn entry(&self) -> &Path {
+        match self {
+            Unsynced::Rename { to, .. } => to,
+            Unsynced::Remove { path, .. } | Unsynced::RemoveDir(path) => path,
+        }
+    }
 }
 
 impl State {
+    /// The content a crash would leave at `path` if its entry stayed: none if its creation
+    /// was not durable, its content at its last sync if written since, else what it holds.
+    fn durable_content(&self, path: &Path) -> Option<Vec<u8>> {
+        if self.created_unsynced.contains(path) {
+            None
+        } else if self.dirty.contains(path) {
+            self.durable.get(path).cloned()
+        } else {
+            std::fs::read(path).ok()
+        }
+    }
+
     fn next_rand(&mut self) -> u64 {
         // splitmix64: deterministic from the seed.
         self.rng = self.rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -131,28 +173,57 @@ impl FaultyFs {
         self.shared.lock().step
     }
 
+    /// Whether a power cut stopped the file system ([`FaultConfig::power_cut_at_step`]).
+    pub fn power_is_cut(&self) -> bool {
+        self.shared.lock().cut_at.is_some()
+    }
+
     /// Simulate a power cut: undo directory changes not followed by `sync_dir` and drop data
-    /// written since the last `sync`. Open handles must not be used afterwards.
+    /// written since the last `sync`. Open handles must not be used afterwards. The file system
+    /// works again afterwards (the machine came back), the power-cut step included.
     pub fn crash(&self) -> Result<(), IoError> {
         let mut st = self.shared.lock();
         let st = &mut *st;
-        for UnsyncedRename { from, to, replaced } in
-            std::mem::take(&mut st.renames_unsynced).into_iter().rev()
-        {
-            if to.exists() {
-                std::fs::rename(&to, &from)
-                    .map_err(|e| IoError::os("crash: undo rename", &to, e))?;
-            }
-            for set in [&mut st.dirty, &mut st.created_unsynced] {
-                if set.remove(&to) {
-                    set.insert(from.clone());
+        // Newest first, so that a removal after a rename (or a rename after a removal) is
+        // undone in the right order.
+        for change in std::mem::take(&mut st.unsynced).into_iter().rev() {
+            match change {
+                Unsynced::Rename { from, to, replaced } => {
+                    if to.exists() {
+                        std::fs::rename(&to, &from)
+                            .map_err(|e| IoError::os("crash: undo rename", &to, e))?;
+                    }
+                    for set in [&mut st.dirty, &mut st.created_unsynced] {
+                        if set.remove(&to) {
+                            set.insert(from.clone());
+                        }
+                    }
+                    if let Some(d) = st.durable.remove(&to) {
+                        st.durable.insert(from.clone(), d);
+                    }
+                    if let Some(old) = replaced {
+                        std::fs::write(&to, old)
+                            .map_err(|e| IoError::os("crash: restore", &to, e))?;
+                    }
                 }
-            }
-            if let Some(d) = st.durable.remove(&to) {
-                st.durable.insert(from.clone(), d);
-            }
-            if let Some(old) = replaced {
-                std::fs::write(&to, old).map_err(|e| IoError::os("crash: restore", &to, e))?;
+                Unsynced::Remove { path, durable } => {
+                    // A file made at the same name since is not durable either (the same
+                    // directory sync would have made the removal durable): the old one wins.
+                    st.created_unsynced.remove(&path);
+                    st.dirty.remove(&path);
+                    st.durable.remove(&path);
+                    match durable {
+                        Some(old) => std::fs::write(&path, old)
+                            .map_err(|e| IoError::os("crash: undo remove", &path, e))?,
+                        None if path.exists() => std::fs::remove_file(&path)
+                            .map_err(|e| IoError::os("crash: remove", &path, e))?,
+                        None => {}
+                    }
+                }
+                Unsynced::RemoveDir(dir) => {
+                    std::fs::create_dir_all(&dir)
+                        .map_err(|e| IoError::os("crash: undo remove directory", &dir, e))?;
+                }
             }
         }
         for path in std::mem::take(&mut st.created_unsynced) {
@@ -179,6 +250,7 @@ impl FaultyFs {
                     .map_err(|e| IoError::os("crash: remove directory", &dir, e))?;
             }
         }
+        st.cut_at = None;
         Ok(())
     }
 
@@ -191,11 +263,34 @@ impl FaultyFs {
         std::fs::write(path, b).map_err(|e| IoError::os("write", path, e))
     }
 
-    fn take_step(&self) -> (u64, MutexGuard<'_, State>) {
+    /// The next step, or the power-cut error if the power is (or goes) off at it.
+    fn take_step(&self, path: &Path) -> Result<(u64, MutexGuard<'_, State>), IoError> {
         let mut st = self.shared.lock();
         let step = st.step;
         st.step += 1;
-        (step, st)
+        if st.cut_at.is_none() && self.shared.config.power_cut_at_step == Some(step) {
+            st.cut_at = Some(step);
+            drop(st);
+            return Err(self.shared.injected(step, "power cut", path));
+        }
+        self.powered(st, path).map(|st| (step, st))
+    }
+
+    /// `st` if the power is on, else the power-cut error (not printed again).
+    fn powered<'a>(
+        &self,
+        st: MutexGuard<'a, State>,
+        path: &Path,
+    ) -> Result<MutexGuard<'a, State>, IoError> {
+        match st.cut_at {
+            None => Ok(st),
+            Some(step) => Err(IoError::Injected {
+                seed: self.shared.config.seed,
+                step,
+                what: "power cut",
+                path: path.to_owned(),
+            }),
+        }
     }
 }
 
@@ -212,8 +307,8 @@ impl FsFile for FaultyFile {
 
     fn write_at(&mut self, offset: u64, buf: &[u8]) -> Result<(), IoError> {
         let cfg = self.fs.shared.config;
-        let (step, mut st) = self.fs.take_step();
         let path = self.inner.path().to_owned();
+        let (step, mut st) = self.fs.take_step(&path)?;
         if !st.dirty.contains(&path) && !st.durable.contains_key(&path) {
             // Remember the pre-write content: that is what a crash rewinds to.
             let before = std::fs::read(&path).unwrap_or_default();
@@ -255,12 +350,13 @@ impl FsFile for FaultyFile {
     fn start_writeback(&mut self, offset: u64, len: u64) -> Result<(), IoError> {
         // Not a step: started writeback makes nothing durable, so a crash still rewinds the
         // file to its last sync.
+        drop(self.fs.powered(self.fs.shared.lock(), self.inner.path())?);
         self.inner.start_writeback(offset, len)
     }
 
     fn sync(&mut self) -> Result<(), IoError> {
-        let (step, mut st) = self.fs.take_step();
         let path = self.inner.path().to_owned();
+        let (step, mut st) = self.fs.take_step(&path)?;
         if self.fs.shared.config.fail_sync_at_step == Some(step) {
             // Linux may drop the dirty pages of a failed fsync: model the worst case at crash.
             return Err(self.fs.shared.injected(step, "fsync failure", &path));
@@ -280,6 +376,7 @@ impl FsFile for FaultyFile {
 
 impl Fs for FaultyFs {
     fn create(&self, path: &Path) -> Result<Box<dyn FsFile>, IoError> {
+        drop(self.powered(self.shared.lock(), path)?);
         let inner = StdFs.create(path)?;
         let mut st = self.shared.lock();
         st.created_unsynced.insert(path.to_owned());
@@ -300,20 +397,14 @@ impl Fs for FaultyFs {
     }
 
     fn rename(&self, from: &Path, to: &Path) -> Result<(), IoError> {
-        let (step, mut st) = self.take_step();
+        let (step, mut st) = self.take_step(from)?;
         if self.shared.config.fail_rename_at_step == Some(step) {
             drop(st);
             return Err(self.shared.injected(step, "rename failure", from));
         }
         // The file `to` names now, as a crash would bring it back: its content at its last
         // sync, or none if its own creation was not durable either.
-        let replaced = if st.created_unsynced.contains(to) {
-            None
-        } else if st.dirty.contains(to) {
-            st.durable.get(to).cloned()
-        } else {
-            std::fs::read(to).ok()
-        };
+        let replaced = st.durable_content(to);
         StdFs.rename(from, to)?;
         let st = &mut *st;
         // What was known of the replaced file is no longer the file at `to`.
@@ -328,7 +419,7 @@ impl Fs for FaultyFs {
         if let Some(d) = st.durable.remove(from) {
             st.durable.insert(to.to_owned(), d);
         }
-        st.renames_unsynced.push(UnsyncedRename {
+        st.unsynced.push(Unsynced::Rename {
             from: from.to_owned(),
             to: to.to_owned(),
             replaced,
@@ -337,24 +428,57 @@ impl Fs for FaultyFs {
     }
 
     fn sync_dir(&self, dir: &Path) -> Result<(), IoError> {
-        let (step, mut st) = self.take_step();
+        let (step, mut st) = self.take_step(dir)?;
         if self.shared.config.fail_sync_dir_at_step == Some(step) {
             drop(st);
             return Err(self.shared.injected(step, "directory fsync failure", dir));
         }
         StdFs.sync_dir(dir)?;
         st.created_unsynced.retain(|p| p.parent() != Some(dir));
-        st.renames_unsynced.retain(|r| r.to.parent() != Some(dir));
+        // A directory's removal made durable takes the earlier removals inside it along: it
+        // was empty when it went.
+        let mut keep: Vec<bool> = st
+            .unsynced
+            .iter()
+            .map(|c| c.entry().parent() != Some(dir))
+            .collect();
+        for (i, c) in st.unsynced.iter().enumerate() {
+            if let Unsynced::RemoveDir(gone) = c {
+                if !keep[i] {
+                    for (j, earlier) in st.unsynced[..i].iter().enumerate() {
+                        keep[j] &= !earlier.entry().starts_with(gone);
+                    }
+                }
+            }
+        }
+        let mut keep = keep.into_iter();
+        st.unsynced.retain(|_| keep.next().unwrap_or(true));
         st.dirs_unsynced.retain(|d| d.parent() != Some(dir));
         Ok(())
     }
 
     fn remove(&self, path: &Path) -> Result<(), IoError> {
+        let (_, mut st) = self.take_step(path)?;
+        // What a crash brings back until the directory is synced.
+        let durable = st.durable_content(path);
         StdFs.remove(path)?;
-        let mut st = self.shared.lock();
         st.dirty.remove(path);
         st.durable.remove(path);
         st.created_unsynced.remove(path);
+        st.unsynced.push(Unsynced::Remove {
+            path: path.to_owned(),
+            durable,
+        });
+        Ok(())
+    }
+
+    fn remove_dir(&self, dir: &Path) -> Result<(), IoError> {
+        let (_, mut st) = self.take_step(dir)?;
+        StdFs.remove_dir(dir)?;
+        // A directory whose own creation was not durable goes at a crash anyway.
+        if !st.dirs_unsynced.remove(dir) {
+            st.unsynced.push(Unsynced::RemoveDir(dir.to_owned()));
+        }
         Ok(())
     }
 
@@ -369,6 +493,7 @@ impl Fs for FaultyFs {
             .take_while(|d| !d.as_os_str().is_empty() && !d.exists())
             .map(Path::to_path_buf)
             .collect();
+        drop(self.powered(self.shared.lock(), dir)?);
         StdFs.create_dir_all(dir)?;
         self.shared.lock().dirs_unsynced.extend(new);
         Ok(())
@@ -379,7 +504,7 @@ impl Fs for FaultyFs {
     }
 
     fn hard_link(&self, src: &Path, dst: &Path) -> Result<(), IoError> {
-        let (step, mut st) = self.take_step();
+        let (step, mut st) = self.take_step(dst)?;
         if self.shared.config.fail_link_at_step == Some(step) {
             drop(st);
             return Err(self.shared.injected(step, "hard link failure", dst));
@@ -505,6 +630,126 @@ mod tests {
         fs.crash().unwrap();
         assert_eq!(std::fs::read(&b).unwrap(), b"new");
         assert_eq!(std::fs::read(&c).unwrap(), b"old");
+    }
+
+    /// A removal is undone by a crash until its directory is synced: the file comes back with
+    /// its content at its last sync, a directory comes back before the files removed from it,
+    /// and a file made at the removed name since goes in favour of the old one. A file whose
+    /// own creation was never durable stays gone.
+    #[test]
+    fn crash_undoes_removals_not_made_durable() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fs = FaultyFs::new(FaultConfig::default());
+        let (d, kept, gone) = (
+            tmp.path().join("d"),
+            tmp.path().join("kept"),
+            tmp.path().join("gone"),
+        );
+        crate::fs::create_dir_all_durable(&fs, &d).unwrap();
+        for (p, bytes) in [
+            (d.join("a"), &b"a synced"[..]),
+            (kept.clone(), b"kept"),
+            (gone.clone(), b"gone"),
+        ] {
+            let mut f = fs.create(&p).unwrap();
+            f.write_at(0, bytes).unwrap();
+            f.sync().unwrap();
+        }
+        fs.sync_dir(&d).unwrap();
+        fs.sync_dir(tmp.path()).unwrap();
+        // Written again without a sync: the removal brings back the synced content.
+        fs.open(&d.join("a"))
+            .unwrap()
+            .write_at(0, b"A unsynced")
+            .unwrap();
+        let never = d.join("never");
+        fs.create(&never).unwrap().write_at(0, b"x").unwrap();
+        for p in [d.join("a"), never.clone()] {
+            fs.remove(&p).unwrap();
+        }
+        fs.remove_dir(&d).unwrap();
+        // `gone`'s removal is made durable; `kept` is removed and made again, unsynced.
+        fs.remove(&gone).unwrap();
+        fs.remove(&kept).unwrap();
+        let mut f = fs.create(&kept).unwrap();
+        f.write_at(0, b"new kept").unwrap();
+        f.sync().unwrap();
+        // Syncs `tmp`, not `d`: `d`'s own removal from `tmp` is durable now, the rest not.
+        fs.sync_dir(tmp.path()).unwrap();
+        fs.crash().unwrap();
+        assert!(!gone.exists() && !d.exists(), "removals made durable");
+        assert_eq!(std::fs::read(&kept).unwrap(), b"new kept");
+
+        // The same without the directory sync: everything removed comes back.
+        let fs = FaultyFs::new(FaultConfig::default());
+        crate::fs::create_dir_all_durable(&fs, &d).unwrap();
+        let mut f = fs.create(&d.join("a")).unwrap();
+        f.write_at(0, b"a synced").unwrap();
+        f.sync().unwrap();
+        fs.sync_dir(&d).unwrap();
+        fs.open(&d.join("a")).unwrap().write_at(0, b"A").unwrap();
+        fs.create(&never).unwrap().write_at(0, b"x").unwrap();
+        fs.remove(&d.join("a")).unwrap();
+        fs.remove(&never).unwrap();
+        fs.remove_dir(&d).unwrap();
+        fs.remove(&kept).unwrap();
+        fs.create(&kept).unwrap().write_at(0, b"newer").unwrap();
+        fs.crash().unwrap();
+        assert_eq!(std::fs::read(d.join("a")).unwrap(), b"a synced");
+        assert!(!never.exists(), "its creation was never durable");
+        assert_eq!(std::fs::read(&kept).unwrap(), b"new kept");
+    }
+
+    /// At a power cut the operation at that step and every later change fail without effect
+    /// (creations included, which take no step), so a crash sees only what came before; after
+    /// the crash the file system works again.
+    #[test]
+    fn a_power_cut_stops_every_later_change() {
+        let tmp = tempfile::tempdir().unwrap();
+        // Steps: write(0) sync(1) sync_dir(2) write(3), the cut.
+        let fs = FaultyFs::new(FaultConfig {
+            power_cut_at_step: Some(3),
+            ..FaultConfig::default()
+        });
+        let a = tmp.path().join("a");
+        let mut f = fs.create(&a).unwrap();
+        f.write_at(0, b"durable").unwrap();
+        f.sync().unwrap();
+        fs.sync_dir(tmp.path()).unwrap();
+        assert!(!fs.power_is_cut());
+        let cut = |r: Result<(), IoError>| {
+            assert!(
+                matches!(
+                    r,
+                    Err(IoError::Injected {
+                        what: "power cut",
+                        step: 3,
+                        ..
+                    })
+                ),
+                "{r:?}"
+            );
+        };
+        cut(f.write_at(0, b"lost"));
+        assert!(fs.power_is_cut());
+        cut(f.sync());
+        cut(f.start_writeback(0, 7));
+        cut(fs.create(&tmp.path().join("b")).map(drop));
+        cut(fs.create_dir_all(&tmp.path().join("dir")));
+        cut(fs.rename(&a, &tmp.path().join("c")));
+        cut(fs.hard_link(&a, &tmp.path().join("l")));
+        cut(fs.remove(&a));
+        cut(fs.sync_dir(tmp.path()));
+        assert_eq!(std::fs::read(&a).unwrap(), b"durable", "nothing changed");
+        assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1);
+        // Reads still work: a dying process may read before it notices.
+        let mut buf = [0u8; 7];
+        fs.open(&a).unwrap().read_at(0, &mut buf).unwrap();
+        fs.crash().unwrap();
+        assert!(!fs.power_is_cut());
+        assert_eq!(std::fs::read(&a).unwrap(), b"durable");
+        fs.remove(&a).unwrap();
+        assert!(!a.exists());
     }
 
     #[test]

@@ -49,6 +49,10 @@ pub trait Fs: Send + Sync + Debug {
     fn sync_dir(&self, dir: &Path) -> Result<(), IoError>;
     /// Remove a file.
     fn remove(&self, path: &Path) -> Result<(), IoError>;
+    /// Remove an empty directory. Like a file's removal, durable once its parent is synced.
+    fn remove_dir(&self, dir: &Path) -> Result<(), IoError> {
+        std::fs::remove_dir(dir).map_err(|e| IoError::os("remove dir", dir, e))
+    }
     /// The paths of the entries of a directory, sorted.
     fn list_dir(&self, dir: &Path) -> Result<Vec<PathBuf>, IoError>;
     /// Create a directory and its parents.

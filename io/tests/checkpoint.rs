@@ -291,8 +291,10 @@ fn crash_at_every_step(opts: StorageOptions) {
     assert!(steps > 10, "{steps}");
     let mut outcomes = [0usize; 2];
     for step in 0..=steps {
-        for kind in 0..5u64 {
-            let seed = step * 5 + kind;
+        // Kinds 0-4 fail one operation and let the writer clean up; kind 5 cuts the power
+        // there, so that whatever the attempt left stays for the next one to deal with.
+        for kind in 0..6u64 {
+            let seed = step * 6 + kind;
             let tmp = tempfile::tempdir().unwrap();
             let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
             let c1 = write_checkpoint(&open(Arc::new(StdFs), &root), 1, &local, None).unwrap();
@@ -305,6 +307,7 @@ fn crash_at_every_step(opts: StorageOptions) {
                 fail_rename_at_step: at.filter(|_| kind == 2),
                 fail_link_at_step: at.filter(|_| kind == 3),
                 fail_sync_dir_at_step: at.filter(|_| kind == 4),
+                power_cut_at_step: at.filter(|_| kind == 5),
                 ..FaultConfig::default()
             });
             // Opening the storage takes steps too (it makes its directories durable).
@@ -341,6 +344,131 @@ fn crash_at_every_step(opts: StorageOptions) {
                 .collect();
             assert_eq!(on_disk, referenced, "{msg}: orphans left behind");
             st.verify(3).unwrap_or_else(|e| panic!("{msg}: {e}"));
+        }
+    }
+    assert!(outcomes[0] > 0 && outcomes[1] > 0, "{outcomes:?}");
+}
+
+/// Retention interrupted at each of its steps, by a failing directory fsync or by a power
+/// cut, then a crash: every checkpoint still listed complete is whole (its metadata never
+/// outlives a file it references), the newest survives, a `retain` that returned kept all its
+/// removals, and the next `retain` leaves exactly the newest checkpoint's files.
+#[test]
+fn crash_at_every_step_of_retain_keeps_every_complete_checkpoint_whole() {
+    // Checkpoints 1-4 in a chain, an attempt 5 cut off mid-way (its directory and files stay),
+    // and 6 after it: `retain(1)` drops four checkpoints, removes the incomplete one and
+    // deletes what only those referenced.
+    let setup = |root: &Path, local: &Path, cut_at: Option<u64>| {
+        let st = open(Arc::new(StdFs), root);
+        let mut prev: Option<CheckpointMetadata> = None;
+        for id in 1..=4 {
+            prev = Some(
+                write_checkpoint(&st, id, local, prev.as_ref())
+                    .unwrap()
+                    .metadata,
+            );
+        }
+        drop(st);
+        let fs = FaultyFs::new(FaultConfig {
+            power_cut_at_step: cut_at,
+            ..FaultConfig::default()
+        });
+        let cut = write_checkpoint(&open(Arc::new(fs.clone()), root), 5, local, prev.as_ref());
+        if cut.is_ok() {
+            // No cut, or one past the metadata (only the best-effort marker failed).
+            return Err(fs.steps());
+        }
+        assert!(fs.power_is_cut(), "{cut:?}");
+        fs.crash().unwrap();
+        let c6 = write_checkpoint(&open(Arc::new(StdFs), root), 6, local, prev.as_ref());
+        Ok(c6.unwrap())
+    };
+    // The power goes at the last step of attempt 5 that fails it (its metadata's directory
+    // fsync): everything else it wrote stays.
+    let tmp = tempfile::tempdir().unwrap();
+    let all_steps = setup(&tmp.path().join("c"), &tmp.path().join("l"), None).unwrap_err();
+    let cut_5 = (0..all_steps)
+        .rev()
+        .find(|&c| {
+            let tmp = tempfile::tempdir().unwrap();
+            setup(&tmp.path().join("c"), &tmp.path().join("l"), Some(c)).is_ok()
+        })
+        .expect("a cut that fails attempt 5");
+    let steps = {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("c");
+        setup(&root, &tmp.path().join("l"), Some(cut_5)).unwrap();
+        let st = open(Arc::new(StdFs), &root);
+        assert!(st.list().unwrap().iter().any(|i| i.id == 5 && !i.complete));
+        drop(st);
+        let fs = FaultyFs::new(FaultConfig::default());
+        let st = open(Arc::new(fs.clone()), &root);
+        let before = fs.steps();
+        let report = st.retain(1).unwrap();
+        assert_eq!(report.dropped_checkpoints, [1, 2, 3, 4]);
+        assert_eq!(report.removed_incomplete, [5]);
+        assert!(!report.deleted_files.is_empty());
+        fs.steps() - before
+    };
+    assert!(steps > 10, "{steps}");
+    // (an older checkpoint still complete, only the newest) after the crash.
+    let mut outcomes = [0usize; 2];
+    for step in 0..=steps {
+        for kind in 0..2u64 {
+            let tmp = tempfile::tempdir().unwrap();
+            let root = tmp.path().join("c");
+            let c6 = setup(&root, &tmp.path().join("l"), Some(cut_5)).unwrap();
+            let fs = FaultyFs::new(FaultConfig::default());
+            let st = open(Arc::new(fs.clone()), &root);
+            // The steps opening took, so that the fault lands within `retain`.
+            let at = (step < steps).then_some(fs.steps() + step);
+            let fs = FaultyFs::new(FaultConfig {
+                seed: step * 2 + kind,
+                fail_sync_dir_at_step: at.filter(|_| kind == 0),
+                power_cut_at_step: at.filter(|_| kind == 1),
+                ..FaultConfig::default()
+            });
+            drop(st);
+            let r = open(Arc::new(fs.clone()), &root).retain(1);
+            fs.crash().unwrap();
+
+            let msg = format!("step {step}, kind {kind}: retain {r:?}");
+            let st = open(Arc::new(StdFs), &root);
+            let list = st.list().unwrap();
+            for i in list.iter().filter(|i| i.complete) {
+                st.verify(i.id)
+                    .unwrap_or_else(|e| panic!("{msg}: checkpoint {} broken: {e}", i.id));
+                read_all_refs(&st, &st.read_metadata(i.id).unwrap());
+            }
+            assert_eq!(st.latest_complete().unwrap().unwrap().id, 6, "{msg}");
+            let complete = list.iter().filter(|i| i.complete).count();
+            if r.is_ok() {
+                assert_eq!(
+                    list.len(),
+                    1,
+                    "{msg}: a removal of a finished retain was lost"
+                );
+            }
+            outcomes[usize::from(complete == 1)] += 1;
+            st.retain(1)
+                .unwrap_or_else(|e| panic!("{msg}: the next retain: {e}"));
+            let ids: Vec<(u64, bool)> = st
+                .list()
+                .unwrap()
+                .iter()
+                .map(|i| (i.id, i.complete))
+                .collect();
+            assert_eq!(ids, [(6, true)], "{msg}");
+            let on_disk: BTreeSet<PathBuf> = data_files(st.job_dir())
+                .into_iter()
+                .map(|(p, _)| p)
+                .collect();
+            assert_eq!(
+                on_disk,
+                c6.metadata.physical_paths(),
+                "{msg}: orphans left behind"
+            );
+            st.verify(6).unwrap_or_else(|e| panic!("{msg}: {e}"));
         }
     }
     assert!(outcomes[0] > 0 && outcomes[1] > 0, "{outcomes:?}");

@@ -842,13 +842,9 @@ fn remove_dir_contents(fs: &dyn Fs, dir: &Path) -> Result<(), CheckpointError> {
     for p in fs.list_dir(dir)? {
         fs.remove(&p)?;
     }
-    // `Fs` has no directory removal yet; an empty directory left behind by a crash here is
-    // listed as incomplete and removed by the next `retain`.
-    std::fs::remove_dir(dir).map_err(|e| IoError::Os {
-        op: "remove dir",
-        path: dir.to_owned(),
-        source: e,
-    })?;
+    // An empty directory left behind by a crash here is listed as incomplete and removed by
+    // the next `retain`.
+    fs.remove_dir(dir)?;
     Ok(())
 }
 

@@ -1407,9 +1407,9 @@ mod tests {
         // How many runs each kind of fault really cut short: a sweep whose faults never
         // fired (the file system's steps out of step with the sink's operations) checks
         // nothing but clean runs.
-        let mut fired = [0u32; 4];
+        let mut fired = [0u32; 5];
         for step in 0..=total {
-            for kind in 0..4 {
+            for kind in 0..5 {
                 if failure_case(step, kind, &batches).1 {
                     fired[kind as usize] += 1;
                 }
@@ -1422,7 +1422,9 @@ mod tests {
     }
 
     /// Runs three checkpoints with a fault of `kind` at `step` (0: torn write, 1: failed
-    /// fsync, 2: failed rename, 3: power cut once `step` steps are taken), crashes, restores
+    /// fsync, 2: failed rename, 3: power cut between the sink's calls once `step` steps are
+    /// taken, 4: power cut at the step itself, within a call, the file system dead from there
+    /// on, so that the sink cannot clean up after itself), crashes, restores
     /// the newest checkpoint whose pre-commit succeeded and checks the visible output is
     /// exactly the lines up to it. Returns the steps taken before the crash, and whether the
     /// fault cut the run short (an operation failed, or the power cut came before the end).
@@ -1430,10 +1432,11 @@ mod tests {
         let tmp = tempfile::tempdir().expect("temp dir");
         let dir = tmp.path().to_owned();
         let faulty = FaultyFs::new(FaultConfig {
-            seed: step.wrapping_mul(4) + kind,
+            seed: step.wrapping_mul(5) + kind,
             tear_write_at_step: (kind == 0).then_some(step),
             fail_sync_at_step: (kind == 1).then_some(step),
             fail_rename_at_step: (kind == 2).then_some(step),
+            power_cut_at_step: (kind == 4).then_some(step),
             ..FaultConfig::default()
         });
         let s = sink(&dir)
@@ -1467,7 +1470,7 @@ mod tests {
         })();
         // A failed run is the point of the test; what matters is the restore below.
         let failed = match run {
-            Ok(cut_short) => cut_short,
+            Ok(cut_short) => cut_short || faulty.power_is_cut(),
             Err(e) => {
                 eprintln!("step {step} kind {kind}: run failed as injected: {e}");
                 true
