@@ -112,6 +112,45 @@ impl Drop for Inner {
 /// Distinguishes the run directories of the stores this process opens.
 static RUNS: AtomicU64 = AtomicU64::new(0);
 
+/// The maintenance threads of a job that are still alive. A failed attempt does not wait for
+/// its threads (see `Inner`'s drop), but [`crate::JobHandle::wait`] does: a thread finishing a
+/// snapshot job holds a checkpoint writer, and with it the checkpoint directory's lock, so
+/// that a job started on the same directory right after `wait` returned was refused as
+/// "locked by another owner"; and it removes its run directory only as it exits.
+#[derive(Debug, Default)]
+pub(crate) struct MaintenanceThreads {
+    live: std::sync::Mutex<usize>,
+    gone: std::sync::Condvar,
+}
+
+/// One live maintenance thread, counted until dropped.
+pub(crate) struct LiveThread(Arc<MaintenanceThreads>);
+
+impl MaintenanceThreads {
+    fn enter(self: &Arc<Self>) -> LiveThread {
+        *self.live.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        LiveThread(self.clone())
+    }
+
+    /// Blocks until every thread counted so far has exited.
+    pub(crate) fn wait_all(&self) {
+        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        while *live > 0 {
+            live = self.gone.wait(live).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+impl Drop for LiveThread {
+    fn drop(&mut self) {
+        let mut live = self.0.live.lock().unwrap_or_else(|p| p.into_inner());
+        *live -= 1;
+        if *live == 0 {
+            self.0.gone.notify_all();
+        }
+    }
+}
+
 /// Removes what earlier processes left in an operator's state directory: run directories
 /// whose owner died (their lock is free) and files of older layouts. Run directories of this
 /// process are left alone: a finishing maintenance thread removes its own.
@@ -337,7 +376,7 @@ impl ShardState {
         let be = KeyedBackend::new(store, range)
             .map_err(|e| err(format!("{}: reading timers: {e}", dir.display())))?;
         let maint = if ctx.real_io {
-            Some(Self::spawn(shard, dir.clone()).map_err(err)?)
+            Some(Self::spawn(shard, dir.clone(), ctx.maintenance.enter()).map_err(err)?)
         } else {
             None
         };
@@ -357,8 +396,8 @@ impl ShardState {
 
     /// The store's maintenance thread, working for the store in `dir`. It outlives the store
     /// by at most a yield period of the job it is running (see `Inner`'s drop), then removes
-    /// `dir`.
-    fn spawn(shard: usize, dir: PathBuf) -> Result<Maintenance, String> {
+    /// `dir`; `live` counts it among the job's threads until everything it held is dropped.
+    fn spawn(shard: usize, dir: PathBuf, live: LiveThread) -> Result<Maintenance, String> {
         let (jtx, jrx) = mpsc::channel::<Job>();
         let (dtx, drx) = mpsc::channel::<Output>();
         let cancel = Arc::new(AtomicBool::new(false));
@@ -368,12 +407,16 @@ impl ShardState {
             .spawn(move || {
                 background_priority();
                 serve(&jrx, &dtx, &stop);
-                // Dropping the remaining jobs releases their segments; the directory is this
-                // store's scratch space (checkpoints live in checkpoint storage).
+                // Dropping the remaining jobs releases their segments and checkpoint writers;
+                // the directory is this store's scratch space (checkpoints live in checkpoint
+                // storage).
                 drop(jrx);
+                drop(dtx);
                 if stop.load(Ordering::Acquire) {
                     let _ = std::fs::remove_dir_all(&dir);
                 }
+                // Last: `JobHandle::wait` returns once every job's thread got here.
+                drop(live);
             })
             .map_err(|e| format!("maintenance thread: {e}"))?;
         Ok(Maintenance {
@@ -928,6 +971,7 @@ mod tests {
             metrics: crate::metrics::Registry::new(),
             fail: FailCell::default(),
             epoch: Instant::now(),
+            maintenance: Default::default(),
         };
         ShardState::open_for(&ctx, OP)
     }

@@ -131,6 +131,8 @@ pub(crate) struct BuildCtx {
     pub restore: Option<Arc<crate::checkpoint::restore::RestoreState>>,
     /// Monotonic origin shared by every shard (latency markers).
     pub epoch: std::time::Instant,
+    /// The job's maintenance threads, which [`crate::JobHandle::wait`] waits for.
+    pub maintenance: Arc<crate::backend::MaintenanceThreads>,
 }
 
 impl BuildCtx {

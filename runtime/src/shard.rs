@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use glommio::{LocalExecutorBuilder, Placement};
 
+use crate::backend::MaintenanceThreads;
 use crate::checkpoint::coordinator::{Coordinator, Requests, SavepointRequest};
 use crate::checkpoint::restore::RestoreState;
 use crate::checkpoint::shard::{ShardCheckpoint, Shared};
@@ -88,6 +89,7 @@ pub struct JobHandle {
     supervisor: Option<std::thread::JoinHandle<Result<(), JobError>>>,
     ctl: Arc<Control>,
     shards: usize,
+    maintenance: Arc<MaintenanceThreads>,
     _state_dir: Option<tempfile::TempDir>,
 }
 
@@ -102,7 +104,9 @@ pub struct JobSummary {
 }
 
 impl JobHandle {
-    /// Waits until the job finished (after any restarts).
+    /// Waits until the job finished (after any restarts) and let go of its files: every
+    /// state store's maintenance thread has exited, so the checkpoint directory's lock is free
+    /// for the next job and the state directory holds nothing of this one.
     pub fn wait(mut self) -> Result<JobSummary, JobError> {
         let r = match self.supervisor.take() {
             Some(t) => t.join().unwrap_or_else(|p| {
@@ -113,6 +117,9 @@ impl JobHandle {
             }),
             None => Ok(()),
         };
+        // Cancelled at the end of their attempts, they exit at their jobs' next yield, or
+        // after the snapshot job they are finishing.
+        self.maintenance.wait_all();
         r.map(|()| self.summary())
     }
 
@@ -291,6 +298,7 @@ struct Plan {
     sentinel: PathBuf,
     placements: Vec<Placement>,
     store: Option<Arc<IoCheckpointStore>>,
+    maintenance: Arc<MaintenanceThreads>,
 }
 
 /// Starts `graph` on `config.shards` shards.
@@ -353,6 +361,7 @@ pub(crate) fn start(config: JobConfig, graph: Graph) -> Result<JobHandle, StartE
         status: Arc::new(AtomicU8::new(JobStatus::Initializing as u8)),
     });
     note_restore(&ctl, restore.as_deref());
+    let maintenance = Arc::new(MaintenanceThreads::default());
     let plan = Plan {
         config: Arc::new(config),
         roots: Arc::new(graph.roots),
@@ -361,6 +370,7 @@ pub(crate) fn start(config: JobConfig, graph: Graph) -> Result<JobHandle, StartE
         sentinel,
         placements,
         store,
+        maintenance: maintenance.clone(),
     };
     let ctl2 = ctl.clone();
     let supervisor = std::thread::Builder::new()
@@ -384,6 +394,7 @@ pub(crate) fn start(config: JobConfig, graph: Graph) -> Result<JobHandle, StartE
         supervisor: Some(supervisor),
         ctl,
         shards,
+        maintenance,
         _state_dir: tmp,
     })
 }
@@ -775,6 +786,7 @@ fn run_attempt(
             supervisor.clone(),
             ctl.status.clone(),
         );
+        let maintenance = plan.maintenance.clone();
         let (config, roots, registry, cancel2, running2, sentinel, state_dir, shared, restore) = (
             plan.config.clone(),
             plan.roots.clone(),
@@ -814,6 +826,7 @@ fn run_attempt(
                             .map(|s| ShardCheckpoint::new(s.clone(), shard)),
                         restore,
                         epoch,
+                        maintenance,
                     };
                     for root in roots.iter() {
                         root(&mut ctx)?;

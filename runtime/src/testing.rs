@@ -107,6 +107,7 @@ impl<I: Data, O: Data> TestDriver<I, O> {
             metrics: crate::metrics::Registry::new(),
             fail: FailCell::default(),
             epoch: std::time::Instant::now(),
+            maintenance: Default::default(),
         };
         for root in &graph.roots {
             root(&mut ctx)?;

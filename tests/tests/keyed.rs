@@ -134,3 +134,68 @@ fn a_store_whose_flushes_lag_stalls_the_shard_and_loses_nothing() {
         .sum();
     assert!(stalled > 0, "the shards never waited for their stores");
 }
+
+/// `JobHandle::wait` returns once the job let go of its files. A cancelled job's maintenance
+/// threads used to finish the snapshot they were writing after `wait` had returned: the
+/// checkpoint writer they held kept the checkpoint directory's lock, so that the next job on
+/// that directory was refused ("locked by another owner"), and their run directories were
+/// still in the state directory. Each round cancels a job whose checkpoints run back to back
+/// (large values, a 5 ms interval) while a checkpoint after its first is in progress, so that
+/// a snapshot is being written then. Without the wait it failed 3 of 3 runs.
+#[test]
+fn wait_returns_once_the_job_let_go_of_its_checkpoint_directory_and_state() {
+    use std::time::{Duration, Instant};
+    use weir_runtime::checkpoint::CheckpointConfig;
+    for round in 0..5 {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let (ck, state) = (tmp.path().join("ck"), tmp.path().join("state"));
+        let job = Job::new(config(2).with_state_dir(&state).with_checkpointing(
+            CheckpointConfig::new(&ck, "release").with_interval(Duration::from_millis(5)),
+        ));
+        job.from_iter(|shard, shards| {
+            (0u64..).map(move |i| {
+                let k = (i * shards as u64 + shard as u64) % 150_000;
+                (k, "v".repeat(300))
+            })
+        })
+        .key_by(|(k, _)| *k)
+        .reduce(|(k, a), (_, b)| (k, if a.len() < b.len() { b } else { a }))
+        .uid("latest")
+        .for_each(drop);
+        let h = job.start().expect("starts");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        // Cancel while a checkpoint after the first is in progress.
+        while {
+            let m = h.checkpoint_metrics();
+            m.number_of_completed_checkpoints < 1 || m.number_of_in_progress_checkpoints == 0
+        } {
+            assert!(Instant::now() < deadline, "round {round}: no checkpoint");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        h.cancel();
+        assert!(
+            matches!(h.wait(), Err(weir_runtime::JobError::Cancelled)),
+            "round {round}"
+        );
+        let lock = weir_io::DirLock::acquire(&ck.join("release"));
+        assert!(lock.is_ok(), "round {round}: {:?}", lock.err());
+        drop(lock);
+        let own = format!("run-{}-", std::process::id());
+        for shard in std::fs::read_dir(&state).expect("state dir").flatten() {
+            for op in std::fs::read_dir(shard.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                for run in std::fs::read_dir(op.path()).into_iter().flatten().flatten() {
+                    let name = run.file_name().to_string_lossy().into_owned();
+                    assert!(
+                        !name.starts_with(&own),
+                        "round {round}: {} is still there",
+                        run.path().display()
+                    );
+                }
+            }
+        }
+    }
+}
