@@ -266,6 +266,9 @@ fn duplicate_uids_are_rejected_before_start() {
 /// A sink whose writer takes long to build on the last shard and notes when it is built.
 struct SlowToBuild {
     built_at: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
+    /// The last shard's sink is built once this is set (a fixed delay raced the test's first
+    /// status check on a loaded machine).
+    release: Arc<std::sync::atomic::AtomicBool>,
 }
 
 struct Discard;
@@ -286,7 +289,9 @@ impl weir_runtime::sink::Sink<u64> for SlowToBuild {
         shards: usize,
     ) -> Result<Box<dyn weir_runtime::sink::SinkWriter<u64>>, weir_runtime::StartError> {
         if shard + 1 == shards {
-            std::thread::sleep(std::time::Duration::from_millis(300));
+            while !self.release.load(std::sync::atomic::Ordering::Acquire) {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
             *self.built_at.lock().unwrap() = Some(std::time::Instant::now());
         }
         Ok(Box::new(Discard))
@@ -297,12 +302,16 @@ impl weir_runtime::sink::Sink<u64> for SlowToBuild {
 fn the_job_status_is_initializing_until_every_shard_is_built_then_running() {
     let job = Job::new(config(2));
     let built_at = Arc::new(std::sync::Mutex::new(None));
+    let release = Arc::new(std::sync::atomic::AtomicBool::new(false));
     job.from_iter(|_, _| 0u64..).rebalance().sink(SlowToBuild {
         built_at: built_at.clone(),
+        release: release.clone(),
     });
     let h = job.start().expect("start");
-    // The last shard's sink takes 300 ms to build.
+    // The last shard's sink is not built until released, however long the other shard took.
+    std::thread::sleep(std::time::Duration::from_millis(50));
     assert_eq!(h.status(), JobStatus::Initializing);
+    release.store(true, std::sync::atomic::Ordering::Release);
     assert_eq!(await_status(&h, JobStatus::Running), JobStatus::Running);
     assert!(
         built_at.lock().unwrap().is_some(),
@@ -347,6 +356,16 @@ fn no_shard_runs_before_every_shard_is_built() {
     .rebalance()
     .sink(SlowToBuild {
         built_at: built_at.clone(),
+        // Built 300 ms after the start.
+        release: {
+            let r = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let r2 = r.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(300));
+                r2.store(true, std::sync::atomic::Ordering::Release);
+            });
+            r
+        },
     });
     job.run().expect("job");
     let built = built_at.lock().unwrap().expect("the last shard was built");
