@@ -1,6 +1,8 @@
 //! Checkpoints and recovery: state after a restore equals the state at the barrier, under
 //! repeated injected failures, in exactly-once and at-least-once modes.
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -8,6 +10,8 @@ use std::time::Duration;
 
 use weir_runtime::checkpoint::{CheckpointConfig, CheckpointMode, RestartStrategy};
 use weir_runtime::{FnProcess, Job, JobConfig, KeyedContext, Pinning, RestoreFrom};
+
+use common::{Hold, HELD_BATCH_RECORDS};
 
 const KEYS: u64 = 50;
 /// See `exactly_once_state_survives_failures_while_memtables_reuse_their_memory`.
@@ -58,7 +62,8 @@ struct Outcome {
 /// continues its key's sequence in state. After a restore, the state is the state at the
 /// barrier and the source rewinds to its position at the barrier, so in exactly-once mode
 /// the check never fails, however many times the job fails. The test injects each failure
-/// only after a new checkpoint completed, so every restart restores real state.
+/// only after a new checkpoint completed, so every restart restores real state; the last
+/// sequence numbers are held (see [`Hold`]) until the last failure was injected.
 fn run_verification(mode: CheckpointMode, shards: usize, n: u64, failures: u32) -> Outcome {
     run_verification_with(mode, Setup::default(), shards, n, failures)
 }
@@ -78,6 +83,9 @@ struct Setup {
     /// Before the last failure, wait until the `verify` operator's stores flushed a memtable
     /// and a checkpoint completed after that, so that the last restore follows a flush.
     flush_before_last_failure: bool,
+    /// Records per source poll: [`HELD_BATCH_RECORDS`], so that barriers get through the
+    /// held end of the input (see [`Hold`]) at once rather than after a second.
+    batch_records: usize,
 }
 
 impl Default for Setup {
@@ -90,6 +98,7 @@ impl Default for Setup {
             keys: KEYS,
             restore_inflight: false,
             flush_before_last_failure: false,
+            batch_records: HELD_BATCH_RECORDS,
         }
     }
 }
@@ -109,6 +118,7 @@ fn run_verification_with(
         keys,
         restore_inflight,
         flush_before_last_failure,
+        batch_records,
     } = setup;
     let dir = tempfile::tempdir().expect("tmp");
     let fail_now = Arc::new(AtomicBool::new(false));
@@ -123,6 +133,7 @@ fn run_verification_with(
         .with_shards(shards)
         .with_pinning(Pinning::Never)
         .with_ring_capacity_bytes(64 << 10)
+        .with_batch_records(batch_records)
         .with_checkpointing(checkpointing);
     if let Some(bytes) = memtable_budget {
         config = config.with_memtable_budget_bytes(bytes);
@@ -136,6 +147,10 @@ fn run_verification_with(
     );
     // Every key belongs to one source shard, so that its records arrive in order.
     let per_shard = keys / shards as u64;
+    // The last sequence numbers are held (of `0..seqs`).
+    let seqs = (n / shards as u64 - 1) / per_shard + 1;
+    let hold = Hold::new(seqs, seqs / 10);
+    let map_hold = hold.clone();
     job.from_iter(move |shard, shards| {
         (0..n / shards as u64).map(move |t| {
             (
@@ -152,6 +167,13 @@ fn run_verification_with(
         // Slow enough that checkpoints complete while the job runs.
         if (r.1 * keys + r.0).is_multiple_of(200) {
             std::thread::sleep(Duration::from_millis(1));
+        }
+        // With a slow sink, only source shard 0's keys are held: while that shard sleeps it
+        // reads none of its exchange inputs, so the other shards keep its rings full
+        // (backpressure, and barriers behind queued records), where a hold of every source
+        // would let the rings drain.
+        if !slow_sink || r.0.is_multiple_of(shards as u64) {
+            map_hold.delay(r.1);
         }
         r
     })
@@ -245,6 +267,7 @@ fn run_verification_with(
             "failure {i} restored {restored:?}, the newest checkpoint was {newest}"
         );
     }
+    hold.release();
     let summary = handle
         .wait()
         .expect("the job recovers from every injected failure");
@@ -321,6 +344,10 @@ fn exactly_once_state_survives_failures_while_memtables_reuse_their_memory() {
         memtable_budget: Some(MEMTABLE_BUDGET),
         keys,
         flush_before_last_failure: true,
+        // The default: in polls of 64 records the memtables filled only after about twice as
+        // many records, past the start of the hold even on an idle machine, and held records
+        // fill them slowly (9 s instead of 1.5 s).
+        batch_records: JobConfig::new().batch_records,
         ..Setup::default()
     };
     let o = run_verification_with(CheckpointMode::ExactlyOnce, setup, 2, n, 3);
@@ -717,20 +744,24 @@ impl Sums {
     }
 }
 
-/// The keyed running sum the restore tests run: `data` from a source with uid `input`, every
-/// 500th record 1 ms late when `slow` (so that checkpoints complete while it runs), summed per
-/// key by an operator with uid `sum_uid`.
+/// The keyed running sum the restore tests run: `data` from a source with uid `input`, with a
+/// `hold` every 500th record 1 ms late and the end held (so that checkpoints complete while it
+/// runs; its job takes [`HELD_BATCH_RECORDS`]), summed per key by an operator with uid
+/// `sum_uid`.
 fn running_sum_job(
     job: &Job,
     data: &[(u64, i64, u64)],
-    slow: bool,
+    hold: Option<Hold>,
     sum_uid: &str,
 ) -> weir_runtime::Stream<(u64, i64, u64)> {
     job.from_vec(data.to_vec())
         .uid("input")
         .inspect(move |r: &(u64, i64, u64)| {
-            if slow && r.2.is_multiple_of(500) {
-                std::thread::sleep(Duration::from_millis(1));
+            if let Some(hold) = &hold {
+                if r.2.is_multiple_of(500) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                hold.delay(r.2);
             }
         })
         .key_by(|r| r.0)
@@ -753,12 +784,16 @@ fn a_checkpoint_triggered_right_after_the_start_completes() {
         JobConfig::new()
             .with_shards(2)
             .with_pinning(Pinning::Never)
+            .with_batch_records(HELD_BATCH_RECORDS)
             .with_checkpointing(config),
     );
-    let out = running_sum_job(&job, &data, true, "sum").collect();
+    // Held, so that the sources cannot end before the coordinator served the trigger.
+    let hold = Hold::new(n, n / 10);
+    let out = running_sum_job(&job, &data, Some(hold.clone()), "sum").collect();
     let h = job.start().expect("start");
     h.trigger_checkpoint().expect("trigger");
     await_checkpoints(&h, 1);
+    hold.release();
     let summary = h.wait().expect("job");
     let ids: Vec<u64> = summary
         .checkpoints
@@ -841,7 +876,8 @@ fn restore_onto_another_number_of_shards_keeps_keyed_state() {
     let dir = tempfile::tempdir().expect("tmp");
     let n = 200_000u64;
     let Sums { data, expected, at } = Sums::new(n);
-    let run = |shards: usize, restore: bool, slow: bool| {
+    let hold = Hold::new(n, n / 10);
+    let run = |shards: usize, restore: bool, hold: Option<Hold>| {
         let mut c = JobConfig::new()
             .with_shards(shards)
             .with_pinning(Pinning::Never)
@@ -849,15 +885,19 @@ fn restore_onto_another_number_of_shards_keeps_keyed_state() {
         if restore {
             c = c.with_restore(RestoreFrom::Latest);
         }
+        if hold.is_some() {
+            c = c.with_batch_records(HELD_BATCH_RECORDS);
+        }
         let job = Job::new(c);
-        let out = running_sum_job(&job, &data, slow, "sum").collect();
+        let out = running_sum_job(&job, &data, hold, "sum").collect();
         (job.start().expect("start"), out)
     };
-    let (h, _) = run(2, false, true);
+    let (h, _) = run(2, false, Some(hold.clone()));
     await_checkpoint_past_start(&h, "input");
     h.cancel();
+    hold.release();
     assert!(matches!(h.wait(), Err(weir_runtime::JobError::Cancelled)));
-    let (h, out) = run(3, true, false);
+    let (h, out) = run(3, true, None);
     h.wait().expect("restored job");
     let got = out.take();
     assert!(
@@ -877,7 +917,8 @@ fn a_restore_refuses_state_no_operator_takes_unless_allowed() {
     let dir = tempfile::tempdir().expect("tmp");
     let n = 100_000u64;
     let Sums { data, .. } = Sums::new(n);
-    let run = |uid: &str, restore: bool, allow: bool, slow: bool| {
+    let hold = Hold::new(n, n / 10);
+    let run = |uid: &str, restore: bool, allow: bool, hold: Option<Hold>| {
         let mut c = JobConfig::new()
             .with_shards(2)
             .with_pinning(Pinning::Never)
@@ -886,18 +927,22 @@ fn a_restore_refuses_state_no_operator_takes_unless_allowed() {
         if restore {
             c = c.with_restore(RestoreFrom::Latest);
         }
+        if hold.is_some() {
+            c = c.with_batch_records(HELD_BATCH_RECORDS);
+        }
         let job = Job::new(c);
-        let out = running_sum_job(&job, &data, slow, uid).collect();
+        let out = running_sum_job(&job, &data, hold, uid).collect();
         (job.start().expect("start"), out)
     };
-    let (h, _) = run("sum", false, false, true);
+    let (h, _) = run("sum", false, false, Some(hold.clone()));
     // Under load a first checkpoint before any record would make the restore below start
     // from the beginning (seen once with two test binaries at a time on 2 vCPUs).
     await_checkpoint_past_start(&h, "input");
     h.cancel();
+    hold.release();
     assert!(matches!(h.wait(), Err(weir_runtime::JobError::Cancelled)));
 
-    let (h, out) = run("total", true, false, false);
+    let (h, out) = run("total", true, false, None);
     match h.wait() {
         Err(weir_runtime::JobError::Start(weir_runtime::StartError::Restore { reason })) => {
             assert!(
@@ -913,7 +958,7 @@ fn a_restore_refuses_state_no_operator_takes_unless_allowed() {
     }
     assert!(out.take().is_empty(), "no record moved");
 
-    let (h, out) = run("total", true, true, false);
+    let (h, out) = run("total", true, true, None);
     h.wait().expect("restored job skipping `sum`");
     let got = out.take();
     assert!(
@@ -960,7 +1005,8 @@ fn stop_with_savepoint_commits_up_to_the_savepoint_and_ends_the_job() {
     let (out, sps) = (dir.path().join("out"), dir.path().join("savepoints"));
     let n = 200_000u64;
     let Sums { data, at, .. } = Sums::new(n);
-    let run = |ckpt: &str, restore: Option<RestoreFrom>, slow: bool| {
+    let hold = Hold::new(n, n / 10);
+    let run = |ckpt: &str, restore: Option<RestoreFrom>, hold: Option<Hold>| {
         let mut c = JobConfig::new()
             .with_shards(2)
             .with_pinning(Pinning::Never)
@@ -968,8 +1014,11 @@ fn stop_with_savepoint_commits_up_to_the_savepoint_and_ends_the_job() {
         if let Some(r) = restore {
             c = c.with_restore(r);
         }
+        if hold.is_some() {
+            c = c.with_batch_records(HELD_BATCH_RECORDS);
+        }
         let job = Job::new(c);
-        running_sum_job(&job, &data, slow, "sum")
+        running_sum_job(&job, &data, hold, "sum")
             .sink(weir_runtime::sink::TransactionalFileSink::new(
                 out.clone(),
                 |r: &(u64, i64, u64), line: &mut String| {
@@ -979,9 +1028,10 @@ fn stop_with_savepoint_commits_up_to_the_savepoint_and_ends_the_job() {
             .uid("out");
         job.start().expect("start")
     };
-    let h = run("ckpt", None, true);
+    let h = run("ckpt", None, Some(hold.clone()));
     await_checkpoints(&h, 1);
     let sp = h.stop_with_savepoint(&sps).expect("stop with savepoint");
+    hold.release();
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while !h.is_finished() {
         assert!(std::time::Instant::now() < deadline, "the job did not stop");
@@ -1023,7 +1073,7 @@ fn stop_with_savepoint_commits_up_to_the_savepoint_and_ends_the_job() {
         assert_eq!(Some(sum), at.get(i), "key {k} at record {i}");
     }
 
-    let h = run("ckpt2", Some(RestoreFrom::Path(sp)), false);
+    let h = run("ckpt2", Some(RestoreFrom::Path(sp)), None);
     h.wait().expect("restored job");
     let mut all: Vec<u64> = parse(committed_lines(&out))
         .into_iter()
@@ -1063,10 +1113,12 @@ fn savepoint_round_trip(unaligned: bool) {
     // The restored run fails once, at its first record: before it took any checkpoint, so
     // the failover must restore the savepoint again (not start from the beginning).
     let failed = Arc::new(AtomicBool::new(false));
+    let hold = Hold::new(n, n / 10);
     let run = |shards: usize, ck_dir: &std::path::Path, restore: Option<RestoreFrom>| {
-        // The first run is slowed down, so that it is still running when the savepoint is taken.
+        // The first run is slowed down and held, so that it is still running when the
+        // savepoint is taken and until the checkpoints after it completed.
         let slow = restore.is_none();
-        let failed = failed.clone();
+        let (failed, hold) = (failed.clone(), hold.clone());
         let mut c = JobConfig::new()
             .with_shards(shards)
             .with_pinning(Pinning::Never)
@@ -1082,13 +1134,19 @@ fn savepoint_round_trip(unaligned: bool) {
         if let Some(r) = restore {
             c = c.with_restore(r);
         }
+        if slow {
+            c = c.with_batch_records(HELD_BATCH_RECORDS);
+        }
         let job = Job::new(c);
         let out = job
             .from_vec(data.clone())
             .uid("input")
             .inspect(move |r: &(u64, i64, u64)| {
-                if slow && r.2.is_multiple_of(500) {
-                    std::thread::sleep(Duration::from_millis(1));
+                if slow {
+                    if r.2.is_multiple_of(500) {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    hold.delay(r.2);
                 }
                 if !slow && !failed.swap(true, Ordering::AcqRel) {
                     panic!("injected failure before the restored run's first checkpoint");
@@ -1120,6 +1178,7 @@ fn savepoint_round_trip(unaligned: bool) {
         std::thread::sleep(Duration::from_millis(2));
     }
     h.cancel();
+    hold.release();
     assert!(matches!(h.wait(), Err(weir_runtime::JobError::Cancelled)));
     let opened = weir_io::Savepoint::open(std::sync::Arc::new(weir_io::StdFs), &sp)
         .expect("a savepoint directory");

@@ -6,8 +6,12 @@
 //!
 //! `WEIR_FORGED_CASES` sets the number of forged checkpoints per job (default 24).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+use common::{Hold, HELD_BATCH_RECORDS};
 
 use weir_io::CheckpointMetadata;
 use weir_runtime::checkpoint::{CheckpointConfig, CheckpointMode, RestartStrategy};
@@ -41,16 +45,23 @@ enum Shape {
     Windows,
 }
 
-/// The job of `shape` over `data`, every 200th record 1 ms late when `slow` (so that
-/// checkpoints complete while it runs).
-fn job(shape: Shape, config: JobConfig, data: &[(u64, i64, u64)], slow: bool) -> Job {
+/// The job of `shape` over `data`; with a `hold`, every 200th record 1 ms late and the end
+/// held (so that checkpoints complete while it runs).
+fn job(shape: Shape, config: JobConfig, data: &[(u64, i64, u64)], hold: Option<Hold>) -> Job {
+    let config = match hold {
+        Some(_) => config.with_batch_records(HELD_BATCH_RECORDS),
+        None => config,
+    };
     let job = Job::new(config);
     let input = job
         .from_vec(data.to_vec())
         .uid("input")
         .inspect(move |r: &(u64, i64, u64)| {
-            if slow && r.2.is_multiple_of(200) {
-                std::thread::sleep(Duration::from_millis(1));
+            if let Some(hold) = &hold {
+                if r.2.is_multiple_of(200) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                hold.delay(r.2);
             }
         });
     match shape {
@@ -134,13 +145,24 @@ fn forge_and_restore(shape: Shape, seed: u64) {
         .with_shards(2)
         .with_pinning(Pinning::Never)
         .with_checkpointing(ck);
-    let h = job(shape, config, &records, true).start().expect("start");
+    // Half of the input held (10 s): it is small, and 3 checkpoints took up to 4 s with five
+    // test binaries at a time on 2 loaded cores.
+    let n = records.len() as u64;
+    let hold = Hold::new(n, n / 2);
+    let h = job(shape, config, &records, Some(hold.clone()))
+        .start()
+        .expect("start");
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while h.checkpoint_metrics().number_of_completed_checkpoints < 3 {
+        // Held, the job ends only when it fails: say why at once.
+        if h.is_finished() && h.checkpoint_metrics().number_of_completed_checkpoints < 3 {
+            panic!("the job ended before 3 checkpoints: {:?}", h.wait().err());
+        }
         assert!(std::time::Instant::now() < deadline, "no checkpoints");
         std::thread::sleep(Duration::from_millis(2));
     }
     h.cancel();
+    hold.release();
     assert!(matches!(h.wait(), Err(JobError::Cancelled)));
     let files = metadata_files(dir.path());
     let meta_path = files.last().expect("a checkpoint").clone();
@@ -163,7 +185,7 @@ fn forge_and_restore(shape: Shape, seed: u64) {
             .with_pinning(Pinning::Never)
             .with_checkpointing(ck)
             .with_restore(RestoreFrom::Path(chk.clone()));
-        match job(shape, config, &records, false).start() {
+        match job(shape, config, &records, None).start() {
             Err(e) => Err(format!("start: {e}")),
             Ok(h) => h.wait().map(|_| ()).map_err(|e| match e {
                 JobError::Panic { .. } => panic!("a forged checkpoint made a shard panic: {e}"),
