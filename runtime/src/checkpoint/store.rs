@@ -82,9 +82,12 @@ pub(crate) fn to_logical(f: &LogicalRefData) -> LogicalFileRef {
 pub(crate) struct IoCheckpointStore {
     pub storage: CheckpointStorage,
     pending: Mutex<HashMap<u64, PendingCheckpoint>>,
-    /// One writer per (checkpoint, shard) for small files, so that they merge into few
-    /// physical files.
-    small: Mutex<HashMap<(u64, usize), CheckpointWriter>>,
+    /// The idle writers of small files per (checkpoint, shard), so that they merge into few
+    /// physical files. Usually one; more when several threads of a shard write at once (the
+    /// channel state of two unaligned exchange inputs): each takes an idle writer or makes a
+    /// new one, and puts it back beside the others. With one slot, the second put replaced
+    /// the first writer, which was dropped unfinished and failed the checkpoint.
+    small: Mutex<HashMap<(u64, usize), Vec<CheckpointWriter>>>,
 }
 
 impl IoCheckpointStore {
@@ -141,7 +144,7 @@ impl CheckpointStore for IoCheckpointStore {
     }
 
     fn write_small(&self, id: u64, shard: usize, bytes: &[u8]) -> Result<LogicalRefData, String> {
-        let taken = lock(&self.small).remove(&(id, shard));
+        let taken = lock(&self.small).get_mut(&(id, shard)).and_then(Vec::pop);
         let mut w = match taken {
             Some(w) => w,
             None => self.writer(id)?,
@@ -149,7 +152,7 @@ impl CheckpointStore for IoCheckpointStore {
         let r = w
             .write_small(bytes, SmallFileKind::TaskOwned)
             .map_err(|e| e.to_string())?;
-        lock(&self.small).insert((id, shard), w);
+        lock(&self.small).entry((id, shard)).or_default().push(w);
         Ok(LogicalRefData {
             physical: r.physical.to_string_lossy().into_owned(),
             offset: r.offset,
@@ -168,7 +171,10 @@ impl CheckpointStore for IoCheckpointStore {
         let writers: Vec<CheckpointWriter> = {
             let mut small = lock(&self.small);
             let keys: Vec<(u64, usize)> = small.keys().filter(|(c, _)| *c == id).copied().collect();
-            keys.into_iter().filter_map(|k| small.remove(&k)).collect()
+            keys.into_iter()
+                .filter_map(|k| small.remove(&k))
+                .flatten()
+                .collect()
         };
         for w in writers {
             w.finish().map_err(|e| e.to_string())?;
@@ -244,3 +250,48 @@ macro_rules! checkpoint_reader {
 
 checkpoint_reader!(StorageReader, job_dir);
 checkpoint_reader!(SavepointReader, dir);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two threads of a shard writing small files of one checkpoint at once (the channel state
+    /// of two unaligned exchange inputs) each get a writer; the checkpoint commits, and every
+    /// piece reads back. With one writer slot per shard, a writer put back over another
+    /// dropped that one unfinished and the commit failed.
+    #[test]
+    fn concurrent_small_files_of_one_shard_all_commit() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let fs: std::sync::Arc<dyn weir_io::Fs> = std::sync::Arc::new(weir_io::StdFs);
+        let storage = CheckpointStorage::open(fs, tmp.path(), "job").expect("storage");
+        let store = std::sync::Arc::new(IoCheckpointStore::new(storage));
+        store.begin(1).expect("begin");
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let threads: Vec<_> = (0..2u8)
+            .map(|t| {
+                let (store, barrier) = (store.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    (0..1000u32)
+                        .map(|i| {
+                            let bytes = vec![t; 1 + i as usize % 97];
+                            let r = store.write_small(1, 0, &bytes).expect("write");
+                            (r, bytes)
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let written: Vec<_> = threads
+            .into_iter()
+            .flat_map(|t| t.join().expect("writer thread"))
+            .collect();
+        store.commit(1, 1, Vec::new()).expect("commit");
+        for (r, bytes) in written {
+            assert_eq!(
+                store.storage.read_logical(&to_logical(&r)).expect("read"),
+                bytes
+            );
+        }
+    }
+}
