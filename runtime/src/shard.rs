@@ -695,12 +695,17 @@ fn note_restore(ctl: &Control, restore: Option<&RestoreState>) {
 
 /// The id the next attempt's first checkpoint gets: above every checkpoint in storage.
 fn next_checkpoint_id(plan: &Plan, restore: Option<&RestoreState>) -> u64 {
-    let stored = plan
-        .store
-        .as_ref()
-        .and_then(|s| s.storage.list().ok())
-        .map(|l| l.iter().map(|i| i.id).max().unwrap_or(0))
-        .unwrap_or(0);
+    first_checkpoint_id(plan.store.as_deref(), restore)
+}
+
+/// The first checkpoint id of an attempt: past every id the storage lists, the restored one
+/// and every id an earlier attempt of this job began.
+fn first_checkpoint_id(store: Option<&IoCheckpointStore>, restore: Option<&RestoreState>) -> u64 {
+    let stored = store.map_or(0, |s| {
+        let listed = s.storage.list().ok();
+        let listed = listed.map_or(0, |l| l.iter().map(|i| i.id).max().unwrap_or(0));
+        listed.max(s.highest_begun())
+    });
     stored.max(restore.map_or(0, |r| r.checkpoint_id)) + 1
 }
 
@@ -1083,5 +1088,37 @@ async fn run_loop(mut ctx: BuildCtx, cancel: &AtomicBool) -> Result<(), JobError
                 sleep = (sleep * 2).min(sleep_max);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::store::CheckpointStore;
+
+    /// A checkpoint that an attempt began and aborted leaves nothing the storage lists, yet a
+    /// restarted attempt must not take its id again: a straggling upload of the failed attempt
+    /// would land in the new checkpoint of that id.
+    #[test]
+    fn a_restarted_attempt_never_reuses_a_checkpoint_id_begun_before() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let fs: Arc<dyn weir_io::Fs> = Arc::new(weir_io::StdFs);
+        let storage = weir_io::CheckpointStorage::open(fs, tmp.path(), "job").expect("storage");
+        let store = IoCheckpointStore::new(storage);
+        assert_eq!(first_checkpoint_id(Some(&store), None), 1);
+        store.begin(1).expect("begin 1");
+        store.commit(1, 1, Vec::new()).expect("commit 1");
+        store.begin(2).expect("begin 2");
+        store.abort(2);
+        let listed: Vec<u64> = store
+            .storage
+            .list()
+            .expect("list")
+            .iter()
+            .map(|i| i.id)
+            .collect();
+        assert_eq!(listed, [1], "the aborted checkpoint leaves nothing listed");
+        assert_eq!(first_checkpoint_id(Some(&store), None), 3);
+        assert_eq!(first_checkpoint_id(None, None), 1);
     }
 }

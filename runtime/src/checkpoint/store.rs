@@ -88,6 +88,9 @@ pub(crate) struct IoCheckpointStore {
     /// new one, and puts it back beside the others. With one slot, the second put replaced
     /// the first writer, which was dropped unfinished and failed the checkpoint.
     small: Mutex<HashMap<(u64, usize), Vec<CheckpointWriter>>>,
+    /// The highest checkpoint id begun in this job, by any attempt: a restarted attempt's
+    /// ids come after it (see [`Self::highest_begun`]).
+    highest_begun: std::sync::atomic::AtomicU64,
 }
 
 impl IoCheckpointStore {
@@ -96,7 +99,19 @@ impl IoCheckpointStore {
             storage,
             pending: Mutex::new(HashMap::new()),
             small: Mutex::new(HashMap::new()),
+            highest_begun: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// The highest checkpoint id begun through this store. Ids must never repeat within a
+    /// job (as Flink's checkpoint id counter): a checkpoint in progress when its attempt
+    /// failed has no directory yet, so listing the storage does not show its id, and a
+    /// restart that took the id again received the failed attempt's straggling uploads
+    /// (whose files its dropped stores were deleting) into its own checkpoint, which then
+    /// failed.
+    pub fn highest_begun(&self) -> u64 {
+        self.highest_begun
+            .load(std::sync::atomic::Ordering::Acquire)
     }
 
     fn writer(&self, id: u64) -> Result<CheckpointWriter, String> {
@@ -109,6 +124,8 @@ impl IoCheckpointStore {
 
 impl CheckpointStore for IoCheckpointStore {
     fn begin(&self, id: u64) -> Result<(), String> {
+        self.highest_begun
+            .fetch_max(id, std::sync::atomic::Ordering::AcqRel);
         let p = self.storage.begin(id).map_err(|e| e.to_string())?;
         lock(&self.pending).insert(id, p);
         Ok(())
