@@ -1273,9 +1273,11 @@ fn the_job_status_shows_a_restart_between_running_attempts() {
         .with_shards(2)
         .with_pinning(Pinning::Never)
         .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce).with_restart(
+            // The test must see `Restarting` within the delay: 400 ms was short for a test
+            // thread kept off the CPU by a loaded machine.
             RestartStrategy::FixedDelay {
                 attempts: 1,
-                delay: Duration::from_millis(400),
+                delay: Duration::from_secs(3),
             },
         ));
     let job = Job::new(c);
