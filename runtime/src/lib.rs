@@ -47,7 +47,7 @@ pub use keyed::{
     KeyedStream, ProcessStream, TimeDomain,
 };
 pub use metrics::{HeadMetrics, JobMetrics, LatencySummary, OperatorMetrics, StateMetrics};
-pub use shard::{JobHandle, JobStatus, JobSummary, STATE_STALL};
+pub use shard::{JobHandle, JobStatus, JobSummary, StatusChange, STATE_STALL};
 pub use stream::{Job, Stream, StreamSink};
 pub use time::WatermarkStrategy;
 pub use weir_state::KeyCodec;

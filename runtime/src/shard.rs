@@ -41,8 +41,59 @@ struct Control {
     requests: Arc<Requests>,
     restarts: AtomicU64,
     checkpointing: bool,
-    /// A [`JobStatus`] as its `u8`; the shards of an attempt set `Running`.
-    status: Arc<AtomicU8>,
+    /// The status and its history; the shards of an attempt set `Running`.
+    status: Arc<StatusCell>,
+}
+
+/// A change of a job's status (Flink keeps the same per status, as its job details'
+/// `timestamps`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StatusChange {
+    /// The status entered.
+    pub status: JobStatus,
+    /// When, in milliseconds since the Unix epoch.
+    pub at_ms: u64,
+    /// The attempt it belongs to: 0 for the first, one more after each restart.
+    pub attempt: u64,
+}
+
+/// A job's current status (read on every [`JobHandle::status`] without a lock) and every
+/// change of it, in order. A test or a service that wants to know that a restart happened,
+/// or how long a restore kept the job `Initializing`, reads the history: sampling
+/// [`JobHandle::status`] misses states shorter than its polling interval.
+struct StatusCell {
+    now: AtomicU8,
+    history: Mutex<Vec<StatusChange>>,
+}
+
+impl StatusCell {
+    fn new() -> StatusCell {
+        StatusCell {
+            now: AtomicU8::new(JobStatus::Initializing as u8),
+            history: Mutex::new(vec![StatusChange {
+                status: JobStatus::Initializing,
+                at_ms: crate::checkpoint::coordinator::now_ms(),
+                attempt: 0,
+            }]),
+        }
+    }
+
+    fn get(&self) -> JobStatus {
+        JobStatus::from_u8(self.now.load(Ordering::Acquire))
+    }
+
+    /// Enter `status` in `attempt`. The history is appended before the status is published,
+    /// under its lock, so that a reader who saw a status finds it in the history, and the
+    /// history's order is the order of the changes.
+    fn set(&self, status: JobStatus, attempt: u64) {
+        let mut h = lock(&self.history);
+        h.push(StatusChange {
+            status,
+            at_ms: crate::checkpoint::coordinator::now_ms(),
+            attempt,
+        });
+        self.now.store(status as u8, Ordering::Release);
+    }
 }
 
 /// Where a job is in its life, in Flink's terms.
@@ -101,6 +152,8 @@ pub struct JobSummary {
     pub checkpoints: CheckpointMetrics,
     /// How many times the job restarted after a failure.
     pub restarts: u64,
+    /// Every status the job entered, as [`JobHandle::status_history`].
+    pub status_history: Vec<StatusChange>,
 }
 
 impl JobHandle {
@@ -129,6 +182,7 @@ impl JobHandle {
             metrics: self.metrics(),
             checkpoints: self.checkpoint_metrics(),
             restarts: self.ctl.restarts.load(Ordering::Acquire),
+            status_history: self.status_history(),
         }
     }
 
@@ -148,7 +202,15 @@ impl JobHandle {
     /// The job's status now. `Running` means every shard is built and reading: what a caller
     /// that measures steady-state behaviour waits for.
     pub fn status(&self) -> JobStatus {
-        JobStatus::from_u8(self.ctl.status.load(Ordering::Acquire))
+        self.ctl.status.get()
+    }
+
+    /// Every status the job entered so far, oldest first, with its time and attempt: the
+    /// first is `Initializing` at the start, a restart adds `Restarting`, then the next
+    /// attempt's `Initializing` and `Running`, and a job that ended ends with its terminal
+    /// status.
+    pub fn status_history(&self) -> Vec<StatusChange> {
+        lock(&self.ctl.status.history).clone()
     }
 
     /// A snapshot of the current attempt's metrics.
@@ -358,7 +420,7 @@ pub(crate) fn start(config: JobConfig, graph: Graph) -> Result<JobHandle, StartE
         requests: Arc::new(Requests::default()),
         restarts: AtomicU64::new(0),
         checkpointing: config.checkpoint.is_some(),
-        status: Arc::new(AtomicU8::new(JobStatus::Initializing as u8)),
+        status: Arc::new(StatusCell::new()),
     });
     note_restore(&ctl, restore.as_deref());
     let maintenance = Arc::new(MaintenanceThreads::default());
@@ -382,7 +444,7 @@ pub(crate) fn start(config: JobConfig, graph: Graph) -> Result<JobHandle, StartE
                 Err(e) if e.is_cancellation() => JobStatus::Cancelled,
                 Err(_) => JobStatus::Failed,
             };
-            ctl2.status.store(end as u8, Ordering::Release);
+            ctl2.status.set(end, ctl2.restarts.load(Ordering::Acquire));
             ctl2.finished.store(true, Ordering::Release);
             r
         })
@@ -603,7 +665,7 @@ fn supervise(
     // started from (Flink: the savepoint it was started from), never a checkpoint an earlier
     // run left in the directory.
     let initial = restore.clone();
-    let first_id = next_checkpoint_id(plan, initial.as_deref());
+    let first_id = first_checkpoint_id(plan.store.as_deref(), initial.as_deref());
     loop {
         let r = run_attempt(plan, restore.clone(), ctl);
         let e = match r {
@@ -663,7 +725,7 @@ fn supervise(
             return Err(e);
         };
         ctl.status
-            .store(JobStatus::Restarting as u8, Ordering::Release);
+            .set(JobStatus::Restarting, ctl.restarts.load(Ordering::Acquire));
         tracing::warn!("job failed ({e}); restarting in {wait:?}");
         eprintln!("weir: job failed: {e}; restarting in {wait:?}");
         let until = Instant::now() + wait;
@@ -693,11 +755,6 @@ fn note_restore(ctl: &Control, restore: Option<&RestoreState>) {
     }
 }
 
-/// The id the next attempt's first checkpoint gets: above every checkpoint in storage.
-fn next_checkpoint_id(plan: &Plan, restore: Option<&RestoreState>) -> u64 {
-    first_checkpoint_id(plan.store.as_deref(), restore)
-}
-
 /// The first checkpoint id of an attempt: past every id the storage lists, the restored one
 /// and every id an earlier attempt of this job began.
 fn first_checkpoint_id(store: Option<&IoCheckpointStore>, restore: Option<&RestoreState>) -> u64 {
@@ -717,8 +774,11 @@ fn run_attempt(
     let shards = plan.config.shards;
     let registry = Registry::new();
     *lock(&ctl.metrics) = registry.clone();
-    ctl.status
-        .store(JobStatus::Initializing as u8, Ordering::Release);
+    // The first attempt's `Initializing` is the history's first entry, from the start.
+    let attempt = ctl.restarts.load(Ordering::Acquire);
+    if ctl.status.get() != JobStatus::Initializing {
+        ctl.status.set(JobStatus::Initializing, attempt);
+    }
     let cancel = Arc::new(AtomicBool::new(false));
     let running = Arc::new(AtomicUsize::new(shards));
     // Shards whose operators are built (state restored, memory faulted in), and whether the
@@ -732,7 +792,7 @@ fn run_attempt(
     let (shared, coordinator, failure) = match (&plan.config.checkpoint, &plan.store) {
         (Some(c), Some(store)) => {
             let (tx, rx) = mpsc::channel();
-            let first = next_checkpoint_id(plan, restore.as_deref());
+            let first = first_checkpoint_id(plan.store.as_deref(), restore.as_deref());
             let shared = Arc::new(Shared {
                 config: c.clone(),
                 requested: AtomicU64::new(first - 1),
@@ -852,7 +912,7 @@ fn run_attempt(
                             }
                         }
                         verdict.store(VERDICT_OK, Ordering::Release);
-                        status.store(JobStatus::Running as u8, Ordering::Release);
+                        status.set(JobStatus::Running, attempt);
                     }
                     loop {
                         match verdict.load(Ordering::Acquire) {

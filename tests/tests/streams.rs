@@ -319,6 +319,14 @@ fn the_job_status_is_initializing_until_every_shard_is_built_then_running() {
     );
     h.cancel();
     assert_eq!(await_status(&h, JobStatus::Cancelled), JobStatus::Cancelled);
+    assert_eq!(
+        statuses(&h),
+        [
+            JobStatus::Initializing,
+            JobStatus::Running,
+            JobStatus::Cancelled
+        ]
+    );
     assert!(matches!(h.wait(), Err(JobError::Cancelled)));
 
     let job = Job::new(config(2));
@@ -326,7 +334,20 @@ fn the_job_status_is_initializing_until_every_shard_is_built_then_running() {
     let h = job.start().expect("start");
     assert_eq!(await_status(&h, JobStatus::Finished), JobStatus::Finished);
     assert!(h.is_finished());
-    h.wait().expect("finished");
+    let s = h.wait().expect("finished");
+    let seen: Vec<_> = s
+        .status_history
+        .iter()
+        .map(|c| (c.status, c.attempt))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            (JobStatus::Initializing, 0),
+            (JobStatus::Running, 0),
+            (JobStatus::Finished, 0)
+        ]
+    );
 
     let job = Job::new(config(2));
     job.from_iter(|_, _| 0..1000u64)
@@ -334,7 +355,20 @@ fn the_job_status_is_initializing_until_every_shard_is_built_then_running() {
         .for_each(|_| {});
     let h = job.start().expect("start");
     assert_eq!(await_status(&h, JobStatus::Failed), JobStatus::Failed);
+    assert_eq!(
+        statuses(&h),
+        [
+            JobStatus::Initializing,
+            JobStatus::Running,
+            JobStatus::Failed
+        ]
+    );
     assert!(matches!(h.wait(), Err(JobError::Panic { .. })));
+}
+
+/// The statuses of `h`'s history, in order.
+fn statuses(h: &weir_runtime::JobHandle) -> Vec<JobStatus> {
+    h.status_history().iter().map(|c| c.status).collect()
 }
 
 #[test]
