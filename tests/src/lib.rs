@@ -2,7 +2,12 @@
 
 use std::time::{Duration, Instant};
 
-use weir_runtime::{JobHandle, JobStatus};
+use weir_runtime::{JobHandle, JobStatus, StatusChange};
+
+/// Each change of a status history as (status, attempt), the times left out.
+pub fn status_steps(history: &[StatusChange]) -> Vec<(JobStatus, u64)> {
+    history.iter().map(|c| (c.status, c.attempt)).collect()
+}
 
 /// Polls `h.status()` every millisecond until it is `want`, the job ended, or 20 s passed;
 /// returns the status seen last.

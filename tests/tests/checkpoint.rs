@@ -1269,7 +1269,7 @@ fn a_failover_never_restores_a_checkpoint_of_an_earlier_run() {
 /// attempt's `Initializing`.
 #[test]
 fn the_job_status_shows_a_restart_between_running_attempts() {
-    use weir_runtime::JobStatus::{self, *};
+    use weir_runtime::JobStatus::*;
     let dir = tempfile::tempdir().expect("tmp");
     let delay = Duration::from_millis(300);
     let c = JobConfig::new()
@@ -1328,13 +1328,8 @@ fn the_job_status_shows_a_restart_between_running_attempts() {
     assert_eq!(weir_tests::await_status(&h, Finished), Finished);
     let s = h.wait().expect("job");
     assert_eq!(s.restarts, 1);
-    let seen: Vec<(JobStatus, u64)> = s
-        .status_history
-        .iter()
-        .map(|c| (c.status, c.attempt))
-        .collect();
     assert_eq!(
-        seen,
+        weir_tests::status_steps(&s.status_history),
         [
             (Initializing, 0),
             (Running, 0),

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use weir_runtime::{
     Job, JobConfig, JobError, JobStatus, Pinning, WatermarkStrategy, WindowAssigner,
 };
-use weir_tests::await_status;
+use weir_tests::{await_status, status_steps};
 
 fn config(shards: usize) -> JobConfig {
     JobConfig::new()
@@ -335,13 +335,8 @@ fn the_job_status_is_initializing_until_every_shard_is_built_then_running() {
     assert_eq!(await_status(&h, JobStatus::Finished), JobStatus::Finished);
     assert!(h.is_finished());
     let s = h.wait().expect("finished");
-    let seen: Vec<_> = s
-        .status_history
-        .iter()
-        .map(|c| (c.status, c.attempt))
-        .collect();
     assert_eq!(
-        seen,
+        status_steps(&s.status_history),
         [
             (JobStatus::Initializing, 0),
             (JobStatus::Running, 0),
@@ -368,7 +363,10 @@ fn the_job_status_is_initializing_until_every_shard_is_built_then_running() {
 
 /// The statuses of `h`'s history, in order.
 fn statuses(h: &weir_runtime::JobHandle) -> Vec<JobStatus> {
-    h.status_history().iter().map(|c| c.status).collect()
+    status_steps(&h.status_history())
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect()
 }
 
 #[test]
