@@ -1,8 +1,8 @@
 //! The in-memory search index over a segment's data blocks (built from the index block, never
 //! stored). A point lookup is bounded by memory latency, so the index is laid out to cost
-//! one cache miss: a guide table maps the high bits of a key's 16-byte prefix to the short run
-//! of blocks that can hold it, and each block's last-key prefix sits beside its file offset, so
-//! the block the run points at is addressed without another load.
+//! one cache miss: a guide table maps bits of a key's 16-byte prefix (which ones: below) to
+//! the short run of blocks that can hold it, and each block's last-key prefix sits beside its
+//! file offset, so the block the run points at is addressed without another load.
 //!
 //! The guide's bits are the highest bits in which the segment's prefixes differ, not the
 //! highest bits of the prefix: keyed-state keys are `key group | state id | user key`, and a
