@@ -51,4 +51,4 @@ pub use shard::{JobHandle, JobStatus, JobSummary, StatusChange, STATE_STALL};
 pub use stream::{Job, Stream, StreamSink};
 pub use time::WatermarkStrategy;
 pub use weir_state::KeyCodec;
-pub use window::{window_start, Window, WindowAssigner, WindowedStream};
+pub use window::{window_start, Window, WindowAssigner, WindowRangeError, WindowedStream};

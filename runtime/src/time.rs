@@ -76,6 +76,9 @@ pub(crate) fn assign<T: Data>(up: Stream<T>, strategy: WatermarkStrategy<T>) -> 
             idle: false,
             per_record,
             counters: ctx.metrics.operator(&name_of(&slot), ctx.shard),
+            name: name_of(&slot),
+            shard: ctx.shard,
+            fail: ctx.fail.clone(),
             down,
         };
         upf(ctx, Box::new(op))
@@ -99,6 +102,9 @@ pub(crate) struct WatermarkOp<T> {
     idle: bool,
     per_record: bool,
     counters: Arc<OperatorCounters>,
+    name: String,
+    shard: usize,
+    fail: crate::graph::FailCell,
     down: Out<T>,
 }
 
@@ -125,6 +131,22 @@ impl<T: 'static> Collector<T> for WatermarkOp<T> {
     fn collect(&mut self, rec: T, _ts: i64) {
         bump(&self.counters.records_in, 1);
         let ts = (self.ts)(&rec);
+        if ts == crate::operator::NO_TS {
+            // Downstream it would read as a record without a timestamp (and an event-time
+            // window would blame the job's wiring instead of the record).
+            self.fail.fail(crate::JobError::Operator {
+                operator: self.name.clone(),
+                shard: self.shard,
+                message: format!(
+                    "the timestamp assigner returned {}, which marks a record without a \
+                     timestamp; event timestamps are {} to {} ms",
+                    i64::MIN,
+                    i64::MIN + 1,
+                    i64::MAX
+                ),
+            });
+            return;
+        }
         if ts > self.max_ts {
             self.max_ts = ts;
         }

@@ -94,37 +94,47 @@ impl WindowAssigner {
         }
     }
 
-    /// The windows `ts` belongs to (for sessions: its own window before merging).
-    pub fn assign(&self, ts: i64, out: &mut Vec<Window>) {
+    /// The windows `ts` belongs to (for sessions: its own window before merging). A
+    /// timestamp so near either end of the i64 range that one of its windows would start or
+    /// end outside it has no windows: an error, never a window cut short or wrapped around.
+    pub fn assign(&self, ts: i64, out: &mut Vec<Window>) -> Result<(), WindowRangeError> {
         out.clear();
+        // In i128, where no step overflows; each window is checked into i64 at the end.
+        let window = |start: i128, size: i64| {
+            let end = start + i128::from(size);
+            match (i64::try_from(start), i64::try_from(end)) {
+                (Ok(start), Ok(end)) => Ok(Window { start, end }),
+                _ => Err(WindowRangeError {
+                    ts,
+                    assigner: *self,
+                }),
+            }
+        };
         match *self {
             WindowAssigner::Tumbling { size_ms, offset_ms } => {
-                let start = window_start(ts, offset_ms, size_ms);
-                out.push(Window {
-                    start,
-                    end: start.saturating_add(size_ms),
-                });
+                out.push(window(start_in(ts, offset_ms, size_ms), size_ms)?);
             }
             WindowAssigner::Sliding {
                 size_ms,
                 slide_ms,
                 offset_ms,
             } => {
-                let last = window_start(ts, offset_ms, slide_ms);
-                let mut start = last;
-                while start > ts.saturating_sub(size_ms) {
-                    out.push(Window {
-                        start,
-                        end: start.saturating_add(size_ms),
-                    });
-                    start = start.saturating_sub(slide_ms);
+                let mut start = start_in(ts, offset_ms, slide_ms);
+                while start > i128::from(ts) - i128::from(size_ms) {
+                    match window(start, size_ms) {
+                        Ok(w) => out.push(w),
+                        Err(e) => {
+                            // None of its windows, rather than some.
+                            out.clear();
+                            return Err(e);
+                        }
+                    }
+                    start -= i128::from(slide_ms);
                 }
             }
-            WindowAssigner::Session { gap_ms } => out.push(Window {
-                start: ts,
-                end: ts.saturating_add(gap_ms),
-            }),
+            WindowAssigner::Session { gap_ms } => out.push(window(ts.into(), gap_ms)?),
         }
+        Ok(())
     }
 
     fn is_session(&self) -> bool {
@@ -133,10 +143,27 @@ impl WindowAssigner {
 }
 
 /// The start of the window of `size` (shifted by `offset`) that holds `ts`, for negative
-/// timestamps too (Flink's TimeWindow.getWindowStartWithOffset).
-pub fn window_start(ts: i64, offset: i64, size: i64) -> i64 {
-    let r = (ts - offset).rem_euclid(size);
-    ts - r
+/// timestamps too (Flink's TimeWindow.getWindowStartWithOffset); `None` when it lies before
+/// `i64::MIN` (or `size` is not positive).
+pub fn window_start(ts: i64, offset: i64, size: i64) -> Option<i64> {
+    if size <= 0 {
+        return None;
+    }
+    i64::try_from(start_in(ts, offset, size)).ok()
+}
+
+/// [`window_start`] in i128, where it cannot overflow (`size` > 0).
+fn start_in(ts: i64, offset: i64, size: i64) -> i128 {
+    let ts = i128::from(ts);
+    ts - (ts - i128::from(offset)).rem_euclid(i128::from(size))
+}
+
+/// A record's timestamp whose windows do not fit in the i64 millisecond range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("timestamp {ts}: a window of {assigner:?} holding it falls outside the 64-bit millisecond range")]
+pub struct WindowRangeError {
+    pub ts: i64,
+    pub assigner: WindowAssigner,
 }
 
 /// A keyed stream grouped into windows.
@@ -440,7 +467,10 @@ where
             contents.merge_into(&mut ctx, &into);
             ctx.delete_timer(TimeDomain::EventTime, o.max_timestamp());
             if lateness > 0 {
-                ctx.delete_timer(TimeDomain::EventTime, o.max_timestamp() + lateness);
+                ctx.delete_timer(
+                    TimeDomain::EventTime,
+                    o.max_timestamp().saturating_add(lateness),
+                );
             }
         }
         sessions.push((merged.start, merged.end));
@@ -485,7 +515,15 @@ where
         let key = (self.key)(&rec);
         self.ops.set_key(&key);
         let mut windows = std::mem::take(&mut self.windows);
-        self.assigner.assign(ts, &mut windows);
+        if let Err(e) = self.assigner.assign(ts, &mut windows) {
+            self.ops.fail.fail(crate::JobError::Operator {
+                operator: self.ops.name.clone(),
+                shard: self.ops.shard,
+                message: e.to_string(),
+            });
+            self.windows = windows;
+            return;
+        }
         if self.assigner.is_session() {
             let w = windows[0];
             if self.is_late(&w) {
@@ -530,7 +568,7 @@ where
             if fresh || session {
                 ctx.register_event_timer(w.max_timestamp());
                 if lateness > 0 {
-                    ctx.register_event_timer(w.max_timestamp() + lateness);
+                    ctx.register_event_timer(w.max_timestamp().saturating_add(lateness));
                 }
             }
             if w.max_timestamp() <= watermark {
@@ -565,7 +603,7 @@ where
                     if ts == w.max_timestamp() {
                         contents.fire(ctx, w);
                     }
-                    if ts == w.max_timestamp() + lateness {
+                    if ts == w.max_timestamp().saturating_add(lateness) {
                         contents.clear(ctx);
                         if session {
                             let mut sessions = {
@@ -606,16 +644,69 @@ mod tests {
 
     #[test]
     fn window_start_handles_negative_timestamps() {
-        assert_eq!(window_start(15, 0, 10), 10);
-        assert_eq!(window_start(-1, 0, 10), -10);
-        assert_eq!(window_start(-10, 0, 10), -10);
-        assert_eq!(window_start(7, 2, 5), 7);
+        assert_eq!(window_start(15, 0, 10), Some(10));
+        assert_eq!(window_start(-1, 0, 10), Some(-10));
+        assert_eq!(window_start(-10, 0, 10), Some(-10));
+        assert_eq!(window_start(7, 2, 5), Some(7));
+        assert_eq!(window_start(i64::MIN + 5, 0, 10_000), None);
+        assert_eq!(window_start(5, 0, 0), None);
+    }
+
+    /// Near either end of the i64 range a window that does not fit is an error; before, the
+    /// start wrapped to a far-future window and the end was cut short.
+    #[test]
+    fn windows_outside_the_i64_range_are_errors_not_wrapped() {
+        let mut out = vec![Window { start: 1, end: 2 }];
+        let tumbling = WindowAssigner::tumbling(10_000);
+        let err = tumbling.assign(-9_223_372_036_854_775_807, &mut out);
+        assert_eq!(err.map_err(|e| e.ts), Err(-9_223_372_036_854_775_807));
+        assert!(out.is_empty());
+        assert!(tumbling.assign(i64::MAX - 3, &mut out).is_err());
+        assert!(out.is_empty());
+        // The last window that fits, and the first.
+        let last = i64::MAX - i64::MAX.rem_euclid(10_000) - 10_000;
+        tumbling.assign(last, &mut out).expect("fits");
+        assert_eq!(
+            out,
+            [Window {
+                start: last,
+                end: last + 10_000
+            }]
+        );
+        let first = window_start(i64::MIN + 10_000, 0, 10_000).expect("fits");
+        tumbling.assign(first, &mut out).expect("fits");
+        assert_eq!(
+            out,
+            [Window {
+                start: first,
+                end: first + 10_000
+            }]
+        );
+        // A sliding window's earliest window can leave the range while its latest fits.
+        let sliding = WindowAssigner::sliding(10_000, 1_000);
+        assert!(sliding.assign(first, &mut out).is_err());
+        assert!(out.is_empty());
+        assert!(WindowAssigner::session(10)
+            .assign(i64::MAX - 5, &mut out)
+            .is_err());
+        WindowAssigner::session(10)
+            .assign(i64::MIN, &mut out)
+            .expect("fits");
+        assert_eq!(
+            out,
+            [Window {
+                start: i64::MIN,
+                end: i64::MIN + 10
+            }]
+        );
     }
 
     #[test]
     fn sliding_assigns_every_covering_window() {
         let mut out = Vec::new();
-        WindowAssigner::sliding(10, 5).assign(12, &mut out);
+        WindowAssigner::sliding(10, 5)
+            .assign(12, &mut out)
+            .expect("fits");
         out.sort();
         assert_eq!(
             out,

@@ -104,6 +104,46 @@ fn tumbling_window_counts_with_out_of_order_and_late_events() {
     );
 }
 
+/// A timestamp whose window does not fit in i64 fails the job naming the timestamp (before,
+/// the window start wrapped to a far-future window and the record was counted there), and a
+/// timestamp of `i64::MIN`, which marks records without one, fails it at the assigner.
+#[test]
+fn timestamps_without_a_representable_window_fail_the_job() {
+    let run = |ts: i64| {
+        let mut d = TestDriver::new(|s| {
+            s.assign_timestamps(WatermarkStrategy::bounded_out_of_orderness(
+                0,
+                |e: &(u32, i64)| e.1,
+            ))
+            .key_by(|e| e.0)
+            .window(WindowAssigner::tumbling(10_000))
+            .count_with(|k, w, n| (*k, w.start, n))
+        })
+        .expect("driver");
+        d.push((1, 5));
+        d.push((1, ts));
+        d.run_until_idle().and_then(|()| d.finish()).map(|mut out| {
+            out.sort();
+            out
+        })
+    };
+    let e = run(-9_223_372_036_854_775_807).expect_err("no window holds it");
+    assert!(
+        e.to_string().contains("-9223372036854775807")
+            && e.to_string().contains("64-bit millisecond range"),
+        "{e}"
+    );
+    assert!(run(i64::MAX - 3).is_err());
+    let e = run(i64::MIN).expect_err("reserved");
+    assert!(e.to_string().contains("timestamp assigner returned"), "{e}");
+    // Timestamps near the ends whose windows fit are counted as any other.
+    let ok = i64::MAX - i64::MAX.rem_euclid(10_000) - 1;
+    assert_eq!(
+        run(ok).expect("fits"),
+        [(1, 0, 1), (1, ok - ok.rem_euclid(10_000), 1)]
+    );
+}
+
 fn d_now(ts: i64) -> i64 {
     1_000_000 + ts * 1000
 }
