@@ -122,6 +122,24 @@ fn parse_int(field: &str, column: &str) -> Result<i64, String> {
     })
 }
 
+/// A timestamp is bad input, named with its line under the error policy, when it is
+/// `i64::MIN` (the engine's mark of a record without a timestamp) or its `window_ms` window
+/// does not fit in the 64-bit millisecond range: inside the job either one fails it without
+/// naming the line.
+fn check_window(ts: i64, window_ms: i64, column: &str, field: &str) -> Result<(), String> {
+    let fits = ts != i64::MIN
+        && weir_runtime::window_start(ts, 0, window_ms)
+            .is_some_and(|start| start.checked_add(window_ms).is_some());
+    if fits {
+        Ok(())
+    } else {
+        Err(format!(
+            "column `{column}`: `{field}` has no {window_ms} ms window within the 64-bit \
+             millisecond range"
+        ))
+    }
+}
+
 pub fn keyed_sum(a: &KeyedSumArgs) -> Result<(), String> {
     let value_col = a.value.clone();
     let source = FileSource::new(
@@ -164,11 +182,16 @@ pub fn keyed_sum(a: &KeyedSumArgs) -> Result<(), String> {
 
 pub fn window_count(a: &WindowCountArgs) -> Result<(), String> {
     let ts_col = a.timestamp.clone();
+    let window = a.window;
     let source = FileSource::new(
         a.input.input.clone(),
         format(a.input.format),
         &[a.key.as_str(), a.timestamp.as_str()],
-        move |f: &[&str], _| Ok((f[0].to_string(), parse_int(f[1], &ts_col)?)),
+        move |f: &[&str], _| {
+            let ts = parse_int(f[1], &ts_col)?;
+            check_window(ts, window, &ts_col, f[1])?;
+            Ok((f[0].to_string(), ts))
+        },
     )
     .error_policy(policy(&a.input.on_error));
     let skipped = source.skipped();

@@ -176,6 +176,41 @@ fn window_count_matches_sequential_windows() {
     assert_eq!(got, window_counts(&recs, 10_000));
 }
 
+/// Timestamps whose 10 s window does not fit in i64 (and `i64::MIN`, the engine's mark of no
+/// timestamp) are bad lines named by file and line; skipped, the other lines count as usual.
+/// Before, the first wrapped into a far-future window and the job exited 0.
+#[test]
+fn window_count_timestamps_without_a_representable_window_are_bad_lines() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let input = dir.path().join("in.csv");
+    let near_max = i64::MAX - 3;
+    std::fs::write(
+        &input,
+        format!(
+            "user,ts\na,1000\na,-9223372036854775807\nb,{}\nc,{near_max}\nb,2000\n",
+            i64::MIN
+        ),
+    )
+    .expect("write");
+    let out = dir.path().join("out");
+    let args = window_count_args(&input, &out, "10s");
+    let o = weir(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(
+        e.contains("in.csv:3") && e.contains("-9223372036854775807") && e.contains("window"),
+        "names file, line and value: {e}"
+    );
+    let mut args = args;
+    args.extend(["--on-error".to_owned(), "skip".to_owned()]);
+    let o = weir(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("3 skipped"), "{}", stderr(&o));
+    let mut got = output_lines(&out);
+    got.sort();
+    assert_eq!(got, ["0,a,1", "0,b,1"]);
+}
+
 /// `weir run window-count` over the CSV `input` into `output` with `window` tumbling windows.
 /// Disorder in [`records`] is under 1.5 s and the bound is 2 s: no record is late, so the
 /// counts are exact.
