@@ -287,6 +287,14 @@ fn corrupt_is_3(r: Result<(), checkpoints::VerifyFailed>) -> Result<(), String> 
 }
 
 fn main() -> ExitCode {
+    // A reader that stops early (`weir checkpoints inspect DIR | head`) ends the process as it
+    // ends other Unix tools, by SIGPIPE. Rust starts with SIGPIPE ignored, so every print to a
+    // closed pipe was a panic ("failed printing to stdout", exit 101) instead.
+    // SAFETY: `signal` with SIG_DFL installs no handler of ours; it runs first thing in
+    // `main`, before any other thread exists that could race on the disposition.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let r = match cli.command {
         Command::Run(RunCommand::KeyedSum(a)) => jobs::keyed_sum(&a),

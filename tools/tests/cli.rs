@@ -32,6 +32,19 @@ fn weir_within(args: &[&str], secs: u64) -> Output {
     child.wait_with_output().expect("output")
 }
 
+/// [`weir`] with its standard output a pipe that the reader closed before reading, as
+/// `weir ... | head -0` leaves it.
+fn weir_to_a_closed_pipe(args: &[&str]) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_weir"))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("weir runs");
+    drop(child.stdout.take());
+    child.wait_with_output().expect("output")
+}
+
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
@@ -1081,6 +1094,19 @@ fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
     );
     let v = weir(&["checkpoints", "verify", ck.to_str().expect("utf8")]);
     assert!(v.status.success(), "{}", stderr(&v));
+    // A reader that stops early ends the listing as it ends other Unix tools (SIGPIPE), not
+    // with a panic (exit 101, "failed printing to stdout").
+    for cmd in ["list", "inspect"] {
+        let o = weir_to_a_closed_pipe(&["checkpoints", cmd, ck.to_str().expect("utf8")]);
+        use std::os::unix::process::ExitStatusExt;
+        assert!(
+            o.status.success() || o.status.signal() == Some(libc::SIGPIPE),
+            "{cmd}: {:?} {}",
+            o.status,
+            stderr(&o)
+        );
+        assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+    }
     // Flip a byte of a state file the checkpoint uses.
     let shared = ck.join("keyed-sum").join("shared");
     let f = std::fs::read_dir(&shared)
