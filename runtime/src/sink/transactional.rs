@@ -309,7 +309,9 @@ impl TransactionalFileWriter {
             own_state_restored: false,
         };
         for (_, seq, _) in w.own_files()? {
-            w.next_seq = w.next_seq.max(seq + 1);
+            // Saturating: a part named with the largest number (a forged or foreign file)
+            // must not wrap the count back to files that exist; `create` then refuses it.
+            w.next_seq = w.next_seq.max(seq.saturating_add(1));
         }
         Ok(w)
     }
@@ -404,10 +406,17 @@ impl TransactionalFileWriter {
     fn write_line_inner(&mut self, line: &str) -> io::Result<()> {
         if self.current.is_none() {
             let seq = self.next_seq;
+            let next = seq.checked_add(1).ok_or_else(|| {
+                io::Error::other(format!(
+                    "{}: part numbers of shard {} are used up",
+                    self.dir.display(),
+                    self.shard
+                ))
+            })?;
             let path = self.path(&inprogress_name(self.shard, seq));
             // `create` fails if the file exists: a name is never reused silently.
             let file = self.fs.create(&path).map_err(to_io)?;
-            self.next_seq = seq + 1;
+            self.next_seq = next;
             self.current = Some(InProgress {
                 file,
                 path,
@@ -532,7 +541,7 @@ impl TransactionalFileWriter {
         // listed (listed ones are published now): garbage, but only certain once this shard's
         // own description was seen; before, another shard may still have to publish them.
         for (path, seq, kind) in self.own_files()? {
-            self.next_seq = self.next_seq.max(seq + 1);
+            self.next_seq = self.next_seq.max(seq.saturating_add(1));
             let delete = match kind {
                 Kind::Final => false,
                 Kind::InProgress => true,
@@ -938,6 +947,32 @@ mod tests {
         ] {
             assert_eq!(parse_name(n), None, "{n}");
         }
+    }
+
+    /// A part named with the largest sequence number (forged, or foreign) neither panics nor
+    /// wraps the count back to 0: writing then fails, naming the directory, and the file stays.
+    #[test]
+    fn a_part_numbered_u64_max_stops_the_writer_without_wrapping() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let dir = tmp.path().join("out");
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let last = final_name(0, u64::MAX);
+        std::fs::write(dir.join(&last), "x\n").expect("write");
+        let s = sink(&dir);
+        let mut w = writer(&s, 0);
+        let e = w.write("a".into(), 0).expect_err("no part number left");
+        assert!(
+            e.to_string()
+                .contains("part numbers of shard 0 are used up"),
+            "{e}"
+        );
+        assert_eq!(names(&dir), [last]);
+        // Another shard's numbers are its own.
+        let mut w1 = writer(&s, 1);
+        write_all(&mut *w1, &lines("b", 0..3));
+        w1.pre_commit(1).expect("pre-commit");
+        w1.commit(1).expect("commit");
+        assert!(names(&dir).contains(&final_name(1, 0)));
     }
 
     #[test]
