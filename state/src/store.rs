@@ -400,12 +400,16 @@ impl Ctx {
         then: impl FnOnce(Written) -> Result<T, StateError>,
     ) -> Result<Option<T>, StateError> {
         let path = self.path_for(id);
+        // Only a file this call created is removed on failure: when the create itself fails
+        // (the name is taken), the file there is someone else's.
+        let mut created = false;
         let result = (|| {
             let opts = WriterOptions {
                 expected_keys: Some(max_keys),
                 ..self.opts
             };
             let mut w = SegmentWriter::create(&*self.fs, &path, id, opts)?;
+            created = true;
             if counted {
                 w.count_in(self.building.clone());
             }
@@ -426,7 +430,7 @@ impl Ctx {
             self.fs.sync_dir(&self.dir)?;
             then(written).map(Some)
         })();
-        if result.is_err() && path.exists() {
+        if result.is_err() && created && path.exists() {
             let _ = self.fs.remove(&path);
         }
         result
@@ -612,7 +616,9 @@ impl Store {
             let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
             if let Some(hex) = name.strip_suffix(".wseg") {
                 if let Ok(id) = u64::from_str_radix(hex, 16) {
-                    next_segment_id = next_segment_id.max(id + 1);
+                    // Saturating: a file named with the last id (not one this store would
+                    // have reached) must not wrap the count; creating that id then fails.
+                    next_segment_id = next_segment_id.max(id.saturating_add(1));
                 }
             }
         }
@@ -776,7 +782,7 @@ impl Store {
         // New segments (rewrites, flushes, compactions) get ids above every kept one, so the
         // store never creates a file where a kept one lives (and `Fs::create` refuses to).
         if let Some(max) = kept_ids.iter().max() {
-            store.next_segment_id = store.next_segment_id.max(max + 1);
+            store.next_segment_id = store.next_segment_id.max(max.saturating_add(1));
         }
         let mut report = RestoreReport::default();
         let mut out: Vec<Arc<Segment>> = Vec::with_capacity(layers.len());
@@ -1338,8 +1344,10 @@ impl Store {
     }
 
     fn alloc_segment_id(&mut self) -> u64 {
+        // Saturating (ids come from file names and handles too): at the last id, creating
+        // its file fails, as the file exists, instead of ids wrapping onto live segments.
         let id = self.next_segment_id;
-        self.next_segment_id += 1;
+        self.next_segment_id = id.saturating_add(1);
         id
     }
 
@@ -1766,7 +1774,7 @@ impl Store {
             None => {
                 reg.in_flight.insert(f.gen);
                 let id = *next_segment_id;
-                *next_segment_id += 1;
+                *next_segment_id = id.saturating_add(1);
                 Part::Write(f.clone(), id)
             }
         }
@@ -2783,6 +2791,23 @@ mod tests {
         let fs: Arc<dyn Fs> = Arc::new(weir_io::StdFs);
         let store = Store::open(fs, root.path(), StoreConfig::default()).unwrap();
         assert!(store.spare.is_none());
+    }
+
+    /// A segment file named with the last id (foreign, or forged) neither panics the open nor
+    /// wraps the id count onto 0: the flush that would need the next id fails, naming the
+    /// file it could not create, and the file stays.
+    #[test]
+    fn a_segment_named_with_the_last_id_does_not_wrap_the_ids() {
+        let root = tempfile::tempdir().unwrap();
+        let last = root.path().join("ffffffffffffffff.wseg");
+        std::fs::write(&last, b"not ours").unwrap();
+        let fs: Arc<dyn Fs> = Arc::new(weir_io::StdFs);
+        let mut store = Store::open(fs, root.path(), StoreConfig::default()).unwrap();
+        store.put(&[0, 1, 0, 7, 1], &[7; 16]);
+        store.freeze();
+        let e = store.run_pending_maintenance().expect_err("no id left");
+        assert!(e.to_string().contains("ffffffffffffffff.wseg"), "{e}");
+        assert_eq!(std::fs::read(&last).unwrap(), b"not ours");
     }
 
     /// A freeze that finds no memtable kept for reuse recycles the oldest retained one when
