@@ -615,6 +615,112 @@ fn corruption_names_file_and_offset() {
     }
 }
 
+/// Sets the length of the file at `path` (sparse past its end: no disk, as `truncate -s`).
+fn set_len(path: &Path, len: u64) {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_len(len)
+        .unwrap();
+}
+
+/// An oversized `_metadata` (`truncate -s 1T`) is corruption named by its file and size, found
+/// from its length and header without reading it: reading it whole aborted every command
+/// ("memory allocation of 1099511627776 bytes failed"). Its checkpoint lists as one whose
+/// metadata is corrupt, as any corrupt metadata does, and the others as before.
+#[test]
+fn oversized_metadata_is_a_typed_error_not_an_allocation() {
+    const TIB: u64 = 1 << 40;
+    // Header, a body of u32::MAX bytes, CRC: the longest a metadata file can be.
+    const LEN_MAX: u64 = 16 + u32::MAX as u64 + 4;
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+    let fs: Arc<dyn Fs> = Arc::new(StdFs);
+    let st = open(fs.clone(), &root);
+    let job = st.job_dir().to_owned();
+    let c1 = write_checkpoint(&st, 1, &local, None).unwrap();
+    let c2 = write_checkpoint(&st, 2, &local, Some(&c1.metadata)).unwrap();
+    write_checkpoint(&st, 3, &local, Some(&c2.metadata)).unwrap();
+    let meta2 = job.join("chk-2").join(METADATA_FILE);
+    let good_len = std::fs::metadata(&meta2).unwrap().len();
+
+    // The repro: the valid metadata, then zeros up to 1 TiB.
+    set_len(&meta2, TIB);
+    let too_long = |e: &FormatError| {
+        matches!(e, FormatError::Malformed { file, offset, reason }
+            if *file == meta2 && *offset == LEN_MAX && reason.contains(&TIB.to_string()))
+    };
+    let e = expect_format(st.read_metadata(2));
+    assert!(too_long(&e), "{e}");
+    assert!(too_long(&expect_corrupt(st.verify(2))));
+    let check_listing = |st: &CheckpointStorage| {
+        let listed = st.list().unwrap();
+        let seen: Vec<_> = listed
+            .iter()
+            .map(|i| (i.id, i.complete, i.metadata_corrupt))
+            .collect();
+        assert_eq!(
+            seen,
+            vec![(1, true, false), (2, false, true), (3, true, false)]
+        );
+        let problem = listed[1].problem.as_deref().unwrap();
+        assert!(
+            problem.contains(&meta2.display().to_string()) && problem.contains(&TIB.to_string()),
+            "{problem}"
+        );
+        assert_eq!(st.latest_complete().unwrap().unwrap().id, 3);
+    };
+    check_listing(&st);
+    // Opening a storage lists it (what `weir checkpoints list` does first).
+    check_listing(&CheckpointStorage::open_read_only(fs.clone(), &root, "job").unwrap());
+    st.verify(1).unwrap();
+    st.verify(3).unwrap();
+
+    // A sparse file of zeros alone: refused by its length before its (missing) magic.
+    std::fs::remove_file(&meta2).unwrap();
+    std::fs::File::create(&meta2).unwrap();
+    set_len(&meta2, TIB);
+    let e = expect_format(st.read_metadata(2));
+    assert!(too_long(&e), "{e}");
+    check_listing(&st);
+
+    // The valid metadata followed by zeros, shorter than the longest a metadata file can be
+    // but longer than its header says: refused by its header, still without reading it.
+    std::fs::write(&meta2, c2.metadata.encode()).unwrap();
+    st.read_metadata(2).unwrap();
+    let two_gib = 2u64 << 30;
+    set_len(&meta2, two_gib);
+    let e = expect_format(st.read_metadata(2));
+    assert!(
+        matches!(&e, FormatError::Malformed { file, offset, reason }
+            if *file == meta2 && *offset == good_len && reason.contains(&two_gib.to_string())),
+        "{e}"
+    );
+    set_len(&meta2, TIB);
+
+    // Retention leaves a corrupt metadata in place for inspection, as ever, and works on.
+    let r = st.retain(1).unwrap();
+    assert_eq!(r.dropped_checkpoints, vec![1]);
+    assert_eq!(std::fs::metadata(&meta2).unwrap().len(), TIB);
+    let ids: Vec<u64> = st.list().unwrap().iter().map(|i| i.id).collect();
+    assert_eq!(ids, vec![2, 3]);
+    st.verify(3).unwrap();
+
+    // A savepoint's metadata is read the same way.
+    let sp = st
+        .export_savepoint(3, &tmp.path().join("sp"), "sp")
+        .unwrap();
+    Savepoint::open(fs.clone(), &sp).unwrap();
+    let sp_meta = sp.join(METADATA_FILE);
+    set_len(&sp_meta, TIB);
+    let e = expect_format(Savepoint::open(fs, &sp));
+    assert!(
+        matches!(&e, FormatError::Malformed { file, offset, .. } if *file == sp_meta && *offset == LEN_MAX),
+        "{e}"
+    );
+}
+
 #[test]
 fn bit_flip_while_writing_is_caught_by_verify() {
     // Steps 0..: header write of the upload, its block writes, ... flip a bit in each write.

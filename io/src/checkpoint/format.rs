@@ -20,6 +20,10 @@ pub const METADATA_VERSION_MIN: u16 = 1;
 pub const METADATA_HEADER_LEN: usize = 16;
 /// Bytes after the metadata body: the CRC-32 of everything before it.
 pub const METADATA_TRAILER_LEN: usize = 4;
+/// The longest a `_metadata` file can be: header, a body of at most `u32::MAX` bytes (its
+/// length is a u32), trailer. A reader refuses a longer file before reading it.
+pub(crate) const METADATA_LEN_MAX: u64 =
+    METADATA_HEADER_LEN as u64 + u32::MAX as u64 + METADATA_TRAILER_LEN as u64;
 
 /// Magic of a checkpoint data file (an uploaded file or a merged physical file).
 pub const DATA_MAGIC: [u8; 8] = *b"WEIRCKPD";
@@ -214,56 +218,9 @@ impl CheckpointMetadata {
     /// Decode and verify a `_metadata` file read from `file`. Every failure is a typed error
     /// naming `file` and the byte offset; nothing panics on any input.
     pub fn decode(file: &Path, bytes: &[u8]) -> Result<CheckpointMetadata, FormatError> {
-        let need = |offset: usize, needed: usize| FormatError::Truncated {
-            file: file.to_owned(),
-            offset: offset as u64,
-            needed: needed as u64,
-            available: bytes.len().saturating_sub(offset) as u64,
-        };
-        if bytes.len() < 8 {
-            return Err(need(0, METADATA_HEADER_LEN));
-        }
-        if bytes[..8] != METADATA_MAGIC {
-            return Err(FormatError::BadMagic {
-                file: file.to_owned(),
-                offset: 0,
-                found: le_u64(&bytes[..8]),
-            });
-        }
-        if bytes.len() < METADATA_HEADER_LEN {
-            return Err(need(0, METADATA_HEADER_LEN));
-        }
-        let version = u16::from_le_bytes([bytes[8], bytes[9]]);
-        if !(METADATA_VERSION_MIN..=METADATA_VERSION).contains(&version) {
-            return Err(FormatError::UnsupportedVersion {
-                file: file.to_owned(),
-                offset: 8,
-                found: version,
-                supported: METADATA_VERSION,
-            });
-        }
-        if bytes[10] != CHECKSUM_CRC32_IEEE {
-            return Err(FormatError::UnsupportedChecksum {
-                file: file.to_owned(),
-                offset: 10,
-                found: bytes[10],
-            });
-        }
-        let body_len = le_u32(&bytes[12..16]) as usize;
-        let crc_at = METADATA_HEADER_LEN + body_len;
-        if bytes.len() < crc_at + METADATA_TRAILER_LEN {
-            return Err(need(METADATA_HEADER_LEN, body_len + METADATA_TRAILER_LEN));
-        }
-        if bytes.len() > crc_at + METADATA_TRAILER_LEN {
-            return Err(FormatError::Malformed {
-                file: file.to_owned(),
-                offset: (crc_at + METADATA_TRAILER_LEN) as u64,
-                reason: format!(
-                    "{} trailing bytes after the checksum",
-                    bytes.len() - crc_at - METADATA_TRAILER_LEN
-                ),
-            });
-        }
+        let version = Self::check_header(file, bytes, bytes.len() as u64)?;
+        // `check_header` checked that `bytes` is header, body and trailer.
+        let crc_at = bytes.len() - METADATA_TRAILER_LEN;
         let expected = le_u32(&bytes[crc_at..]);
         let actual = crc32(&[&bytes[..crc_at]]);
         if expected != actual {
@@ -344,6 +301,87 @@ impl CheckpointMetadata {
             logical_files,
             sections,
         })
+    }
+
+    /// The checks of [`decode`](Self::decode) that need only the header and the file's
+    /// length, in its order: at most [`METADATA_LEN_MAX`] bytes, magic, version, checksum
+    /// algorithm, then exactly as long as the body length field says. `head` holds the first
+    /// `min(file_len, 16)` bytes of the file (or more), `file_len` is the file's length.
+    /// Returns the version.
+    ///
+    /// Why apart: a reader runs them on the header before it allocates a buffer for the whole
+    /// file. The length comes from the file system, so an oversized file (a stray
+    /// `truncate -s 1T`) must be refused by its length, not by a failed allocation that
+    /// aborts the process.
+    pub(crate) fn check_header(
+        file: &Path,
+        head: &[u8],
+        file_len: u64,
+    ) -> Result<u16, FormatError> {
+        let need = |offset: u64, needed: u64| FormatError::Truncated {
+            file: file.to_owned(),
+            offset,
+            needed,
+            available: file_len.saturating_sub(offset),
+        };
+        if file_len > METADATA_LEN_MAX {
+            return Err(FormatError::Malformed {
+                file: file.to_owned(),
+                offset: METADATA_LEN_MAX,
+                reason: format!(
+                    "the file is {file_len} bytes, longer than the {METADATA_LEN_MAX} bytes a \
+                     metadata file can be"
+                ),
+            });
+        }
+        let header_len = METADATA_HEADER_LEN as u64;
+        if file_len < 8 || head.len() < 8 {
+            return Err(need(0, header_len));
+        }
+        if head[..8] != METADATA_MAGIC {
+            return Err(FormatError::BadMagic {
+                file: file.to_owned(),
+                offset: 0,
+                found: le_u64(&head[..8]),
+            });
+        }
+        if file_len < header_len || head.len() < METADATA_HEADER_LEN {
+            return Err(need(0, header_len));
+        }
+        let version = u16::from_le_bytes([head[8], head[9]]);
+        if !(METADATA_VERSION_MIN..=METADATA_VERSION).contains(&version) {
+            return Err(FormatError::UnsupportedVersion {
+                file: file.to_owned(),
+                offset: 8,
+                found: version,
+                supported: METADATA_VERSION,
+            });
+        }
+        if head[10] != CHECKSUM_CRC32_IEEE {
+            return Err(FormatError::UnsupportedChecksum {
+                file: file.to_owned(),
+                offset: 10,
+                found: head[10],
+            });
+        }
+        // In u64: no sum of a u32 and the small header and trailer overflows.
+        let body_len = u64::from(le_u32(&head[12..16]));
+        let expected_len = header_len + body_len + METADATA_TRAILER_LEN as u64;
+        if file_len < expected_len {
+            return Err(need(header_len, body_len + METADATA_TRAILER_LEN as u64));
+        }
+        if file_len > expected_len {
+            return Err(FormatError::Malformed {
+                file: file.to_owned(),
+                offset: expected_len,
+                reason: format!(
+                    "{} trailing bytes after the checksum: the file is {file_len} bytes, its \
+                     header says {expected_len}",
+                    file_len - expected_len
+                ),
+            });
+        }
+        Ok(version)
     }
 }
 
@@ -679,6 +717,51 @@ mod tests {
                 Err(FormatError::Truncated { .. })
             ));
         }
+    }
+
+    /// The header checks need no more than the header and the file's length: a reader refuses
+    /// a file of any length that cannot be the one its header describes before reading it.
+    #[test]
+    fn header_checks_bound_the_length_before_reading() {
+        let b = sample().encode();
+        let f = Path::new("m");
+        let head = &b[..METADATA_HEADER_LEN];
+        let len = b.len() as u64;
+        assert_eq!(
+            CheckpointMetadata::check_header(f, head, len),
+            Ok(METADATA_VERSION)
+        );
+        let e = CheckpointMetadata::check_header(f, head, len + 1).unwrap_err();
+        assert!(
+            matches!(&e, FormatError::Malformed { offset, .. } if *offset == len),
+            "{e}"
+        );
+        let e = CheckpointMetadata::check_header(f, head, len - 1).unwrap_err();
+        assert!(
+            matches!(e, FormatError::Truncated { offset: 16, .. }),
+            "{e}"
+        );
+        // The longest body the u32 length field can state is the longest file.
+        let mut longest = head.to_vec();
+        longest[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(
+            CheckpointMetadata::check_header(f, &longest, METADATA_LEN_MAX),
+            Ok(METADATA_VERSION)
+        );
+        for (h, n) in [
+            (&longest[..], METADATA_LEN_MAX + 1),
+            (&[0u8; 16][..], 1 << 40),
+        ] {
+            let e = CheckpointMetadata::check_header(f, h, n).unwrap_err();
+            assert!(
+                matches!(&e, FormatError::Malformed { offset, reason, .. }
+                    if *offset == METADATA_LEN_MAX && reason.contains(&n.to_string())),
+                "{e}"
+            );
+        }
+        // Fewer header bytes than the file has: refused as truncated, never a panic.
+        assert!(CheckpointMetadata::check_header(f, &head[..4], len).is_err());
+        assert!(CheckpointMetadata::check_header(f, &head[..12], len).is_err());
     }
 
     #[test]

@@ -8,7 +8,8 @@ use crate::checkpoint::error::{is_not_found, CheckpointError, VerifyError};
 use crate::checkpoint::format::{
     block_count, framed_len, parse_data_file_name, CheckpointKind, CheckpointMetadata, DataHeader,
     FileRef, LogicalFileRef, DATA_BLOCK_KIND, DATA_HEADER_LEN, FILE_KIND_MERGED_SHARED,
-    FILE_KIND_MERGED_TASKOWNED, FILE_KIND_RAW, FILE_KIND_UPLOAD, METADATA_FILE, TASKOWNED_DIR,
+    FILE_KIND_MERGED_TASKOWNED, FILE_KIND_RAW, FILE_KIND_UPLOAD, METADATA_FILE,
+    METADATA_HEADER_LEN, TASKOWNED_DIR,
 };
 use crate::error::{FormatError, IoError};
 use crate::frame::{decode_block, BlockHeader, BLOCK_HEADER_LEN};
@@ -23,26 +24,42 @@ use crate::fs::Fs;
 /// ([`StorageOptions::raw_diagnose`](crate::StorageOptions::raw_diagnose)).
 pub type RawDiagnose = fn(fs: &dyn Fs, path: &Path) -> Option<FormatError>;
 
-/// Read a whole file through `fs`.
-pub(crate) fn read_all(fs: &dyn Fs, path: &Path) -> Result<Vec<u8>, IoError> {
-    let f = fs.open(path)?;
-    let len = f.len()?;
-    let mut buf = vec![0u8; len as usize];
-    f.read_at(0, &mut buf)?;
-    Ok(buf)
-}
-
 /// Read and decode the metadata of `dir`. `Ok(None)` when there is no `_metadata`.
+///
+/// The header is read and checked against the file's length first (see
+/// [`CheckpointMetadata::check_header`]), and only a file exactly as long as its header says
+/// is read whole: the length comes from the file system, so an oversized or inconsistent file
+/// is a typed error naming it, never an allocation of its length.
 pub(crate) fn read_metadata_file(
     fs: &dyn Fs,
     dir: &Path,
 ) -> Result<Option<CheckpointMetadata>, CheckpointError> {
     let path = dir.join(METADATA_FILE);
-    let bytes = match read_all(fs, &path) {
-        Ok(b) => b,
+    let f = match fs.open(&path) {
+        Ok(f) => f,
         Err(e) if is_not_found(&e) => return Ok(None),
         Err(e) => return Err(e.into()),
     };
+    let len = f.len()?;
+    let mut head = [0u8; METADATA_HEADER_LEN];
+    let head = &mut head[..len.min(METADATA_HEADER_LEN as u64) as usize];
+    f.read_at(0, head)?;
+    CheckpointMetadata::check_header(&path, head, len)?;
+    // At most METADATA_LEN_MAX (4 GiB + 19) now; where even that much memory is not to be
+    // had, an error rather than the abort of a failed allocation.
+    let mut bytes = Vec::new();
+    bytes.try_reserve_exact(len as usize).map_err(|e| {
+        IoError::os(
+            "read",
+            &path,
+            std::io::Error::new(
+                std::io::ErrorKind::OutOfMemory,
+                format!("no memory for its {len} bytes: {e}"),
+            ),
+        )
+    })?;
+    bytes.resize(len as usize, 0);
+    f.read_at(0, &mut bytes)?;
     Ok(Some(CheckpointMetadata::decode(&path, &bytes)?))
 }
 
