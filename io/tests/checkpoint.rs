@@ -841,6 +841,109 @@ fn retention_keeps_referenced_and_deletes_the_rest() {
     assert!(st.retain(0).is_err());
 }
 
+/// Only `chk-<n>` spelt as storage writes it is a checkpoint's directory: `chk-04` or `chk-+4`
+/// beside `chk-4` was listed as a second checkpoint 4 and `retain` deleted its contents as 4's
+/// ("kept [4], dropped [4]"). Another spelling is not storage's: never listed, never deleted,
+/// and neither is a data file whose name spells its ids otherwise.
+#[test]
+fn other_spellings_of_an_id_are_not_checkpoints_and_survive_retention() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+    let st = open(Arc::new(StdFs), &root);
+    let job = st.job_dir().to_owned();
+    let c3 = write_checkpoint(&st, 3, &local, None).unwrap();
+    let c4 = write_checkpoint(&st, 4, &local, Some(&c3.metadata)).unwrap();
+    // Copies of 4's and 3's directories under other names (the metadata inside verifies),
+    // and an empty one, which a canonical name would make an incomplete checkpoint.
+    let foreign: Vec<PathBuf> = ["chk-04", "chk-+4", "chk-004", "chk-03", "chk-+3", "chk-01"]
+        .iter()
+        .map(|n| job.join(n))
+        .collect();
+    for dir in &foreign {
+        std::fs::create_dir(dir).unwrap();
+        let name = dir.file_name().unwrap().to_str().unwrap();
+        if let Some(of) = ["4", "3"].into_iter().find(|id| name.ends_with(id)) {
+            std::fs::copy(
+                job.join(format!("chk-{of}")).join(METADATA_FILE),
+                dir.join(METADATA_FILE),
+            )
+            .unwrap();
+        }
+        std::fs::write(dir.join("notes"), name).unwrap();
+    }
+    // A canonical incomplete directory older than the newest checkpoint: removed, as ever.
+    std::fs::create_dir(job.join("chk-2")).unwrap();
+    // Data files spelling a checkpoint's or file's id otherwise: never GC's to delete.
+    let stray: Vec<PathBuf> = [
+        "shared/03-0000000000000001-seg",
+        "shared/+3-0000000000000002-seg",
+        "shared/3-00000000000000AB-seg",
+        "taskowned/03-0000000000000003-merged",
+    ]
+    .iter()
+    .map(|r| job.join(r))
+    .collect();
+    for p in &stray {
+        std::fs::write(p, b"not storage's").unwrap();
+    }
+
+    let listed = st.list().unwrap();
+    let ids: Vec<(u64, bool)> = listed.iter().map(|i| (i.id, i.complete)).collect();
+    assert_eq!(ids, vec![(2, false), (3, true), (4, true)]);
+    assert_eq!(listed[2].path, job.join("chk-4"));
+    assert_eq!(st.latest_complete().unwrap().unwrap().id, 4);
+
+    let r = st.retain(1).unwrap();
+    assert_eq!(r.dropped_checkpoints, vec![3]);
+    assert_eq!(r.removed_incomplete, vec![2]);
+    assert!(!job.join("chk-3").exists() && !job.join("chk-2").exists());
+    for dir in &foreign {
+        let name = dir.file_name().unwrap().to_str().unwrap();
+        assert_eq!(
+            std::fs::read_to_string(dir.join("notes")).unwrap(),
+            name,
+            "{name} kept whole"
+        );
+    }
+    assert!(job.join("chk-04").join(METADATA_FILE).exists());
+    assert!(job.join("chk-03").join(METADATA_FILE).exists());
+    for p in &stray {
+        assert!(p.exists(), "{} kept", p.display());
+        assert!(
+            !r.deleted_files.iter().any(|d| job.join(d) == *p),
+            "{} reported deleted",
+            p.display()
+        );
+    }
+    // The canonical checkpoint is whole, and listed once.
+    st.verify(4).unwrap();
+    read_all_refs(&st, &c4.metadata);
+    let ids: Vec<u64> = st.list().unwrap().iter().map(|i| i.id).collect();
+    assert_eq!(ids, vec![4]);
+    assert_eq!(st.retain(1).unwrap(), weir_io::GcReport::default());
+
+    // Tools that take a directory name parse it the same way.
+    assert_eq!(weir_io::parse_checkpoint_dir_name("chk-4"), Some(4));
+    assert_eq!(weir_io::parse_checkpoint_dir_name("chk-0"), Some(0));
+    for bad in ["chk-04", "chk-+4", "chk-004", "chk-", "chk-4x"] {
+        assert_eq!(weir_io::parse_checkpoint_dir_name(bad), None, "{bad}");
+    }
+
+    // The job's record of its newest checkpoint counts only as written.
+    let marker = job.join(weir_io::COMPLETED_FILE);
+    assert_eq!(st.completed_marker(), Some(4));
+    for id in ["04", "+4"] {
+        let crc = crc32fast::hash(id.as_bytes());
+        std::fs::write(&marker, format!("{id} {crc:08x}\n")).unwrap();
+        assert_eq!(st.completed_marker(), None, "{id}");
+    }
+    let crc = crc32fast::hash(b"4");
+    std::fs::write(&marker, format!("4 {crc:08X}\n")).unwrap();
+    assert_eq!(st.completed_marker(), None, "upper-case CRC");
+    std::fs::write(&marker, format!("4 {crc:08x}\n")).unwrap();
+    assert_eq!(st.completed_marker(), Some(4));
+}
+
 #[test]
 fn gc_spares_an_older_checkpoint_still_in_progress() {
     let tmp = tempfile::tempdir().unwrap();

@@ -631,17 +631,51 @@ pub(crate) fn is_raw_file_name(name: &str) -> bool {
 }
 
 /// Parse a data file name into (checkpoint id, file id); `None` for anything else (GC never
-/// touches a file it cannot parse).
+/// touches a file it cannot parse). Only the spelling [`data_file_name`] writes parses: the
+/// checkpoint id as [`parse_id`] takes it, the file id as 16 lowercase hex digits. So a
+/// foreign `04-…` or `4-…ABCD-…` is never taken for checkpoint 4's file and deleted by GC.
 pub(crate) fn parse_data_file_name(name: &str) -> Option<(u64, u64)> {
     let (ckpt, rest) = name.split_once('-')?;
-    if ckpt.is_empty() || !ckpt.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
     let id = rest.get(..16)?;
-    if rest.as_bytes().get(16) != Some(&b'-') || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+    if rest.as_bytes().get(16) != Some(&b'-') || !is_lower_hex(id, 16) {
         return None;
     }
-    Some((ckpt.parse().ok()?, u64::from_str_radix(id, 16).ok()?))
+    Some((parse_id(ckpt)?, u64::from_str_radix(id, 16).ok()?))
+}
+
+/// `s` as an id in the one spelling the writer gives it (`{id}`): decimal digits, no sign, no
+/// leading zero except in `0` itself (ids start at 0: `begin(0)` is allowed). `None` for any
+/// other. Why not `str::parse`: it also takes `+4` and `04`, so a directory `chk-04` beside
+/// `chk-4` was listed as a second checkpoint 4, and `retain` deleted its contents as 4's. One
+/// id, one name: anything else is not ours, and is never listed or deleted.
+pub(crate) fn parse_id(s: &str) -> Option<u64> {
+    let digits = !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits || (s.len() > 1 && s.starts_with('0')) {
+        return None;
+    }
+    // Digits only: fails only on overflow.
+    s.parse().ok()
+}
+
+/// True if `s` is `len` lowercase hex digits, the spelling of `{:0len$x}`.
+pub(crate) fn is_lower_hex(s: &str, len: usize) -> bool {
+    s.len() == len && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// Prefix of a checkpoint directory's name, `chk-<n>`.
+const CHECKPOINT_DIR_PREFIX: &str = "chk-";
+
+/// The name of checkpoint `checkpoint_id`'s directory in its job directory: `chk-<n>`.
+pub(crate) fn checkpoint_dir_name(checkpoint_id: u64) -> String {
+    format!("{CHECKPOINT_DIR_PREFIX}{checkpoint_id}")
+}
+
+/// The checkpoint id of a directory named `chk-<n>`, `n` spelt as storage writes it (decimal,
+/// no sign, no leading zeros); `None` for any other name. `chk-04` or `chk-+4` is not
+/// checkpoint 4's directory: storage neither lists nor deletes it, and a tool given such a
+/// directory must not take it for `chk-4`.
+pub fn parse_checkpoint_dir_name(name: &str) -> Option<u64> {
+    parse_id(name.strip_prefix(CHECKPOINT_DIR_PREFIX)?)
 }
 
 /// Keep a name hint short and to a safe alphabet.
@@ -768,6 +802,8 @@ mod tests {
     fn names_parse_and_reject_foreign() {
         let n = data_file_name(12, 0xab, "seg");
         assert_eq!(parse_data_file_name(&n), Some((12, 0xab)));
+        let n = raw_file_name(0, u64::MAX, "seg");
+        assert_eq!(parse_data_file_name(&n), Some((0, u64::MAX)));
         for bad in [
             "x",
             "12",
@@ -775,8 +811,55 @@ mod tests {
             "-0000000000000001-a",
             "LOCK",
             "1-0000000000000001",
+            // Other spellings of checkpoint 12's file 0xab: not a name the writer makes.
+            "012-00000000000000ab-seg",
+            "+12-00000000000000ab-seg",
+            "12-00000000000000AB-seg",
+            "12-+0000000000000ab-seg",
         ] {
             assert_eq!(parse_data_file_name(bad), None, "{bad}");
+            assert!(!is_raw_file_name(bad), "{bad}");
+        }
+    }
+
+    /// Ids parse only as the writer spells them, so that no two names stand for one id.
+    #[test]
+    fn ids_parse_only_in_their_canonical_spelling() {
+        for (s, id) in [
+            ("0", 0),
+            ("4", 4),
+            ("10", 10),
+            ("18446744073709551615", u64::MAX),
+        ] {
+            assert_eq!(parse_id(s), Some(id), "{s}");
+            assert_eq!(id.to_string(), s);
+            assert_eq!(
+                parse_checkpoint_dir_name(&checkpoint_dir_name(id)),
+                Some(id)
+            );
+        }
+        for bad in [
+            "",
+            "00",
+            "04",
+            "+4",
+            "-4",
+            " 4",
+            "4 ",
+            "4a",
+            "0x4",
+            "\u{0664}",
+            "18446744073709551616",
+        ] {
+            assert_eq!(parse_id(bad), None, "{bad:?}");
+            assert_eq!(
+                parse_checkpoint_dir_name(&format!("chk-{bad}")),
+                None,
+                "{bad:?}"
+            );
+        }
+        for bad in ["chk4", "CHK-4", "chk-", "savepoint-4", "4"] {
+            assert_eq!(parse_checkpoint_dir_name(bad), None, "{bad}");
         }
     }
 

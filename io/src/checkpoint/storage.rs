@@ -17,7 +17,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::checkpoint::error::{is_not_found, CheckpointError, VerifyError};
 use crate::checkpoint::format::{
-    data_file_name, parse_data_file_name, raw_file_name, sanitize_hint, CheckpointKind,
+    checkpoint_dir_name, data_file_name, is_lower_hex, parse_checkpoint_dir_name,
+    parse_data_file_name, parse_id, raw_file_name, sanitize_hint, CheckpointKind,
     CheckpointMetadata, DataHeader, FileRef, LogicalFileRef, SmallFileKind, COMPLETED_FILE,
     DATA_BLOCK_KIND, DATA_HEADER_LEN, FILE_KIND_MERGED_SHARED, FILE_KIND_MERGED_TASKOWNED,
     FILE_KIND_UPLOAD, METADATA_FILE, SHARED_DIR, TASKOWNED_DIR,
@@ -98,7 +99,7 @@ impl Shared {
         (self.session << 32) | u64::from(self.next_file.fetch_add(1, Ordering::Relaxed))
     }
     fn chk_dir(&self, id: u64) -> PathBuf {
-        self.job_dir.join(format!("chk-{id}"))
+        self.job_dir.join(checkpoint_dir_name(id))
     }
     fn writable(&self, operation: &'static str) -> Result<(), CheckpointError> {
         if self.read_only {
@@ -507,10 +508,12 @@ impl CheckpointStorage {
         // says nothing.
         let text = std::str::from_utf8(&buf).ok()?.strip_suffix('\n')?;
         let (id, crc) = text.split_once(' ')?;
-        if u32::from_str_radix(crc, 16).ok()? != crc32(&[id.as_bytes()]) {
+        // Only as `write_completed_marker` spells it: `parse` alone would also take `04` or
+        // `+4` (under their own CRC) for 4.
+        if !is_lower_hex(crc, 8) || u32::from_str_radix(crc, 16).ok()? != crc32(&[id.as_bytes()]) {
             return None;
         }
-        id.parse().ok()
+        parse_id(id)
     }
 
     /// The newest complete checkpoint.
@@ -629,11 +632,12 @@ impl CheckpointStorage {
     fn scan(&self) -> Result<Vec<(u64, PathBuf, Status)>, CheckpointError> {
         let mut out = Vec::new();
         for path in self.shared.fs.list_dir(&self.shared.job_dir)? {
+            // Only `chk-<n>` as `chk_dir` spells it: another spelling of an id (`chk-04`) is
+            // not ours, and is neither listed nor removed.
             let Some(id) = path
                 .file_name()
                 .and_then(|n| n.to_str())
-                .and_then(|n| n.strip_prefix("chk-"))
-                .and_then(|n| n.parse::<u64>().ok())
+                .and_then(parse_checkpoint_dir_name)
             else {
                 continue;
             };
