@@ -615,7 +615,12 @@ impl Store {
         for p in fs.list_dir(dir)? {
             let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
             if let Some(hex) = name.strip_suffix(".wseg") {
-                if let Ok(id) = u64::from_str_radix(hex, 16) {
+                // Only the names `path_for` writes (`+ff.wseg` is not segment 0xff).
+                let ours = hex.len() == 16
+                    && hex
+                        .bytes()
+                        .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+                if let (true, Ok(id)) = (ours, u64::from_str_radix(hex, 16)) {
                     // Saturating: a file named with the last id (not one this store would
                     // have reached) must not wrap the count; creating that id then fails.
                     next_segment_id = next_segment_id.max(id.saturating_add(1));

@@ -199,11 +199,11 @@ fn verify_one(a: &VerifyArgs) -> Result<(), VerifyFailed> {
 
 /// A `chk-<n>` directory of a job directory, opened through its job: (job, storage, n).
 fn chk_dir(dir: &Path) -> Result<Option<(String, CheckpointStorage, u64)>, VerifyFailed> {
+    // Only the spelling storage writes: `chk-04` is not checkpoint 4's directory.
     let chk = dir
         .file_name()
         .and_then(|n| n.to_str())
-        .and_then(|n| n.strip_prefix("chk-"))
-        .and_then(|n| n.parse::<u64>().ok());
+        .and_then(weir_io::parse_checkpoint_dir_name);
     let job_dir = dir.parent().filter(|p| is_job_dir(p));
     let (Some(id), Some(job_dir)) = (chk, job_dir) else {
         return Ok(None);
