@@ -233,14 +233,10 @@ impl JobConfig {
             return bad("batch_records", "must be at least 1".into());
         }
         if let Some(c) = &self.checkpoint {
-            if c.interval.is_some_and(|d| d.is_zero()) {
-                return bad("checkpoint.interval", "must be more than 0".into());
-            }
-            if c.timeout.is_zero() {
-                return bad("checkpoint.timeout", "must be more than 0".into());
-            }
-            if c.max_concurrent == 0 {
-                return bad("checkpoint.max_concurrent", "must be at least 1".into());
+            // The rules `CheckpointConfig::from_toml` applies, so that a configuration built in
+            // code cannot panic inside the job either; keys as the fields are spelled here.
+            if let Err(e) = c.validate() {
+                return bad(&format!("checkpoint.{}", e.key.replace('-', "_")), e.reason);
             }
         }
         if self.restore.is_some() && self.checkpoint.is_none() {
@@ -288,6 +284,44 @@ mod tests {
         assert_eq!(
             key_of(with(c)).as_deref(),
             Some("checkpoint.max_concurrent")
+        );
+    }
+
+    /// Durations and multipliers that would overflow an `Instant` or a `Duration` inside the
+    /// job are refused at start too, not only by `CheckpointConfig::from_toml`.
+    #[test]
+    fn checkpoint_durations_past_the_bound_are_refused_by_name() {
+        use crate::checkpoint::config::MAX_DURATION;
+        use crate::checkpoint::RestartStrategy;
+        let ck = || CheckpointConfig::new("/tmp/unused", "j");
+        let with = |c: CheckpointConfig| JobConfig::new().with_shards(1).with_checkpointing(c);
+        assert_eq!(key_of(with(ck().with_interval(MAX_DURATION))), None);
+        assert_eq!(
+            key_of(with(ck().with_interval(Duration::MAX))).as_deref(),
+            Some("checkpoint.interval")
+        );
+        assert_eq!(
+            key_of(with(ck().with_min_pause(Duration::MAX))).as_deref(),
+            Some("checkpoint.min_pause")
+        );
+        let fixed = RestartStrategy::FixedDelay {
+            attempts: 3,
+            delay: Duration::from_secs(300_000_000_000 * 31_557_600),
+        };
+        assert_eq!(
+            key_of(with(ck().with_restart(fixed))).as_deref(),
+            Some("checkpoint.restart.delay")
+        );
+        let exp = RestartStrategy::ExponentialDelay {
+            initial: Duration::from_secs(1),
+            max: Duration::from_secs(60),
+            multiplier: f64::INFINITY,
+            jitter: 0.1,
+            reset_after: Duration::from_secs(3600),
+        };
+        assert_eq!(
+            key_of(with(ck().with_restart(exp))).as_deref(),
+            Some("checkpoint.restart.multiplier")
         );
     }
 }

@@ -658,9 +658,7 @@ fn supervise(
     mut restore: Option<Arc<RestoreState>>,
     ctl: &Control,
 ) -> Result<(), JobError> {
-    let mut failures: Vec<Instant> = Vec::new();
-    let mut delay = None::<Duration>;
-    let mut last_failure = Instant::now();
+    let mut backoff = Backoff::default();
     // A failover restores this run's newest checkpoint; before the run has one, what the run
     // started from (Flink: the savepoint it was started from), never a checkpoint an earlier
     // run left in the directory.
@@ -685,57 +683,26 @@ fn supervise(
         if !e.is_recoverable() {
             return Err(e);
         }
-        let now = Instant::now();
-        failures.push(now);
-        let wait = match &ck.restart {
-            RestartStrategy::None => None,
-            RestartStrategy::FixedDelay { attempts, delay } => {
-                (ctl.restarts.load(Ordering::Acquire) < u64::from(*attempts)).then_some(*delay)
-            }
-            RestartStrategy::FailureRate {
-                max_failures,
-                interval,
-                delay,
-            } => {
-                failures.retain(|t| now.duration_since(*t) <= *interval);
-                (failures.len() <= *max_failures as usize).then_some(*delay)
-            }
-            RestartStrategy::ExponentialDelay {
-                initial,
-                max,
-                multiplier,
-                jitter,
-                reset_after,
-            } => {
-                let base = match delay {
-                    Some(d) if now.duration_since(last_failure) < *reset_after => {
-                        d.mul_f64(*multiplier).min(*max)
-                    }
-                    _ => *initial,
-                };
-                delay = Some(base);
-                // Jitter from the clock's low bits: spreads restarts of many jobs apart.
-                let noise =
-                    (crate::checkpoint::coordinator::now_ms() % 1000) as f64 / 1000.0 * 2.0 - 1.0;
-                Some(base.mul_f64((1.0 + jitter * noise).max(0.0)))
-            }
-        };
-        last_failure = now;
-        let Some(wait) = wait else {
+        // Jitter from the clock's low bits: spreads restarts of many jobs apart.
+        let noise = (crate::checkpoint::coordinator::now_ms() % 1000) as f64 / 1000.0 * 2.0 - 1.0;
+        let restarts = ctl.restarts.load(Ordering::Acquire);
+        let Some(wait) = backoff.next(&ck.restart, restarts, Instant::now(), noise) else {
             return Err(e);
         };
-        ctl.status
-            .set(JobStatus::Restarting, ctl.restarts.load(Ordering::Acquire));
+        ctl.status.set(JobStatus::Restarting, restarts);
         tracing::warn!("job failed ({e}); restarting in {wait:?}");
         eprintln!("weir: job failed: {e}; restarting in {wait:?}");
-        let until = Instant::now() + wait;
-        while Instant::now() < until {
+        // Validation bounds the delay, but one past what an `Instant` holds waits for a
+        // cancel rather than panicking.
+        let until = Instant::now().checked_add(wait);
+        while until.is_none_or(|u| Instant::now() < u) {
             if ctl.cancel.load(Ordering::Acquire) {
                 return Err(JobError::Cancelled);
             }
-            std::thread::sleep(
-                Duration::from_millis(5).min(until.saturating_duration_since(Instant::now())),
-            );
+            let left = until.map_or(Duration::MAX, |u| {
+                u.saturating_duration_since(Instant::now())
+            });
+            std::thread::sleep(Duration::from_millis(5).min(left));
         }
         let store = plan.store.as_deref().ok_or(e)?;
         restore = latest_restore(&plan.config, store, first_id)
@@ -744,6 +711,68 @@ fn supervise(
         note_restore(ctl, restore.as_deref());
         ctl.restarts.fetch_add(1, Ordering::AcqRel);
     }
+}
+
+/// What the restart strategy remembers between failures.
+#[derive(Default)]
+struct Backoff {
+    /// When failures happened (failure rate).
+    failures: Vec<Instant>,
+    /// The exponential delay's last base delay, and when the failure that set it happened.
+    delay: Option<(Duration, Instant)>,
+}
+
+impl Backoff {
+    /// The delay before the restart after a failure at `now`, when the job restarted
+    /// `restarts` times before; `None`: the strategy gives up. `noise`, within -1..=1, scales
+    /// the exponential delay's jitter. Overflow-free for any strategy, validated or not: a
+    /// delay grown past what a `Duration` holds is the strategy's `max`.
+    fn next(
+        &mut self,
+        strategy: &RestartStrategy,
+        restarts: u64,
+        now: Instant,
+        noise: f64,
+    ) -> Option<Duration> {
+        self.failures.push(now);
+        match strategy {
+            RestartStrategy::None => None,
+            RestartStrategy::FixedDelay { attempts, delay } => {
+                (restarts < u64::from(*attempts)).then_some(*delay)
+            }
+            RestartStrategy::FailureRate {
+                max_failures,
+                interval,
+                delay,
+            } => {
+                self.failures
+                    .retain(|t| now.duration_since(*t) <= *interval);
+                (self.failures.len() <= *max_failures as usize).then_some(*delay)
+            }
+            RestartStrategy::ExponentialDelay {
+                initial,
+                max,
+                multiplier,
+                jitter,
+                reset_after,
+            } => {
+                let base = match self.delay {
+                    Some((d, at)) if now.duration_since(at) < *reset_after => {
+                        scale(d, *multiplier).map_or(*max, |g| g.min(*max))
+                    }
+                    _ => *initial,
+                };
+                self.delay = Some((base, now));
+                Some(scale(base, (1.0 + jitter * noise).max(0.0)).unwrap_or(base))
+            }
+        }
+    }
+}
+
+/// `d * factor`, or `None` where that is no `Duration` (too large, negative, not a number):
+/// `Duration::mul_f64` panics there.
+fn scale(d: Duration, factor: f64) -> Option<Duration> {
+    Duration::try_from_secs_f64(d.as_secs_f64() * factor).ok()
 }
 
 /// Records in the checkpoint metrics that an attempt restores `restore`, if it does.
@@ -1180,5 +1209,57 @@ mod tests {
         assert_eq!(listed, [1], "the aborted checkpoint leaves nothing listed");
         assert_eq!(first_checkpoint_id(Some(&store), None), 3);
         assert_eq!(first_checkpoint_id(None, None), 1);
+    }
+
+    /// Restart delays of any strategy, validated or not, never panic: a delay grown past what
+    /// a `Duration` holds is the strategy's max (`Duration::mul_f64` panicked at the second
+    /// failure under `multiplier = inf` or `1e300`), jitter that is no number adds none, and
+    /// a delay past what an `Instant` holds has no deadline (the supervisor waits for a
+    /// cancel).
+    #[test]
+    fn restart_delays_never_overflow() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let hour = Duration::from_secs(3600);
+        let exp = |initial, max, multiplier, jitter| RestartStrategy::ExponentialDelay {
+            initial,
+            max,
+            multiplier,
+            jitter,
+            reset_after: hour,
+        };
+        // Flink's growth, up to the max.
+        let s = exp(ms(1), ms(50), 2.0, 0.0);
+        let mut b = Backoff::default();
+        let waits: Vec<Duration> = (0..8)
+            .map(|i| b.next(&s, i, t0 + ms(i), 0.0).expect("restarts"))
+            .collect();
+        assert_eq!(waits, [1, 2, 4, 8, 16, 32, 50, 50].map(ms));
+        // Reset after a quiet `reset_after`.
+        assert_eq!(b.next(&s, 8, t0 + ms(8) + hour, 0.0), Some(ms(1)));
+        for m in [f64::MAX, 1e300, f64::INFINITY, f64::NAN] {
+            let s = exp(ms(1), ms(50), m, 0.1);
+            let mut b = Backoff::default();
+            assert_eq!(b.next(&s, 0, t0, 0.0), Some(ms(1)), "multiplier {m}");
+            assert_eq!(b.next(&s, 1, t0, 0.0), Some(ms(50)), "multiplier {m}");
+            let jittered = b.next(&s, 2, t0, 1.0).expect("restarts");
+            assert!(jittered > ms(54) && jittered < ms(56), "{jittered:?}");
+        }
+        let s = exp(ms(1), ms(50), 2.0, f64::INFINITY);
+        let mut b = Backoff::default();
+        assert_eq!(b.next(&s, 0, t0, 1.0), Some(ms(1)), "infinite jitter: none");
+        assert_eq!(b.next(&s, 1, t0, -1.0), Some(Duration::ZERO));
+        let s = exp(Duration::MAX, Duration::MAX, 2.0, 0.5);
+        let mut b = Backoff::default();
+        assert_eq!(b.next(&s, 0, t0, 1.0), Some(Duration::MAX));
+        assert_eq!(b.next(&s, 1, t0, 1.0), Some(Duration::MAX));
+        let s = RestartStrategy::FixedDelay {
+            attempts: 1,
+            delay: Duration::MAX,
+        };
+        let mut b = Backoff::default();
+        assert_eq!(b.next(&s, 0, t0, 0.0), Some(Duration::MAX));
+        assert_eq!(b.next(&s, 1, t0, 0.0), None, "one attempt");
+        assert_eq!(Instant::now().checked_add(Duration::MAX), None);
     }
 }

@@ -1399,3 +1399,75 @@ fn a_malformed_record_under_the_fail_policy_fails_the_job_without_restarts() {
         other => panic!("expected the malformed record's error, got {other:?}"),
     }
 }
+
+/// A job that fails in its first `failures` attempts, each at its 50th record of 100; the
+/// rest of its configuration as `checkpoint` says.
+fn failing_job(checkpoint: CheckpointConfig, failures: u64) -> Job {
+    let job = Job::new(
+        JobConfig::new()
+            .with_shards(2)
+            .with_pinning(Pinning::Never)
+            .with_checkpointing(checkpoint),
+    );
+    // Each shard of each attempt makes its readers once: the count tells the attempt.
+    let made = Arc::new(AtomicU64::new(0));
+    job.from_iter(move |_, shards| {
+        let attempt = made.fetch_add(1, Ordering::AcqRel) / shards as u64;
+        (0u64..100).map(move |x| (x, attempt))
+    })
+    .uid("input")
+    .inspect(move |&(x, attempt)| {
+        if x == 50 && attempt < failures {
+            panic!("injected failure");
+        }
+    })
+    .for_each(|_| {});
+    job
+}
+
+/// An exponential restart delay with the largest multiplier accepted (`f64::MAX`) grows
+/// straight to its max at the second failure: it used to overflow `Duration::mul_f64` there
+/// and end the job with a panic instead of a restart.
+#[test]
+fn the_largest_restart_multiplier_stops_at_the_max_delay() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let ck = CheckpointConfig::from_toml(&format!(
+        "dir = \"{}\"\njob-id = \"backoff\"\n[restart]\nstrategy = \"exponential-delay\"\n\
+         initial = \"1ms\"\nmax = \"20ms\"\nmultiplier = 1.7976931348623157e308\njitter = 0.0\n",
+        dir.path().display()
+    ))
+    .expect("the largest finite multiplier is accepted");
+    let s = failing_job(ck, 2)
+        .start()
+        .expect("start")
+        .wait()
+        .expect("two failures, two restarts, then the job finishes");
+    assert_eq!(s.restarts, 2);
+}
+
+/// A restart delay of the longest duration accepted (100 years) waits (no overflow), and a
+/// cancel ends the wait; a longer one, built in code past `from_toml`, is refused at start by
+/// name.
+#[test]
+fn the_longest_restart_delay_waits_for_a_cancel_and_a_longer_one_is_refused() {
+    use weir_runtime::checkpoint::config::MAX_DURATION;
+    use weir_runtime::{JobError, JobStatus, StartError};
+    let dir = tempfile::tempdir().expect("tmp");
+    let ck = |delay| {
+        CheckpointConfig::new(dir.path(), "long")
+            .with_interval(MAX_DURATION)
+            .with_restart(RestartStrategy::FixedDelay { attempts: 1, delay })
+    };
+    match failing_job(ck(MAX_DURATION + Duration::from_secs(1)), 1).start() {
+        Err(StartError::Config { key, .. }) => assert_eq!(key, "checkpoint.restart.delay"),
+        Err(e) => panic!("expected a configuration error, got {e}"),
+        Ok(_) => panic!("a delay past the bound started"),
+    }
+    let h = failing_job(ck(MAX_DURATION), 1).start().expect("start");
+    assert_eq!(
+        weir_tests::await_status(&h, JobStatus::Restarting),
+        JobStatus::Restarting
+    );
+    h.cancel();
+    assert!(matches!(h.wait(), Err(JobError::Cancelled)));
+}

@@ -6,6 +6,14 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+/// The longest duration any setting may have: 100 years (humantime's years of 365.25 days,
+/// so `"100years"` itself passes). Flink takes any `java.time.Duration`, but nobody waits a
+/// century for a checkpoint or a restart; users who mean "never" write a year or so. The
+/// bound keeps every deadline the coordinator and the supervisor compute (`now` plus an
+/// interval or a restart delay, the delay doubled at most by jitter) far inside what an
+/// `Instant` holds, where `"300000000000years"` overflowed it and panicked inside the job.
+pub const MAX_DURATION: Duration = Duration::from_secs(100 * 31_557_600);
+
 /// The guarantee checkpoints give.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -141,8 +149,67 @@ impl CheckpointConfig {
         self
     }
 
+    /// Checks every value, naming the bad one by its TOML key (`restart.<key>` for the restart
+    /// strategy's): [`Self::from_toml`] runs it, and so does `JobConfig::validate` when a job
+    /// starts, so that a configuration built in code meets the same rules. Intervals and
+    /// timeouts must be more than zero, every duration at most [`MAX_DURATION`], counts of
+    /// concurrent and retained checkpoints at least 1, the exponential delay's multiplier a
+    /// finite number of at least 1 (any such works: the delay stops growing at `max`) and its
+    /// jitter within 0..=1.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(d) = self.interval {
+            check_duration("interval", d, true)?;
+        }
+        check_duration("timeout", self.timeout, true)?;
+        check_duration("min-pause", self.min_pause, false)?;
+        check_duration("aligned-timeout", self.aligned_timeout, false)?;
+        if self.max_concurrent == 0 {
+            return Err(ConfigError::new("max-concurrent", "must be at least 1"));
+        }
+        if self.retained == 0 {
+            return Err(ConfigError::new("retained", "must be at least 1"));
+        }
+        let restart = |key: &str, d: Duration| check_duration(&format!("restart.{key}"), d, false);
+        match &self.restart {
+            RestartStrategy::None => {}
+            RestartStrategy::FixedDelay { delay, .. } => restart("delay", *delay)?,
+            RestartStrategy::ExponentialDelay {
+                initial,
+                max,
+                multiplier,
+                jitter,
+                reset_after,
+            } => {
+                restart("initial", *initial)?;
+                restart("max", *max)?;
+                restart("reset-after", *reset_after)?;
+                // NaN fails both comparisons, so it is refused too.
+                if !(multiplier.is_finite() && *multiplier >= 1.0) {
+                    return Err(ConfigError::new(
+                        "restart.multiplier",
+                        &format!("{multiplier} must be a finite number of at least 1"),
+                    ));
+                }
+                if !(0.0..=1.0).contains(jitter) {
+                    return Err(ConfigError::new(
+                        "restart.jitter",
+                        &format!("{jitter} must be within 0..=1"),
+                    ));
+                }
+            }
+            RestartStrategy::FailureRate {
+                interval, delay, ..
+            } => {
+                restart("interval", *interval)?;
+                restart("delay", *delay)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Loads a configuration from TOML text, over the defaults. Durations are written as
-    /// `"1s"`, `"500ms"`, `"2m"`.
+    /// `"1s"`, `"500ms"`, `"2m"`, at most [`MAX_DURATION`]; the values must pass
+    /// [`Self::validate`].
     ///
     /// ```toml
     /// dir = "/var/lib/weir/checkpoints"
@@ -169,22 +236,14 @@ impl CheckpointConfig {
             })
             .transpose()
         };
-        // A zero interval would trigger without pause, a zero timeout abort every checkpoint.
-        let positive = |key: &str, d: Option<Duration>| match d {
-            Some(d) if d.is_zero() => Err(ConfigError::new(key, "must be more than 0")),
-            d => Ok(d),
-        };
-        c.interval = positive("interval", dur("interval", raw.interval)?)?;
-        if let Some(d) = positive("timeout", dur("timeout", raw.timeout)?)? {
+        c.interval = dur("interval", raw.interval)?;
+        if let Some(d) = dur("timeout", raw.timeout)? {
             c.timeout = d;
         }
         if let Some(d) = dur("min-pause", raw.min_pause)? {
             c.min_pause = d;
         }
         if let Some(n) = raw.max_concurrent {
-            if n == 0 {
-                return Err(ConfigError::new("max-concurrent", "must be at least 1"));
-            }
             c.max_concurrent = n;
         }
         if let Some(m) = raw.mode {
@@ -200,9 +259,6 @@ impl CheckpointConfig {
             c.tolerable_failures = n;
         }
         if let Some(n) = raw.retained {
-            if n == 0 {
-                return Err(ConfigError::new("retained", "must be at least 1"));
-            }
             c.retained = n;
         }
         if let Some(i) = raw.incremental {
@@ -211,8 +267,28 @@ impl CheckpointConfig {
         if let Some(r) = raw.restart {
             c.restart = r.into_strategy()?;
         }
+        c.validate()?;
         Ok(c)
     }
+}
+
+/// Checks one duration setting: not zero where `positive` (a zero interval would trigger
+/// without pause, a zero timeout abort every checkpoint), and not past [`MAX_DURATION`].
+fn check_duration(key: &str, d: Duration, positive: bool) -> Result<(), ConfigError> {
+    if positive && d.is_zero() {
+        return Err(ConfigError::new(key, "must be more than 0"));
+    }
+    if d > MAX_DURATION {
+        return Err(ConfigError::new(
+            key,
+            &format!(
+                "`{}` is more than {}, the longest duration accepted",
+                humantime::format_duration(d),
+                humantime::format_duration(MAX_DURATION)
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// A configuration error naming the key.
@@ -292,23 +368,14 @@ impl RawRestart {
                 attempts: self.attempts.unwrap_or(u32::MAX),
                 delay: d("delay", &self.delay, Duration::from_secs(1))?,
             }),
-            "exponential-delay" => {
-                let m = self.multiplier.unwrap_or(1.5);
-                let j = self.jitter.unwrap_or(0.1);
-                if m.is_nan() || m < 1.0 {
-                    return Err(ConfigError::new("restart.multiplier", "must be at least 1"));
-                }
-                if !(0.0..=1.0).contains(&j) {
-                    return Err(ConfigError::new("restart.jitter", "must be within 0..=1"));
-                }
-                Ok(RestartStrategy::ExponentialDelay {
-                    initial: d("initial", &self.initial, Duration::from_secs(1))?,
-                    max: d("max", &self.max, Duration::from_secs(60))?,
-                    multiplier: m,
-                    jitter: j,
-                    reset_after: Duration::from_secs(3600),
-                })
-            }
+            // The multiplier and jitter are checked with the rest, in `validate`.
+            "exponential-delay" => Ok(RestartStrategy::ExponentialDelay {
+                initial: d("initial", &self.initial, Duration::from_secs(1))?,
+                max: d("max", &self.max, Duration::from_secs(60))?,
+                multiplier: self.multiplier.unwrap_or(1.5),
+                jitter: self.jitter.unwrap_or(0.1),
+                reset_after: Duration::from_secs(3600),
+            }),
             "failure-rate" => Ok(RestartStrategy::FailureRate {
                 max_failures: self.max_failures.unwrap_or(1),
                 interval: d("interval", &self.interval, Duration::from_secs(60))?,
@@ -397,5 +464,104 @@ mod tests {
             e.reason.contains("twice") || e.reason.contains("variant"),
             "{e}"
         );
+    }
+
+    /// Durations too long to add to an `Instant` and multipliers that are no finite number
+    /// used to pass, and panicked inside the job at its first deadline or second restart.
+    #[test]
+    fn durations_past_the_bound_and_non_finite_multipliers_are_refused_by_key() {
+        let huge = "\"300000000000years\"";
+        let exp = "[restart]\nstrategy = \"exponential-delay\"";
+        let rate = "[restart]\nstrategy = \"failure-rate\"";
+        let cases = [
+            (format!("interval = {huge}"), "interval"),
+            (format!("timeout = {huge}"), "timeout"),
+            (format!("min-pause = {huge}"), "min-pause"),
+            (format!("aligned-timeout = {huge}"), "aligned-timeout"),
+            (
+                format!("[restart]\nstrategy = \"fixed-delay\"\ndelay = {huge}"),
+                "restart.delay",
+            ),
+            (format!("{exp}\ninitial = {huge}"), "restart.initial"),
+            (format!("{exp}\nmax = {huge}"), "restart.max"),
+            (format!("{rate}\ndelay = {huge}"), "restart.delay"),
+            (format!("{rate}\ninterval = {huge}"), "restart.interval"),
+            // Just past the bound.
+            ("interval = \"100years 1ns\"".to_string(), "interval"),
+            (format!("{exp}\nmultiplier = inf"), "restart.multiplier"),
+            (format!("{exp}\nmultiplier = nan"), "restart.multiplier"),
+            (format!("{exp}\nmultiplier = 0.5"), "restart.multiplier"),
+            (format!("{exp}\njitter = nan"), "restart.jitter"),
+            (format!("{exp}\njitter = inf"), "restart.jitter"),
+        ];
+        for (toml, key) in cases {
+            let e =
+                CheckpointConfig::from_toml(&format!("dir = \"/d\"\n{toml}\n")).expect_err(&toml);
+            assert_eq!(e.key, key, "{toml}: {e}");
+        }
+        let e = CheckpointConfig::from_toml(&format!("dir = \"/d\"\ninterval = {huge}\n"))
+            .expect_err("huge");
+        assert_eq!(
+            e.reason,
+            "`300000000000years` is more than 100years, the longest duration accepted"
+        );
+        // The bound itself passes, and so does the largest finite multiplier: the delay stops
+        // growing at `max`.
+        let c = CheckpointConfig::from_toml(&format!(
+            "dir = \"/d\"\ninterval = \"100years\"\n{exp}\nmax = \"100years\"\n\
+             multiplier = 1.7976931348623157e308\n"
+        ))
+        .expect("at the bounds");
+        assert_eq!(c.interval, Some(MAX_DURATION));
+        assert!(matches!(
+            c.restart,
+            RestartStrategy::ExponentialDelay { max, multiplier, .. }
+                if max == MAX_DURATION && multiplier == f64::MAX
+        ));
+    }
+
+    /// A configuration built in code meets the same rules, with the same keys.
+    #[test]
+    fn validate_refuses_what_from_toml_refuses() {
+        let ck = || CheckpointConfig::new("/d", "j");
+        let key = |c: CheckpointConfig| c.validate().err().map(|e| e.key);
+        assert_eq!(key(ck()), None);
+        assert_eq!(key(ck().with_interval(MAX_DURATION)), None);
+        assert_eq!(
+            key(ck().with_interval(Duration::MAX)).as_deref(),
+            Some("interval")
+        );
+        assert_eq!(
+            key(ck().with_aligned_timeout(Duration::MAX)).as_deref(),
+            Some("aligned-timeout")
+        );
+        assert_eq!(
+            key(ck().with_restart(RestartStrategy::FixedDelay {
+                attempts: 1,
+                delay: Duration::MAX,
+            }))
+            .as_deref(),
+            Some("restart.delay")
+        );
+        let exp = |multiplier: f64, reset_after: Duration| RestartStrategy::ExponentialDelay {
+            initial: Duration::from_secs(1),
+            max: Duration::from_secs(60),
+            multiplier,
+            jitter: 0.1,
+            reset_after,
+        };
+        let hour = Duration::from_secs(3600);
+        assert_eq!(
+            key(ck().with_restart(exp(f64::INFINITY, hour))).as_deref(),
+            Some("restart.multiplier")
+        );
+        assert_eq!(key(ck().with_restart(exp(f64::MAX, hour))), None);
+        assert_eq!(
+            key(ck().with_restart(exp(2.0, Duration::MAX))).as_deref(),
+            Some("restart.reset-after")
+        );
+        let mut c = ck();
+        c.retained = 0;
+        assert_eq!(key(c).as_deref(), Some("retained"));
     }
 }

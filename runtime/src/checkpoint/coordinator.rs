@@ -108,7 +108,9 @@ pub(crate) struct Coordinator {
     pending: BTreeMap<u64, Pending>,
     next_id: u64,
     last_completion: Option<Instant>,
-    next_periodic: Instant,
+    /// When the next periodic checkpoint is due; `None`: never (no interval, or one too long
+    /// for the clock to reach).
+    next_periodic: Option<Instant>,
     consecutive_failures: u32,
     requests: Arc<Requests>,
     /// Savepoint requests and the checkpoint that serves them.
@@ -138,10 +140,12 @@ impl Coordinator {
         metrics: Arc<Mutex<CheckpointMetrics>>,
         failure: Arc<Mutex<Option<String>>>,
     ) -> Self {
-        let interval = shared
+        // `checked_add`: validation bounds the interval, but a deadline past what an
+        // `Instant` holds must mean "never", not a panic.
+        let next_periodic = shared
             .config
             .interval
-            .unwrap_or(Duration::from_secs(3600 * 24 * 365));
+            .and_then(|i| Instant::now().checked_add(i));
         Self {
             shared,
             shards,
@@ -150,7 +154,7 @@ impl Coordinator {
             pending: BTreeMap::new(),
             next_id: first_id,
             last_completion: None,
-            next_periodic: Instant::now() + interval,
+            next_periodic,
             consecutive_failures: 0,
             requests,
             savepoint_waiters: Vec::new(),
@@ -248,7 +252,7 @@ impl Coordinator {
             self.trigger(now);
             return;
         }
-        if self.shared.config.interval.is_some() && now >= self.next_periodic && !paused {
+        if self.next_periodic.is_some_and(|t| now >= t) && !paused {
             self.trigger(now);
         }
     }
@@ -257,7 +261,7 @@ impl Coordinator {
         let id = self.next_id;
         self.next_id += 1;
         if let Some(i) = self.shared.config.interval {
-            self.next_periodic = now + i;
+            self.next_periodic = now.checked_add(i);
         }
         if let Err(e) = self.shared.store.begin(id) {
             self.fail_checkpoint(id, format!("could not begin: {e}"));
@@ -470,5 +474,64 @@ fn push_history(h: &mut Vec<CheckpointStats>, s: CheckpointStats) {
     h.push(s);
     if h.len() > HISTORY {
         h.remove(0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::store::IoCheckpointStore;
+    use crate::checkpoint::CheckpointConfig;
+    use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+
+    /// A coordinator of a one-shard job whose shard is ready, checkpointing into `dir`.
+    fn coordinator(dir: &std::path::Path, config: CheckpointConfig, first_id: u64) -> Coordinator {
+        let fs: Arc<dyn weir_io::Fs> = Arc::new(weir_io::StdFs);
+        let storage = weir_io::CheckpointStorage::open(fs, dir, "job").expect("storage");
+        let (tx, rx) = mpsc::channel();
+        let shared = Arc::new(Shared {
+            config,
+            requested: AtomicU64::new(first_id - 1),
+            completed: AtomicU64::new(first_id - 1),
+            completed_ids: Mutex::default(),
+            aborted: AtomicU64::new(0),
+            sources_total: AtomicUsize::new(0),
+            sources_finished: AtomicUsize::new(0),
+            shards_ready: AtomicUsize::new(1),
+            final_id: AtomicU64::new(0),
+            stop_at: AtomicU64::new(0),
+            stopping: AtomicBool::new(false),
+            store: Arc::new(IoCheckpointStore::new(storage)),
+            acks: Mutex::new(tx),
+        });
+        Coordinator::new(
+            shared,
+            1,
+            128,
+            rx,
+            first_id,
+            Arc::default(),
+            Arc::default(),
+            Arc::default(),
+        )
+    }
+
+    /// Triggers a checkpoint by hand, as `JobHandle::trigger_checkpoint` does.
+    fn trigger_by_hand(c: &mut Coordinator) {
+        c.requests.manual.fetch_add(1, Ordering::AcqRel);
+        c.maybe_trigger();
+    }
+
+    /// An interval past what an `Instant` holds (built in code, never validated) means no
+    /// periodic checkpoint, not a panic when the coordinator starts or triggers.
+    #[test]
+    fn an_interval_past_the_clock_never_comes_due() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let config = CheckpointConfig::new(tmp.path(), "job").with_interval(Duration::MAX);
+        let mut c = coordinator(tmp.path(), config, 1);
+        assert_eq!(c.next_periodic, None);
+        trigger_by_hand(&mut c);
+        assert_eq!(c.pending.keys().copied().collect::<Vec<_>>(), [1]);
+        assert_eq!(c.next_periodic, None);
     }
 }
