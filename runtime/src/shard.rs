@@ -412,6 +412,11 @@ pub(crate) fn start(config: JobConfig, graph: Graph) -> Result<JobHandle, StartE
         None => None,
     };
     let restore = initial_restore(&config, store.as_deref())?;
+    // Without checkpointing no id is ever taken, so none can run out.
+    let first_id = match &store {
+        Some(s) => first_checkpoint_id(s, restore.as_deref())?,
+        None => 1,
+    };
     let ctl = Arc::new(Control {
         cancel: AtomicBool::new(false),
         finished: AtomicBool::new(false),
@@ -438,7 +443,7 @@ pub(crate) fn start(config: JobConfig, graph: Graph) -> Result<JobHandle, StartE
     let supervisor = std::thread::Builder::new()
         .name("weir-supervisor".into())
         .spawn(move || {
-            let r = supervise(&plan, restore, &ctl2);
+            let r = supervise(&plan, restore, first_id, &ctl2);
             let end = match &r {
                 Ok(()) => JobStatus::Finished,
                 Err(e) if e.is_cancellation() => JobStatus::Cancelled,
@@ -653,9 +658,11 @@ fn restore_from_path(config: &JobConfig, path: &Path) -> Result<Arc<RestoreState
 }
 
 /// Runs attempts until one ends well, the user cancels, or the restart strategy gives up.
+/// `first_id` is the run's first checkpoint id ([`first_checkpoint_id`] when it started).
 fn supervise(
     plan: &Plan,
     mut restore: Option<Arc<RestoreState>>,
+    first_id: u64,
     ctl: &Control,
 ) -> Result<(), JobError> {
     let mut backoff = Backoff::default();
@@ -663,7 +670,6 @@ fn supervise(
     // started from (Flink: the savepoint it was started from), never a checkpoint an earlier
     // run left in the directory.
     let initial = restore.clone();
-    let first_id = first_checkpoint_id(plan.store.as_deref(), initial.as_deref());
     loop {
         let r = run_attempt(plan, restore.clone(), ctl);
         let e = match r {
@@ -785,14 +791,33 @@ fn note_restore(ctl: &Control, restore: Option<&RestoreState>) {
 }
 
 /// The first checkpoint id of an attempt: past every id the storage lists, the restored one
-/// and every id an earlier attempt of this job began.
-fn first_checkpoint_id(store: Option<&IoCheckpointStore>, restore: Option<&RestoreState>) -> u64 {
-    let stored = store.map_or(0, |s| {
-        let listed = s.storage.list().ok();
-        let listed = listed.map_or(0, |l| l.iter().map(|i| i.id).max().unwrap_or(0));
-        listed.max(s.highest_begun())
-    });
-    stored.max(restore.map_or(0, |r| r.checkpoint_id)) + 1
+/// and every id an earlier attempt of this job began. Past `u64::MAX` there is none: wrapping
+/// to 0 would make every checkpoint "not newer" than the complete ones, and taking an id
+/// again would mix two checkpoints' files, so the attempt does not start.
+fn first_checkpoint_id(
+    store: &IoCheckpointStore,
+    restore: Option<&RestoreState>,
+) -> Result<u64, StartError> {
+    let listed = store.storage.list().ok();
+    let listed = listed.map_or(0, |l| l.iter().map(|i| i.id).max().unwrap_or(0));
+    let restored = restore.map_or(0, |r| r.checkpoint_id);
+    let newest = listed.max(store.highest_begun()).max(restored);
+    newest.checked_add(1).ok_or_else(|| {
+        let whence = if listed == newest {
+            format!("it holds chk-{newest} (every chk-N counts, with or without _metadata)")
+        } else if restored == newest {
+            format!("the checkpoint restored is {newest}")
+        } else {
+            format!("checkpoint {newest} was begun")
+        };
+        StartError::Checkpoint {
+            reason: format!(
+                "{}: checkpoint ids are exhausted: {whence}, the largest id, and ids never \
+                 repeat. Remove a stray chk-{newest}, or checkpoint into another directory",
+                store.storage.job_dir().display()
+            ),
+        }
+    })
 }
 
 fn run_attempt(
@@ -821,7 +846,7 @@ fn run_attempt(
     let (shared, coordinator, failure) = match (&plan.config.checkpoint, &plan.store) {
         (Some(c), Some(store)) => {
             let (tx, rx) = mpsc::channel();
-            let first = first_checkpoint_id(plan.store.as_deref(), restore.as_deref());
+            let first = first_checkpoint_id(store, restore.as_deref()).map_err(JobError::Start)?;
             let shared = Arc::new(Shared {
                 config: c.clone(),
                 requested: AtomicU64::new(first - 1),
@@ -1194,7 +1219,7 @@ mod tests {
         let fs: Arc<dyn weir_io::Fs> = Arc::new(weir_io::StdFs);
         let storage = weir_io::CheckpointStorage::open(fs, tmp.path(), "job").expect("storage");
         let store = IoCheckpointStore::new(storage);
-        assert_eq!(first_checkpoint_id(Some(&store), None), 1);
+        assert_eq!(first_checkpoint_id(&store, None).expect("id"), 1);
         store.begin(1).expect("begin 1");
         store.commit(1, 1, Vec::new()).expect("commit 1");
         store.begin(2).expect("begin 2");
@@ -1207,8 +1232,34 @@ mod tests {
             .map(|i| i.id)
             .collect();
         assert_eq!(listed, [1], "the aborted checkpoint leaves nothing listed");
-        assert_eq!(first_checkpoint_id(Some(&store), None), 3);
-        assert_eq!(first_checkpoint_id(None, None), 1);
+        assert_eq!(first_checkpoint_id(&store, None).expect("id"), 3);
+    }
+
+    /// A stray `chk-18446744073709551615` (the storage lists every `chk-N`, with or without
+    /// `_metadata`, so that ids never repeat) leaves no id: the id used to wrap to 0, and the
+    /// job restarted forever with "checkpoint 0 is not newer than ...". The error names the
+    /// directory and the id.
+    #[test]
+    fn checkpoint_ids_past_u64_max_are_exhausted_not_wrapped() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let fs: Arc<dyn weir_io::Fs> = Arc::new(weir_io::StdFs);
+        let storage = weir_io::CheckpointStorage::open(fs, tmp.path(), "job").expect("storage");
+        let store = IoCheckpointStore::new(storage);
+        let job_dir = store.storage.job_dir().to_path_buf();
+        std::fs::create_dir(job_dir.join(format!("chk-{}", u64::MAX - 1))).expect("mkdir");
+        assert_eq!(first_checkpoint_id(&store, None).expect("id"), u64::MAX);
+        std::fs::create_dir(job_dir.join(format!("chk-{}", u64::MAX))).expect("mkdir");
+        match first_checkpoint_id(&store, None) {
+            Err(StartError::Checkpoint { reason }) => {
+                assert!(
+                    reason.contains(&job_dir.display().to_string())
+                        && reason.contains(&format!("chk-{}", u64::MAX))
+                        && reason.contains("exhausted"),
+                    "{reason}"
+                );
+            }
+            other => panic!("expected ids to be exhausted, got {other:?}"),
+        }
     }
 
     /// Restart delays of any strategy, validated or not, never panic: a delay grown past what

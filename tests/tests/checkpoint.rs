@@ -1471,3 +1471,60 @@ fn the_longest_restart_delay_waits_for_a_cancel_and_a_longer_one_is_refused() {
     h.cancel();
     assert!(matches!(h.wait(), Err(JobError::Cancelled)));
 }
+
+/// A stray `chk-18446744073709551615` in the job's directory leaves no checkpoint id: the job
+/// does not start, and says which directory and id (the id used to wrap to 0, and the job
+/// restarted forever with "checkpoint 0 is not newer than the latest complete checkpoint").
+#[test]
+fn a_job_whose_checkpoint_ids_are_exhausted_does_not_start() {
+    use weir_runtime::StartError;
+    let dir = tempfile::tempdir().expect("tmp");
+    let stray = dir.path().join("ids").join(format!("chk-{}", u64::MAX));
+    std::fs::create_dir_all(&stray).expect("mkdir");
+    let ck = CheckpointConfig::new(dir.path(), "ids");
+    match failing_job(ck, 0).start() {
+        Err(StartError::Checkpoint { reason }) => assert!(
+            reason.contains(&dir.path().join("ids").display().to_string())
+                && reason.contains(&format!("chk-{}", u64::MAX))
+                && reason.contains("checkpoint ids are exhausted"),
+            "{reason}"
+        ),
+        Err(e) => panic!("expected exhausted checkpoint ids, got {e}"),
+        Ok(_) => panic!("a job without checkpoint ids started"),
+    }
+}
+
+/// A job that starts with one id left takes that checkpoint, then fails rather than wrap:
+/// its coordinator finds no id for the next, and the restart refuses to start, naming the
+/// directory (no endless restarts).
+#[test]
+fn a_job_that_uses_the_last_checkpoint_id_fails_without_wrapping() {
+    use weir_runtime::{JobError, StartError};
+    let dir = tempfile::tempdir().expect("tmp");
+    let stray = dir.path().join("ids").join(format!("chk-{}", u64::MAX - 1));
+    std::fs::create_dir_all(&stray).expect("mkdir");
+    let ck = CheckpointConfig::new(dir.path(), "ids")
+        .with_interval(Duration::from_millis(5))
+        .with_restart(RestartStrategy::FixedDelay {
+            attempts: 10,
+            delay: Duration::from_millis(1),
+        });
+    let job = Job::new(
+        JobConfig::new()
+            .with_shards(2)
+            .with_pinning(Pinning::Never)
+            .with_checkpointing(ck),
+    );
+    // Slow enough for several periodic triggers.
+    job.from_iter(|_, _| 0u64..200)
+        .uid("input")
+        .inspect(|_| std::thread::sleep(Duration::from_millis(1)))
+        .for_each(|_| {});
+    let h = job.start().expect("one id is left");
+    match h.wait() {
+        Err(JobError::Start(StartError::Checkpoint { reason })) => {
+            assert!(reason.contains("checkpoint ids are exhausted"), "{reason}")
+        }
+        other => panic!("expected exhausted checkpoint ids, got {other:?}"),
+    }
+}

@@ -106,7 +106,8 @@ pub(crate) struct Coordinator {
     max_parallelism: u16,
     rx: mpsc::Receiver<Ack>,
     pending: BTreeMap<u64, Pending>,
-    next_id: u64,
+    /// The id of the next checkpoint; `None` once `u64::MAX` was taken (ids never repeat).
+    next_id: Option<u64>,
     last_completion: Option<Instant>,
     /// When the next periodic checkpoint is due; `None`: never (no interval, or one too long
     /// for the clock to reach).
@@ -152,7 +153,7 @@ impl Coordinator {
             max_parallelism,
             rx,
             pending: BTreeMap::new(),
-            next_id: first_id,
+            next_id: Some(first_id),
             last_completion: None,
             next_periodic,
             consecutive_failures: 0,
@@ -207,7 +208,9 @@ impl Coordinator {
             // job's last output. Sources end their streams once it completes. It is marked
             // final before its barriers exist, so that every exchange sees the mark and takes
             // it aligned (see `Shared::final_id`); a failed trigger clears the mark.
-            self.shared.final_id.store(self.next_id, Ordering::Release);
+            if let Some(id) = self.next_id {
+                self.shared.final_id.store(id, Ordering::Release);
+            }
             self.trigger(now);
             return;
         }
@@ -258,8 +261,11 @@ impl Coordinator {
     }
 
     fn trigger(&mut self, now: Instant) -> Option<u64> {
-        let id = self.next_id;
-        self.next_id += 1;
+        let Some(id) = self.next_id else {
+            self.ids_exhausted();
+            return None;
+        };
+        self.next_id = id.checked_add(1);
         if let Some(i) = self.shared.config.interval {
             self.next_periodic = now.checked_add(i);
         }
@@ -286,6 +292,22 @@ impl Coordinator {
         tracing::debug!("ckpt {id} triggered");
         self.shared.requested.fetch_max(id, Ordering::AcqRel);
         Some(id)
+    }
+
+    /// No id is left for a checkpoint. Wrapping to 0 would make every later checkpoint
+    /// "not newer" than the complete ones (and restart the job forever), so the job fails
+    /// instead; its restart then refuses to start, naming the checkpoint directory.
+    fn ids_exhausted(&self) {
+        let mut f = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        if f.is_none() {
+            let reason = format!(
+                "checkpoint ids are exhausted: checkpoint {} was the last possible one, and \
+                 ids never repeat",
+                u64::MAX
+            );
+            tracing::error!("{reason}");
+            *f = Some(reason);
+        }
     }
 
     fn update_in_progress(&self) {
@@ -533,5 +555,35 @@ mod tests {
         trigger_by_hand(&mut c);
         assert_eq!(c.pending.keys().copied().collect::<Vec<_>>(), [1]);
         assert_eq!(c.next_periodic, None);
+    }
+
+    /// After checkpoint `u64::MAX` no id is left: the next trigger begins nothing (the id
+    /// used to wrap to 0, which no complete checkpoint is older than) and fails the job.
+    #[test]
+    fn checkpoint_ids_never_wrap() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let mut config = CheckpointConfig::new(tmp.path(), "job");
+        config.max_concurrent = 2;
+        let mut c = coordinator(tmp.path(), config, u64::MAX);
+        trigger_by_hand(&mut c);
+        assert_eq!(c.pending.keys().copied().collect::<Vec<_>>(), [u64::MAX]);
+        assert!(c.failure.lock().expect("lock").is_none());
+        trigger_by_hand(&mut c);
+        assert_eq!(
+            c.pending.keys().copied().collect::<Vec<_>>(),
+            [u64::MAX],
+            "no checkpoint after the last id"
+        );
+        assert_eq!(c.shared.requested.load(Ordering::Acquire), u64::MAX);
+        let failure = c
+            .failure
+            .lock()
+            .expect("lock")
+            .clone()
+            .expect("the job fails");
+        assert!(
+            failure.contains("checkpoint ids are exhausted"),
+            "{failure}"
+        );
     }
 }
