@@ -2,7 +2,10 @@
 //! changed and its CRC written again, so that only the decoders and checks behind the CRC
 //! stand between the change and a restore. A job restored from it fails with an error that is
 //! not a panic (a shard's panic is reported as one, and the job must not need it), or it runs
-//! to the end; nothing aborts the process.
+//! to the end; nothing aborts the process. What the sections say of each other (the job
+//! section's shard count and format version, the set of shard sections) is checked: a change
+//! to it is always refused, with an error naming the checkpoint, `_metadata`, the section and
+//! the field. A lowered shard count once ran to the end with wrong results.
 //!
 //! `WEIR_FORGED_CASES` sets the number of forged checkpoints per job (default 24).
 
@@ -17,7 +20,8 @@ use weir_io::CheckpointMetadata;
 use weir_runtime::checkpoint::{CheckpointConfig, CheckpointMode, RestartStrategy};
 use weir_runtime::source::splitmix64;
 use weir_runtime::{
-    Job, JobConfig, JobError, Pinning, RestoreFrom, WatermarkStrategy, WindowAssigner,
+    Job, JobConfig, JobError, JobHandle, Pinning, RestoreFrom, StartError, WatermarkStrategy,
+    WindowAssigner,
 };
 
 fn cases() -> u64 {
@@ -130,9 +134,27 @@ impl Rng {
     }
 }
 
-/// Checkpoints a job of `shape`, then restores it from `cases()` forgeries of the newest
-/// checkpoint's runtime sections (seeded by `seed`).
-fn forge_and_restore(shape: Shape, seed: u64) {
+/// The runtime's section of the job facts, and the offsets of its fields (an rkyv
+/// `JobSnapshot`: `shards` u32, `max_parallelism` u16, padding, `format_version` u32).
+const JOB_SECTION: &str = "weir/job";
+const SHARDS_AT: usize = 0;
+const MAX_PARALLELISM_AT: usize = 4;
+const FORMAT_VERSION_AT: usize = 8;
+
+/// A job's newest checkpoint, taken on 2 shards, and what a test needs to forge it.
+struct Checkpointed {
+    shape: Shape,
+    dir: tempfile::TempDir,
+    records: Vec<(u64, i64, u64)>,
+    /// Its `_metadata` and checkpoint directory.
+    meta_path: PathBuf,
+    chk: PathBuf,
+    pristine: Vec<u8>,
+    meta: CheckpointMetadata,
+}
+
+/// Runs a job of `shape` on 2 shards until 3 checkpoints completed, then cancels it.
+fn checkpointed(shape: Shape) -> Checkpointed {
     let dir = tempfile::tempdir().expect("tmp");
     let records = data(20_000);
     let ck = CheckpointConfig::new(dir.path(), "forged")
@@ -169,32 +191,70 @@ fn forge_and_restore(shape: Shape, seed: u64) {
     let chk = meta_path.parent().expect("checkpoint dir").to_owned();
     let pristine = std::fs::read(&meta_path).expect("read");
     let meta = CheckpointMetadata::decode(&meta_path, &pristine).expect("decodes");
-    assert!(meta.sections.len() >= 3, "job and shard sections");
-    assert!(
-        !meta.files.is_empty() || !meta.logical_files.is_empty(),
-        "files to forge references to"
-    );
+    Checkpointed {
+        shape,
+        dir,
+        records,
+        meta_path,
+        chk,
+        pristine,
+        meta,
+    }
+}
 
-    let restore = |shards: usize| -> Result<(), String> {
-        // Checkpoints of the restored job go elsewhere, and a failure is final.
-        let ck = CheckpointConfig::new(dir.path().join("restored"), "forged")
-            .with_retained(1)
-            .with_restart(RestartStrategy::None);
+impl Checkpointed {
+    /// Starts the job on `shards` shards from the checkpoint: by its path, or as the newest
+    /// of the job's checkpoint directory (`latest`).
+    fn start(&self, shards: usize, latest: bool) -> Result<JobHandle, StartError> {
+        // Checkpoints of a job restored by path go elsewhere, and a failure is final.
+        let (ck, from) = if latest {
+            (
+                CheckpointConfig::new(self.dir.path(), "forged"),
+                RestoreFrom::Latest,
+            )
+        } else {
+            (
+                CheckpointConfig::new(self.dir.path().join("restored"), "forged"),
+                RestoreFrom::Path(self.chk.clone()),
+            )
+        };
         let config = JobConfig::new()
             .with_shards(shards)
             .with_pinning(Pinning::Never)
-            .with_checkpointing(ck)
-            .with_restore(RestoreFrom::Path(chk.clone()));
-        match job(shape, config, &records, None).start() {
+            .with_checkpointing(ck.with_retained(1).with_restart(RestartStrategy::None))
+            .with_restore(from);
+        job(self.shape, config, &self.records, None).start()
+    }
+
+    /// Restores the job on `shards` shards from the checkpoint and runs it to the end.
+    fn restore(&self, shards: usize) -> Result<(), String> {
+        match self.start(shards, false) {
             Err(e) => Err(format!("start: {e}")),
             Ok(h) => h.wait().map(|_| ()).map_err(|e| match e {
                 JobError::Panic { .. } => panic!("a forged checkpoint made a shard panic: {e}"),
                 e => format!("run: {e}"),
             }),
         }
-    };
+    }
+
+    /// Writes `m` as the checkpoint's `_metadata`, CRC and all.
+    fn forge(&self, m: &CheckpointMetadata) {
+        std::fs::write(&self.meta_path, m.encode()).expect("write");
+    }
+}
+
+/// Checkpoints a job of `shape`, then restores it from `cases()` forgeries of the newest
+/// checkpoint's runtime sections (seeded by `seed`).
+fn forge_and_restore(shape: Shape, seed: u64) {
+    let c = checkpointed(shape);
+    let meta = &c.meta;
+    assert!(meta.sections.len() >= 3, "job and shard sections");
+    assert!(
+        !meta.files.is_empty() || !meta.logical_files.is_empty(),
+        "files to forge references to"
+    );
     // The harness restores: the checkpoint as it was runs to the end.
-    restore(2).expect("the pristine checkpoint restores");
+    c.restore(2).expect("the pristine checkpoint restores");
 
     let mut rng = Rng { seed, i: 0 };
     let (mut refused, mut ran) = (0, 0);
@@ -213,6 +273,8 @@ fn forge_and_restore(shape: Shape, seed: u64) {
         };
         let files = m.files.len() + m.logical_files.len();
         let forges_a_file = case % 3 == 0 && files > 0;
+        // The job section's index, if it is the one forged.
+        let mut forged_job = None;
         if forges_a_file {
             let i = (case as usize / 3) % files;
             let field = (case / 3 / files as u64) % 4;
@@ -231,6 +293,7 @@ fn forge_and_restore(shape: Shape, seed: u64) {
             }
         } else {
             let s = (rng.next() % m.sections.len() as u64) as usize;
+            forged_job = (m.sections[s].0 == JOB_SECTION).then_some(s);
             let bytes = &mut m.sections[s].1;
             let changes = 1 + rng.next() % 3;
             for _ in 0..changes {
@@ -246,9 +309,17 @@ fn forge_and_restore(shape: Shape, seed: u64) {
                 };
             }
         }
-        std::fs::write(&meta_path, m.encode()).expect("write");
+        // A changed shard count, max parallelism or format version (not the padding between
+        // the second and third) must be refused, whatever the new value.
+        let forged_job_field = forged_job.is_some_and(|j| {
+            let (now, was) = (&m.sections[j].1, &meta.sections[j].1);
+            (SHARDS_AT..MAX_PARALLELISM_AT + 2)
+                .chain(FORMAT_VERSION_AT..FORMAT_VERSION_AT + 4)
+                .any(|i| now[i] != was[i])
+        });
+        c.forge(&m);
         let shards = 1 + (case % 3) as usize;
-        match restore(shards) {
+        match c.restore(shards) {
             Err(e) => {
                 assert!(!e.contains("panicked"), "case {case}: {e}");
                 refused += 1;
@@ -256,10 +327,13 @@ fn forge_and_restore(shape: Shape, seed: u64) {
                     sections_refused += 1;
                 }
             }
-            Ok(()) => ran += 1,
+            Ok(()) => {
+                assert!(!forged_job_field, "case {case}: a changed job field ran");
+                ran += 1
+            }
         }
     }
-    std::fs::write(&meta_path, &pristine).expect("write");
+    std::fs::write(&c.meta_path, &c.pristine).expect("write");
     eprintln!(
         "{shape:?}: forged checkpoints: {refused} refused ({sections_refused} of forged \
          sections), {ran} ran"
@@ -278,4 +352,123 @@ fn a_restore_from_forged_keyed_state_sections_fails_without_a_panic_or_runs() {
 #[test]
 fn a_restore_from_forged_window_timer_and_in_flight_sections_fails_without_a_panic_or_runs() {
     forge_and_restore(Shape::Windows, 0xf00d);
+}
+
+/// The sections' consistency, case by case, on a checkpoint of 2 shards: each forgery is
+/// refused at start with an error naming the checkpoint, `_metadata`, the section and the
+/// field. A `shards` lowered to 1 (CRCs written again) ran to the end with shard 1's keyed
+/// state dropped and wrong sums; 0 and a format version this build never wrote passed too.
+#[test]
+fn a_restore_from_a_forged_shard_count_shard_section_set_or_format_version_is_refused() {
+    let c = checkpointed(Shape::Sum);
+    let id = c.meta.checkpoint_id;
+    let job_at = |m: &CheckpointMetadata| {
+        m.sections
+            .iter()
+            .position(|(n, _)| n == JOB_SECTION)
+            .expect("a job section")
+    };
+    let section = |m: &CheckpointMetadata, name: &str| {
+        m.sections
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("section {name}"))
+            .1
+            .clone()
+    };
+    let field = |at: usize, value: u32| {
+        move |m: &mut CheckpointMetadata| {
+            let j = job_at(m);
+            m.sections[j].1[at..at + 4].copy_from_slice(&value.to_le_bytes());
+        }
+    };
+    // The offsets are those of the fields this checkpoint holds.
+    let job = section(&c.meta, JOB_SECTION);
+    assert_eq!(job[SHARDS_AT..SHARDS_AT + 4], 2u32.to_le_bytes(), "{job:?}");
+    assert_eq!(
+        job[FORMAT_VERSION_AT..FORMAT_VERSION_AT + 4],
+        1u32.to_le_bytes()
+    );
+    let shard1 = section(&c.meta, "weir/shard-0001");
+
+    type Forgery = Box<dyn Fn(&mut CheckpointMetadata)>;
+    let cases: Vec<(&str, Forgery, String)> = vec![
+        (
+            "shards 1",
+            Box::new(field(SHARDS_AT, 1)),
+            "weir/shard-0001: not a shard of the checkpoint: field shards of section weir/job \
+             is 1"
+                .into(),
+        ),
+        (
+            "shards 0",
+            Box::new(field(SHARDS_AT, 0)),
+            "weir/job: field shards is 0".into(),
+        ),
+        (
+            "an extra shard section",
+            Box::new(move |m| m.sections.push(("weir/shard-0002".into(), shard1.clone()))),
+            "weir/shard-0002: not a shard of the checkpoint: field shards of section weir/job \
+             is 2"
+                .into(),
+        ),
+        (
+            "a missing shard section",
+            Box::new(|m| m.sections.retain(|(n, _)| n != "weir/shard-0001")),
+            "weir/shard-0001: missing: field shards of section weir/job is 2".into(),
+        ),
+        (
+            "format version 99",
+            Box::new(field(FORMAT_VERSION_AT, 99)),
+            "weir/job: field format_version is 99; this build reads version 1".into(),
+        ),
+        (
+            "shard sections swapped",
+            Box::new(|m| {
+                for (n, _) in m.sections.iter_mut() {
+                    if n == "weir/shard-0000" {
+                        *n = "weir/shard-0001".into();
+                    } else if n == "weir/shard-0001" {
+                        *n = "weir/shard-0000".into();
+                    }
+                }
+            }),
+            "weir/shard-0000: field shard is 1; the section is shard 0's".into(),
+        ),
+    ];
+    for (what, forge, want) in &cases {
+        let mut m = c.meta.clone();
+        forge(&mut m);
+        c.forge(&m);
+        let want = format!("checkpoint {id}: _metadata section {want}");
+        match c.start(2, false) {
+            Err(StartError::Restore { reason }) => {
+                assert!(reason.contains(&want), "{what}: {reason}\nwanted: {want}");
+            }
+            Err(e) => panic!("{what}: not a restore error: {e}"),
+            Ok(h) => panic!("{what}: the job started: {:?}", h.wait()),
+        }
+    }
+    // `latest` reads the job's checkpoint directory the same way (the audit's repro). An
+    // older checkpoint that retention had not removed yet when the job was cancelled would
+    // be fallen back to: only the forged one stays.
+    for p in metadata_files(c.dir.path()) {
+        if p != c.meta_path {
+            std::fs::remove_dir_all(p.parent().expect("checkpoint dir")).expect("remove");
+        }
+    }
+    let (_, forge, want) = &cases[0];
+    let mut m = c.meta.clone();
+    forge(&mut m);
+    c.forge(&m);
+    match c.start(2, true) {
+        Err(StartError::Restore { reason }) => {
+            let want = format!("checkpoint {id}: _metadata section {want}");
+            assert!(reason.contains(&want), "{reason}\nwanted: {want}");
+        }
+        Err(e) => panic!("latest: not a restore error: {e}"),
+        Ok(h) => panic!("latest: the job started: {:?}", h.wait()),
+    }
+    std::fs::write(&c.meta_path, &c.pristine).expect("write");
+    c.restore(2).expect("the pristine checkpoint restores");
 }

@@ -1,7 +1,7 @@
 //! A checkpoint's runtime sections, decoded for reading (`weir checkpoints inspect`): the
 //! job's shape and what every participant of every shard put into the checkpoint.
 
-use super::snapshot::{decode_job, decode_shard, shard_section, JOB_SECTION};
+use super::snapshot::{decode_sections, Sections};
 
 /// What a checkpoint's runtime sections say.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,21 +32,13 @@ pub struct PartLayout {
     pub logical: Vec<(String, u64)>,
 }
 
-/// Decodes (and validates) the runtime's sections of a checkpoint's metadata. An error names
-/// the section that is missing or does not decode.
+/// Decodes (and validates, as a restore does: [`decode_sections`]) the runtime's sections of a
+/// checkpoint's metadata. An error names the section that is missing, does not decode, or
+/// disagrees with another.
 pub fn layout(sections: &[(String, Vec<u8>)]) -> Result<CheckpointLayout, String> {
-    let find = |name: &str| {
-        sections
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, b)| b.as_slice())
-            .ok_or_else(|| format!("no section {name}"))
-    };
-    let job = decode_job(find(JOB_SECTION)?).map_err(|e| format!("section {JOB_SECTION}: {e}"))?;
+    let Sections { job, shards } = decode_sections(sections).map_err(|e| e.to_string())?;
     let mut parts = Vec::new();
-    for s in 0..job.shards as usize {
-        let name = shard_section(s);
-        let snap = decode_shard(find(&name)?).map_err(|e| format!("section {name}: {e}"))?;
+    for (s, snap) in shards.into_iter().enumerate() {
         parts.extend(snap.parts.into_iter().map(|p| {
             PartLayout {
                 shard: s as u32,
@@ -78,7 +70,8 @@ pub fn layout(sections: &[(String, Vec<u8>)]) -> Result<CheckpointLayout, String
 mod tests {
     use super::*;
     use crate::checkpoint::snapshot::{
-        encode, FileRefData, JobSnapshot, Part, PartKind, ShardSnapshot, SECTIONS_VERSION,
+        encode, shard_section, FileRefData, JobSnapshot, Part, PartKind, ShardSnapshot,
+        JOB_SECTION, SECTIONS_VERSION,
     };
 
     #[test]
@@ -138,6 +131,9 @@ mod tests {
         assert!(e.contains("weir/shard-0001"), "{e}");
         sections.pop();
         let e = layout(&sections).expect_err("missing section");
-        assert_eq!(e, "no section weir/shard-0001");
+        assert_eq!(
+            e,
+            "_metadata section weir/shard-0001: missing: field shards of section weir/job is 2"
+        );
     }
 }

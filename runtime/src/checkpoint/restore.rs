@@ -6,8 +6,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use super::snapshot::{
-    decode_job, decode_shard, shard_section, FileRefData, LogicalRefData, Part, PartKind,
-    ShardSnapshot, JOB_SECTION,
+    decode_sections, FileRefData, LogicalRefData, Part, PartKind, Sections, ShardSnapshot,
 };
 
 /// Reads files of one checkpoint (or savepoint), verifying every CRC before returning a byte.
@@ -40,7 +39,9 @@ pub(crate) struct RestoreState {
 }
 
 impl RestoreState {
-    /// Decodes the runtime's sections of a checkpoint's metadata.
+    /// Decodes the runtime's sections of a checkpoint's metadata, checked against each other
+    /// ([`decode_sections`]) and against the job. An error names the checkpoint, the
+    /// `_metadata` section and what is wrong with it.
     pub fn decode(
         checkpoint_id: u64,
         sections: &[(String, Vec<u8>)],
@@ -48,34 +49,13 @@ impl RestoreState {
         new_shards: usize,
         max_parallelism: u16,
     ) -> Result<Self, String> {
-        let find = |name: &str| {
-            sections
-                .iter()
-                .find(|(n, _)| n == name)
-                .map(|(_, b)| b.as_slice())
-        };
-        let job =
-            decode_job(find(JOB_SECTION).ok_or_else(|| {
-                format!("checkpoint {checkpoint_id} has no section {JOB_SECTION}")
-            })?)
-            .map_err(|e| format!("checkpoint {checkpoint_id}, section {JOB_SECTION}: {e}"))?;
+        let Sections { job, shards } =
+            decode_sections(sections).map_err(|e| format!("checkpoint {checkpoint_id}: {e}"))?;
         if job.max_parallelism != max_parallelism {
             return Err(format!(
                 "checkpoint {checkpoint_id} was taken with max parallelism {}, the job has {max_parallelism}: key groups would not match",
                 job.max_parallelism
             ));
-        }
-        // Grown section by section: a count from the file cannot size an allocation (a forged
-        // one with valid CRCs asked for 4 G shards, which aborted the process).
-        let mut shards = Vec::new();
-        for s in 0..job.shards as usize {
-            let name = shard_section(s);
-            let bytes = find(&name)
-                .ok_or_else(|| format!("checkpoint {checkpoint_id} has no section {name}"))?;
-            shards.push(
-                decode_shard(bytes)
-                    .map_err(|e| format!("checkpoint {checkpoint_id}, section {name}: {e}"))?,
-            );
         }
         Ok(Self {
             checkpoint_id,
@@ -145,7 +125,9 @@ impl RestoreState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checkpoint::snapshot::{encode, JobSnapshot, SECTIONS_VERSION};
+    use crate::checkpoint::snapshot::{
+        encode, shard_section, JobSnapshot, JOB_SECTION, SECTIONS_VERSION,
+    };
 
     struct NoFiles;
 
@@ -161,32 +143,117 @@ mod tests {
         }
     }
 
-    fn job(shards: u32) -> (String, Vec<u8>) {
+    fn job_v(shards: u32, format_version: u32) -> (String, Vec<u8>) {
         let j = JobSnapshot {
             shards,
             max_parallelism: 128,
-            format_version: SECTIONS_VERSION,
+            format_version,
         };
         (JOB_SECTION.to_owned(), encode(&j))
+    }
+
+    fn job(shards: u32) -> (String, Vec<u8>) {
+        job_v(shards, SECTIONS_VERSION)
+    }
+
+    fn shard(s: u32) -> (String, Vec<u8>) {
+        let snap = ShardSnapshot {
+            shard: s,
+            parts: Vec::new(),
+        };
+        (shard_section(s as usize), encode(&snap))
+    }
+
+    fn decode(sections: &[(String, Vec<u8>)]) -> Result<RestoreState, String> {
+        RestoreState::decode(7, sections, Arc::new(NoFiles), 2, 128)
     }
 
     /// A shard count from the metadata (valid CRCs, any value) names a missing section; it
     /// never sizes an allocation up front.
     #[test]
     fn a_forged_shard_count_is_an_error_naming_the_missing_section() {
-        for shards in [u32::MAX, 3] {
-            let mut sections = vec![job(shards)];
-            sections.push((shard_section(0), encode(&ShardSnapshot::default())));
-            let e = RestoreState::decode(7, &sections, Arc::new(NoFiles), 2, 128)
+        for shards in [128, 3] {
+            let e = decode(&[job(shards), shard(0)])
                 .err()
                 .expect("sections missing");
-            assert_eq!(e, "checkpoint 7 has no section weir/shard-0001", "{shards}");
+            assert_eq!(
+                e,
+                format!(
+                    "checkpoint 7: _metadata section weir/shard-0001: missing: field shards of \
+                     section weir/job is {shards}"
+                )
+            );
         }
-        let sections = vec![
-            job(1),
-            (shard_section(0), encode(&ShardSnapshot::default())),
-        ];
-        let r = RestoreState::decode(7, &sections, Arc::new(NoFiles), 2, 128).expect("decodes");
+        let e = decode(&[job(u32::MAX), shard(0)]).err().expect("too many");
+        assert_eq!(
+            e,
+            "checkpoint 7: _metadata section weir/job: field shards is 4294967295, more than \
+             field max_parallelism 128 (a job has at most one shard per key group)"
+        );
+        let r = decode(&[job(1), shard(0)]).expect("decodes");
         assert_eq!(r.shards.len(), 1);
+    }
+
+    /// What the metadata's CRC cannot catch (forged sections with valid CRCs), each an error
+    /// naming the checkpoint, `_metadata`, the section and the field. Lowering `shards`
+    /// dropped the state of the shards past it, and the job ran to the end with wrong sums.
+    #[test]
+    fn inconsistent_sections_are_errors_naming_section_and_field() {
+        type Section = (String, Vec<u8>);
+        let e = |sections: &[Section]| decode(sections).err().expect("refused");
+        let other = ("user/extra".to_owned(), vec![1, 2, 3]);
+        let cases: Vec<(Vec<Section>, &str)> = vec![
+            (
+                vec![job(1), shard(0), shard(1)],
+                "weir/shard-0001: not a shard of the checkpoint: field shards of section \
+                 weir/job is 1",
+            ),
+            (
+                vec![job(0), shard(0), shard(1)],
+                "weir/job: field shards is 0; a checkpoint has at least one shard",
+            ),
+            (
+                vec![job(2), shard(0), shard(1), shard(2)],
+                "weir/shard-0002: not a shard of the checkpoint: field shards of section \
+                 weir/job is 2",
+            ),
+            (
+                vec![job(2), shard(1)],
+                "weir/shard-0000: missing: field shards of section weir/job is 2",
+            ),
+            (
+                vec![job_v(2, 99), shard(0), shard(1)],
+                "weir/job: field format_version is 99; this build reads version 1",
+            ),
+            (
+                vec![job(2), shard(0), shard(1), shard(1)],
+                "weir/shard-0001: appears more than once",
+            ),
+            (
+                vec![job(2), shard(0), shard(1), job(2)],
+                "weir/job: appears more than once",
+            ),
+            (
+                vec![job(2), shard(0), ("weir/shard-1".into(), shard(1).1)],
+                "weir/shard-1: not one of the runtime's sections (weir/job, weir/shard-NNNN)",
+            ),
+            (
+                vec![job(2), shard(0), (shard_section(1), shard(0).1)],
+                "weir/shard-0001: field shard is 0; the section is shard 1's",
+            ),
+            (vec![shard(0), other.clone()], "weir/job: missing"),
+        ];
+        for (sections, want) in cases {
+            assert_eq!(
+                e(&sections),
+                format!("checkpoint 7: _metadata section {want}")
+            );
+        }
+        // Sections that are not the runtime's are not its to check.
+        let r = decode(&[other, job(2), shard(1), shard(0)]).expect("decodes");
+        assert_eq!(
+            r.shards.iter().map(|s| s.shard).collect::<Vec<_>>(),
+            vec![0, 1]
+        );
     }
 }

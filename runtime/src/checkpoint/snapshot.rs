@@ -136,6 +136,145 @@ pub fn decode_job(bytes: &[u8]) -> Result<JobSnapshot, String> {
     rkyv::from_bytes::<JobSnapshot, DecodeError>(&aligned).map_err(|e| e.to_string())
 }
 
+/// The runtime's sections of a checkpoint's metadata, decoded and checked against each other.
+#[derive(Debug)]
+pub struct Sections {
+    pub job: JobSnapshot,
+    /// Shard `s` is `shards[s]`, from section [`shard_section`]`(s)`.
+    pub shards: Vec<ShardSnapshot>,
+}
+
+/// What is wrong with one of the runtime's sections of a checkpoint's metadata. Displayed as
+/// `_metadata section <name>: <problem>`; a restore puts the checkpoint id in front.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SectionError {
+    pub section: String,
+    pub problem: String,
+}
+
+impl std::fmt::Display for SectionError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} section {}: {}",
+            weir_io::METADATA_FILE,
+            self.section,
+            self.problem
+        )
+    }
+}
+
+/// The shard whose section is named `name`, if `name` is [`shard_section`] of one (exactly:
+/// `weir/shard-1` and `weir/shard-+0001` are not shard 1's name).
+fn shard_of_section(name: &str) -> Option<usize> {
+    let s: usize = name.strip_prefix("weir/shard-")?.parse().ok()?;
+    (shard_section(s) == name).then_some(s)
+}
+
+/// Decodes the runtime's sections (those named `weir/...`) of a checkpoint's metadata and
+/// checks what the metadata's CRC cannot: a forged or corrupt checkpoint with valid CRCs.
+/// The job section's `format_version` is [`SECTIONS_VERSION`] (the only version there has
+/// been), `1 <= shards <= max_parallelism` (what a job's configuration allows), the shard
+/// sections are exactly `0..shards`, each once, and each says it is its own shard. Without
+/// these a lowered `shards` dropped the state of the shards past it and restored a job with
+/// wrong results, and a version this build never wrote was read as its own.
+pub fn decode_sections(sections: &[(String, Vec<u8>)]) -> Result<Sections, SectionError> {
+    let err = |section: &str, problem: String| SectionError {
+        section: section.to_owned(),
+        problem,
+    };
+    let mut job_bytes = None;
+    // Indexed by the sections present, never by a count from the file (a forged one asked
+    // for 4 G shards, which aborted the process when it sized an allocation).
+    let mut shard_bytes = std::collections::BTreeMap::new();
+    for (name, bytes) in sections {
+        // Other sections are not the runtime's.
+        if !name.starts_with("weir/") {
+            continue;
+        }
+        // Storage keeps sections in a list: a second one of a name would be ignored.
+        let first = if name == JOB_SECTION {
+            job_bytes.replace(bytes.as_slice()).is_none()
+        } else if let Some(s) = shard_of_section(name) {
+            shard_bytes.insert(s, bytes.as_slice()).is_none()
+        } else {
+            return Err(err(
+                name,
+                format!("not one of the runtime's sections ({JOB_SECTION}, weir/shard-NNNN)"),
+            ));
+        };
+        if !first {
+            return Err(err(name, "appears more than once".into()));
+        }
+    }
+    let job_bytes = job_bytes.ok_or_else(|| err(JOB_SECTION, "missing".into()))?;
+    let job = decode_job(job_bytes).map_err(|e| err(JOB_SECTION, e))?;
+    // First: what the other fields mean depends on it.
+    if job.format_version != SECTIONS_VERSION {
+        return Err(err(
+            JOB_SECTION,
+            format!(
+                "field format_version is {}; this build reads version {SECTIONS_VERSION}",
+                job.format_version
+            ),
+        ));
+    }
+    if job.shards == 0 {
+        return Err(err(
+            JOB_SECTION,
+            "field shards is 0; a checkpoint has at least one shard".into(),
+        ));
+    }
+    if job.shards > u32::from(job.max_parallelism) {
+        return Err(err(
+            JOB_SECTION,
+            format!(
+                "field shards is {}, more than field max_parallelism {} (a job has at most \
+                 one shard per key group)",
+                job.shards, job.max_parallelism
+            ),
+        ));
+    }
+    let shards = job.shards as usize;
+    if let Some((&extra, _)) = shard_bytes.range(shards..).next() {
+        return Err(err(
+            &shard_section(extra),
+            format!(
+                "not a shard of the checkpoint: field shards of section {JOB_SECTION} is {shards}"
+            ),
+        ));
+    }
+    // All keys are below `shards`: one is missing iff there are fewer, and then the first
+    // gap is within the first `len + 1` indexes.
+    if shard_bytes.len() < shards {
+        let missing = (0..shards)
+            .zip(shard_bytes.keys())
+            .find(|(s, k)| s != *k)
+            .map_or(shard_bytes.len(), |(s, _)| s);
+        return Err(err(
+            &shard_section(missing),
+            format!("missing: field shards of section {JOB_SECTION} is {shards}"),
+        ));
+    }
+    let mut decoded = Vec::new();
+    for (s, bytes) in shard_bytes {
+        let name = shard_section(s);
+        let snap = decode_shard(bytes).map_err(|e| err(&name, e))?;
+        // Restore takes a shard's index from its section; the two must agree.
+        if snap.shard as usize != s {
+            return Err(err(
+                &name,
+                format!("field shard is {}; the section is shard {s}'s", snap.shard),
+            ));
+        }
+        decoded.push(snap);
+    }
+    Ok(Sections {
+        job,
+        shards: decoded,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
