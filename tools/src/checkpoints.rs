@@ -278,7 +278,9 @@ fn verify_listed(
                     Err(_) => Ok(r),
                 });
         let verified = match verified {
-            Err(e @ SegmentsFailed::Scratch(_)) => return Err(e.into_failed(job)),
+            Err(e @ (SegmentsFailed::Scratch(_) | SegmentsFailed::Sections(_))) => {
+                return Err(e.into_failed(job))
+            }
             Err(SegmentsFailed::Verify(e)) => Err(e),
             Ok(r) => Ok(r),
         };
@@ -312,9 +314,10 @@ fn verify_listed(
     Ok((checked, skipped))
 }
 
-/// After the CRCs matched the metadata: every segment the checkpoint references passes the
-/// checks a restore makes of it (structure, every key in its filter), so that `verify` refuses
-/// what a restore would. A CRC only says the bytes are those the metadata describes, and a
+/// After the CRCs matched the metadata: the runtime's sections agree with each other (shard
+/// count, shard sections, format version: `weir_runtime::checkpoint::layout`), and every
+/// segment the checkpoint references passes the checks a restore makes of it (structure, every
+/// key in its filter), so that `verify` refuses what a restore would. A CRC only says the bytes are those the metadata describes, and a
 /// file changed together with its metadata passes it. A raw segment is checked in place. A
 /// framed one (a copy, made where the hard link failed: the state directory on another file
 /// system) is first taken out of its frames by `copy_out`, as a restore does, into a scratch
@@ -326,6 +329,9 @@ fn check_segments(
     copy_out: &dyn Fn(&FileRef, &Path) -> Result<u64, CheckpointError>,
 ) -> Result<(), SegmentsFailed> {
     let checkpoint_id = m.checkpoint_id;
+    // A forged shard count passes every CRC (the metadata's is written again with it).
+    weir_runtime::checkpoint::layout(&m.sections)
+        .map_err(|e| SegmentsFailed::Sections(format!("checkpoint {checkpoint_id}: {e}")))?;
     let corrupt = |source| {
         SegmentsFailed::Verify(VerifyError::Corrupt {
             checkpoint_id,
@@ -395,6 +401,8 @@ enum SegmentsFailed {
     /// No scratch directory for a framed segment's copy: this machine's problem, not the
     /// checkpoint's (exit code 1).
     Scratch(IoError),
+    /// The runtime's metadata sections disagree with each other (exit code 3).
+    Sections(String),
 }
 
 impl SegmentsFailed {
@@ -403,6 +411,7 @@ impl SegmentsFailed {
         match self {
             SegmentsFailed::Verify(e) => VerifyFailed::Corrupt(format!("{what}: {e}")),
             SegmentsFailed::Scratch(e) => VerifyFailed::Other(format!("{what}: {e}")),
+            SegmentsFailed::Sections(e) => VerifyFailed::Corrupt(format!("{what}: {e}")),
         }
     }
 }

@@ -1215,6 +1215,49 @@ fn verify_checks_segments_beyond_the_crcs_in_the_metadata() {
     assert!(stderr(&v).contains(name), "{}", stderr(&v));
 }
 
+/// A checkpoint whose shard count was lowered and its metadata's CRC written again passes
+/// every CRC; `verify` refuses it as a restore and `inspect` do (exit 3, naming the section
+/// and the field). Before, verify said ok and a restore dropped shard 1's state.
+#[test]
+fn verify_refuses_a_forged_shard_count() {
+    let Inputs {
+        dir: _dir,
+        input,
+        out,
+        ck,
+        ..
+    } = Inputs::new(2_000, 11, "jsonl");
+    let r = keyed_sum(
+        &input,
+        "jsonl",
+        &out,
+        &["--checkpoint-dir", ck.to_str().expect("utf8")],
+    );
+    assert!(r.status.success(), "{}", stderr(&r));
+    let job = ck.join("keyed-sum");
+    let (chk, meta_path, mut m) = newest_checkpoint(&job);
+    let (_, bytes) = m
+        .sections
+        .iter_mut()
+        .find(|(name, _)| name == "weir/job")
+        .expect("the job section");
+    // `shards`, a u32 at bytes 0..4 (docs/checkpoint-format.md): 2 shards become 1.
+    assert_eq!(bytes[..4], 2u32.to_le_bytes());
+    bytes[..4].copy_from_slice(&1u32.to_le_bytes());
+    std::fs::write(&meta_path, m.encode()).expect("write metadata");
+    for dir in [&chk, &ck] {
+        for cmd in ["verify", "inspect"] {
+            let v = weir(&["checkpoints", cmd, dir.to_str().expect("utf8")]);
+            assert_eq!(v.status.code(), Some(3), "{cmd}: {}", stderr(&v));
+            let e = stderr(&v);
+            assert!(
+                e.contains("weir/shard-0001") && e.contains("field shards"),
+                "{cmd}: {e}"
+            );
+        }
+    }
+}
+
 /// `weir checkpoints savepoint` of checkpoint directory `chk` (of checkpoint directory `ck`)
 /// into `to`: the savepoint's directory.
 fn savepoint_of(ck: &Path, chk: &Path, to: &Path) -> PathBuf {
