@@ -610,10 +610,8 @@ fn restore_from_path(config: &JobConfig, path: &Path) -> Result<Arc<RestoreState
         .file_name()
         .and_then(|n| n.to_str())
         .unwrap_or_default();
-    if let Some(n) = name
-        .strip_prefix("chk-")
-        .and_then(|n| n.parse::<u64>().ok())
-    {
+    // Only the spelling storage writes: `chk-04` is not checkpoint 4's directory.
+    if let Some(n) = weir_io::parse_checkpoint_dir_name(name) {
         let job_dir = path
             .parent()
             .ok_or_else(|| err("no job directory".into()))?;
