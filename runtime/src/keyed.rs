@@ -372,10 +372,28 @@ impl OpState {
     }
 
     #[inline]
-    pub fn set_key<K: KeyCodec>(&mut self, key: &K) {
+    /// Make `key` the current key. False, with the operator's failure recorded, for a key
+    /// longer than keyed state takes (`weir_state::MAX_KEY_BYTES`): the caller drops the
+    /// record, and the job fails naming the operator and the key's length.
+    #[must_use]
+    pub fn set_key<K: KeyCodec>(&mut self, key: &K) -> bool {
         self.key_bytes.clear();
         key.encode_key(&mut self.key_bytes);
+        if self.key_bytes.len() > weir_state::MAX_KEY_BYTES {
+            self.fail.fail(crate::JobError::Operator {
+                operator: self.name.clone(),
+                shard: self.shard,
+                message: weir_state::StateError::KeyTooLong {
+                    what: "key",
+                    len: self.key_bytes.len(),
+                    max: weir_state::MAX_KEY_BYTES,
+                }
+                .to_string(),
+            });
+            return false;
+        }
         self.key_group = key_group_of(&self.key_bytes, self.max_parallelism);
+        true
     }
 
     /// The first `n` states the operator used (ids are a few `Copy` words).
@@ -630,6 +648,10 @@ where
         let a = &mut self.ahead;
         a.key.clear();
         key.encode_key(&mut a.key);
+        if a.key.len() > weir_state::MAX_KEY_BYTES {
+            // `collect` fails the job on this record; nothing to load for it.
+            return;
+        }
         let kg = key_group_of(&a.key, self.ops.max_parallelism);
         let mut n = 0;
         for id in self.ops.hot_ids(PREFETCH_STATES) {
@@ -649,7 +671,9 @@ where
     fn collect(&mut self, rec: I, ts: i64) {
         bump(&self.counters.records_in, 1);
         let key = (self.key)(&rec);
-        self.ops.set_key(&key);
+        if !self.ops.set_key(&key) {
+            return;
+        }
         let mut ctx = KeyedContext {
             key: &key,
             ts,

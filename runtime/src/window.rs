@@ -513,7 +513,9 @@ where
             return;
         }
         let key = (self.key)(&rec);
-        self.ops.set_key(&key);
+        if !self.ops.set_key(&key) {
+            return;
+        }
         let mut windows = std::mem::take(&mut self.windows);
         if let Err(e) = self.assigner.assign(ts, &mut windows) {
             self.ops.fail.fail(crate::JobError::Operator {

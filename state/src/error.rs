@@ -40,6 +40,13 @@ pub enum StateError {
     /// wrote nothing that stays.
     #[error("the maintenance job was cancelled")]
     Cancelled,
+    /// A key, namespace or map key longer than keyed state takes ([`crate::MAX_KEY_BYTES`]).
+    #[error("a {what} of {len} bytes (encoded) is longer than the {max} bytes keyed state takes")]
+    KeyTooLong {
+        what: &'static str,
+        len: usize,
+        max: usize,
+    },
 }
 
 impl StateError {

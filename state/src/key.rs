@@ -125,6 +125,23 @@ pub trait KeyCodec {
     fn encode_key(&self, out: &mut Vec<u8>);
     /// Decode from the front of `input`, advancing it. `None` if malformed.
     fn decode_key(input: &mut &[u8]) -> Option<Self::Owned>;
+    /// How many bytes [`Self::encode_key`] appends: what [`MAX_KEY_BYTES`] bounds.
+    fn encoded_len(&self) -> usize {
+        let mut v = Vec::new();
+        self.encode_key(&mut v);
+        v.len()
+    }
+}
+
+/// The longest encoded key, namespace or map key that keyed state takes. A store key holds
+/// the three with 10 bytes of fields, and its length is a u16 (segment entries, memtable
+/// records); 16 KiB each leaves room for all three at once. A longer one is an error
+/// (`StateError::KeyTooLong`, or the keyed operator's failure), never a cut key.
+pub const MAX_KEY_BYTES: usize = 16 * 1024;
+
+/// [`KeyCodec::encoded_len`] of bytes: each zero byte is escaped, and two bytes end them.
+fn encoded_bytes_len(b: &[u8]) -> usize {
+    b.len() + b.iter().filter(|&&x| x == 0).count() + 2
 }
 
 fn take<'a>(input: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
@@ -223,6 +240,9 @@ impl KeyCodec for [u8] {
     fn encode_key(&self, out: &mut Vec<u8>) {
         encode_bytes(self, out);
     }
+    fn encoded_len(&self) -> usize {
+        encoded_bytes_len(self)
+    }
     fn decode_key(input: &mut &[u8]) -> Option<Vec<u8>> {
         decode_bytes(input)
     }
@@ -232,6 +252,9 @@ impl KeyCodec for Vec<u8> {
     type Owned = Vec<u8>;
     fn encode_key(&self, out: &mut Vec<u8>) {
         encode_bytes(self, out);
+    }
+    fn encoded_len(&self) -> usize {
+        encoded_bytes_len(self)
     }
     fn decode_key(input: &mut &[u8]) -> Option<Vec<u8>> {
         decode_bytes(input)
@@ -243,6 +266,9 @@ impl KeyCodec for str {
     fn encode_key(&self, out: &mut Vec<u8>) {
         encode_bytes(self.as_bytes(), out);
     }
+    fn encoded_len(&self) -> usize {
+        encoded_bytes_len(self.as_bytes())
+    }
     fn decode_key(input: &mut &[u8]) -> Option<String> {
         String::from_utf8(decode_bytes(input)?).ok()
     }
@@ -253,6 +279,9 @@ impl KeyCodec for String {
     fn encode_key(&self, out: &mut Vec<u8>) {
         encode_bytes(self.as_bytes(), out);
     }
+    fn encoded_len(&self) -> usize {
+        encoded_bytes_len(self.as_bytes())
+    }
     fn decode_key(input: &mut &[u8]) -> Option<String> {
         str::decode_key(input)
     }
@@ -262,6 +291,9 @@ impl<T: KeyCodec + ?Sized> KeyCodec for &T {
     type Owned = T::Owned;
     fn encode_key(&self, out: &mut Vec<u8>) {
         (**self).encode_key(out);
+    }
+    fn encoded_len(&self) -> usize {
+        (**self).encoded_len()
     }
     fn decode_key(input: &mut &[u8]) -> Option<T::Owned> {
         T::decode_key(input)

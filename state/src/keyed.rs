@@ -39,7 +39,9 @@ use rkyv::{Archive, Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::StateError;
-use crate::key::{bytes_eq, encode_state_key, key_group_for, KeyCodec, KeyGroup, KeyGroupRange};
+use crate::key::{
+    bytes_eq, encode_state_key, key_group_for, KeyCodec, KeyGroup, KeyGroupRange, MAX_KEY_BYTES,
+};
 use crate::memtable::MemHint;
 use crate::store::{Found, SnapshotJob, Store};
 
@@ -709,9 +711,18 @@ pub struct MapState<K: ?Sized, V> {
 state_handle!(MapState[K: ?Sized, V][K, V]);
 
 impl<K: KeyCodec + ?Sized, V: StateValue> MapState<K, V> {
-    fn build(&self, be: &mut KeyedBackend, mk: &K) {
+    fn build(&self, be: &mut KeyedBackend, mk: &K) -> Result<(), StateError> {
+        let len = mk.encoded_len();
+        if len > MAX_KEY_BYTES {
+            return Err(StateError::KeyTooLong {
+                what: "map key",
+                len,
+                max: MAX_KEY_BYTES,
+            });
+        }
         be.build_key(self.id);
         mk.encode_key(&mut be.kbuf);
+        Ok(())
     }
 
     pub fn get<'a>(
@@ -719,7 +730,7 @@ impl<K: KeyCodec + ?Sized, V: StateValue> MapState<K, V> {
         be: &'a mut KeyedBackend,
         mk: &K,
     ) -> Result<Option<&'a V::Archived>, StateError> {
-        self.build(be, mk);
+        self.build(be, mk)?;
         match be.store.get(&be.kbuf)? {
             Some(f) => access::<V>(self.id, f).map(Some),
             None => Ok(None),
@@ -727,18 +738,19 @@ impl<K: KeyCodec + ?Sized, V: StateValue> MapState<K, V> {
     }
 
     pub fn contains(&self, be: &mut KeyedBackend, mk: &K) -> Result<bool, StateError> {
-        self.build(be, mk);
+        self.build(be, mk)?;
         Ok(be.store.get(&be.kbuf)?.is_some())
     }
 
     pub fn put(&self, be: &mut KeyedBackend, mk: &K, v: &V) -> Result<(), StateError> {
-        self.build(be, mk);
+        self.build(be, mk)?;
         be.put_value(self.id, v)
     }
 
-    pub fn remove(&self, be: &mut KeyedBackend, mk: &K) {
-        self.build(be, mk);
+    pub fn remove(&self, be: &mut KeyedBackend, mk: &K) -> Result<(), StateError> {
+        self.build(be, mk)?;
         be.store.delete(&be.kbuf);
+        Ok(())
     }
 
     /// Visit entries in map-key order.

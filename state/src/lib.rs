@@ -20,7 +20,9 @@ mod store;
 
 pub use error::{FormatError, IoError, StateError};
 pub use handle::{SegmentRef, SnapshotHandle};
-pub use key::{key_group_for, KeyCodec, KeyGroup, KeyGroupRange, DEFAULT_MAX_PARALLELISM};
+pub use key::{
+    key_group_for, KeyCodec, KeyGroup, KeyGroupRange, DEFAULT_MAX_PARALLELISM, MAX_KEY_BYTES,
+};
 pub use keyed::{
     AggregateFunction, AggregatingState, KeyedBackend, ListState, MapState, ReducingState,
     StateValue, TimeDomain, Timer, ValueState, TIMER_STATE_ID,

@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use weir_io::{Fs, StdFs};
 use weir_state::{
-    AggregateFunction, KeyGroupRange, KeyedBackend, SnapshotHandle, Store, StoreConfig, TimeDomain,
+    AggregateFunction, KeyGroupRange, KeyedBackend, SnapshotHandle, StateError, Store, StoreConfig,
+    TimeDomain,
 };
 
 /// Counts allocations of the current thread (other test threads do not interfere).
@@ -141,8 +142,29 @@ fn every_state_kind_round_trips_through_segments() {
         assert_eq!(avg.get(&mut be).unwrap(), Some(2.0));
     }
     be.set_current_key(&5u64);
-    prices.remove(&mut be, &"item1".to_owned());
+    prices.remove(&mut be, &"item1".to_owned()).unwrap();
     assert!(!prices.contains(&mut be, &"item1".to_owned()).unwrap());
+    // A map key longer than keyed state takes is an error naming its length, for every
+    // call (before, the store's key-length assertion panicked), and the map is unchanged.
+    let long = "k".repeat(weir_state::MAX_KEY_BYTES);
+    let too_long = |r: Result<(), StateError>| {
+        matches!(r, Err(StateError::KeyTooLong { what: "map key", len, max })
+            if len == weir_state::MAX_KEY_BYTES + 2 && max == weir_state::MAX_KEY_BYTES)
+    };
+    assert!(too_long(prices.put(&mut be, &long, &1u32)));
+    assert!(too_long(prices.get(&mut be, &long).map(|_| ())));
+    assert!(too_long(prices.contains(&mut be, &long).map(|_| ())));
+    assert!(too_long(prices.remove(&mut be, &long)));
+    let longest = "k".repeat(weir_state::MAX_KEY_BYTES - 2);
+    prices.put(&mut be, &longest, &7u32).unwrap();
+    assert_eq!(
+        prices
+            .get(&mut be, &longest)
+            .unwrap()
+            .map(|v| v.to_native()),
+        Some(7)
+    );
+    prices.remove(&mut be, &longest).unwrap();
     bids.clear(&mut be).unwrap();
     assert!(bids.get(&mut be).unwrap().is_empty());
     count.clear(&mut be);

@@ -144,6 +144,49 @@ fn timestamps_without_a_representable_window_fail_the_job() {
     );
 }
 
+/// A key longer than keyed state takes fails the job naming the operator and the key's
+/// length, for keyed process functions and windows alike; before, the store's key-length
+/// assertion panicked the shard.
+#[test]
+fn a_key_longer_than_keyed_state_takes_fails_the_job() {
+    let long = "k".repeat(weir_state::MAX_KEY_BYTES);
+    let reduce = |key: String| {
+        let mut d = TestDriver::new(|s| {
+            s.key_by(|e: &(String, i64)| e.0.clone())
+                .reduce(|a, b| (a.0, a.1 + b.1))
+        })
+        .expect("driver");
+        d.push(("a".to_owned(), 1));
+        d.push((key, 2));
+        d.run_until_idle().and_then(|()| d.finish())
+    };
+    let e = reduce(long.clone()).expect_err("too long");
+    let message = e.to_string();
+    assert!(
+        message.contains(&format!("{} bytes", weir_state::MAX_KEY_BYTES + 2))
+            && message.contains("longer than"),
+        "{message}"
+    );
+    let fits = "k".repeat(weir_state::MAX_KEY_BYTES - 2);
+    assert_eq!(reduce(fits.clone()).expect("fits").len(), 2);
+    let mut d = TestDriver::new(|s| {
+        s.assign_timestamps(WatermarkStrategy::bounded_out_of_orderness(
+            0,
+            |e: &(String, i64)| e.1,
+        ))
+        .key_by(|e| e.0.clone())
+        .window(WindowAssigner::tumbling(10))
+        .count_with(|k, w, n| (k.len(), w.start, n))
+    })
+    .expect("driver");
+    d.push((long, 1));
+    let e = d
+        .run_until_idle()
+        .and_then(|()| d.finish())
+        .expect_err("too long");
+    assert!(e.to_string().contains("longer than"), "{e}");
+}
+
 fn d_now(ts: i64) -> i64 {
     1_000_000 + ts * 1000
 }
