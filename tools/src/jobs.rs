@@ -140,15 +140,34 @@ fn check_window(ts: i64, window_ms: i64, column: &str, field: &str) -> Result<()
     }
 }
 
+/// A key longer than keyed state takes is a bad line under the error policy: in the job it
+/// fails the keyed operator without naming the line.
+fn check_key(field: &str, column: &str) -> Result<(), String> {
+    use weir_state::KeyCodec;
+    let len = field.encoded_len();
+    if len > weir_state::MAX_KEY_BYTES {
+        return Err(format!(
+            "column `{column}`: a key of {len} bytes (encoded) is longer than the {} bytes \
+             keyed state takes",
+            weir_state::MAX_KEY_BYTES
+        ));
+    }
+    Ok(())
+}
+
 pub fn keyed_sum(a: &KeyedSumArgs) -> Result<(), String> {
     let value_col = a.value.clone();
+    let key_col = a.key.clone();
     let source = FileSource::new(
         a.input.input.clone(),
         format(a.input.format),
         &[a.key.as_str(), a.value.as_str()],
         // Values are 64-bit; sums are 128-bit, so that no sum is clamped or wraps: reaching
         // 2^127 takes more than 2^64 records.
-        move |f: &[&str], _| Ok((f[0].to_string(), i128::from(parse_int(f[1], &value_col)?))),
+        move |f: &[&str], _| {
+            check_key(f[0], &key_col)?;
+            Ok((f[0].to_string(), i128::from(parse_int(f[1], &value_col)?)))
+        },
     )
     .error_policy(policy(&a.input.on_error));
     let skipped = source.skipped();
@@ -182,12 +201,14 @@ pub fn keyed_sum(a: &KeyedSumArgs) -> Result<(), String> {
 
 pub fn window_count(a: &WindowCountArgs) -> Result<(), String> {
     let ts_col = a.timestamp.clone();
+    let key_col = a.key.clone();
     let window = a.window;
     let source = FileSource::new(
         a.input.input.clone(),
         format(a.input.format),
         &[a.key.as_str(), a.timestamp.as_str()],
         move |f: &[&str], _| {
+            check_key(f[0], &key_col)?;
             let ts = parse_int(f[1], &ts_col)?;
             check_window(ts, window, &ts_col, f[1])?;
             Ok((f[0].to_string(), ts))

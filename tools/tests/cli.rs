@@ -367,6 +367,19 @@ fn sums_past_the_64_bit_range_are_exact_and_values_past_it_are_errors() {
     );
 }
 
+/// A key longer than keyed state takes is a bad line named by file and line (skipped under
+/// `--on-error skip`); before, the job's shard panicked on it.
+#[test]
+fn a_key_longer_than_keyed_state_takes_is_a_bad_line() {
+    let long = "x".repeat(70_000);
+    let (code, e, _) = keyed_sum_csv(&format!("k,v\na,1\n{long},2\nb,3\n"));
+    assert_eq!(code, Some(1), "{e}");
+    assert!(
+        e.contains("in.csv:3") && e.contains("70002 bytes") && !e.contains("panicked"),
+        "{e}"
+    );
+}
+
 #[test]
 fn a_csv_header_naming_a_wanted_column_twice_is_an_error() {
     let (code, e, lines) = keyed_sum_csv("k,v,k\na,1,b\n");
