@@ -32,7 +32,7 @@ pub struct PartLayout {
     pub logical: Vec<(String, u64)>,
 }
 
-/// Decodes (and validates, as a restore does: [`decode_sections`]) the runtime's sections of a
+/// Decodes (and validates, as a restore does: `decode_sections`) the runtime's sections of a
 /// checkpoint's metadata. An error names the section that is missing, does not decode, or
 /// disagrees with another.
 pub fn layout(sections: &[(String, Vec<u8>)]) -> Result<CheckpointLayout, String> {
