@@ -616,6 +616,13 @@ impl Inputs {
             ck,
         }
     }
+
+    /// `weir run keyed-sum` of the (JSONL) input checkpointing into `ck`, which must succeed.
+    fn run_checkpointed(&self) {
+        let flags = ["--checkpoint-dir", self.ck.to_str().expect("utf8")];
+        let r = keyed_sum(&self.input, "jsonl", &self.out, &flags);
+        assert!(r.status.success(), "{}", stderr(&r));
+    }
 }
 
 /// A checkpointed `weir run keyed-sum` (or another job, see [`CheckpointedRun::window_count`])
@@ -1184,20 +1191,9 @@ fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
 /// naming the file and the offset.
 #[test]
 fn verify_checks_segments_beyond_the_crcs_in_the_metadata() {
-    let Inputs {
-        dir,
-        input,
-        out,
-        ck,
-        ..
-    } = Inputs::new(5_000, 17, "jsonl");
-    let r = keyed_sum(
-        &input,
-        "jsonl",
-        &out,
-        &["--checkpoint-dir", ck.to_str().expect("utf8")],
-    );
-    assert!(r.status.success(), "{}", stderr(&r));
+    let inputs = Inputs::new(5_000, 17, "jsonl");
+    inputs.run_checkpointed();
+    let Inputs { dir, ck, .. } = inputs;
     let job = ck.join("keyed-sum");
     let (chk, meta_path, mut m) = newest_checkpoint(&job);
     let f = m
@@ -1233,20 +1229,9 @@ fn verify_checks_segments_beyond_the_crcs_in_the_metadata() {
 /// and the field). Before, verify said ok and a restore dropped shard 1's state.
 #[test]
 fn verify_refuses_a_forged_shard_count() {
-    let Inputs {
-        dir: _dir,
-        input,
-        out,
-        ck,
-        ..
-    } = Inputs::new(2_000, 11, "jsonl");
-    let r = keyed_sum(
-        &input,
-        "jsonl",
-        &out,
-        &["--checkpoint-dir", ck.to_str().expect("utf8")],
-    );
-    assert!(r.status.success(), "{}", stderr(&r));
+    let inputs = Inputs::new(2_000, 11, "jsonl");
+    inputs.run_checkpointed();
+    let Inputs { dir: _dir, ck, .. } = inputs;
     let job = ck.join("keyed-sum");
     let (chk, meta_path, mut m) = newest_checkpoint(&job);
     let (_, bytes) = m
