@@ -12,14 +12,19 @@ fn weir(args: &[&str]) -> Output {
         .expect("weir runs")
 }
 
-/// [`weir`], killed if it has not exited within `secs` (a failure, not a hang of the suite).
-fn weir_within(args: &[&str], secs: u64) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_weir"))
+/// `weir` started with `args`, its standard output and error piped to this process.
+fn spawn_weir(args: &[&str]) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_weir"))
         .args(args)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .expect("weir runs");
+        .expect("weir runs")
+}
+
+/// [`weir`], killed if it has not exited within `secs` (a failure, not a hang of the suite).
+fn weir_within(args: &[&str], secs: u64) -> Output {
+    let mut child = spawn_weir(args);
     let until = std::time::Instant::now() + std::time::Duration::from_secs(secs);
     while child.try_wait().expect("wait").is_none() {
         if std::time::Instant::now() > until {
@@ -35,12 +40,7 @@ fn weir_within(args: &[&str], secs: u64) -> Output {
 /// [`weir`] with its standard output a pipe that the reader closed before reading, as
 /// `weir ... | head -0` leaves it.
 fn weir_to_a_closed_pipe(args: &[&str]) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_weir"))
-        .args(args)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("weir runs");
+    let mut child = spawn_weir(args);
     drop(child.stdout.take());
     child.wait_with_output().expect("output")
 }
