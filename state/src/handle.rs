@@ -114,12 +114,12 @@ impl SnapshotHandle {
         if b[6] != weir_io::CHECKSUM_CRC32_IEEE {
             return Err(bad(6, "unsupported checksum algorithm"));
         }
-        let mut pos = 8;
-        let mut take = |n: usize| -> Result<&[u8], StateError> {
-            let s = body
-                .get(pos..pos + n)
-                .ok_or_else(|| bad(pos, "truncated"))?;
-            pos += n;
+        // A cell, so that errors can name the offset of the field just read.
+        let pos = std::cell::Cell::new(8);
+        let take = |n: usize| -> Result<&[u8], StateError> {
+            let at = pos.get();
+            let s = body.get(at..at + n).ok_or_else(|| bad(at, "truncated"))?;
+            pos.set(at + n);
             Ok(s)
         };
         let u64_of = |s: &[u8]| u64::from_le_bytes(s.try_into().unwrap_or([0; 8]));
@@ -135,16 +135,30 @@ impl SnapshotHandle {
             let size_bytes = u64_of(take(8)?);
             let crc32 = u32::from_le_bytes(take(4)?.try_into().unwrap_or([0; 4]));
             let entry_count = u64_of(take(8)?);
+            let flags_at = pos.get();
             let flags = take(1)?[0];
+            if flags & !3 != 0 {
+                return Err(bad(flags_at, "unknown segment flag bits"));
+            }
+            let range_at = pos.get();
             let first = u16_of(take(2)?);
             let last = u16_of(take(2)?);
             let plen = usize::from(u16_of(take(2)?));
-            let path = std::str::from_utf8(take(plen)?).map_err(|_| bad(0, "path is not UTF-8"))?;
+            let path_at = pos.get();
+            let path =
+                std::str::from_utf8(take(plen)?).map_err(|_| bad(path_at, "path is not UTF-8"))?;
             let key_groups = if flags & 2 != 0 {
                 if first > last {
-                    return Err(bad(0, "empty key group range"));
+                    return Err(bad(range_at, "empty key group range"));
                 }
                 Some(KeyGroupRange { first, last })
+            } else if entry_count > 0 {
+                // A restore skips a segment without key groups as empty: entries without a
+                // range would be dropped without a word.
+                return Err(bad(
+                    flags_at,
+                    "a segment with entries has no key group range",
+                ));
             } else {
                 None
             };
@@ -158,8 +172,8 @@ impl SnapshotHandle {
                 is_new: flags & 1 != 0,
             });
         }
-        if pos != body.len() {
-            return Err(bad(pos, "trailing bytes"));
+        if pos.get() != body.len() {
+            return Err(bad(pos.get(), "trailing bytes"));
         }
         Ok(SnapshotHandle {
             checkpoint_id,
@@ -203,5 +217,62 @@ mod tests {
         for cut in 0..b.len() {
             assert!(SnapshotHandle::from_bytes(&b[..cut]).is_err());
         }
+    }
+
+    /// Fields changed with the CRC written again: a segment with entries but no key-group
+    /// range (a restore skipped it as empty, losing its entries without an error), unknown
+    /// flag bits and an empty range are errors at the field's offset.
+    #[test]
+    fn forged_segment_flags_are_errors_at_their_offset() {
+        let h = SnapshotHandle {
+            checkpoint_id: 9,
+            next_seq: 77,
+            max_parallelism: 128,
+            segments: vec![SegmentRef {
+                path: PathBuf::from("seg-1.wseg"),
+                segment_id: 1,
+                size_bytes: 4096,
+                crc32: 7,
+                entry_count: 48,
+                key_groups: Some(KeyGroupRange::new(0, 7)),
+                is_new: true,
+            }],
+        };
+        let b = h.to_bytes();
+        // Header 8, checkpoint id and next seq 16, max parallelism and reserved 4, count 4;
+        // then the segment's id 8, size 8, CRC 4, entries 8: its flags.
+        let flags_at = 8 + 16 + 4 + 4 + 28;
+        assert_eq!(b[flags_at], 3);
+        let forge = |at: usize, byte: u8| {
+            let mut c = b.clone();
+            c[at] = byte;
+            let n = c.len() - 4;
+            let crc = weir_io::crc32(&[&c[..n]]);
+            c[n..].copy_from_slice(&crc.to_le_bytes());
+            SnapshotHandle::from_bytes(&c)
+        };
+        let offset = |r: Result<SnapshotHandle, StateError>| match r {
+            Err(StateError::BadHandle { offset, reason }) => (offset, reason),
+            other => panic!("{other:?}"),
+        };
+        let (at, why) = offset(forge(flags_at, 1));
+        assert_eq!(at, flags_at as u64, "{why}");
+        assert!(why.contains("no key group range"), "{why}");
+        assert_eq!(offset(forge(flags_at, 0x13)).0, flags_at as u64);
+        // first (0) above last: the range's own offset.
+        assert_eq!(offset(forge(flags_at + 1, 9)).0, flags_at as u64 + 1);
+        // Without entries, no range is fine (an empty segment).
+        let empty = SnapshotHandle {
+            segments: vec![SegmentRef {
+                entry_count: 0,
+                key_groups: None,
+                ..h.segments[0].clone()
+            }],
+            ..h.clone()
+        };
+        assert_eq!(
+            SnapshotHandle::from_bytes(&empty.to_bytes()).unwrap(),
+            empty
+        );
     }
 }

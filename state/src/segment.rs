@@ -927,7 +927,19 @@ impl Segment {
         let data_blocks = rd_u32(f, F_DATA_BLOCKS);
         let filter_offset = rd_u64(f, F_FILTER_OFFSET) as usize;
         let filter_len = rd_u32(f, F_FILTER_LEN) as usize;
+        if f[F_FLAGS] & !FOOTER_FLAG_EMPTY != 0 {
+            return Err(malformed(p, fo + F_FLAGS, "unknown footer flag bits"));
+        }
         let empty = f[F_FLAGS] & FOOTER_FLAG_EMPTY != 0;
+        // The flag must say what the count says: an "empty" segment with entries read as one
+        // without key groups, which a restore skips (its entries lost without an error).
+        if empty != (entry_count == 0) {
+            return Err(malformed(
+                p,
+                fo + F_FLAGS,
+                "the empty flag disagrees with the entry count",
+            ));
+        }
         let kg = (rd_u16(f, F_KG_FIRST), rd_u16(f, F_KG_LAST));
         // Region layout: header | data blocks | index | filter | footer, contiguous.
         if index_offset < FILE_HEADER_LEN
@@ -2390,6 +2402,45 @@ mod tests {
     /// Keys sharing their first 16 bytes across many small blocks: the prefix index must fall
     /// back to full keys on ties. The writer-described open must agree with the full
     /// verification, and a byte changed after writing must be caught by it.
+    /// Footer flags changed with the footer's CRC written again: the empty flag on a segment
+    /// with entries (opened as one without key groups, which a restore skips) and unknown
+    /// bits are errors at the flags' offset; the intact file opens.
+    #[test]
+    fn forged_footer_flags_are_errors_at_their_offset() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f.wseg");
+        let opts = WriterOptions {
+            block_target_bytes: 256,
+            bloom_bits_per_key: 10,
+            expected_keys: None,
+        };
+        let mut w = SegmentWriter::create(&StdFs, &p, 3, opts).unwrap();
+        for i in 0..20u32 {
+            let mut k = vec![0u8, 2, 0, 1];
+            k.extend_from_slice(&i.to_be_bytes());
+            w.add(&k, ValueRef::new(&[1; 16], NO_EXPIRY, false))
+                .unwrap();
+        }
+        w.finish().unwrap();
+        let good = std::fs::read(&p).unwrap();
+        let fs: Arc<dyn Fs> = Arc::new(StdFs);
+        assert!(Segment::open(fs.clone(), &p, Some(3), false).is_ok());
+        let fo = good.len() - FOOTER_LEN;
+        for flags in [FOOTER_FLAG_EMPTY, 0x10, 0x80 | FOOTER_FLAG_EMPTY] {
+            let mut b = good.clone();
+            b[fo + F_FLAGS] = flags;
+            let crc = weir_io::crc32(&[&b[fo..fo + F_CRC]]);
+            b[fo + F_CRC..fo + F_CRC + 4].copy_from_slice(&crc.to_le_bytes());
+            std::fs::write(&p, &b).unwrap();
+            match Segment::open(fs.clone(), &p, Some(3), false) {
+                Err(StateError::Format(FormatError::Malformed { offset, .. })) => {
+                    assert_eq!(offset, (fo + F_FLAGS) as u64, "flags {flags:#x}")
+                }
+                other => panic!("flags {flags:#x}: {other:?}"),
+            }
+        }
+    }
+
     #[test]
     fn open_written_matches_full_verification_and_catches_changed_bytes() {
         let dir = tempfile::tempdir().unwrap();
