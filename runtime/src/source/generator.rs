@@ -133,8 +133,15 @@ impl<T: 'static, F: Fn(u64, u64) -> T + Send + Sync + 'static> SourceReader<T> f
                 return Ok(SourcePoll::Finished);
             }
             out.push((self.f)(self.next, splitmix64(self.seed, self.next)));
-            self.next += self.step;
             self.emitted += 1;
+            match self.next.checked_add(self.step) {
+                Some(n) => self.next = n,
+                // The u64 index space is used up: an unbounded generator ends there.
+                None => {
+                    self.total = Some(self.next);
+                    return Ok(SourcePoll::Finished);
+                }
+            }
         }
         if self.total.is_some_and(|t| self.next >= t) {
             return Ok(SourcePoll::Finished);
@@ -152,6 +159,23 @@ impl<T: 'static, F: Fn(u64, u64) -> T + Send + Sync + 'static> SourceReader<T> f
             .map_err(|_| {
                 SourceError::BadPosition(format!("{} bytes, expected 8", position.len()))
             })?;
+        // A position this reader could have reached: one of its shard's indices (first, then
+        // every `step`), at most one step past the last. Another one (a forged position, or
+        // one from a checkpoint taken on another number of shards) would emit other shards'
+        // records and skip its own.
+        let ours = next >= self.first && (next - self.first).is_multiple_of(self.step);
+        let past_end = self
+            .total
+            .is_some_and(|t| next > t && next - t >= self.step);
+        if !ours || past_end {
+            return Err(SourceError::BadPosition(format!(
+                "index {next} is not a position of generator shard {} of {}{}",
+                self.first,
+                self.step,
+                self.total
+                    .map_or(String::new(), |t| format!(" over {t} records")),
+            )));
+        }
         self.next = next;
         if self.origin.is_some() {
             // The fixed schedule goes on where the restored position lies on it.
@@ -220,6 +244,38 @@ mod tests {
         out.clear();
         r2.poll(&mut out, 3).expect("poll");
         assert_eq!(out, vec![10, 11, 12]);
+    }
+
+    /// Positions no reader of this shard could have reached are errors: another shard's
+    /// index (before, shard 0 of 2 seeked to 5 emitted 5, 7, 9: shard 1's records), one past
+    /// the end, and one so high that the next step overflowed (a panic in debug builds, a
+    /// wrap to 0 in release). The last index of the u64 space ends the generator.
+    #[test]
+    fn seek_refuses_positions_of_other_shards_and_past_the_end() {
+        let bounded = GeneratorSource::new(Some(9), 1, |i, _| i);
+        let mut r = bounded.create_reader(0, 2).expect("reader");
+        for bad in [5u64, 1, 12, u64::MAX - 1] {
+            let e = r.seek(&bad.to_le_bytes()).expect_err("not shard 0's");
+            assert!(e.to_string().contains(&format!("index {bad}")), "{e}");
+        }
+        // 10 is one step past the last index (8): where a finished reader stands.
+        r.seek(&10u64.to_le_bytes()).expect("the end");
+        let mut out = Vec::new();
+        assert_eq!(r.poll(&mut out, 4).expect("poll"), SourcePoll::Finished);
+        assert!(out.is_empty());
+        r.seek(&4u64.to_le_bytes()).expect("shard 0's");
+        r.poll(&mut out, 2).expect("poll");
+        assert_eq!(out, [4, 6]);
+
+        let unbounded = GeneratorSource::new(None, 1, |i, _| i);
+        let mut r = unbounded.create_reader(1, 2).expect("reader");
+        r.seek(&u64::MAX.to_le_bytes())
+            .expect("shard 1's last index");
+        out.clear();
+        assert_eq!(r.poll(&mut out, 4).expect("poll"), SourcePoll::Finished);
+        assert_eq!(out, [u64::MAX]);
+        assert_eq!(r.poll(&mut out, 4).expect("poll"), SourcePoll::Finished);
+        assert_eq!(out, [u64::MAX], "nothing after the last index");
     }
 
     #[test]
