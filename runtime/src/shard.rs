@@ -1208,15 +1208,20 @@ mod tests {
     use super::*;
     use crate::checkpoint::store::CheckpointStore;
 
+    /// A checkpoint store of job `job` in `dir`.
+    fn store_in(dir: &Path) -> IoCheckpointStore {
+        let fs: Arc<dyn weir_io::Fs> = Arc::new(weir_io::StdFs);
+        let storage = weir_io::CheckpointStorage::open(fs, dir, "job").expect("storage");
+        IoCheckpointStore::new(storage)
+    }
+
     /// A checkpoint that an attempt began and aborted leaves nothing the storage lists, yet a
     /// restarted attempt must not take its id again: a straggling upload of the failed attempt
     /// would land in the new checkpoint of that id.
     #[test]
     fn a_restarted_attempt_never_reuses_a_checkpoint_id_begun_before() {
         let tmp = tempfile::tempdir().expect("tmp");
-        let fs: Arc<dyn weir_io::Fs> = Arc::new(weir_io::StdFs);
-        let storage = weir_io::CheckpointStorage::open(fs, tmp.path(), "job").expect("storage");
-        let store = IoCheckpointStore::new(storage);
+        let store = store_in(tmp.path());
         assert_eq!(first_checkpoint_id(&store, None).expect("id"), 1);
         store.begin(1).expect("begin 1");
         store.commit(1, 1, Vec::new()).expect("commit 1");
@@ -1240,9 +1245,7 @@ mod tests {
     #[test]
     fn checkpoint_ids_past_u64_max_are_exhausted_not_wrapped() {
         let tmp = tempfile::tempdir().expect("tmp");
-        let fs: Arc<dyn weir_io::Fs> = Arc::new(weir_io::StdFs);
-        let storage = weir_io::CheckpointStorage::open(fs, tmp.path(), "job").expect("storage");
-        let store = IoCheckpointStore::new(storage);
+        let store = store_in(tmp.path());
         let job_dir = store.storage.job_dir().to_path_buf();
         std::fs::create_dir(job_dir.join(format!("chk-{}", u64::MAX - 1))).expect("mkdir");
         assert_eq!(first_checkpoint_id(&store, None).expect("id"), u64::MAX);
