@@ -860,10 +860,10 @@ mod tests {
         checkpoint_with(root, |_| {})
     }
 
-    /// [`checkpoint`] whose keyed part refers to each segment's file through `edit`.
+    /// [`checkpoint`] whose keyed part's state handle describes each segment through `edit`.
     fn checkpoint_with(
         root: &Path,
-        edit: fn(&mut FileRefData),
+        edit: fn(&mut weir_state::SegmentRef),
     ) -> (CheckpointStorage, Vec<std::path::PathBuf>) {
         let fs: Arc<dyn Fs> = Arc::new(StdFs);
         let mut s = Store::open(
@@ -889,7 +889,7 @@ mod tests {
         }
         s.freeze();
         s.run_pending_maintenance().unwrap();
-        let h = s.snapshot(1).run().unwrap();
+        let mut h = s.snapshot(1).run().unwrap();
         assert_eq!(h.segments.len(), 2);
         let st = CheckpointStorage::open(fs, &root.join("ckpt"), "job").unwrap();
         let p = st.begin(1).unwrap();
@@ -903,12 +903,11 @@ mod tests {
                 size_bytes: f.size_bytes,
                 crc32: f.crc32,
             };
-            let mut referred = f.clone();
-            edit(&mut referred);
-            segments.push((seg.segment_id, referred));
+            segments.push((seg.segment_id, f.clone()));
             files.push(f);
         }
         w.finish().unwrap();
+        h.segments.iter_mut().for_each(edit);
         let part = KeyedPart {
             handle: h.to_bytes(),
             segments,
@@ -953,9 +952,7 @@ mod tests {
             max_parallelism: MP,
             ..JobConfig::default()
         };
-        let restore =
-            RestoreState::decode(1, &m.sections, Arc::new(StorageReader(st.clone())), 1, MP)
-                .unwrap();
+        let restore = RestoreState::decode(&m, Arc::new(StorageReader(st.clone())), 1, MP).unwrap();
         let ctx = BuildCtx {
             shard: 0,
             shards: 1,
@@ -1104,11 +1101,13 @@ mod tests {
     }
 
     /// A segment whose file reference and state handle disagree (size or CRC) is refused
-    /// before it is linked: the store checks the file against the handle only.
+    /// before it is linked: the store checks the file against the handle only. (A reference
+    /// that disagrees with the file the metadata lists is refused earlier, by
+    /// `decode_metadata`.)
     #[test]
     fn a_segment_whose_file_reference_and_handle_disagree_is_refused() {
         let tmp = tempfile::tempdir().unwrap();
-        let (st, paths) = checkpoint_with(tmp.path(), |f| f.crc32 ^= 1);
+        let (st, paths) = checkpoint_with(tmp.path(), |seg| seg.crc32 ^= 1);
         let e = restore_error(&st, &tmp.path().join("state"));
         assert!(
             e.contains("checkpoint 1")

@@ -555,8 +555,7 @@ fn latest_restore(
             .and_then(|_| store.storage.read_metadata(id).map_err(|e| e.to_string()))
             .and_then(|m| {
                 RestoreState::decode(
-                    id,
-                    &m.sections,
+                    &m,
                     Arc::new(StorageReader(store.storage.clone())),
                     config.shards,
                     config.max_parallelism,
@@ -630,8 +629,7 @@ fn restore_from_path(config: &JobConfig, path: &Path) -> Result<Arc<RestoreState
         storage.verify(n).map_err(|e| err(e.to_string()))?;
         let m = storage.read_metadata(n).map_err(|e| err(e.to_string()))?;
         let r = RestoreState::decode(
-            n,
-            &m.sections,
+            &m,
             Arc::new(StorageReader(storage)),
             config.shards,
             config.max_parallelism,
@@ -645,8 +643,7 @@ fn restore_from_path(config: &JobConfig, path: &Path) -> Result<Arc<RestoreState
     sp.verify().map_err(|e| err(e.to_string()))?;
     let m = sp.metadata().clone();
     let r = RestoreState::decode(
-        m.checkpoint_id,
-        &m.sections,
+        &m,
         Arc::new(SavepointReader(sp)),
         config.shards,
         config.max_parallelism,

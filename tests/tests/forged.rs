@@ -3,9 +3,10 @@
 //! stand between the change and a restore. A job restored from it fails with an error that is
 //! not a panic (a shard's panic is reported as one, and the job must not need it), or it runs
 //! to the end; nothing aborts the process. What the sections say of each other (the job
-//! section's shard count and format version, the set of shard sections) is checked: a change
-//! to it is always refused, with an error naming the checkpoint, `_metadata`, the section and
-//! the field. A lowered shard count once ran to the end with wrong results.
+//! section's shard count and format version, the set of shard sections) and which files they
+//! reference (only files the metadata lists) is checked: a change to it is always refused, with
+//! an error naming the checkpoint, `_metadata`, the section and the field or file. A lowered
+//! shard count once ran to the end with wrong results.
 //!
 //! `WEIR_FORGED_CASES` sets the number of forged checkpoints per job (default 24).
 
@@ -356,8 +357,9 @@ fn a_restore_from_forged_window_timer_and_in_flight_sections_fails_without_a_pan
 
 /// The sections' consistency, case by case, on a checkpoint of 2 shards: each forgery is
 /// refused at start with an error naming the checkpoint, `_metadata`, the section and the
-/// field. A `shards` lowered to 1 (CRCs written again) ran to the end with shard 1's keyed
-/// state dropped and wrong sums; 0 and a format version this build never wrote passed too.
+/// field (or, for a file the metadata does not list, the file). A `shards` lowered to 1
+/// (CRCs written again) ran to the end with shard 1's keyed state dropped and wrong sums; 0
+/// and a format version this build never wrote passed too.
 #[test]
 fn a_restore_from_a_forged_shard_count_shard_section_set_or_format_version_is_refused() {
     let c = checkpointed(Shape::Sum);
@@ -468,6 +470,31 @@ fn a_restore_from_a_forged_shard_count_shard_section_set_or_format_version_is_re
         }
         Err(e) => panic!("latest: not a restore error: {e}"),
         Ok(h) => panic!("latest: the job started: {:?}", h.wait()),
+    }
+    // Every file a part references must be one the metadata lists: verification reads the
+    // listed files and retention keeps them. A segment taken off the list (the CRC written
+    // again) passed `verify` unread and could be deleted under the checkpoint.
+    let parts = weir_runtime::checkpoint::layout(&c.meta)
+        .expect("layout")
+        .parts;
+    let (shard, path) = parts
+        .iter()
+        .find_map(|p| Some((p.shard, p.files.first()?.0.clone())))
+        .expect("a keyed part with a segment");
+    let mut m = c.meta.clone();
+    m.files.retain(|f| f.path != Path::new(&path));
+    assert_eq!(m.files.len() + 1, c.meta.files.len(), "{path} listed once");
+    c.forge(&m);
+    match c.start(2, false) {
+        Err(StartError::Restore { reason }) => {
+            let want = format!(
+                "checkpoint {id}: _metadata section weir/shard-{shard:04}: part sum (keyed) \
+                 references file {path}"
+            );
+            assert!(reason.contains(&want), "{reason}\nwanted: {want}");
+        }
+        Err(e) => panic!("unlisted file: not a restore error: {e}"),
+        Ok(h) => panic!("unlisted file: the job started: {:?}", h.wait()),
     }
     std::fs::write(&c.meta_path, &c.pristine).expect("write");
     c.restore(2).expect("the pristine checkpoint restores");

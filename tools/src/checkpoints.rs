@@ -205,7 +205,22 @@ fn chk_dir(dir: &Path) -> Result<Option<(String, CheckpointStorage, u64)>, Verif
         .and_then(|n| n.to_str())
         .and_then(weir_io::parse_checkpoint_dir_name);
     let job_dir = dir.parent().filter(|p| is_job_dir(p));
-    let (Some(id), Some(job_dir)) = (chk, job_dir) else {
+    let Some(job_dir) = job_dir else {
+        return Ok(None);
+    };
+    let Some(id) = chk else {
+        // Inside a job directory a `chk-` name that does not parse is no checkpoint's: read
+        // as a savepoint it was reported as a misdirected one, which it is not either.
+        let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if name.starts_with("chk-") {
+            return Err(VerifyFailed::Other(format!(
+                "{}: not a checkpoint directory: a checkpoint's is chk-<n>, its id in decimal \
+                 with no sign and no leading zero, and `{name}` is not; list the job's \
+                 checkpoints with `weir checkpoints list {}`",
+                dir.display(),
+                job_dir.display()
+            )));
+        }
         return Ok(None);
     };
     let (root, job) = jobs(job_dir).map_err(VerifyFailed::Other)?.remove(0);
@@ -315,7 +330,8 @@ fn verify_listed(
 }
 
 /// After the CRCs matched the metadata: the runtime's sections agree with each other (shard
-/// count, shard sections, format version: `weir_runtime::checkpoint::layout`), and every
+/// count, shard sections, format version) and reference only files the metadata lists
+/// (`weir_runtime::checkpoint::layout`), and every
 /// segment the checkpoint references passes the checks a restore makes of it (structure, every
 /// key in its filter), so that `verify` refuses what a restore would. A CRC only says the bytes are those the metadata describes, and a
 /// file changed together with its metadata passes it. A raw segment is checked in place. A
@@ -329,8 +345,9 @@ fn check_segments(
     copy_out: &dyn Fn(&FileRef, &Path) -> Result<u64, CheckpointError>,
 ) -> Result<(), SegmentsFailed> {
     let checkpoint_id = m.checkpoint_id;
-    // A forged shard count passes every CRC (the metadata's is written again with it).
-    weir_runtime::checkpoint::layout(&m.sections)
+    // A forged shard count or file reference passes every CRC (the metadata's is written
+    // again with it).
+    weir_runtime::checkpoint::layout(m)
         .map_err(|e| SegmentsFailed::Sections(format!("checkpoint {checkpoint_id}: {e}")))?;
     let corrupt = |source| {
         SegmentsFailed::Verify(VerifyError::Corrupt {
@@ -459,7 +476,7 @@ fn inspected(a: &InspectArgs) -> Result<CheckpointMetadata, VerifyFailed> {
 /// `weir checkpoints inspect`: what a checkpoint holds, from its metadata alone.
 pub fn inspect(a: &InspectArgs) -> Result<(), VerifyFailed> {
     let m = inspected(a)?;
-    let layout = weir_runtime::checkpoint::layout(&m.sections).map_err(|e| {
+    let layout = weir_runtime::checkpoint::layout(&m).map_err(|e| {
         VerifyFailed::Corrupt(format!("{} checkpoint {}: {e}", m.job_id, m.checkpoint_id))
     })?;
     let kind = match m.kind {

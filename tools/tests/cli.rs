@@ -1205,8 +1205,12 @@ fn verify_checks_segments_beyond_the_crcs_in_the_metadata() {
     let mut bytes = std::fs::read(&seg).expect("segment");
     bytes.truncate(bytes.len() - 64);
     std::fs::write(&seg, &bytes).expect("write");
-    f.size_bytes = bytes.len() as u64;
-    f.crc32 = weir_io::crc32(&[&bytes]);
+    let (path, size, crc) = (
+        f.path.clone(),
+        bytes.len() as u64,
+        weir_io::crc32(&[&bytes]),
+    );
+    describe_again(&mut m, &path, size, crc);
     std::fs::write(&meta_path, m.encode()).expect("write metadata");
     let v = weir(&["checkpoints", "verify", chk.to_str().expect("utf8")]);
     assert_eq!(v.status.code(), Some(3), "{}", stderr(&v));
@@ -1254,6 +1258,103 @@ fn verify_refuses_a_forged_shard_count() {
             );
         }
     }
+}
+
+/// A segment taken off the metadata's file list (CRC written again) passed `verify` unread,
+/// and retention may delete it under the checkpoint: `verify` and `inspect` now refuse it
+/// (exit 3, naming the section and the file), as a restore does. And a copy of a checkpoint
+/// under another spelling of its id (`chk-04`) is not a checkpoint directory (exit 1); it was
+/// reported as a misdirected savepoint.
+#[test]
+fn verify_refuses_an_unlisted_file_and_a_misspelled_checkpoint_directory() {
+    let inputs = Inputs::new(2_000, 12, "jsonl");
+    inputs.run_checkpointed();
+    let Inputs { dir: _dir, ck, .. } = inputs;
+    let job = ck.join("keyed-sum");
+    let (chk, meta_path, mut m) = newest_checkpoint(&job);
+
+    let id = chk
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("chk-"))
+        .expect("chk-<n>");
+    let misspelled = job.join(format!("chk-0{id}"));
+    std::fs::create_dir(&misspelled).expect("mkdir");
+    std::fs::copy(&meta_path, misspelled.join("_metadata")).expect("copy");
+    for cmd in ["verify", "inspect"] {
+        let v = weir(&["checkpoints", cmd, misspelled.to_str().expect("utf8")]);
+        assert_eq!(v.status.code(), Some(1), "{cmd}: {}", stderr(&v));
+        let e = stderr(&v);
+        assert!(e.contains("not a checkpoint directory"), "{cmd}: {e}");
+    }
+    std::fs::remove_dir_all(&misspelled).expect("rm");
+
+    let parts = weir_runtime::checkpoint::layout(&m).expect("layout").parts;
+    let (shard, path) = parts
+        .iter()
+        .find_map(|p| Some((p.shard, p.files.first()?.0.clone())))
+        .expect("a keyed part with a segment");
+    m.files.retain(|f| f.path != Path::new(&path));
+    std::fs::write(&meta_path, m.encode()).expect("write metadata");
+    for dir in [&chk, &ck] {
+        for cmd in ["verify", "inspect"] {
+            let v = weir(&["checkpoints", cmd, dir.to_str().expect("utf8")]);
+            assert_eq!(v.status.code(), Some(3), "{cmd}: {}", stderr(&v));
+            let e = stderr(&v);
+            assert!(
+                e.contains(&format!("weir/shard-{shard:04}"))
+                    && e.contains(&format!("references file {path}")),
+                "{cmd}: {e}"
+            );
+        }
+    }
+}
+
+/// Describes file `path` of checkpoint metadata `m` as `size` bytes with CRC `crc`
+/// everywhere the metadata does: its file list, and in the sections the part's file
+/// references and the store's snapshot handle inside the part (their encodings hold the size
+/// and the CRC side by side, as `u64` and `u32` little-endian), whose own CRC is written again
+/// (docs: state/src/handle.rs). A forgery as consistent as one can make, so that only the
+/// file's own checks are left to catch it.
+fn describe_again(m: &mut weir_io::CheckpointMetadata, path: &Path, size: u64, crc: u32) {
+    let f = m
+        .files
+        .iter_mut()
+        .find(|f| f.path == path)
+        .expect("a listed file");
+    let was = [&f.size_bytes.to_le_bytes()[..], &f.crc32.to_le_bytes()].concat();
+    let now = [&size.to_le_bytes()[..], &crc.to_le_bytes()].concat();
+    (f.size_bytes, f.crc32) = (size, crc);
+    let (mut replaced, mut handles) = (0, 0);
+    for (_, bytes) in m.sections.iter_mut() {
+        let mut at = 0;
+        while let Some(i) = bytes[at..].windows(was.len()).position(|w| w == was) {
+            bytes[at + i..at + i + now.len()].copy_from_slice(&now);
+            at += i + now.len();
+            replaced += 1;
+        }
+        // Each snapshot handle: "WSNH", a 32-byte head whose bytes 28..32 count the segment
+        // records, each 35 bytes and its path, then the CRC of everything before.
+        let mut at = 0;
+        while let Some(i) = bytes[at..].windows(4).position(|w| w == b"WSNH") {
+            let h = at + i;
+            let le = |b: &[u8], at: usize, n: usize| {
+                b[at..at + n]
+                    .iter()
+                    .rev()
+                    .fold(0usize, |v, &x| v << 8 | usize::from(x))
+            };
+            let mut end = h + 32;
+            for _ in 0..le(bytes, h + 28, 4) {
+                end += 35 + le(bytes, end + 33, 2);
+            }
+            let c = weir_io::crc32(&[&bytes[h..end]]);
+            bytes[end..end + 4].copy_from_slice(&c.to_le_bytes());
+            at = end + 4;
+            handles += 1;
+        }
+    }
+    assert!(replaced > 1 && handles > 0, "{} described", path.display());
 }
 
 /// `weir checkpoints savepoint` of checkpoint directory `chk` (of checkpoint directory `ck`)
@@ -1390,7 +1491,8 @@ fn verify_checks_framed_segments_too() {
         at += head + len;
     }
     assert_eq!(content.len() as u64, f.size_bytes);
-    f.crc32 = weir_io::crc32(&[&content]);
+    let (path, size) = (f.path.clone(), f.size_bytes);
+    describe_again(&mut m, &path, size, weir_io::crc32(&[&content]));
     std::fs::write(&framed, &bytes).expect("write");
     std::fs::write(&meta_path, m.encode()).expect("write metadata");
     let name = framed.file_name().and_then(|n| n.to_str()).expect("name");

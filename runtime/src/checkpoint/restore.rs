@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use super::snapshot::{
-    decode_sections, FileRefData, LogicalRefData, Part, PartKind, Sections, ShardSnapshot,
+    decode_metadata, FileRefData, LogicalRefData, Part, PartKind, Sections, ShardSnapshot,
 };
 
 /// Reads files of one checkpoint (or savepoint), verifying every CRC before returning a byte.
@@ -40,17 +40,17 @@ pub(crate) struct RestoreState {
 
 impl RestoreState {
     /// Decodes the runtime's sections of a checkpoint's metadata, checked against each other
-    /// ([`decode_sections`]) and against the job. An error names the checkpoint, the
-    /// `_metadata` section and what is wrong with it.
+    /// and against the metadata's file lists ([`decode_metadata`]) and against the job. An
+    /// error names the checkpoint, the `_metadata` section and what is wrong with it.
     pub fn decode(
-        checkpoint_id: u64,
-        sections: &[(String, Vec<u8>)],
+        m: &weir_io::CheckpointMetadata,
         reader: Arc<dyn CheckpointReader>,
         new_shards: usize,
         max_parallelism: u16,
     ) -> Result<Self, String> {
+        let checkpoint_id = m.checkpoint_id;
         let Sections { job, shards } =
-            decode_sections(sections).map_err(|e| format!("checkpoint {checkpoint_id}: {e}"))?;
+            decode_metadata(m).map_err(|e| format!("checkpoint {checkpoint_id}: {e}"))?;
         if job.max_parallelism != max_parallelism {
             return Err(format!(
                 "checkpoint {checkpoint_id} was taken with max parallelism {}, the job has {max_parallelism}: key groups would not match",
@@ -126,7 +126,7 @@ impl RestoreState {
 mod tests {
     use super::*;
     use crate::checkpoint::snapshot::{
-        encode, shard_section, JobSnapshot, JOB_SECTION, SECTIONS_VERSION,
+        encode, metadata_for_test, shard_section, JobSnapshot, JOB_SECTION, SECTIONS_VERSION,
     };
 
     struct NoFiles;
@@ -165,7 +165,8 @@ mod tests {
     }
 
     fn decode(sections: &[(String, Vec<u8>)]) -> Result<RestoreState, String> {
-        RestoreState::decode(7, sections, Arc::new(NoFiles), 2, 128)
+        let m = metadata_for_test(7, sections.to_vec(), Vec::new(), Vec::new());
+        RestoreState::decode(&m, Arc::new(NoFiles), 2, 128)
     }
 
     /// A shard count from the metadata (valid CRCs, any value) names a missing section; it

@@ -275,9 +275,186 @@ pub fn decode_sections(sections: &[(String, Vec<u8>)]) -> Result<Sections, Secti
     })
 }
 
+/// [`decode_sections`] of `m`'s sections, then every file a part references checked against
+/// the metadata's own file lists ([`check_references`]): what a restore, `weir checkpoints
+/// verify` and `inspect` read.
+pub fn decode_metadata(m: &weir_io::CheckpointMetadata) -> Result<Sections, SectionError> {
+    let sections = decode_sections(&m.sections)?;
+    check_references(&sections, &m.files, &m.logical_files)?;
+    Ok(sections)
+}
+
+/// Checks that every file a shard's parts reference (whole files, logical files, and those
+/// that a keyed or channel part's own bytes name, which its restore reads) is one the
+/// metadata lists, with the same size and CRC. Verification reads the listed files only and
+/// garbage collection keeps only those, so a reference past the lists (a forged metadata
+/// with its CRC written again) named a file nobody had verified and that `retain` may delete.
+pub fn check_references(
+    sections: &Sections,
+    files: &[weir_io::FileRef],
+    logical: &[weir_io::LogicalFileRef],
+) -> Result<(), SectionError> {
+    let files: std::collections::HashSet<&weir_io::FileRef> = files.iter().collect();
+    let logical: std::collections::HashSet<&weir_io::LogicalFileRef> = logical.iter().collect();
+    let listed_file = |section: &str, p: &Part, f: &FileRefData| {
+        if files.contains(&super::store::to_ref(f)) {
+            return Ok(());
+        }
+        Err(SectionError {
+            section: section.to_owned(),
+            problem: format!(
+                "part {} ({}) references file {} ({} bytes, crc {:08x}), which the \
+                 metadata's list of files does not name",
+                p.operator,
+                p.kind.name(),
+                f.path,
+                f.size_bytes,
+                f.crc32
+            ),
+        })
+    };
+    let listed_logical = |section: &str, p: &Part, l: &LogicalRefData| {
+        if logical.contains(&super::store::to_logical(l)) {
+            return Ok(());
+        }
+        Err(SectionError {
+            section: section.to_owned(),
+            problem: format!(
+                "part {} ({}) references logical file {} at offset {} ({} bytes, crc {:08x}), \
+                 which the metadata's list of logical files does not name",
+                p.operator,
+                p.kind.name(),
+                l.physical,
+                l.offset,
+                l.size_bytes,
+                l.crc32
+            ),
+        })
+    };
+    for (s, snap) in sections.shards.iter().enumerate() {
+        let section = shard_section(s);
+        for p in &snap.parts {
+            for f in &p.files {
+                listed_file(&section, p, f)?;
+            }
+            for l in &p.logical {
+                listed_logical(&section, p, l)?;
+            }
+            // The references a restore reads are those inside the part's own bytes.
+            let bad_bytes = |e: String| SectionError {
+                section: section.clone(),
+                problem: format!("part {} ({}): {e}", p.operator, p.kind.name()),
+            };
+            match p.kind {
+                PartKind::Channel => {
+                    let c: super::ChannelPart = decode_any(&p.bytes).map_err(bad_bytes)?;
+                    for (_, l) in &c.inputs {
+                        listed_logical(&section, p, l)?;
+                    }
+                }
+                PartKind::Keyed => {
+                    let k: crate::backend::KeyedPart = decode_any(&p.bytes).map_err(bad_bytes)?;
+                    for (_, f) in &k.segments {
+                        listed_file(&section, p, f)?;
+                    }
+                }
+                PartKind::Source | PartKind::Sink | PartKind::Watermark => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A checkpoint's metadata of `sections` listing `files` and `logical`, for tests of what
+/// reads it.
+#[cfg(test)]
+pub(crate) fn metadata_for_test(
+    checkpoint_id: u64,
+    sections: Vec<(String, Vec<u8>)>,
+    files: Vec<weir_io::FileRef>,
+    logical_files: Vec<weir_io::LogicalFileRef>,
+) -> weir_io::CheckpointMetadata {
+    weir_io::CheckpointMetadata {
+        job_id: "job".into(),
+        checkpoint_id,
+        kind: weir_io::CheckpointKind::Checkpoint,
+        trigger_timestamp_ms: 0,
+        completion_timestamp_ms: 0,
+        new_bytes: 0,
+        files,
+        logical_files,
+        sections,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Logical files are checked as whole files are: those of a part's list, and those a
+    /// channel part's own bytes name (its restore reads those), each field compared.
+    #[test]
+    fn logical_files_a_part_or_its_channel_state_names_must_be_listed() {
+        let l = LogicalRefData {
+            physical: "taskowned/3-00000000000000a1-merged".into(),
+            offset: 40,
+            size_bytes: 100,
+            first_block: 0,
+            crc32: 9,
+        };
+        let listed = vec![super::super::store::to_logical(&l)];
+        let job = JobSnapshot {
+            shards: 1,
+            max_parallelism: 128,
+            format_version: SECTIONS_VERSION,
+        };
+        let channel = |inputs: Vec<(u32, LogicalRefData)>, logical| Part {
+            operator: "exchange".into(),
+            kind: PartKind::Channel,
+            bytes: encode(&super::super::ChannelPart { inputs }),
+            files: Vec::new(),
+            logical,
+        };
+        let check = |part: Part, logical: &[weir_io::LogicalFileRef]| {
+            let shard = ShardSnapshot {
+                shard: 0,
+                parts: vec![part],
+            };
+            let sections = vec![
+                (JOB_SECTION.to_string(), encode(&job)),
+                (shard_section(0), encode(&shard)),
+            ];
+            decode_metadata(&metadata_for_test(
+                1,
+                sections,
+                Vec::new(),
+                logical.to_vec(),
+            ))
+        };
+        check(channel(vec![(0, l.clone())], vec![l.clone()]), &listed).expect("listed");
+        let e = check(channel(vec![(0, l.clone())], vec![l.clone()]), &[]).expect_err("unlisted");
+        assert_eq!(e.section, "weir/shard-0000");
+        assert_eq!(
+            e.problem,
+            "part exchange (channel) references logical file \
+             taskowned/3-00000000000000a1-merged at offset 40 (100 bytes, crc 00000009), which \
+             the metadata's list of logical files does not name"
+        );
+        // Named only inside the channel part's bytes, another block of the same file.
+        let other = LogicalRefData {
+            first_block: 1,
+            ..l.clone()
+        };
+        let e = check(channel(vec![(0, other)], vec![l.clone()]), &listed)
+            .expect_err("a channel input off the list");
+        assert!(e.problem.contains("logical file taskowned/"), "{e}");
+        let garbage = Part {
+            bytes: vec![0xff; 3],
+            ..channel(Vec::new(), Vec::new())
+        };
+        let e = check(garbage, &listed).expect_err("channel bytes that do not decode");
+        assert!(e.problem.starts_with("part exchange (channel): "), "{e}");
+    }
 
     #[test]
     fn shard_snapshot_round_trips_and_rejects_garbage() {
