@@ -1,7 +1,7 @@
 //! The built-in file jobs of `weir run`.
 
 use std::fmt::Write as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use weir_runtime::source::{ErrorPolicy, FileFormat, FileSource};
 use weir_runtime::{Job, JobConfig, WatermarkStrategy, WindowAssigner};
@@ -13,6 +13,14 @@ fn config(input: &InputArgs, job: &str) -> Result<JobConfig, String> {
     // which a checkpointing job's restart strategy retries (the file may come back) rather
     // than the one clear line this mistake deserves.
     std::fs::metadata(&input.input).map_err(|e| format!("{}: {e}", input.input.display()))?;
+    // Before the overlap checks: an --output that is the input file is named for what it is.
+    if input.output.exists() && !input.output.is_dir() {
+        return Err(format!(
+            "--output {}: exists and is not a directory",
+            input.output.display()
+        ));
+    }
+    check_paths(input)?;
     let mut c = JobConfig::new();
     if let Some(n) = input.shards {
         c = c.with_shards(n);
@@ -34,6 +42,72 @@ fn config(input: &InputArgs, job: &str) -> Result<JobConfig, String> {
     crate::apply_checkpointing(c, &input.checkpoint, job)
 }
 
+/// `p` absolute with symbolic links resolved as far as it exists (an output directory may not
+/// yet), so that two spellings of one path compare equal.
+fn resolved(p: &Path) -> PathBuf {
+    let Ok(abs) = std::path::absolute(p) else {
+        return p.to_path_buf();
+    };
+    let mut existing = abs.as_path();
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(c) = std::fs::canonicalize(existing) {
+            return rest.iter().rev().fold(c, |acc, name| acc.join(name));
+        }
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_owned());
+                existing = parent;
+            }
+            _ => return abs,
+        }
+    }
+}
+
+/// Refuses input, output and dead-letter paths that overlap. The job deletes (plain sink) or
+/// renames over (exactly-once sink) `part-*` files in --output, so an input there was lost
+/// (truncated, the run "succeeding" with 0 records); an --input directory that is --output
+/// reads the output as input on the next run; a dead-letter file that is the input was
+/// appended to it, and one in --output was overwritten by a part file.
+fn check_paths(input: &InputArgs) -> Result<(), String> {
+    let (i, o) = (resolved(&input.input), resolved(&input.output));
+    let (i_shown, o_shown) = (input.input.display(), input.output.display());
+    if i == o {
+        return Err(format!(
+            "--input {i_shown} is --output {o_shown}: the job would read its own part files as \
+             input; write the output to another directory"
+        ));
+    }
+    if i.starts_with(&o) {
+        return Err(format!(
+            "--input {i_shown} is inside --output {o_shown}, whose part files the job deletes \
+             or replaces; write the output to another directory"
+        ));
+    }
+    if let Policy::DeadLetter(d) = &input.on_error {
+        let d_shown = d.display();
+        let dr = resolved(d);
+        if dr.starts_with(&i) {
+            return Err(format!(
+                "--on-error dead-letter={d_shown} is --input {i_shown} or inside it: dead \
+                 letters would be written into the input"
+            ));
+        }
+        if dr.starts_with(&o) {
+            return Err(format!(
+                "--on-error dead-letter={d_shown} is inside --output {o_shown}, which holds the \
+                 job's part files; write dead letters elsewhere"
+            ));
+        }
+        if dr.is_dir() {
+            return Err(format!(
+                "--on-error dead-letter={d_shown}: is a directory, not a file"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Ends a stream of output lines: exactly once through the two-phase-commit file sink when the
 /// job checkpoints, else a plain file sink (after removing an earlier run's part files).
 fn write_output<T: weir_runtime::Data>(
@@ -41,12 +115,6 @@ fn write_output<T: weir_runtime::Data>(
     input: &InputArgs,
     format: impl Fn(&T, &mut String) + Send + Sync + 'static,
 ) -> Result<(), String> {
-    if input.output.exists() && !input.output.is_dir() {
-        return Err(format!(
-            "--output {}: exists and is not a directory",
-            input.output.display()
-        ));
-    }
     if input.checkpoint.checkpoint_dir.is_some() {
         // Committed output of earlier runs stays: restore publishes or discards what was
         // pending, and the job continues where its checkpoint left off.

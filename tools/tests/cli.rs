@@ -1936,3 +1936,46 @@ fn a_too_small_memlock_limit_is_a_clear_error_with_a_hint() {
     assert!(e.contains("RLIMIT_MEMLOCK") && e.contains("hint"), "{e}");
     assert!(!e.contains("panicked"), "{e}");
 }
+
+/// Input, output and dead-letter paths that overlap are refused before anything is written.
+/// Before, `--input OUT/part-0.csv --output OUT` truncated the input and exited 0 with
+/// "0 records in", and a dead-letter file that was the input had dead letters appended to it.
+#[test]
+fn overlapping_input_output_and_dead_letter_paths_are_refused() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let text = "user,amount\na,1\nb,x\n";
+    let out = dir.path().join("out");
+    std::fs::create_dir(&out).expect("mkdir");
+    let inside = out.join("part-0.csv");
+    std::fs::write(&inside, text).expect("write");
+    let r = keyed_sum(&inside, "csv", &out, &[]);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    assert!(stderr(&r).contains("is inside --output"), "{}", stderr(&r));
+    assert_eq!(std::fs::read_to_string(&inside).expect("input"), text);
+    // One directory spelled two ways: its part files would be the next run's input.
+    let same = out.join(".");
+    let r = keyed_sum(&out, "csv", &same, &[]);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    assert!(stderr(&r).contains("is --output"), "{}", stderr(&r));
+
+    let input = dir.path().join("in.csv");
+    std::fs::write(&input, text).expect("write");
+    let elsewhere = dir.path().join("out2");
+    let policy = |p: &Path| format!("dead-letter={}", p.display());
+    let r = keyed_sum(&input, "csv", &elsewhere, &["--on-error", &policy(&input)]);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    assert!(
+        stderr(&r).contains("is --input") && stderr(&r).contains("in.csv"),
+        "{}",
+        stderr(&r)
+    );
+    assert_eq!(std::fs::read_to_string(&input).expect("input"), text);
+    let in_out = elsewhere.join("part-0.csv");
+    let r = keyed_sum(&input, "csv", &elsewhere, &["--on-error", &policy(&in_out)]);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    assert!(stderr(&r).contains("inside --output"), "{}", stderr(&r));
+    let r = keyed_sum(&input, "csv", &elsewhere, &["--on-error", &policy(&out)]);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    assert!(stderr(&r).contains("is a directory"), "{}", stderr(&r));
+    assert!(!elsewhere.exists(), "nothing written");
+}
