@@ -48,7 +48,7 @@ pub fn run(a: &DemoArgs) -> Result<(), String> {
     }
     let config = crate::apply_checkpointing(config, &a.checkpoint, "demo")?;
     let checkpointing = a.checkpoint.checkpoint_dir.is_some();
-    let keys = a.keys.max(1);
+    let keys = a.keys;
     let gen = GeneratorSource::new(Some(a.events), a.seed, move |i: u64, r: u64| Bid {
         auction: r % keys,
         bidder: (r >> 24) % 1_000_000,

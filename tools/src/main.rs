@@ -65,15 +65,22 @@ pub struct CheckpointArgs {
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
     /// Interval between checkpoints.
-    #[arg(long, value_parser = parse_positive_ms, default_value = "1s")]
+    // `requires`: without --checkpoint-dir these flags were ignored without a word.
+    #[arg(long, value_parser = parse_interval_ms, default_value = "1s", requires = "checkpoint_dir")]
     pub checkpoint_interval: i64,
-    #[arg(long, value_enum, default_value = "exactly-once")]
+    /// exactly-once or at-least-once (which takes no --unaligned: it does not align).
+    #[arg(
+        long,
+        value_enum,
+        default_value = "exactly-once",
+        requires = "checkpoint_dir"
+    )]
     pub mode: ModeArg,
     /// Barriers overtake in-flight data, which is stored with the checkpoint.
-    #[arg(long)]
+    #[arg(long, requires = "checkpoint_dir")]
     pub unaligned: bool,
     /// With --unaligned: align for this long first, then turn unaligned.
-    #[arg(long, value_parser = parse_duration_ms)]
+    #[arg(long, value_parser = parse_timeout_ms, requires = "unaligned")]
     pub aligned_timeout: Option<i64>,
     /// Restore from `latest` (the newest complete checkpoint in --checkpoint-dir; none: start
     /// from the beginning) or from a checkpoint or savepoint directory.
@@ -87,14 +94,14 @@ pub struct CheckpointArgs {
     #[arg(long)]
     pub allow_non_restored_state: bool,
     /// The job's name in the checkpoint directory (default: the job's kind).
-    #[arg(long)]
+    #[arg(long, requires = "checkpoint_dir")]
     pub job_id: Option<String>,
     /// Complete checkpoints to keep (at least 1).
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..), requires = "checkpoint_dir")]
     pub retained: u64,
     /// Where a stop (SIGINT or SIGTERM) writes the job's savepoint [default:
     /// CHECKPOINT_DIR/savepoints]. A second signal ends the process at once.
-    #[arg(long)]
+    #[arg(long, requires = "checkpoint_dir")]
     pub savepoint_dir: Option<PathBuf>,
     /// Where the shards keep their local state (segment files) [default: a fresh directory in
     /// the system's temporary directory, removed at exit]. On the checkpoint directory's file
@@ -139,7 +146,7 @@ pub struct InputArgs {
     #[arg(long, default_value = "fail", value_parser = parse_policy)]
     pub on_error: Policy,
     /// Number of shards (default: one per core).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_shards)]
     pub shards: Option<usize>,
     /// Directory for the output CSV files (`part-*.csv`).
     #[arg(long)]
@@ -229,6 +236,43 @@ fn parse_positive_ms(s: &str) -> Result<i64, String> {
     }
 }
 
+/// A checkpoint duration past `MAX_DURATION` is refused here, as a usage error naming the
+/// flag: the job's own check of it came later, as exit 1 naming a configuration key.
+fn at_most_max_duration(s: &str, ms: i64) -> Result<i64, String> {
+    let max = weir_runtime::checkpoint::config::MAX_DURATION;
+    if u128::from(ms.unsigned_abs()) > max.as_millis() {
+        return Err(format!(
+            "`{s}` is more than {}, the longest duration accepted",
+            humantime::format_duration(max)
+        ));
+    }
+    Ok(ms)
+}
+
+/// `--checkpoint-interval`: more than zero, at most `MAX_DURATION`.
+fn parse_interval_ms(s: &str) -> Result<i64, String> {
+    at_most_max_duration(s, parse_positive_ms(s)?)
+}
+
+/// `--aligned-timeout`: zero (start unaligned) up to `MAX_DURATION`.
+fn parse_timeout_ms(s: &str) -> Result<i64, String> {
+    at_most_max_duration(s, parse_duration_ms(s)?)
+}
+
+/// The runtime's limit on shards (`JobConfig::validate`).
+const MAX_SHARDS: usize = 1024;
+
+/// `--shards`: checked as the flag is parsed, so that 0 or 100000 is a usage error naming the
+/// flag (exit 2) rather than exit 1 after the demo had announced "on 0 shards".
+fn parse_shards(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n @ 1..=MAX_SHARDS) => Ok(n),
+        _ => Err(format!(
+            "`{s}` is not a number of shards in 1..={MAX_SHARDS}"
+        )),
+    }
+}
+
 #[derive(Args)]
 pub struct KeyedSumArgs {
     #[command(flatten)]
@@ -263,15 +307,31 @@ pub struct DemoArgs {
     /// Events to generate.
     #[arg(long, default_value_t = 20_000_000)]
     pub events: u64,
-    #[arg(long)]
+    #[arg(long, value_parser = parse_shards)]
     pub shards: Option<usize>,
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
-    /// Distinct auctions (keys).
-    #[arg(long, default_value_t = 100_000)]
+    /// Distinct auctions (keys), at least 1.
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub keys: u64,
     #[command(flatten)]
     pub checkpoint: CheckpointArgs,
+}
+
+/// A combination of flags that clap's attributes cannot refuse (exit code 2).
+fn usage_error(cli: &Cli) -> Option<String> {
+    let ck = match &cli.command {
+        Command::Run(RunCommand::KeyedSum(a)) => &a.input.checkpoint,
+        Command::Run(RunCommand::WindowCount(a)) => &a.input.checkpoint,
+        Command::Run(RunCommand::Demo(a)) => &a.checkpoint,
+        Command::Checkpoints(_) => return None,
+    };
+    // At-least-once does not align barriers, so it has nothing to make unaligned: the flag
+    // was ignored without a word (Flink refuses the combination too).
+    if ck.unaligned && matches!(ck.mode, ModeArg::AtLeastOnce) {
+        return Some("--unaligned needs --mode exactly-once: at-least-once does not align".into());
+    }
+    None
 }
 
 /// Corruption exits with code 3 (after its error line); other failures go on as usual.
@@ -296,6 +356,12 @@ fn main() -> ExitCode {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     let cli = Cli::parse();
+    if let Some(msg) = usage_error(&cli) {
+        use clap::CommandFactory as _;
+        Cli::command()
+            .error(clap::error::ErrorKind::ArgumentConflict, msg)
+            .exit();
+    }
     let r = match cli.command {
         Command::Run(RunCommand::KeyedSum(a)) => jobs::keyed_sum(&a),
         Command::Run(RunCommand::WindowCount(a)) => jobs::window_count(&a),

@@ -1979,3 +1979,59 @@ fn overlapping_input_output_and_dead_letter_paths_are_refused() {
     assert!(stderr(&r).contains("is a directory"), "{}", stderr(&r));
     assert!(!elsewhere.exists(), "nothing written");
 }
+
+/// Checkpoint flags that need another flag, or values the job would refuse only once started,
+/// are usage errors (exit 2) naming the flag. Before, `--checkpoint-interval 5s` without
+/// `--checkpoint-dir`, `--aligned-timeout` without `--unaligned` and `--unaligned` with
+/// `--mode at-least-once` were ignored without a word (exit 0); `--shards 0` and
+/// `--checkpoint-interval 200y` were exit 1 from the job's configuration check, and
+/// `--keys 0` was taken as 1.
+#[test]
+fn flags_without_what_they_need_or_out_of_range_are_usage_errors() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let input = dir.path().join("in.csv");
+    std::fs::write(&input, "user,amount\na,1\n").expect("write");
+    let (out, ck) = (dir.path().join("out"), dir.path().join("ck"));
+    let ck_s = ck.to_str().expect("utf8");
+    let cases: [(&[&str], &str); 10] = [
+        (&["--checkpoint-interval", "5s"], "--checkpoint-dir"),
+        (&["--mode", "at-least-once"], "--checkpoint-dir"),
+        (&["--unaligned"], "--checkpoint-dir"),
+        (&["--job-id", "j"], "--checkpoint-dir"),
+        (&["--savepoint-dir", ck_s], "--checkpoint-dir"),
+        (
+            &["--checkpoint-dir", ck_s, "--aligned-timeout", "5ms"],
+            "--unaligned",
+        ),
+        (
+            &[
+                "--checkpoint-dir",
+                ck_s,
+                "--unaligned",
+                "--mode",
+                "at-least-once",
+            ],
+            "--unaligned needs --mode exactly-once",
+        ),
+        (
+            &["--checkpoint-dir", ck_s, "--checkpoint-interval", "200y"],
+            "longest duration",
+        ),
+        (&["--shards", "0"], "--shards"),
+        (&["--shards", "1025"], "--shards"),
+    ];
+    for (flags, says) in cases {
+        let r = keyed_sum(&input, "csv", &out, flags);
+        assert_eq!(r.status.code(), Some(2), "{flags:?}: {}", stderr(&r));
+        assert!(stderr(&r).contains(says), "{flags:?}: {}", stderr(&r));
+        assert!(!out.exists() && !ck.exists(), "{flags:?}: nothing written");
+    }
+    for flags in [["--keys", "0"], ["--shards", "0"]] {
+        let mut args = vec!["run", "demo", "--events", "1000"];
+        args.extend(flags);
+        let r = weir(&args);
+        assert_eq!(r.status.code(), Some(2), "{flags:?}: {}", stderr(&r));
+        assert!(stderr(&r).contains(flags[0]), "{flags:?}: {}", stderr(&r));
+        assert!(!stderr(&r).contains("bids over"), "{}", stderr(&r));
+    }
+}
