@@ -75,9 +75,20 @@ fn is_job_dir(p: &Path) -> bool {
     p.join(weir_io::SHARED_DIR).is_dir() && p.join(weir_io::TASKOWNED_DIR).is_dir()
 }
 
+/// `dir` spelled with a last component. `.` and `..` (and `x/..`) have no file name, so a job
+/// directory given so was "not a job directory", and a `chk-<n>` one, taken for a savepoint
+/// that is not one, was reported corrupt (exit 3).
+fn named(dir: &Path) -> PathBuf {
+    if dir.file_name().is_some() {
+        return dir.to_path_buf();
+    }
+    std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf())
+}
+
 /// The job directories DIR designates, as (root, job id).
 fn jobs(dir: &Path) -> Result<Vec<(PathBuf, String)>, String> {
     let split = |p: &Path| -> Result<(PathBuf, String), String> {
+        let p = &named(p);
         let root = p
             .parent()
             .map(Path::to_path_buf)
@@ -199,6 +210,7 @@ fn verify_one(a: &VerifyArgs) -> Result<(), VerifyFailed> {
 
 /// A `chk-<n>` directory of a job directory, opened through its job: (job, storage, n).
 fn chk_dir(dir: &Path) -> Result<Option<(String, CheckpointStorage, u64)>, VerifyFailed> {
+    let dir = &named(dir);
     // Only the spelling storage writes: `chk-04` is not checkpoint 4's directory.
     let chk = dir
         .file_name()

@@ -2035,3 +2035,41 @@ fn flags_without_what_they_need_or_out_of_range_are_usage_errors() {
         assert!(!stderr(&r).contains("bids over"), "{}", stderr(&r));
     }
 }
+
+/// `weir checkpoints` given `.` or `..` (a job or `chk-<n>` directory reached by `cd`). Before,
+/// a job directory so given was "not a job directory" (exit 1) and a sound `chk-<n>`
+/// directory, read as a savepoint, "misdirected block" (exit 3).
+#[test]
+fn checkpoints_commands_take_dot_and_dot_dot() {
+    let inputs = Inputs::new(1000, 7, "jsonl");
+    inputs.run_checkpointed();
+    let job = inputs.ck.join("keyed-sum");
+    let id = newest_complete_id(&job).expect("a checkpoint");
+    let chk = job.join(format!("chk-{id}"));
+    let in_dir = |cwd: &Path, args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_weir"))
+            .args(args)
+            .current_dir(cwd)
+            .output()
+            .expect("weir runs")
+    };
+    let ok = format!("ok keyed-sum checkpoint {id}");
+    let chk_name = format!("../chk-{id}");
+    for (cwd, args, says) in [
+        (&job, &["checkpoints", "list", "."][..], "keyed-sum"),
+        (&job, &["checkpoints", "verify", "."], ok.as_str()),
+        (&chk, &["checkpoints", "verify", "."], ok.as_str()),
+        (
+            &chk,
+            &["checkpoints", "verify", chk_name.as_str()],
+            ok.as_str(),
+        ),
+        (&chk, &["checkpoints", "list", ".."], "keyed-sum"),
+        (&chk, &["checkpoints", "inspect", "."], "job keyed-sum"),
+    ] {
+        let r = in_dir(cwd, args);
+        assert_eq!(r.status.code(), Some(0), "{args:?}: {}", stderr(&r));
+        let stdout = String::from_utf8_lossy(&r.stdout);
+        assert!(stdout.contains(says), "{args:?}: {stdout}");
+    }
+}
