@@ -84,7 +84,8 @@ pub struct CheckpointArgs {
     pub aligned_timeout: Option<i64>,
     /// Restore from `latest` (the newest complete checkpoint in --checkpoint-dir; none: start
     /// from the beginning) or from a checkpoint or savepoint directory.
-    #[arg(long)]
+    // Empty, it was taken for a directory: "restore: : checkpoint 0 not found".
+    #[arg(long, value_parser = clap::builder::NonEmptyStringValueParser::new())]
     pub restore: Option<String>,
     /// Let restore fall back to an older checkpoint even where that may duplicate output.
     #[arg(long)]
@@ -184,6 +185,18 @@ pub fn apply_checkpointing(
         Some(d) => c.with_state_dir(d),
         None => c,
     };
+    // Used only when a signal stops the job: a file there failed that savepoint then, the job
+    // going on until a second signal ended it without one.
+    if let Some(d) = a
+        .savepoint_dir
+        .as_ref()
+        .filter(|d| d.exists() && !d.is_dir())
+    {
+        return Err(format!(
+            "--savepoint-dir {}: exists and is not a directory",
+            d.display()
+        ));
+    }
     let Some(dir) = &a.checkpoint_dir else {
         if a.restore.as_deref() == Some("latest") {
             return Err("--restore latest needs --checkpoint-dir".into());

@@ -2073,3 +2073,47 @@ fn checkpoints_commands_take_dot_and_dot_dot() {
         assert!(stdout.contains(says), "{args:?}: {stdout}");
     }
 }
+
+/// An empty `--restore` is a usage error, and a `--savepoint-dir` that is a file is refused
+/// before the job starts. Before, the first failed as "restore: : checkpoint 0 not found"
+/// and the second was found only when a stop signal's savepoint failed, the job going on.
+#[test]
+fn an_empty_restore_or_a_savepoint_dir_that_is_a_file_is_refused_at_once() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let input = dir.path().join("in.csv");
+    std::fs::write(&input, "user,amount\na,1\n").expect("write");
+    let (out, ck) = (dir.path().join("out"), dir.path().join("ck"));
+    let ck_s = ck.to_str().expect("utf8");
+    let r = keyed_sum(
+        &input,
+        "csv",
+        &out,
+        &["--checkpoint-dir", ck_s, "--restore", ""],
+    );
+    assert_eq!(r.status.code(), Some(2), "{}", stderr(&r));
+    assert!(stderr(&r).contains("--restore"), "{}", stderr(&r));
+    let file = input.to_str().expect("utf8");
+    let flags = ["--checkpoint-dir", ck_s, "--savepoint-dir", file];
+    let r = keyed_sum(&input, "csv", &out, &flags);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    assert!(
+        stderr(&r).contains(&format!(
+            "--savepoint-dir {file}: exists and is not a directory"
+        )),
+        "{}",
+        stderr(&r)
+    );
+    assert!(!out.exists() && !ck.exists(), "nothing written");
+    let r = weir(&[
+        "run",
+        "demo",
+        "--events",
+        "1000",
+        "--checkpoint-dir",
+        ck_s,
+        "--savepoint-dir",
+        file,
+    ]);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    assert!(stderr(&r).contains("--savepoint-dir"), "{}", stderr(&r));
+}
