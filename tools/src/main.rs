@@ -79,8 +79,9 @@ pub struct CheckpointArgs {
     /// Barriers overtake in-flight data, which is stored with the checkpoint.
     #[arg(long, requires = "checkpoint_dir")]
     pub unaligned: bool,
-    /// With --unaligned: align for this long first, then turn unaligned.
-    #[arg(long, value_parser = parse_timeout_ms, requires = "unaligned")]
+    /// With --unaligned: align for this long first, then turn unaligned (without it, checkpoints
+    /// stay aligned and this has no effect, as in Flink; `weir run` says so on stderr).
+    #[arg(long, value_parser = parse_timeout_ms)]
     pub aligned_timeout: Option<i64>,
     /// Restore from `latest` (the newest complete checkpoint in --checkpoint-dir; none: start
     /// from the beginning) or from a checkpoint or savepoint directory.
@@ -331,20 +332,36 @@ pub struct DemoArgs {
     pub checkpoint: CheckpointArgs,
 }
 
+/// The checkpoint flags of a `weir run` command.
+fn run_checkpoint_args(cli: &Cli) -> Option<&CheckpointArgs> {
+    match &cli.command {
+        Command::Run(RunCommand::KeyedSum(a)) => Some(&a.input.checkpoint),
+        Command::Run(RunCommand::WindowCount(a)) => Some(&a.input.checkpoint),
+        Command::Run(RunCommand::Demo(a)) => Some(&a.checkpoint),
+        Command::Checkpoints(_) => None,
+    }
+}
+
 /// A combination of flags that clap's attributes cannot refuse (exit code 2).
 fn usage_error(cli: &Cli) -> Option<String> {
-    let ck = match &cli.command {
-        Command::Run(RunCommand::KeyedSum(a)) => &a.input.checkpoint,
-        Command::Run(RunCommand::WindowCount(a)) => &a.input.checkpoint,
-        Command::Run(RunCommand::Demo(a)) => &a.checkpoint,
-        Command::Checkpoints(_) => return None,
-    };
+    let ck = run_checkpoint_args(cli)?;
     // At-least-once does not align barriers, so it has nothing to make unaligned: the flag
     // was ignored without a word (Flink refuses the combination too).
     if ck.unaligned && matches!(ck.mode, ModeArg::AtLeastOnce) {
         return Some("--unaligned needs --mode exactly-once: at-least-once does not align".into());
     }
     None
+}
+
+/// A flag that has no effect in the combination given: said on stderr, the run goes on.
+/// `--aligned-timeout` without `--unaligned` is one: Flink ignores its aligned-checkpoint
+/// timeout unless unaligned checkpoints are on, and a command line that gives it alone is
+/// one the flags allow, so it is not refused.
+fn usage_note(cli: &Cli) -> Option<&'static str> {
+    let ck = run_checkpoint_args(cli)?;
+    (ck.aligned_timeout.is_some() && !ck.unaligned).then_some(
+        "note: --aligned-timeout has no effect without --unaligned: checkpoints stay aligned",
+    )
 }
 
 /// Corruption exits with code 3 (after its error line); other failures go on as usual.
@@ -374,6 +391,9 @@ fn main() -> ExitCode {
         Cli::command()
             .error(clap::error::ErrorKind::ArgumentConflict, msg)
             .exit();
+    }
+    if let Some(note) = usage_note(&cli) {
+        eprintln!("weir: {note}");
     }
     let r = match cli.command {
         Command::Run(RunCommand::KeyedSum(a)) => jobs::keyed_sum(&a),
