@@ -721,6 +721,26 @@ fn oversized_metadata_is_a_typed_error_not_an_allocation() {
     );
 }
 
+/// A directory without `_metadata` (an export that crashed before publishing it, or not a
+/// savepoint at all) is refused naming the directory. It was "checkpoint 0 not found": a
+/// savepoint has no id, and there was no checkpoint 0.
+#[test]
+fn a_directory_without_metadata_is_no_savepoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let e = Savepoint::open(Arc::new(StdFs), tmp.path()).unwrap_err();
+    assert!(
+        matches!(&e, CheckpointError::NoSavepoint { dir, .. } if dir == tmp.path()),
+        "{e:?}"
+    );
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{} is not a savepoint or checkpoint directory: it holds no _metadata",
+            tmp.path().display()
+        )
+    );
+}
+
 #[test]
 fn bit_flip_while_writing_is_caught_by_verify() {
     // Steps 0..: header write of the upload, its block writes, ... flip a bit in each write.

@@ -21,6 +21,10 @@ pub enum CheckpointError {
     /// No complete checkpoint with this id.
     #[error("checkpoint {checkpoint_id} not found (no valid {path})")]
     NotFound { checkpoint_id: u64, path: PathBuf },
+    /// A directory opened as a savepoint holds no `_metadata` (a savepoint has no id to name,
+    /// so this is not [`CheckpointError::NotFound`]).
+    #[error("{dir} is not a savepoint or checkpoint directory: it holds no {file}")]
+    NoSavepoint { dir: PathBuf, file: &'static str },
     /// `begin` was called with an id not above the newest complete checkpoint.
     #[error("checkpoint {checkpoint_id} is not newer than the latest complete checkpoint {latest_complete}")]
     StaleId {

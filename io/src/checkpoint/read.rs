@@ -522,10 +522,11 @@ pub struct Savepoint {
 impl Savepoint {
     /// Open the savepoint in `dir` (the directory holding `_metadata`).
     pub fn open(fs: Arc<dyn Fs>, dir: &Path) -> Result<Savepoint, CheckpointError> {
-        let metadata = read_metadata_file(&*fs, dir)?.ok_or_else(|| CheckpointError::NotFound {
-            checkpoint_id: 0,
-            path: dir.join(METADATA_FILE),
-        })?;
+        let metadata =
+            read_metadata_file(&*fs, dir)?.ok_or_else(|| CheckpointError::NoSavepoint {
+                dir: dir.to_owned(),
+                file: METADATA_FILE,
+            })?;
         if metadata.kind != CheckpointKind::Savepoint {
             return Err(FormatError::Misdirected {
                 file: dir.join(METADATA_FILE),
