@@ -261,7 +261,7 @@ impl ShardState {
                 // A failed restore leaves none of its links or copies (scratch) behind.
                 let mut scratch = RemoveOnDrop(Some(local.clone()));
                 for (_, part) in r.parts(name, PartKind::Keyed) {
-                    let kp: KeyedPart = crate::checkpoint::snapshot::decode_any(&part.bytes)
+                    let mut kp: KeyedPart = crate::checkpoint::snapshot::decode_any(&part.bytes)
                         .map_err(|e| {
                             err(format!(
                                 "checkpoint {}: state of `{name}`: {e}",
@@ -274,6 +274,12 @@ impl ShardState {
                             r.checkpoint_id
                         ))
                     })?;
+                    // Timers first, from every part: a part's timers are not bounded by its
+                    // segments' key groups (a key may have timers and no state, and an
+                    // operator with timers only has no segments at all), and
+                    // `TimerQueues::restored` keeps those of this shard's key groups. Taken
+                    // only with a segment in range, such timers were lost on every restore.
+                    restored_timers.push(std::mem::take(&mut kp.timers));
                     if h.segments
                         .iter()
                         .all(|s| s.key_groups.is_some_and(|g| !g.intersects(&range)))
@@ -325,7 +331,6 @@ impl ShardState {
                         seg.path = path;
                     }
                     handles.push(h);
-                    restored_timers.push(kp.timers);
                 }
                 tracing::debug!(
                     "restore {name} shard {shard}: {} handles, ckpt {}, parts {}",
