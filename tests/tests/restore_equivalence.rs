@@ -150,9 +150,11 @@ enum Shape {
     Join,
     /// Two keyed stages: a running sum per key, then a count per key of the first's output.
     Chain,
+    /// A rebalance, then a running count per key: records of one key arrive from every shard.
+    Rebalance,
 }
 
-const SHAPES: [Shape; 8] = [
+const SHAPES: [Shape; 9] = [
     Shape::Reduce,
     Shape::Tumbling,
     Shape::Sliding,
@@ -161,6 +163,7 @@ const SHAPES: [Shape; 8] = [
     Shape::TimersOnly,
     Shape::Join,
     Shape::Chain,
+    Shape::Rebalance,
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -182,18 +185,27 @@ enum Via {
     Savepoint,
 }
 
+/// One stop of a run and how the job resumes.
+#[derive(Clone, Copy, Debug)]
+struct Stop {
+    /// Stop once the run's source handed out this many records (and two checkpoints
+    /// completed after that).
+    after: u64,
+    via: Via,
+    /// Shards of the job that resumes (the same for a failover).
+    shards: usize,
+}
+
 #[derive(Clone, Debug)]
 struct Case {
     seed: u64,
     shape: Shape,
     mode: Mode,
-    from: Via,
     shards: usize,
-    restore_shards: usize,
+    /// One or two stops: a job restored once is stopped and restored again.
+    stops: Vec<Stop>,
     keys: u32,
     n: usize,
-    /// Stop once the source handed out this many records (and a checkpoint completed after).
-    stop_at: u64,
     watermark_per_record: bool,
     /// A slow operator after the keyed one: the exchange rings fill, barriers queue behind
     /// records (and unaligned ones overtake them).
@@ -201,11 +213,16 @@ struct Case {
     /// The join's second source runs unthrottled: it finishes long before the first, and
     /// checkpoints are taken with one source finished.
     early_finish: bool,
+    /// Windows' allowed lateness (nothing is late; it keeps fired windows' state longer).
+    lateness: i64,
+    /// A small memtable budget (with many keys: memtables freeze and flush, segments are
+    /// compacted, snapshots are chains of deltas).
+    small_memtables: bool,
 }
 
 impl Case {
     fn new(seed: u64) -> Case {
-        let r = |i: u64| splitmix64(seed ^ 0x5eed_0f_ca5e, i);
+        let r = |i: u64| splitmix64(seed ^ 0x005e_ed0f_ca5e, i);
         let shape = SHAPES[(r(0) % SHAPES.len() as u64) as usize];
         let mode = [
             Mode::Aligned,
@@ -213,27 +230,50 @@ impl Case {
             Mode::AlignedTimeout,
             Mode::AtLeastOnce,
         ][(r(1) % 4) as usize];
-        let from = [Via::CancelLatest, Via::Failover, Via::Savepoint][(r(2) % 3) as usize];
         let shards = 1 + (r(3) % 3) as usize;
-        let restore_shards = if from == Via::Failover {
-            shards
+        let many_keys = r(11).is_multiple_of(4);
+        let n = if many_keys {
+            6000 + (r(5) % 6000) as usize
         } else {
-            1 + (r(4) % 3) as usize
+            2000 + (r(5) % 3000) as usize
         };
-        let n = 2000 + (r(5) % 3000) as usize;
+        let mut stops = Vec::new();
+        let mut at = shards;
+        let two = r(12).is_multiple_of(3);
+        for i in 0..(1 + u64::from(two)) {
+            let via = [Via::CancelLatest, Via::Failover, Via::Savepoint][(r(20 + i) % 3) as usize];
+            if via != Via::Failover {
+                at = 1 + (r(30 + i) % 3) as usize;
+            }
+            // Each run's source counts from where it resumed.
+            let share = if two { 40 } else { 70 };
+            stops.push(Stop {
+                after: (n as u64) * (10 + r(40 + i) % share) / 100,
+                via,
+                shards: at,
+            });
+        }
         Case {
             seed,
             shape,
             mode,
-            from,
             shards,
-            restore_shards,
-            keys: 3 + (r(6) % 40) as u32,
+            stops,
+            keys: if many_keys {
+                500 + (r(6) % 3000) as u32
+            } else {
+                3 + (r(6) % 40) as u32
+            },
             n,
-            stop_at: (n as u64) * (15 + r(7) % 60) / 100,
             watermark_per_record: r(8).is_multiple_of(2),
             slow: r(9).is_multiple_of(2),
             early_finish: r(10).is_multiple_of(2),
+            lateness: if r(13).is_multiple_of(2) {
+                0
+            } else {
+                50 + (r(14) % 200) as i64
+            },
+            small_memtables: many_keys && r(15).is_multiple_of(2),
         }
     }
 }
@@ -245,7 +285,7 @@ fn events(seed: u64, n: usize, keys: u32) -> Vec<Ev> {
     (0..n as u64)
         .map(|i| {
             let r = splitmix64(seed, i);
-            base += if r % 97 == 0 { 300 } else { 2 };
+            base += if r.is_multiple_of(97) { 300 } else { 2 };
             let jitter = ((r >> 16) % OUT_OF_ORDER_MS as u64) as i64;
             ((r >> 32) as u32 % keys, base - jitter, (r >> 8) % 1000, i)
         })
@@ -357,7 +397,7 @@ fn build(job: &Job, c: &Case, w: &Wiring) -> Stream<String> {
     }
     let throttle = w.throttle.clone();
     out.inspect(move |l: &String| {
-        if throttle.on() && l.len() % 3 == 0 {
+        if throttle.on() && l.len().is_multiple_of(3) {
             std::thread::sleep(Duration::from_micros(100));
         }
     })
@@ -389,6 +429,7 @@ fn build_shape(job: &Job, c: &Case, w: &Wiring) -> Stream<String> {
             .assign_timestamps(strategy())
             .key_by(|e: &Ev| e.0)
             .window(WindowAssigner::tumbling(100))
+            .allowed_lateness(c.lateness)
             .aggregate_with(SumCount, |k, w, (s, n)| {
                 format!("tumble {k} {} {s} {n}", w.start)
             })
@@ -397,6 +438,7 @@ fn build_shape(job: &Job, c: &Case, w: &Wiring) -> Stream<String> {
             .assign_timestamps(strategy())
             .key_by(|e: &Ev| e.0)
             .window(WindowAssigner::sliding(120, 40))
+            .allowed_lateness(c.lateness)
             .aggregate_with(SumCount, |k, w, (s, n)| {
                 format!("slide {k} {} {s} {n}", w.start)
             })
@@ -405,6 +447,7 @@ fn build_shape(job: &Job, c: &Case, w: &Wiring) -> Stream<String> {
             .assign_timestamps(strategy())
             .key_by(|e: &Ev| e.0)
             .window(WindowAssigner::session(150))
+            .allowed_lateness(c.lateness)
             .process(|k: &u32, w, items: Vec<Ev>, out: &mut Vec<String>| {
                 let s: u64 = items.iter().map(|e| e.2).sum();
                 out.push(format!(
@@ -459,6 +502,13 @@ fn build_shape(job: &Job, c: &Case, w: &Wiring) -> Stream<String> {
             .map_count()
             .uid("second")
             .map(|(k, n, s)| format!("chain {k} {n} {s}")),
+        Shape::Rebalance => ev
+            .rebalance()
+            .map(|e: Ev| (e.0 % 7, e.2))
+            .key_by(|x: &(u32, u64)| x.0)
+            .map_count()
+            .uid("count")
+            .map(|(k, n, s)| format!("chain {k} {n} {s}")),
     }
 }
 
@@ -500,7 +550,7 @@ impl weir_runtime::AggregateFunction<Ev, (u64, u64), (u64, u64)> for SumCount {
 /// The lines as a sorted multiset. A chain's running sum depends on the order in which the
 /// first stage's shards deliver, so only each key's last sum (at its highest count) stays.
 fn normalize(shape: Shape, mut lines: Vec<String>) -> Vec<String> {
-    if shape == Shape::Chain {
+    if matches!(shape, Shape::Chain | Shape::Rebalance) {
         let mut last: HashMap<String, (u64, String)> = HashMap::new();
         let mut counts = Vec::new();
         for l in &lines {
@@ -532,7 +582,7 @@ fn identity(shape: Shape, line: &str) -> String {
         Shape::Reduce => keep(&[0, 3]),
         Shape::Tumbling | Shape::Sliding | Shape::Buckets => keep(&[0, 1, 2]),
         Shape::Session => keep(&[0, 1, 2, 3]),
-        Shape::Chain if f[0] == "total" => keep(&[0, 1]),
+        Shape::Chain | Shape::Rebalance if f[0] == "total" => keep(&[0, 1]),
         _ => line.to_owned(),
     }
 }
@@ -591,8 +641,16 @@ struct Run {
     collected: Option<Arc<Mutex<Vec<String>>>>,
 }
 
-fn start(c: &Case, shards: usize, ck: &Path, out: &Path, restore: Option<RestoreFrom>) -> Run {
-    let throttle = Throttle::new(restore.is_none());
+/// Starts a run; `throttled` until the test is done with it.
+fn start(
+    c: &Case,
+    shards: usize,
+    ck: &Path,
+    out: &Path,
+    restore: Option<RestoreFrom>,
+    throttled: bool,
+) -> Run {
+    let throttle = Throttle::new(throttled);
     let mut config = JobConfig::new()
         .with_shards(shards)
         .with_pinning(Pinning::Never)
@@ -600,6 +658,9 @@ fn start(c: &Case, shards: usize, ck: &Path, out: &Path, restore: Option<Restore
         .with_checkpointing(checkpointing(ck, c.mode));
     if let Some(r) = restore {
         config = config.with_restore(r);
+    }
+    if c.small_memtables {
+        config = config.with_memtable_budget_bytes(512 << 10);
     }
     let job = Job::new(config);
     let w = Wiring {
@@ -638,104 +699,80 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
-/// Runs the case; `Err` describes a discrepancy. `Ok(true)` when a checkpoint of the first
+/// Runs the case; `Err` describes a discrepancy. `Ok(true)` when a checkpoint of a stopped
 /// run held channel state (in-flight records an unaligned barrier overtook).
 fn run_case(c: &Case) -> Result<bool, String> {
     let want = reference(c);
     let dir = tempfile::tempdir().expect("tmp");
-    let (ck, ck2, out, sps) = (
-        dir.path().join("ck"),
-        dir.path().join("ck2"),
-        dir.path().join("out"),
-        dir.path().join("sp"),
-    );
-    let first = start(c, c.shards, &ck, &out, None);
-    let h = &first.handle;
-    // Far enough, and a checkpoint that began after that point completed.
-    wait_until("the stop point", || {
-        first.w.read.load(Ordering::Relaxed) >= c.stop_at || h.is_finished()
-    });
-    let seen = h.checkpoint_metrics().number_of_completed_checkpoints;
-    wait_until("a checkpoint past the stop point", || {
-        h.checkpoint_metrics().number_of_completed_checkpoints >= seen + 2 || h.is_finished()
-    });
-    let inflight = h
-        .checkpoint_metrics()
-        .history
-        .iter()
-        .any(|s| s.failure.is_none() && s.persisted_inflight_bytes > 0);
+    let out = dir.path().join("out");
+    let mut ck = dir.path().join("ck0");
+    let mut run = Some(start(c, c.shards, &ck, &out, None, true));
     let mut collected: Vec<String> = Vec::new();
-    let second = match c.from {
-        Via::Failover => {
-            first.w.fail.store(true, Ordering::Release);
-            wait_until("the restart", || h.restarts() >= 1 || h.is_finished());
-            first.w.throttle.release();
-            let s = first
-                .handle
-                .wait()
-                .map_err(|e| format!("failover run: {e}"))?;
-            // Zero when the input ended before the failure was injected: then this was a run
-            // with checkpoints and no failure, checked all the same.
-            if s.restarts > 1 {
-                return Err(format!("{} restarts, expected 1", s.restarts));
-            }
-            if let Some(col) = first.collected {
-                collected.extend(std::mem::take(
-                    &mut *col.lock().unwrap_or_else(|p| p.into_inner()),
-                ));
-            }
-            None
-        }
-        Via::CancelLatest => {
-            first.handle.cancel();
-            first.w.throttle.release();
-            match first.handle.wait() {
-                Err(JobError::Cancelled) | Ok(_) => {}
-                Err(e) => return Err(format!("first run: {e}")),
-            }
-            if let Some(col) = first.collected {
-                collected.extend(std::mem::take(
-                    &mut *col.lock().unwrap_or_else(|p| p.into_inner()),
-                ));
-            }
-            Some(start(
-                c,
-                c.restore_shards,
-                &ck,
-                &out,
-                Some(RestoreFrom::Latest),
-            ))
-        }
-        Via::Savepoint => {
-            let sp = first.handle.stop_with_savepoint(&sps);
-            first.w.throttle.release();
-            let s = first.handle.wait().map_err(|e| format!("first run: {e}"))?;
-            if let Some(col) = first.collected {
-                collected.extend(std::mem::take(
-                    &mut *col.lock().unwrap_or_else(|p| p.into_inner()),
-                ));
-            }
-            match sp {
-                Ok(sp) => Some(start(
-                    c,
-                    c.restore_shards,
-                    &ck2,
-                    &out,
-                    Some(RestoreFrom::Path(sp)),
-                )),
-                // The job finished first: nothing to restore.
-                Err(_) if s.checkpoints.number_of_completed_checkpoints > 0 => None,
-                Err(e) => return Err(format!("savepoint: {e}")),
-            }
-        }
-    };
-    if let Some(r) = second {
-        r.handle.wait().map_err(|e| format!("restored run: {e}"))?;
-        if let Some(col) = r.collected {
-            collected.extend(std::mem::take(
+    let mut inflight = false;
+    let take = |col: &Option<Arc<Mutex<Vec<String>>>>, into: &mut Vec<String>| {
+        if let Some(col) = col {
+            into.extend(std::mem::take(
                 &mut *col.lock().unwrap_or_else(|p| p.into_inner()),
             ));
         }
+    };
+    for (i, stop) in c.stops.iter().enumerate() {
+        let Some(r) = run.take() else { break };
+        let last = i + 1 == c.stops.len();
+        let h = &r.handle;
+        // Far enough, and a checkpoint that began after that point completed.
+        wait_until("the stop point", || {
+            r.w.read.load(Ordering::Relaxed) >= stop.after || h.is_finished()
+        });
+        let seen = h.checkpoint_metrics().number_of_completed_checkpoints;
+        wait_until("a checkpoint past the stop point", || {
+            h.checkpoint_metrics().number_of_completed_checkpoints >= seen + 2 || h.is_finished()
+        });
+        inflight |= h
+            .checkpoint_metrics()
+            .history
+            .iter()
+            .any(|s| s.failure.is_none() && s.persisted_inflight_bytes > 0);
+        let restore = match stop.via {
+            Via::Failover => {
+                let before = h.restarts();
+                r.w.fail.store(true, Ordering::Release);
+                wait_until("the restart", || h.restarts() > before || h.is_finished());
+                if !last {
+                    // The same job goes on to its next stop.
+                    run = Some(r);
+                    continue;
+                }
+                None
+            }
+            Via::CancelLatest => {
+                h.cancel();
+                Some(RestoreFrom::Latest)
+            }
+            Via::Savepoint => match h.stop_with_savepoint(&dir.path().join("sp")) {
+                Ok(sp) => {
+                    ck = dir.path().join(format!("ck{}", i + 1));
+                    Some(RestoreFrom::Path(sp))
+                }
+                // The job finished first: nothing to restore.
+                Err(_) if h.is_finished() => None,
+                Err(e) => return Err(format!("savepoint: {e}")),
+            },
+        };
+        r.w.throttle.release();
+        match r.handle.wait() {
+            Err(JobError::Cancelled) | Ok(_) => {}
+            Err(e) => return Err(format!("run {i}: {e}")),
+        }
+        take(&r.collected, &mut collected);
+        if let Some(restore) = restore {
+            run = Some(start(c, stop.shards, &ck, &out, Some(restore), !last));
+        }
+    }
+    if let Some(r) = run {
+        r.w.throttle.release();
+        r.handle.wait().map_err(|e| format!("last run: {e}"))?;
+        take(&r.collected, &mut collected);
     }
     if c.mode == Mode::AtLeastOnce {
         // Replayed records may be counted twice in state (the snapshot of an input that
@@ -804,16 +841,22 @@ fn restored_jobs_end_with_the_output_of_a_straight_run() {
         let t0 = Instant::now();
         let r = run_case(&c);
         eprintln!(
-            "case {seed}: {:?} {:?} {:?} {}->{} shards, {} keys, {} records, stop at {}{}{}: {} ({:?})",
+            "case {seed}: {:?} {:?} {} shards, stops {:?}, {} keys, {} records{}{}{}: {} ({:?})",
             c.shape,
             c.mode,
-            c.from,
             c.shards,
-            c.restore_shards,
+            c.stops
+                .iter()
+                .map(|s| (s.after, s.via, s.shards))
+                .collect::<Vec<_>>(),
             c.keys,
             c.n,
-            c.stop_at,
             if c.slow { ", slow" } else { "" },
+            if c.small_memtables {
+                ", small memtables"
+            } else {
+                ""
+            },
             if r == Ok(true) { ", channel state" } else { "" },
             if r.is_ok() { "ok" } else { "FAILED" },
             t0.elapsed()
