@@ -52,30 +52,31 @@ impl Job {
                         source: e,
                     })?;
             if let Some(r) = &ctx.restore {
-                let parts = r.parts_for_shard(&name2, PartKind::Source, ctx.shard);
-                let positions: Vec<&[u8]> = parts
-                    .iter()
-                    .map(|p| p.bytes.as_slice())
-                    .filter(|b| !b.is_empty())
+                // Every old reader's position, and those this shard takes over (old shard `s`
+                // goes to `s % shards`). A checkpoint without any (a source the old job did
+                // not have, or whose readers had nothing to record) leaves the reader as made.
+                let all: Vec<(usize, &[u8])> = r
+                    .parts(&name2, PartKind::Source)
+                    .map(|(s, p)| (s, p.bytes.as_slice()))
+                    .filter(|(_, b)| !b.is_empty())
                     .collect();
-                match positions.as_slice() {
-                    [] => {}
-                    [pos] => reader.seek(pos).map_err(|e| StartError::Source {
-                        operator: name2.clone(),
-                        source: e,
-                    })?,
-                    _ => {
-                        return Err(StartError::Config {
-                            key: "shards".into(),
+                if !all.is_empty() {
+                    let mine: Vec<(usize, &[u8])> = all
+                        .into_iter()
+                        .filter(|(s, _)| s % ctx.shards == ctx.shard)
+                        .collect();
+                    reader
+                        .restore(r.shards.len(), &mine)
+                        .map_err(|e| StartError::Restore {
                             reason: format!(
-                                "source `{name2}` read on {} shards in checkpoint {}; its positions cannot be merged onto shard {} of {}",
-                                positions.len(),
+                                "checkpoint {} (taken on {} shards), source `{name2}` on shard \
+                                 {} of {}: {e}",
                                 r.checkpoint_id,
+                                r.shards.len(),
                                 ctx.shard,
                                 ctx.shards
                             ),
-                        })
-                    }
+                        })?;
                 }
             }
             if let Some(c) = &ctx.checkpoint {

@@ -908,6 +908,78 @@ fn restore_onto_another_number_of_shards_keeps_keyed_state() {
     assert_resumed_sums(&got, &at, &expected);
 }
 
+/// A source whose readers split the input among shards (a generator: shard `s` of `n` makes
+/// the indices `s, s + n, ..`) restores onto fewer and onto more shards: the new readers take
+/// over the old readers' splits (old shard `s` to new shard `s % shards`), so every record is
+/// read once and each key's records, all in one split, keep their order. Every sum emitted
+/// after the restore is the running sum at its record, and every key ends at its total.
+/// Before, 3 -> 2 was refused ("positions cannot be merged"), and 2 -> 3 was refused or,
+/// where an old index fitted the new stride, read other shards' records while the third
+/// shard started over.
+#[test]
+fn a_split_source_restores_onto_fewer_and_more_shards() {
+    for (before, after) in [(3usize, 2usize), (2, 3)] {
+        let dir = tempfile::tempdir().expect("tmp");
+        let n = 120_000u64;
+        // A key lies in one split of the first run: its records' order is their index order.
+        let split = before as u64;
+        let record = move |i: u64, r: u64| (i % split + split * (r % 40), (r % 13) as i64 - 6, i);
+        let (mut at, mut expected) = (HashMap::new(), HashMap::new());
+        for i in 0..n {
+            let (k, v, _) = record(i, weir_runtime::source::splitmix64(9, i));
+            let s = expected.entry(k).or_insert(0i64);
+            *s += v;
+            at.insert(i, *s);
+        }
+        let hold = Hold::new(n, n / 10);
+        let run = |shards: usize, restore: bool, hold: Option<Hold>| {
+            let mut c = JobConfig::new()
+                .with_shards(shards)
+                .with_pinning(Pinning::Never)
+                .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce));
+            if restore {
+                c = c.with_restore(RestoreFrom::Latest);
+            }
+            if hold.is_some() {
+                c = c.with_batch_records(HELD_BATCH_RECORDS);
+            }
+            let job = Job::new(c);
+            let out = job
+                .source(weir_runtime::source::GeneratorSource::new(
+                    Some(n),
+                    9,
+                    record,
+                ))
+                .uid("input")
+                .inspect(move |r: &(u64, i64, u64)| {
+                    if let Some(hold) = &hold {
+                        hold.delay(r.2);
+                    }
+                })
+                .key_by(|r| r.0)
+                .reduce(|a, b| (a.0, a.1 + b.1, b.2))
+                .uid("sum")
+                .collect();
+            (job.start().expect("start"), out)
+        };
+        let (h, _) = run(before, false, Some(hold.clone()));
+        await_checkpoint_past_start(&h, "input");
+        h.cancel();
+        hold.release();
+        assert!(matches!(h.wait(), Err(weir_runtime::JobError::Cancelled)));
+        let (h, out) = run(after, true, None);
+        h.wait()
+            .unwrap_or_else(|e| panic!("{before} -> {after} shards: {e}"));
+        let got = out.take();
+        assert!(
+            !got.is_empty() && (got.len() as u64) < n,
+            "{before} -> {after}: resumed mid-way, {} records",
+            got.len()
+        );
+        assert_resumed_sums(&got, &at, &expected);
+    }
+}
+
 /// A restore must find an operator for every state the checkpoint holds. The same job with
 /// its keyed operator's uid changed (`sum` to `total`) is refused before any record moves,
 /// naming `sum`; with `with_allow_non_restored_state` it runs: the source resumes at its

@@ -93,20 +93,170 @@ impl<F> GeneratorSource<F> {
     }
 }
 
-struct GenReader<F> {
-    /// This shard's first index.
+/// One residue class of the indices, `first, first + step, ..`: the records one reader of the
+/// first run made. A reader makes its own at the first start and, after a restore onto another
+/// number of shards, those of the old readers it took over (never fewer, never split), as
+/// Flink's sequence source reassigns its splits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Split {
     first: u64,
+    /// The next index to make.
     next: u64,
+    /// Past the end of a bounded generator, or the u64 index space used up.
+    done: bool,
+}
+
+struct GenReader<F> {
+    /// The splits this reader makes, all of `step`, with distinct `first`s below it.
+    splits: Vec<Split>,
     step: u64,
+    /// The reader's shard and shard count: what a position in the 8-byte form (one index,
+    /// written before splits could move) is relative to.
+    shard: u64,
+    shards: u64,
     total: Option<u64>,
     seed: u64,
     rate_per_sec: Option<u64>,
     /// The fixed schedule, if any; `started` caches its origin once set.
     origin: Option<ScheduleStart>,
     started: Option<Instant>,
-    /// Records made since the schedule started (with an origin: since index `first`).
+    /// Records made since the schedule started (with an origin: since each split's `first`).
     emitted: u64,
     f: Arc<F>,
+}
+
+/// The first byte of a position with its splits (an 8-byte position is one index).
+const POSITION_SPLITS: u8 = 1;
+/// Bytes of a position's head (format, step, split count) and of each split (first, next,
+/// done).
+const POSITION_HEAD: usize = 1 + 8 + 4;
+const POSITION_SPLIT: usize = 8 + 8 + 1;
+
+impl<F> GenReader<F> {
+    /// Whether `next` is a position split `first` of `step` could stand at: one of its
+    /// indices, at most one step past the last of a bounded generator.
+    fn reachable(&self, first: u64, step: u64, next: u64) -> bool {
+        let ours = next >= first && (next - first).is_multiple_of(step);
+        let past_end = self.total.is_some_and(|t| next > t && next - t >= step);
+        ours && !past_end
+    }
+
+    /// A split at `next`, done if that is the end.
+    fn split_at(&self, first: u64, next: u64) -> Split {
+        Split {
+            first,
+            next,
+            done: self.total.is_some_and(|t| next >= t),
+        }
+    }
+
+    /// The splits of `position`, taken by old reader `old_shard` of `old_shards`: the 8-byte
+    /// form is that reader's one split. Returns the step with them.
+    fn decode(
+        &self,
+        old_shard: u64,
+        old_shards: u64,
+        position: &[u8],
+    ) -> Result<(u64, Vec<Split>), SourceError> {
+        if let Ok(b) = <[u8; 8]>::try_from(position) {
+            let next = u64::from_le_bytes(b);
+            if old_shard >= old_shards || !self.reachable(old_shard, old_shards, next) {
+                return Err(SourceError::BadPosition(format!(
+                    "index {next} is not a position of generator shard {old_shard} of \
+                     {old_shards}{}",
+                    self.total
+                        .map_or(String::new(), |t| format!(" over {t} records")),
+                )));
+            }
+            return Ok((old_shards, vec![self.split_at(old_shard, next)]));
+        }
+        let bad = |what: String| SourceError::BadPosition(format!("generator position: {what}"));
+        if position.len() < POSITION_HEAD || position[0] != POSITION_SPLITS {
+            return Err(bad(format!(
+                "{} bytes starting {:?}, neither one index (8 bytes) nor splits (format {POSITION_SPLITS})",
+                position.len(),
+                position.first()
+            )));
+        }
+        let u64_at = |at: usize| u64::from_le_bytes(position[at..at + 8].try_into().expect("8"));
+        let step = u64_at(1);
+        let count = u32::from_le_bytes(position[9..13].try_into().expect("4")) as usize;
+        // A count from the bytes never sizes anything before it is checked against them.
+        let body = position.len() - POSITION_HEAD;
+        if !body.is_multiple_of(POSITION_SPLIT) || body / POSITION_SPLIT != count {
+            return Err(bad(format!(
+                "{} bytes do not hold the {count} splits it counts",
+                position.len()
+            )));
+        }
+        if step == 0 {
+            return Err(bad("step 0".into()));
+        }
+        let mut splits = Vec::with_capacity(count);
+        for k in 0..count {
+            let at = POSITION_HEAD + k * POSITION_SPLIT;
+            let (first, next, done) = (u64_at(at), u64_at(at + 8), position[at + 16]);
+            if first >= step || done > 1 || !self.reachable(first, step, next) {
+                return Err(bad(format!(
+                    "split {k} (first {first}, next {next}, done {done}) is not one of step \
+                     {step}{}",
+                    self.total
+                        .map_or(String::new(), |t| format!(" over {t} records")),
+                )));
+            }
+            let mut split = self.split_at(first, next);
+            split.done |= done == 1;
+            splits.push(split);
+        }
+        Ok((step, splits))
+    }
+
+    /// Makes the splits of `positions` (each with the old shard it was read on) this
+    /// reader's: they must all be of one step, no split twice (two would repeat records).
+    fn take_splits(
+        &mut self,
+        old_shards: u64,
+        positions: &[(usize, &[u8])],
+    ) -> Result<(), SourceError> {
+        let mut step = None;
+        let mut splits: Vec<Split> = Vec::new();
+        for &(old_shard, position) in positions {
+            let (s, mut more) = self.decode(old_shard as u64, old_shards, position)?;
+            // A reader with no splits (one a scale-up left idle) says nothing of the step.
+            if more.is_empty() {
+                continue;
+            }
+            if *step.get_or_insert(s) != s {
+                return Err(SourceError::BadPosition(format!(
+                    "generator positions of old shard {old_shard} split the indices by {s}, \
+                     others by {}",
+                    step.unwrap_or(s)
+                )));
+            }
+            splits.append(&mut more);
+        }
+        let mut firsts: Vec<u64> = splits.iter().map(|s| s.first).collect();
+        firsts.sort_unstable();
+        if let Some(w) = firsts.windows(2).find(|w| w[0] == w[1]) {
+            return Err(SourceError::BadPosition(format!(
+                "generator split {} is in two positions",
+                w[0]
+            )));
+        }
+        if let Some(step) = step {
+            self.step = step;
+        }
+        self.splits = splits;
+        if self.origin.is_some() {
+            // The fixed schedule goes on where the restored positions lie on it.
+            self.emitted = self
+                .splits
+                .iter()
+                .map(|s| (s.next - s.first) / self.step)
+                .sum();
+        }
+        Ok(())
+    }
 }
 
 impl<T: 'static, F: Fn(u64, u64) -> T + Send + Sync + 'static> SourceReader<T> for GenReader<F> {
@@ -128,60 +278,73 @@ impl<T: 'static, F: Fn(u64, u64) -> T + Send + Sync + 'static> SourceReader<T> f
                 return Ok(SourcePoll::Idle);
             }
         }
-        for _ in 0..budget {
-            if self.total.is_some_and(|t| self.next >= t) {
-                return Ok(SourcePoll::Finished);
+        let (step, total) = (self.step, self.total);
+        while budget > 0 {
+            // The unfinished split with the lowest next index makes records until it passes
+            // the next lowest (index order across splits; one split runs through the budget).
+            let mut live = self.splits.iter_mut().filter(|s| !s.done);
+            let Some(mut cur) = live.next() else { break };
+            let mut until = u64::MAX;
+            for s in live {
+                if s.next < cur.next {
+                    until = cur.next;
+                    cur = s;
+                } else {
+                    until = until.min(s.next);
+                }
             }
-            out.push((self.f)(self.next, splitmix64(self.seed, self.next)));
-            self.emitted += 1;
-            match self.next.checked_add(self.step) {
-                Some(n) => self.next = n,
-                // The u64 index space is used up: an unbounded generator ends there.
-                None => {
-                    self.total = Some(self.next);
-                    return Ok(SourcePoll::Finished);
+            while budget > 0 && cur.next <= until {
+                out.push((self.f)(cur.next, splitmix64(self.seed, cur.next)));
+                self.emitted += 1;
+                budget -= 1;
+                match cur.next.checked_add(step) {
+                    Some(n) if total.is_none_or(|t| n < t) => cur.next = n,
+                    Some(n) => {
+                        cur.next = n;
+                        cur.done = true;
+                        break;
+                    }
+                    // The u64 index space is used up: the split ends there.
+                    None => {
+                        cur.done = true;
+                        break;
+                    }
                 }
             }
         }
-        if self.total.is_some_and(|t| self.next >= t) {
+        if self.splits.iter().all(|s| s.done) {
             return Ok(SourcePoll::Finished);
         }
         Ok(SourcePoll::Ready)
     }
 
     fn position(&self) -> Vec<u8> {
-        self.next.to_le_bytes().to_vec()
+        let mut p = Vec::with_capacity(POSITION_HEAD + self.splits.len() * POSITION_SPLIT);
+        p.push(POSITION_SPLITS);
+        p.extend_from_slice(&self.step.to_le_bytes());
+        p.extend_from_slice(&(self.splits.len() as u32).to_le_bytes());
+        for s in &self.splits {
+            p.extend_from_slice(&s.first.to_le_bytes());
+            p.extend_from_slice(&s.next.to_le_bytes());
+            p.push(u8::from(s.done));
+        }
+        p
     }
 
+    /// A position of this reader's own shard (an 8-byte one is relative to it).
     fn seek(&mut self, position: &[u8]) -> Result<(), SourceError> {
-        let next = <[u8; 8]>::try_from(position)
-            .map(u64::from_le_bytes)
-            .map_err(|_| {
-                SourceError::BadPosition(format!("{} bytes, expected 8", position.len()))
-            })?;
-        // A position this reader could have reached: one of its shard's indices (first, then
-        // every `step`), at most one step past the last. Another one (a forged position, or
-        // one from a checkpoint taken on another number of shards) would emit other shards'
-        // records and skip its own.
-        let ours = next >= self.first && (next - self.first).is_multiple_of(self.step);
-        let past_end = self
-            .total
-            .is_some_and(|t| next > t && next - t >= self.step);
-        if !ours || past_end {
-            return Err(SourceError::BadPosition(format!(
-                "index {next} is not a position of generator shard {} of {}{}",
-                self.first,
-                self.step,
-                self.total
-                    .map_or(String::new(), |t| format!(" over {t} records")),
-            )));
-        }
-        self.next = next;
-        if self.origin.is_some() {
-            // The fixed schedule goes on where the restored position lies on it.
-            self.emitted = next.saturating_sub(self.first) / self.step;
-        }
-        Ok(())
+        self.take_splits(self.shards, &[(self.shard as usize, position)])
+    }
+
+    /// Takes over the old readers' splits: with fewer shards than before a reader makes
+    /// several, with more some make none (a split is never divided, so records keep their
+    /// split's order and nothing is made twice).
+    fn restore(
+        &mut self,
+        old_shards: usize,
+        positions: &[(usize, &[u8])],
+    ) -> Result<(), SourceError> {
+        self.take_splits(old_shards as u64, positions)
     }
 }
 
@@ -191,10 +354,16 @@ impl<T: 'static, F: Fn(u64, u64) -> T + Send + Sync + 'static> Source<T> for Gen
         shard: usize,
         shards: usize,
     ) -> Result<Box<dyn SourceReader<T>>, SourceError> {
+        let first = shard as u64;
         Ok(Box::new(GenReader {
-            first: shard as u64,
-            next: shard as u64,
+            splits: vec![Split {
+                first,
+                next: first,
+                done: self.total.is_some_and(|t| first >= t),
+            }],
             step: shards as u64,
+            shard: first,
+            shards: shards as u64,
             total: self.total,
             seed: self.seed,
             rate_per_sec: self.rate_per_sec,
@@ -276,6 +445,98 @@ mod tests {
         assert_eq!(out, [u64::MAX]);
         assert_eq!(r.poll(&mut out, 4).expect("poll"), SourcePoll::Finished);
         assert_eq!(out, [u64::MAX], "nothing after the last index");
+    }
+
+    /// Reads `r` until it finished, `batch` records a poll.
+    fn drain(r: &mut Box<dyn SourceReader<u64>>, batch: usize) -> Vec<u64> {
+        let mut out = Vec::new();
+        while r.poll(&mut out, batch).expect("poll") != SourcePoll::Finished {}
+        out
+    }
+
+    /// Readers of a restore onto another number of shards take over the old readers' splits
+    /// (old shard `s` to new shard `s % shards`): every index is made exactly once over the
+    /// runs, whatever the shard counts, also through a second rescale. Before, a reader
+    /// seeked to an old position of another step was refused, or (when the index happened to
+    /// fit the new step) made other shards' records while a reader with no old position
+    /// started over from its first index.
+    #[test]
+    fn a_restore_onto_another_number_of_shards_makes_every_index_once() {
+        let total = 1000;
+        let g = GeneratorSource::new(Some(total), 7, |i, _| i);
+        for (first, second, third) in [(2, 3, 1), (3, 2, 5), (4, 1, 2), (2, 2, 3)] {
+            let mut made = Vec::new();
+            // Run 1 on `first` shards: shard s makes 10 * (s + 1) records.
+            let mut positions: Vec<Vec<u8>> = (0..first)
+                .map(|s| {
+                    let mut r = g.create_reader(s, first).expect("reader");
+                    r.poll(&mut made, 10 * (s + 1)).expect("poll");
+                    r.position()
+                })
+                .collect();
+            // Run 2 on `second` shards, from those positions; a few polls each.
+            let mut old = first;
+            for shards in [second, third] {
+                positions = (0..shards)
+                    .map(|s| {
+                        let mine: Vec<(usize, &[u8])> = positions
+                            .iter()
+                            .enumerate()
+                            .filter(|(o, _)| o % shards == s)
+                            .map(|(o, p)| (o, p.as_slice()))
+                            .collect();
+                        let mut r = g.create_reader(s, shards).expect("reader");
+                        r.restore(old, &mine).expect("restore");
+                        if shards == third {
+                            made.extend(drain(&mut r, 7));
+                        } else {
+                            r.poll(&mut made, 25).expect("poll");
+                        }
+                        r.position()
+                    })
+                    .collect();
+                old = shards;
+            }
+            made.sort_unstable();
+            assert_eq!(
+                made,
+                (0..total).collect::<Vec<_>>(),
+                "{first} -> {second} -> {third}"
+            );
+        }
+    }
+
+    /// Forged or foreign positions of splits are errors, never records made twice or lost:
+    /// a split in two positions, splits of different steps, a split whose first index is not
+    /// below its step, a next index off its split, and a count the bytes do not hold.
+    #[test]
+    fn bad_split_positions_are_refused() {
+        let g = GeneratorSource::new(Some(100), 1, |i, _| i);
+        let pos = |s: usize, n: usize| g.create_reader(s, n).expect("reader").position();
+        let (a, b) = (pos(0, 2), pos(1, 2));
+        let mut r = g.create_reader(0, 1).expect("reader");
+        let e = r.restore(2, &[(0, &a), (0, &a)]).expect_err("twice");
+        assert!(e.to_string().contains("split 0 is in two positions"), "{e}");
+        let e = r
+            .restore(3, &[(0, &a), (1, &pos(1, 3))])
+            .expect_err("steps");
+        assert!(e.to_string().contains("split the indices by 3"), "{e}");
+        let mut forged = b.clone();
+        forged[13..21].copy_from_slice(&2u64.to_le_bytes());
+        let e = r.restore(2, &[(1, &forged)]).expect_err("first past step");
+        assert!(e.to_string().contains("split 0 (first 2"), "{e}");
+        let mut forged = b.clone();
+        forged[21..29].copy_from_slice(&4u64.to_le_bytes());
+        let e = r
+            .restore(2, &[(1, &forged)])
+            .expect_err("next off the split");
+        assert!(e.to_string().contains("next 4"), "{e}");
+        let mut forged = b.clone();
+        forged[9..13].copy_from_slice(&u32::MAX.to_le_bytes());
+        let e = r.restore(2, &[(1, &forged)]).expect_err("count");
+        assert!(e.to_string().contains("do not hold"), "{e}");
+        // The reader is unchanged by a refused restore: it makes its own split.
+        assert_eq!(drain(&mut r, 50), (0..100).collect::<Vec<_>>());
     }
 
     #[test]

@@ -66,6 +66,37 @@ pub trait SourceReader<T>: 'static {
 
     /// Continues from a position that [`SourceReader::position`] returned earlier.
     fn seek(&mut self, position: &[u8]) -> Result<(), SourceError>;
+
+    /// Continues after a restore from the positions of the readers of a checkpoint taken on
+    /// `old_shards` shards that this reader takes over: old shard `s` goes to new shard
+    /// `s % shards` (as keyed state goes by key group), so with as many shards as before each
+    /// reader gets its own old position, with fewer it gets several, and with more some get
+    /// none. `positions` holds `(old shard, position)` for each, empty positions (readers
+    /// that had nothing to record) left out; it is called only when the checkpoint holds
+    /// positions of this source.
+    ///
+    /// The default suits a source read on one shard (the others' readers empty, such as
+    /// [`FileSource`]): no position means nothing to read here, one is [`Self::seek`], and
+    /// several are refused. A source whose readers split the input among shards must take
+    /// over the old readers' splits instead (as [`GeneratorSource`] and [`IterSource`] do):
+    /// seeking a reader made for one split to another split's position would skip records
+    /// and repeat others.
+    fn restore(
+        &mut self,
+        old_shards: usize,
+        positions: &[(usize, &[u8])],
+    ) -> Result<(), SourceError> {
+        match positions {
+            [] => Ok(()),
+            [(_, position)] => self.seek(position),
+            _ => Err(SourceError::BadPosition(format!(
+                "{} positions of a checkpoint taken on {old_shards} shards fall to one \
+                 reader, and this source cannot merge them: restore onto as many shards as \
+                 before, or more",
+                positions.len()
+            ))),
+        }
+    }
 }
 
 /// A source description, shared by every shard.
