@@ -339,8 +339,11 @@ pub(crate) struct OpState {
     pub shard: usize,
     pub state: ShardState,
     pub fail: FailCell,
+    /// The operator's event-time watermark: checkpointed, and restored, so that a record after
+    /// a restore is late exactly when it would have been without one (see [`Self::snapshot`]).
     pub watermark: i64,
     pub now_ms: i64,
+    checkpoint: Option<crate::checkpoint::shard::ShardCheckpointRef>,
     pub max_parallelism: u16,
     /// Encoded current key and its key group.
     pub key_bytes: Vec<u8>,
@@ -355,20 +358,38 @@ impl OpState {
     pub fn new(name: &str, ctx: &mut BuildCtx) -> Result<Self, crate::StartError> {
         let state = ctx.open_state(name)?;
         if let Some(c) = &ctx.checkpoint {
-            c.borrow_mut().register();
+            // Two parts a checkpoint: the keyed state (with timers) and the watermark.
+            let mut c = c.borrow_mut();
+            c.register();
+            c.register();
         }
         Ok(Self {
             name: name.to_string(),
             shard: ctx.shard,
             state,
             fail: ctx.fail.clone(),
-            watermark: i64::MIN,
+            watermark: crate::time::restored_watermark(ctx, name)?,
             now_ms: i64::MIN,
+            checkpoint: ctx.checkpoint.clone(),
             max_parallelism: ctx.config.max_parallelism,
             key_bytes: Vec::with_capacity(64),
             key_group: 0,
             ids: Vec::new(),
         })
+    }
+
+    /// Checkpoint `id` reached the operator: its keyed state and `timers` (see
+    /// [`ShardState::snapshot`]), and its watermark.
+    pub fn snapshot(&mut self, id: u64, timers: Vec<u8>) {
+        self.state.snapshot(id, timers);
+        crate::time::report_watermark(self.checkpoint.as_ref(), id, &self.name, self.watermark);
+    }
+
+    /// A watermark from upstream. Watermarks only advance: after a restore the operator's
+    /// own restored one stands until upstream passes it.
+    pub fn advance_watermark(&mut self, w: i64) -> i64 {
+        self.watermark = self.watermark.max(w);
+        self.watermark
     }
 
     #[inline]
@@ -690,10 +711,10 @@ where
 
     fn event(&mut self, ev: Event) {
         if let Event::Barrier(id) = ev {
-            self.ops.state.snapshot(id, self.timers.encode());
+            self.ops.snapshot(id, self.timers.encode());
         }
         if let Event::Watermark(w) = ev {
-            self.ops.watermark = w;
+            let w = self.ops.advance_watermark(w);
             let f = &self.f;
             let n = fire_timers(
                 &mut self.ops,

@@ -63,20 +63,28 @@ pub(crate) fn assign<T: Data>(up: Stream<T>, strategy: WatermarkStrategy<T>) -> 
         strategy.per_record,
     );
     let factory: Factory<T> = Arc::new(move |ctx: &mut BuildCtx, down: Out<T>| {
+        let name = name_of(&slot);
+        // The generator's state: the largest timestamp seen, and the watermark it sent.
+        let (max_ts, emitted) = restored_pair(ctx, &name)?;
+        if let Some(c) = &ctx.checkpoint {
+            c.borrow_mut().register();
+        }
         let op = WatermarkOp {
             ts: ts.clone(),
             delay,
             idle_timeout_ms: idle,
-            max_ts: i64::MIN,
-            emitted: i64::MIN,
+            max_ts,
+            emitted,
+            resend: emitted != i64::MIN,
+            checkpoint: ctx.checkpoint.clone(),
             interval_ms: ctx.config.auto_watermark_interval_ms as i64,
             next_emit_ms: i64::MIN,
             last_record_ms: i64::MIN,
             now_ms: i64::MIN,
             idle: false,
             per_record,
-            counters: ctx.metrics.operator(&name_of(&slot), ctx.shard),
-            name: name_of(&slot),
+            counters: ctx.metrics.operator(&name, ctx.shard),
+            name,
             shard: ctx.shard,
             fail: ctx.fail.clone(),
             down,
@@ -95,6 +103,10 @@ pub(crate) struct WatermarkOp<T> {
     idle_timeout_ms: Option<i64>,
     max_ts: i64,
     emitted: i64,
+    /// A restored watermark not sent again yet: it goes downstream before anything else, so
+    /// that records after a restore meet the watermark they met before it.
+    resend: bool,
+    checkpoint: Option<crate::checkpoint::shard::ShardCheckpointRef>,
     interval_ms: i64,
     next_emit_ms: i64,
     last_record_ms: i64,
@@ -109,6 +121,15 @@ pub(crate) struct WatermarkOp<T> {
 }
 
 impl<T: 'static> WatermarkOp<T> {
+    /// Sends the restored watermark, once, before the first record or event after a restore.
+    #[inline]
+    fn resend_restored(&mut self) {
+        if self.resend {
+            self.resend = false;
+            self.down.event(Event::Watermark(self.emitted));
+        }
+    }
+
     fn current(&self) -> i64 {
         if self.max_ts == i64::MIN {
             i64::MIN
@@ -129,6 +150,7 @@ impl<T: 'static> WatermarkOp<T> {
 impl<T: 'static> Collector<T> for WatermarkOp<T> {
     #[inline]
     fn collect(&mut self, rec: T, _ts: i64) {
+        self.resend_restored();
         bump(&self.counters.records_in, 1);
         let ts = (self.ts)(&rec);
         if ts == crate::operator::NO_TS {
@@ -163,6 +185,7 @@ impl<T: 'static> Collector<T> for WatermarkOp<T> {
     }
 
     fn event(&mut self, ev: Event) {
+        self.resend_restored();
         match ev {
             // Upstream watermarks are replaced by this operator's own; the final one passes.
             Event::Watermark(w) if w == i64::MAX => {
@@ -170,9 +193,16 @@ impl<T: 'static> Collector<T> for WatermarkOp<T> {
                 self.down.event(ev);
             }
             Event::Watermark(_) | Event::Idle(_) => {}
-            // Watermarks are not checkpointed (as in Flink): after a restore they are generated
-            // again from the replayed records, so a record is late only as it would have been.
-            Event::LatencyMarker { .. } | Event::Barrier(_) => self.down.event(ev),
+            // The generator's state goes into the checkpoint (unlike Flink, which starts
+            // watermarks over after a restore): records after a restore are late exactly when
+            // they were before, and the issue restores watermarks with the rest.
+            Event::Barrier(id) => {
+                let mut bytes = self.max_ts.to_le_bytes().to_vec();
+                bytes.extend_from_slice(&self.emitted.to_le_bytes());
+                report_part(self.checkpoint.as_ref(), id, &self.name, bytes);
+                self.down.event(ev);
+            }
+            Event::LatencyMarker { .. } => self.down.event(ev),
             Event::EndOfInput => {
                 self.emit_watermark();
                 self.down.event(ev);
@@ -200,4 +230,86 @@ impl<T: 'static> Collector<T> for WatermarkOp<T> {
         }
         self.down.processing_time(now_ms);
     }
+}
+
+/// Reports `bytes` as operator `name`'s watermark part of checkpoint `id`.
+fn report_part(
+    checkpoint: Option<&crate::checkpoint::shard::ShardCheckpointRef>,
+    id: u64,
+    name: &str,
+    bytes: Vec<u8>,
+) {
+    let Some(c) = checkpoint else { return };
+    let part = crate::checkpoint::snapshot::Part {
+        operator: name.to_owned(),
+        kind: crate::checkpoint::snapshot::PartKind::Watermark,
+        bytes,
+        files: Vec::new(),
+        logical: Vec::new(),
+    };
+    c.borrow_mut().report(id, part, 0);
+}
+
+/// Reports a keyed operator's watermark `w` as its watermark part of checkpoint `id`.
+pub(crate) fn report_watermark(
+    checkpoint: Option<&crate::checkpoint::shard::ShardCheckpointRef>,
+    id: u64,
+    name: &str,
+    w: i64,
+) {
+    report_part(checkpoint, id, name, w.to_le_bytes().to_vec());
+}
+
+/// The `i64`s of operator `name`'s watermark parts that this shard takes over in a restore
+/// (old shard `s` goes to new shard `s % shards`), element by element the least of them:
+/// after a rescale a shard's watermark is no further than that of any old shard whose input
+/// it takes, so a record on time before is on time after. All `i64::MIN` (nothing seen) when
+/// the checkpoint holds none: one taken before watermarks were checkpointed, or a shard a
+/// scale-up added.
+fn restored_values<const N: usize>(
+    ctx: &BuildCtx,
+    name: &str,
+) -> Result<[i64; N], crate::StartError> {
+    let mut out = [i64::MIN; N];
+    let Some(r) = &ctx.restore else {
+        return Ok(out);
+    };
+    let parts = r.parts_for_shard(
+        name,
+        crate::checkpoint::snapshot::PartKind::Watermark,
+        ctx.shard,
+    );
+    for (k, p) in parts.iter().enumerate() {
+        let values: Option<Vec<i64>> = (p.bytes.len() == 8 * N).then(|| {
+            p.bytes
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect()
+        });
+        let Some(values) = values else {
+            return Err(crate::StartError::Restore {
+                reason: format!(
+                    "checkpoint {}: watermark of `{name}`: {} bytes, expected {}",
+                    r.checkpoint_id,
+                    p.bytes.len(),
+                    8 * N
+                ),
+            });
+        };
+        for (o, v) in out.iter_mut().zip(values) {
+            *o = if k == 0 { v } else { (*o).min(v) };
+        }
+    }
+    Ok(out)
+}
+
+/// A keyed operator's restored watermark (see [`restored_values`]).
+pub(crate) fn restored_watermark(ctx: &BuildCtx, name: &str) -> Result<i64, crate::StartError> {
+    Ok(restored_values::<1>(ctx, name)?[0])
+}
+
+/// A watermark generator's restored largest timestamp and sent watermark.
+fn restored_pair(ctx: &BuildCtx, name: &str) -> Result<(i64, i64), crate::StartError> {
+    let [max_ts, emitted] = restored_values::<2>(ctx, name)?;
+    Ok((max_ts, emitted))
 }

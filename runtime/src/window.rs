@@ -585,10 +585,10 @@ where
 
     fn event(&mut self, ev: Event) {
         if let Event::Barrier(id) = ev {
-            self.ops.state.snapshot(id, self.timers.encode());
+            self.ops.snapshot(id, self.timers.encode());
         }
         if let Event::Watermark(wm) = ev {
-            self.ops.watermark = wm;
+            let wm = self.ops.advance_watermark(wm);
             let contents = self.contents.clone();
             let lateness = self.lateness;
             let session = self.assigner.is_session();

@@ -9,7 +9,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use weir_runtime::checkpoint::{CheckpointConfig, CheckpointMode, RestartStrategy};
-use weir_runtime::{FnProcess, Job, JobConfig, KeyedContext, Pinning, RestoreFrom};
+use weir_runtime::{
+    FnProcess, Job, JobConfig, KeyedContext, Pinning, RestoreFrom, WatermarkStrategy,
+    WindowAssigner,
+};
 
 use common::{Hold, HELD_BATCH_RECORDS};
 
@@ -977,6 +980,108 @@ fn a_split_source_restores_onto_fewer_and_more_shards() {
             got.len()
         );
         assert_resumed_sums(&got, &at, &expected);
+    }
+}
+
+/// Watermarks are restored with the rest: a record that was late before a restore is late
+/// after it. The input's tail is late (timestamps far behind the watermark), and the job is
+/// stopped and restored while it reads the tail. Every window the restored run emits is one
+/// the straight run emitted, with the same count. Before, the watermark generator and the
+/// window operator started over from no watermark, so the first tail record after the
+/// restore set a low watermark and the late records opened windows of their own again.
+#[test]
+fn a_record_late_before_a_restore_is_late_after_it() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (n, tail) = (4_000u64, 2_000u64);
+    // Keys 0..4; timestamps rise by 10 ms, then the tail goes back to the first 500 ms.
+    let records: Vec<(u64, i64, u64)> = (0..n)
+        .map(|i| {
+            let ts = if i < n - tail {
+                i as i64 * 10
+            } else {
+                (i % 50) as i64 * 10
+            };
+            (i % 4, ts, i)
+        })
+        .collect();
+    let run = |restore: bool, hold: Option<Hold>| {
+        let mut c = JobConfig::new()
+            .with_shards(1)
+            .with_pinning(Pinning::Never)
+            .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce));
+        if restore {
+            c = c.with_restore(RestoreFrom::Latest);
+        }
+        if hold.is_some() {
+            c = c.with_batch_records(HELD_BATCH_RECORDS);
+        }
+        let job = Job::new(c);
+        let out = job
+            .from_vec(records.clone())
+            .uid("input")
+            .inspect(move |r: &(u64, i64, u64)| {
+                if let Some(hold) = &hold {
+                    hold.delay(r.2);
+                }
+            })
+            .assign_timestamps(
+                WatermarkStrategy::bounded_out_of_orderness(0, |r: &(u64, i64, u64)| r.1)
+                    .with_watermark_per_record(),
+            )
+            .key_by(|r| r.0)
+            .window(WindowAssigner::tumbling(100))
+            .count_with(|k, w, c| (*k, w.start, c))
+            .uid("counts")
+            .collect();
+        (job.start().expect("start"), out)
+    };
+    let straight = {
+        let job = Job::new(JobConfig::new().with_shards(1).with_pinning(Pinning::Never));
+        let out = job
+            .from_vec(records.clone())
+            .assign_timestamps(
+                WatermarkStrategy::bounded_out_of_orderness(0, |r: &(u64, i64, u64)| r.1)
+                    .with_watermark_per_record(),
+            )
+            .key_by(|r| r.0)
+            .window(WindowAssigner::tumbling(100))
+            .count_with(|k, w, c| (*k, w.start, c))
+            .collect();
+        job.run().expect("straight run");
+        out.take()
+    };
+    // The held tail reads a record a millisecond: checkpoints complete inside it.
+    let hold = Hold::new(n, tail);
+    let (h, _) = run(false, Some(hold.clone()));
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while h.metrics().records_out("input") < n - tail + 20 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the tail was not reached"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let done = h.checkpoint_metrics().number_of_completed_checkpoints;
+    await_checkpoints(&h, done + 2);
+    h.cancel();
+    hold.release();
+    assert!(matches!(h.wait(), Err(weir_runtime::JobError::Cancelled)));
+    let (h, out) = run(true, None);
+    let summary = h.wait().expect("restored run");
+    let dropped: u64 = summary
+        .metrics
+        .operators
+        .iter()
+        .filter(|o| o.operator == "counts")
+        .map(|o| o.records_dropped)
+        .sum();
+    assert!(dropped > 0, "the restored run read late records");
+    let got = out.take();
+    for w in &got {
+        assert!(
+            straight.contains(w),
+            "window {w:?} is not the straight run's"
+        );
     }
 }
 

@@ -70,13 +70,18 @@ impl RestoreState {
     /// The operators (uid and kind of state) that hold state in this checkpoint but that no
     /// operator of the job asked for: restoring would drop their state without a word.
     /// Parts without content (a source that had not started, a sink with nothing pending)
-    /// do not count. Sorted, each once.
+    /// and watermarks do not count. Sorted, each once.
     pub fn unclaimed(&self) -> Vec<(String, PartKind)> {
         let claimed = self.claimed.lock().unwrap_or_else(|p| p.into_inner());
         let mut out: Vec<(String, PartKind)> = Vec::new();
         for p in self.shards.iter().flat_map(|s| s.parts.iter()) {
             let empty = p.bytes.is_empty() && p.files.is_empty() && p.logical.is_empty();
-            if empty || claimed.contains(&(p.operator.clone(), p.kind as u8)) {
+            // A watermark left behind costs nothing but lateness decisions right after the
+            // restore (the operator starts as Flink's do, from no watermark), and timestamp
+            // assigners are often left without a uid: their generated names must not make a
+            // changed job's restore fail.
+            let watermark = p.kind == PartKind::Watermark;
+            if empty || watermark || claimed.contains(&(p.operator.clone(), p.kind as u8)) {
                 continue;
             }
             if !out.iter().any(|(o, k)| *o == p.operator && *k == p.kind) {
@@ -256,5 +261,27 @@ mod tests {
             r.shards.iter().map(|s| s.shard).collect::<Vec<_>>(),
             vec![0, 1]
         );
+    }
+
+    /// A watermark no operator takes is not state a restore refuses to drop (a timestamp
+    /// assigner's generated name may change with the job); a source position is.
+    #[test]
+    fn unclaimed_state_leaves_watermarks_out() {
+        let part = |operator: &str, kind| Part {
+            operator: operator.into(),
+            kind,
+            bytes: 7i64.to_le_bytes().to_vec(),
+            files: Vec::new(),
+            logical: Vec::new(),
+        };
+        let snap = ShardSnapshot {
+            shard: 0,
+            parts: vec![
+                part("watermarks", PartKind::Watermark),
+                part("input", PartKind::Source),
+            ],
+        };
+        let r = decode(&[job(1), (shard_section(0), encode(&snap))]).expect("decodes");
+        assert_eq!(r.unclaimed(), vec![("input".to_string(), PartKind::Source)]);
     }
 }

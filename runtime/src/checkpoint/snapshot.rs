@@ -36,7 +36,8 @@ pub enum PartKind {
     Keyed,
     /// A sink's pre-committed transaction.
     Sink,
-    /// A watermark generator's largest timestamp.
+    /// An operator's watermark: a timestamp assigner's largest timestamp and the watermark
+    /// it sent (two `i64`, little-endian), or a keyed operator's watermark (one).
     Watermark,
     /// In-flight records of an exchange input, captured by an unaligned checkpoint.
     Channel,
