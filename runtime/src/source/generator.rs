@@ -279,6 +279,38 @@ impl<T: 'static, F: Fn(u64, u64) -> T + Send + Sync + 'static> SourceReader<T> f
             }
         }
         let (step, total) = (self.step, self.total);
+        if let [only] = self.splits.as_mut_slice() {
+            // One split (no rescale): the loop the generator always ran.
+            if !only.done {
+                let (f, seed) = (&self.f, self.seed);
+                let mut next = only.next;
+                let mut made = 0;
+                while made < budget {
+                    out.push(f(next, splitmix64(seed, next)));
+                    made += 1;
+                    match next.checked_add(step) {
+                        Some(n) if total.is_none_or(|t| n < t) => next = n,
+                        Some(n) => {
+                            next = n;
+                            only.done = true;
+                            break;
+                        }
+                        // The u64 index space is used up: the split ends there.
+                        None => {
+                            only.done = true;
+                            break;
+                        }
+                    }
+                }
+                only.next = next;
+                self.emitted += made;
+            }
+            return Ok(if only.done {
+                SourcePoll::Finished
+            } else {
+                SourcePoll::Ready
+            });
+        }
         while budget > 0 {
             // The unfinished split with the lowest next index makes records until it passes
             // the next lowest (index order across splits; one split runs through the budget).
