@@ -896,19 +896,44 @@ fn restore_onto_another_number_of_shards_keeps_keyed_state() {
         (job.start().expect("start"), out)
     };
     let (h, _) = run(2, false, Some(hold.clone()));
+    resume_after_cancel(
+        h,
+        &hold,
+        || run(3, true, None),
+        n,
+        (&at, &expected),
+        "2 -> 3",
+    );
+}
+
+/// Cancels held job `h` once a checkpoint past its source's start completed, lets `hold` go,
+/// and runs the job `restored` starts to the end: it resumed mid-way, every sum it emitted is
+/// the running sum at its record (`sums.0`), and every key ends at its total (`sums.1`).
+fn resume_after_cancel(
+    h: weir_runtime::JobHandle,
+    hold: &Hold,
+    restored: impl FnOnce() -> (
+        weir_runtime::JobHandle,
+        weir_runtime::sink::Collected<(u64, i64, u64)>,
+    ),
+    n: u64,
+    sums: (&HashMap<u64, i64>, &HashMap<u64, i64>),
+    what: &str,
+) {
     await_checkpoint_past_start(&h, "input");
     h.cancel();
     hold.release();
     assert!(matches!(h.wait(), Err(weir_runtime::JobError::Cancelled)));
-    let (h, out) = run(3, true, None);
-    h.wait().expect("restored job");
+    let (h, out) = restored();
+    h.wait()
+        .unwrap_or_else(|e| panic!("{what} shards: restored job: {e}"));
     let got = out.take();
     assert!(
         !got.is_empty() && (got.len() as u64) < n,
-        "resumed mid-way: {} records",
+        "{what}: resumed mid-way, {} records",
         got.len()
     );
-    assert_resumed_sums(&got, &at, &expected);
+    assert_resumed_sums(&got, sums.0, sums.1);
 }
 
 /// A source whose readers split the input among shards (a generator: shard `s` of `n` makes
@@ -966,20 +991,15 @@ fn a_split_source_restores_onto_fewer_and_more_shards() {
             (job.start().expect("start"), out)
         };
         let (h, _) = run(before, false, Some(hold.clone()));
-        await_checkpoint_past_start(&h, "input");
-        h.cancel();
-        hold.release();
-        assert!(matches!(h.wait(), Err(weir_runtime::JobError::Cancelled)));
-        let (h, out) = run(after, true, None);
-        h.wait()
-            .unwrap_or_else(|e| panic!("{before} -> {after} shards: {e}"));
-        let got = out.take();
-        assert!(
-            !got.is_empty() && (got.len() as u64) < n,
-            "{before} -> {after}: resumed mid-way, {} records",
-            got.len()
+        let what = format!("{before} -> {after}");
+        resume_after_cancel(
+            h,
+            &hold,
+            || run(after, true, None),
+            n,
+            (&at, &expected),
+            &what,
         );
-        assert_resumed_sums(&got, &at, &expected);
     }
 }
 

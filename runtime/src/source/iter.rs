@@ -276,12 +276,7 @@ mod tests {
             for shards in [second, third] {
                 positions = (0..shards)
                     .map(|s| {
-                        let mine: Vec<(usize, &[u8])> = positions
-                            .iter()
-                            .enumerate()
-                            .filter(|(o, _)| o % shards == s)
-                            .map(|(o, p)| (o, p.as_slice()))
-                            .collect();
+                        let mine = super::super::taken_over(&positions, shards, s);
                         let mut r = src.create_reader(s, shards).expect("reader");
                         r.restore(old, &mine).expect("restore");
                         let batch = if shards == third { 1000 } else { 4 };

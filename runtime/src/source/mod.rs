@@ -115,6 +115,18 @@ pub trait Source<T>: Send + Sync + 'static {
     }
 }
 
+/// The positions of `old` (one per old shard, in shard order) that shard `shard` of `shards`
+/// takes over in a restore: those of the old shards `s` with `s % shards == shard`, as the
+/// runtime hands them to [`SourceReader::restore`].
+#[cfg(test)]
+pub(crate) fn taken_over(old: &[Vec<u8>], shards: usize, shard: usize) -> Vec<(usize, &[u8])> {
+    old.iter()
+        .enumerate()
+        .filter(|(s, _)| s % shards == shard)
+        .map(|(s, p)| (s, p.as_slice()))
+        .collect()
+}
+
 /// A reader that has nothing, for shards a source does not read on.
 #[derive(Debug, Default)]
 pub struct EmptyReader;
