@@ -197,9 +197,8 @@ impl<T: 'static> Collector<T> for WatermarkOp<T> {
             // watermarks over after a restore): records after a restore are late exactly when
             // they were before, and the issue restores watermarks with the rest.
             Event::Barrier(id) => {
-                let mut bytes = self.max_ts.to_le_bytes().to_vec();
-                bytes.extend_from_slice(&self.emitted.to_le_bytes());
-                report_part(self.checkpoint.as_ref(), id, &self.name, bytes);
+                let values = [self.max_ts, self.emitted];
+                report_part(self.checkpoint.as_ref(), id, &self.name, &values);
                 self.down.event(ev);
             }
             Event::LatencyMarker { .. } => self.down.event(ev),
@@ -232,32 +231,41 @@ impl<T: 'static> Collector<T> for WatermarkOp<T> {
     }
 }
 
-/// Reports `bytes` as operator `name`'s watermark part of checkpoint `id`.
+/// Reports `values` as operator `name`'s watermark part of checkpoint `id`: no part while they
+/// are all `i64::MIN` (no timestamp seen, no watermark), which is what a restore assumes of a
+/// missing one; a job without event time stores none.
 fn report_part(
     checkpoint: Option<&crate::checkpoint::shard::ShardCheckpointRef>,
     id: u64,
     name: &str,
-    bytes: Vec<u8>,
+    values: &[i64],
 ) {
     let Some(c) = checkpoint else { return };
-    let part = crate::checkpoint::snapshot::Part {
-        operator: name.to_owned(),
-        kind: crate::checkpoint::snapshot::PartKind::Watermark,
-        bytes,
-        files: Vec::new(),
-        logical: Vec::new(),
-    };
-    c.borrow_mut().report(id, part, 0);
+    let part = values
+        .iter()
+        .any(|&v| v != i64::MIN)
+        .then(|| crate::checkpoint::snapshot::Part {
+            operator: name.to_owned(),
+            kind: crate::checkpoint::snapshot::PartKind::Watermark,
+            bytes: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            files: Vec::new(),
+            logical: Vec::new(),
+        });
+    c.borrow_mut().report_maybe(id, part, 0);
 }
 
-/// Reports a keyed operator's watermark `w` as its watermark part of checkpoint `id`.
+/// Reports a keyed operator's watermark `w` as its watermark part of checkpoint `id`. The end
+/// of every input (`i64::MAX`, which a job without event time sees too) is stored as no part,
+/// as no watermark is: a restore of it finds its inputs at their end, and they send it again
+/// before anything else reaches the operator.
 pub(crate) fn report_watermark(
     checkpoint: Option<&crate::checkpoint::shard::ShardCheckpointRef>,
     id: u64,
     name: &str,
     w: i64,
 ) {
-    report_part(checkpoint, id, name, w.to_le_bytes().to_vec());
+    let w = if w == i64::MAX { i64::MIN } else { w };
+    report_part(checkpoint, id, name, &[w]);
 }
 
 /// The `i64`s of operator `name`'s watermark parts that this shard takes over in a restore

@@ -165,8 +165,14 @@ impl ShardCheckpoint {
 
     /// A participant's synchronous part of checkpoint `id`.
     pub fn report(&mut self, id: u64, part: Part, sync_ns: u64) {
+        self.report_maybe(id, Some(part), sync_ns);
+    }
+
+    /// [`Self::report`] of a participant that may have nothing to store (`None`): it counts
+    /// as reported, and the checkpoint holds no part of it.
+    pub fn report_maybe(&mut self, id: u64, part: Option<Part>, sync_ns: u64) {
         let p = self.entry(id, sync_ns);
-        p.parts.push(part);
+        p.parts.extend(part);
         p.reported += 1;
         p.sync_ns += sync_ns;
         self.maybe_ack(id);
