@@ -815,6 +815,20 @@ fn a_checkpoint_triggered_right_after_the_start_completes() {
     assert!(got.iter().all(|(_, sum, i)| at.get(i) == Some(sum)));
 }
 
+/// `c` restoring from `restore`, if any, and with the small batches of a held job (`held`:
+/// see [`HELD_BATCH_RECORDS`]).
+fn restoring(c: JobConfig, restore: Option<RestoreFrom>, held: bool) -> JobConfig {
+    let c = match restore {
+        Some(r) => c.with_restore(r),
+        None => c,
+    };
+    if held {
+        c.with_batch_records(HELD_BATCH_RECORDS)
+    } else {
+        c
+    }
+}
+
 /// Waits (30 s at most) until `h` completed `n` checkpoints.
 fn await_checkpoints(h: &weir_runtime::JobHandle, n: u64) {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
@@ -881,16 +895,14 @@ fn restore_onto_another_number_of_shards_keeps_keyed_state() {
     let Sums { data, expected, at } = Sums::new(n);
     let hold = Hold::new(n, n / 10);
     let run = |shards: usize, restore: bool, hold: Option<Hold>| {
-        let mut c = JobConfig::new()
-            .with_shards(shards)
-            .with_pinning(Pinning::Never)
-            .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce));
-        if restore {
-            c = c.with_restore(RestoreFrom::Latest);
-        }
-        if hold.is_some() {
-            c = c.with_batch_records(HELD_BATCH_RECORDS);
-        }
+        let c = restoring(
+            JobConfig::new()
+                .with_shards(shards)
+                .with_pinning(Pinning::Never)
+                .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce)),
+            restore.then_some(RestoreFrom::Latest),
+            hold.is_some(),
+        );
         let job = Job::new(c);
         let out = running_sum_job(&job, &data, hold, "sum").collect();
         (job.start().expect("start"), out)
@@ -961,16 +973,14 @@ fn a_split_source_restores_onto_fewer_and_more_shards() {
         }
         let hold = Hold::new(n, n / 10);
         let run = |shards: usize, restore: bool, hold: Option<Hold>| {
-            let mut c = JobConfig::new()
-                .with_shards(shards)
-                .with_pinning(Pinning::Never)
-                .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce));
-            if restore {
-                c = c.with_restore(RestoreFrom::Latest);
-            }
-            if hold.is_some() {
-                c = c.with_batch_records(HELD_BATCH_RECORDS);
-            }
+            let c = restoring(
+                JobConfig::new()
+                    .with_shards(shards)
+                    .with_pinning(Pinning::Never)
+                    .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce)),
+                restore.then_some(RestoreFrom::Latest),
+                hold.is_some(),
+            );
             let job = Job::new(c);
             let out = job
                 .source(weir_runtime::source::GeneratorSource::new(
@@ -1025,16 +1035,14 @@ fn a_record_late_before_a_restore_is_late_after_it() {
         })
         .collect();
     let run = |restore: bool, hold: Option<Hold>| {
-        let mut c = JobConfig::new()
-            .with_shards(1)
-            .with_pinning(Pinning::Never)
-            .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce));
-        if restore {
-            c = c.with_restore(RestoreFrom::Latest);
-        }
-        if hold.is_some() {
-            c = c.with_batch_records(HELD_BATCH_RECORDS);
-        }
+        let c = restoring(
+            JobConfig::new()
+                .with_shards(1)
+                .with_pinning(Pinning::Never)
+                .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce)),
+            restore.then_some(RestoreFrom::Latest),
+            hold.is_some(),
+        );
         let job = Job::new(c);
         let out = job
             .from_vec(records.clone())
@@ -1116,17 +1124,15 @@ fn a_restore_refuses_state_no_operator_takes_unless_allowed() {
     let Sums { data, .. } = Sums::new(n);
     let hold = Hold::new(n, n / 10);
     let run = |uid: &str, restore: bool, allow: bool, hold: Option<Hold>| {
-        let mut c = JobConfig::new()
-            .with_shards(2)
-            .with_pinning(Pinning::Never)
-            .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce))
-            .with_allow_non_restored_state(allow);
-        if restore {
-            c = c.with_restore(RestoreFrom::Latest);
-        }
-        if hold.is_some() {
-            c = c.with_batch_records(HELD_BATCH_RECORDS);
-        }
+        let c = restoring(
+            JobConfig::new()
+                .with_shards(2)
+                .with_pinning(Pinning::Never)
+                .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce))
+                .with_allow_non_restored_state(allow),
+            restore.then_some(RestoreFrom::Latest),
+            hold.is_some(),
+        );
         let job = Job::new(c);
         let out = running_sum_job(&job, &data, hold, uid).collect();
         (job.start().expect("start"), out)
@@ -1204,16 +1210,14 @@ fn stop_with_savepoint_commits_up_to_the_savepoint_and_ends_the_job() {
     let Sums { data, at, .. } = Sums::new(n);
     let hold = Hold::new(n, n / 10);
     let run = |ckpt: &str, restore: Option<RestoreFrom>, hold: Option<Hold>| {
-        let mut c = JobConfig::new()
-            .with_shards(2)
-            .with_pinning(Pinning::Never)
-            .with_checkpointing(ck(&dir.path().join(ckpt), CheckpointMode::ExactlyOnce));
-        if let Some(r) = restore {
-            c = c.with_restore(r);
-        }
-        if hold.is_some() {
-            c = c.with_batch_records(HELD_BATCH_RECORDS);
-        }
+        let c = restoring(
+            JobConfig::new()
+                .with_shards(2)
+                .with_pinning(Pinning::Never)
+                .with_checkpointing(ck(&dir.path().join(ckpt), CheckpointMode::ExactlyOnce)),
+            restore,
+            hold.is_some(),
+        );
         let job = Job::new(c);
         running_sum_job(&job, &data, hold, "sum")
             .sink(weir_runtime::sink::TransactionalFileSink::new(
@@ -1316,24 +1320,22 @@ fn savepoint_round_trip(unaligned: bool) {
         // savepoint is taken and until the checkpoints after it completed.
         let slow = restore.is_none();
         let (failed, hold) = (failed.clone(), hold.clone());
-        let mut c = JobConfig::new()
-            .with_shards(shards)
-            .with_pinning(Pinning::Never)
-            .with_checkpointing(
-                ck_with(
-                    ck_dir,
-                    CheckpointMode::ExactlyOnce,
-                    unaligned,
-                    Duration::ZERO,
-                )
-                .with_retained(1),
-            );
-        if let Some(r) = restore {
-            c = c.with_restore(r);
-        }
-        if slow {
-            c = c.with_batch_records(HELD_BATCH_RECORDS);
-        }
+        let c = restoring(
+            JobConfig::new()
+                .with_shards(shards)
+                .with_pinning(Pinning::Never)
+                .with_checkpointing(
+                    ck_with(
+                        ck_dir,
+                        CheckpointMode::ExactlyOnce,
+                        unaligned,
+                        Duration::ZERO,
+                    )
+                    .with_retained(1),
+                ),
+            restore,
+            slow,
+        );
         let job = Job::new(c);
         let out = job
             .from_vec(data.clone())
