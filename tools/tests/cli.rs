@@ -2125,3 +2125,163 @@ fn an_empty_restore_or_a_savepoint_dir_that_is_a_file_is_refused_at_once() {
     assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
     assert!(stderr(&r).contains("--savepoint-dir"), "{}", stderr(&r));
 }
+
+/// `WEIR_FLIP_CASES` (default 6) single-bit flips, each at a seeded random offset of a
+/// seeded random file of the checkpoint directory that a killed unaligned keyed-sum run left
+/// (metadata, `COMPLETED`, segments, channel and operator state, merged files; not `LOCK`,
+/// which holds a process id for the lock's holder to read). Each flip is made in a fresh
+/// copy of that directory and of the output, then `verify` runs and a restart with
+/// `--restore latest` finishes the job. A flip is caught (verify exits 3, the restart exits
+/// 1, both naming the flipped file) or harmless (the restart commits every running sum
+/// exactly once); it never passes verify and then stops a restore, never yields a wrong
+/// output, and never panics.
+#[test]
+fn a_flipped_bit_anywhere_in_a_checkpoint_is_caught_or_harmless() {
+    flips_in_the_checkpoints_of(
+        "keyed-sum",
+        CheckpointedRun::new(1_200_000, 997, "2", "20ms"),
+        |run, what| {
+            let got = parse_sums(&committed_lines(&run.out));
+            assert_same_sums(&got, &running_sums(&run.recs), what);
+        },
+    );
+}
+
+/// The same for `weir run window-count` (window state, event-time timers and watermarks in
+/// the checkpoint): a harmless flip commits every window's count exactly once.
+#[test]
+fn a_flipped_bit_in_a_window_jobs_checkpoint_is_caught_or_harmless() {
+    flips_in_the_checkpoints_of(
+        "window-count",
+        CheckpointedRun::window_count(1_200_000, 997, "2", "20ms", "100ms"),
+        |run, what| {
+            let mut got = committed_lines(&run.out);
+            got.sort();
+            assert!(got == window_counts(&run.recs, 100), "{what}");
+        },
+    );
+}
+
+/// The flips of [`a_flipped_bit_anywhere_in_a_checkpoint_is_caught_or_harmless`] in the
+/// checkpoints of `run` (of job `job`), killed after its fourth checkpoint; `check` asserts
+/// that the committed output of a finished run is exact.
+fn flips_in_the_checkpoints_of(
+    job: &str,
+    mut run: CheckpointedRun,
+    check: impl Fn(&CheckpointedRun, &str),
+) {
+    let cases: u64 = std::env::var("WEIR_FLIP_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(6);
+    run.args.push("--unaligned".into());
+    let job_dir = run.ck.join(job);
+    let mut child = run.spawn();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    // A few checkpoints in, so that the newest one holds more than the first (channel
+    // state of unaligned barriers, merged files, several segments a shard).
+    while newest_complete_id(&job_dir) < Some(4) && child.try_wait().expect("try_wait").is_none() {
+        assert!(std::time::Instant::now() < deadline, "no checkpoint");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        has_complete_checkpoint(&job_dir),
+        "the run left a checkpoint"
+    );
+    let pristine = run.dir.path().join("pristine");
+    copy_tree(&run.ck, &pristine.join("ckpt"));
+    copy_tree(&run.out, &pristine.join("out"));
+    let mut files = files_under(&job_dir);
+    files.retain(|f| f.file_name().is_some_and(|n| n != "LOCK"));
+    files.sort();
+    assert!(files.len() > 2, "{files:?}");
+    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let (mut caught, mut harmless) = (0u64, 0u64);
+    for case in 0..cases {
+        for (from, to) in [("ckpt", &run.ck), ("out", &run.out)] {
+            std::fs::remove_dir_all(to).expect("remove");
+            copy_tree(&pristine.join(from), to);
+        }
+        let f = &files[(next() % files.len() as u64) as usize];
+        let len = std::fs::metadata(f).expect("flipped file").len();
+        if len == 0 {
+            continue;
+        }
+        let (at, bit) = (next() % len, next() % 8);
+        let mut bytes = std::fs::read(f).expect("read");
+        bytes[at as usize] ^= 1 << bit;
+        std::fs::write(f, bytes).expect("write");
+        let name = f.file_name().and_then(|n| n.to_str()).expect("name");
+        let what = format!("case {case}: bit {bit} of byte {at} of {}", f.display());
+        let v = weir(&["checkpoints", "verify", run.ck.to_str().expect("utf8")]);
+        let ve = stderr(&v);
+        assert!(!ve.contains("panicked"), "{what}: verify: {ve}");
+        match v.status.code() {
+            Some(0) => {}
+            Some(3) => assert!(ve.contains(name), "{what}: verify names the file: {ve}"),
+            c => panic!("{what}: verify exit {c:?}: {ve}"),
+        }
+        let o = weir_within(&run.args(), 120);
+        let oe = stderr(&o);
+        assert!(!oe.contains("panicked"), "{what}: restart: {oe}");
+        match o.status.code() {
+            Some(0) => {
+                check(&run, &what);
+                harmless += 1;
+            }
+            Some(1) => {
+                assert_eq!(
+                    v.status.code(),
+                    Some(3),
+                    "{what}: the restart refused a checkpoint that verify passed: {oe}"
+                );
+                assert!(
+                    oe.contains(name),
+                    "{what}: the restart names the file: {oe}"
+                );
+                caught += 1;
+            }
+            c => panic!("{what}: restart exit {c:?}: {oe}"),
+        }
+    }
+    eprintln!(
+        "{job}: {cases} flips over {} files: {caught} caught, {harmless} harmless",
+        files.len()
+    );
+}
+
+/// Every regular file under `dir`, at any depth.
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).expect("read dir").flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(files_under(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// A copy of the tree at `from` as `to` (which must not exist): directories and file
+/// contents, each file a new one (never a link to the original).
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("create dir");
+    for e in std::fs::read_dir(from).expect("read dir").flatten() {
+        let (p, q) = (e.path(), to.join(e.file_name()));
+        if p.is_dir() {
+            copy_tree(&p, &q);
+        } else {
+            std::fs::copy(&p, &q).expect("copy");
+        }
+    }
+}
