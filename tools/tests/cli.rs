@@ -2126,18 +2126,18 @@ fn an_empty_restore_or_a_savepoint_dir_that_is_a_file_is_refused_at_once() {
     assert!(stderr(&r).contains("--savepoint-dir"), "{}", stderr(&r));
 }
 
-/// `WEIR_FLIP_CASES` (default 6) single-bit flips, each at a seeded random offset of a
-/// seeded random file of the checkpoint directory that a killed unaligned keyed-sum run left
-/// (metadata, `COMPLETED`, segments, channel and operator state, merged files; not `LOCK`,
-/// which holds a process id for the lock's holder to read). Each flip is made in a fresh
-/// copy of that directory and of the output, then `verify` runs and a restart with
-/// `--restore latest` finishes the job. A flip is caught (verify exits 3, the restart exits
-/// 1, both naming the flipped file) or harmless (the restart commits every running sum
-/// exactly once); it never passes verify and then stops a restore, never yields a wrong
-/// output, and never panics.
+/// `WEIR_FLIP_CASES` (default 6) damaged files, each a seeded random file of the checkpoint
+/// directory that a killed unaligned keyed-sum run left (metadata, `COMPLETED`, segments,
+/// channel and operator state, merged files; not `LOCK`, which holds a process id for the
+/// lock's holder to read): mostly a bit flipped at a random offset, else the file cut there,
+/// garbage appended, or the file removed. Each is done to a fresh copy of that directory and
+/// of the output, then `verify` runs and a restart with `--restore latest` finishes the job.
+/// The damage is caught (verify exits 3, the restart exits 1, both naming the file) or
+/// harmless (the restart commits every running sum exactly once); it never passes verify and
+/// then stops a restore, never yields a wrong output, and never panics.
 #[test]
-fn a_flipped_bit_anywhere_in_a_checkpoint_is_caught_or_harmless() {
-    flips_in_the_checkpoints_of(
+fn a_damaged_file_anywhere_in_a_checkpoint_is_caught_or_harmless() {
+    damage_to_the_checkpoints_of(
         "keyed-sum",
         CheckpointedRun::new(1_200_000, 997, "2", "20ms"),
         |run, what| {
@@ -2148,10 +2148,10 @@ fn a_flipped_bit_anywhere_in_a_checkpoint_is_caught_or_harmless() {
 }
 
 /// The same for `weir run window-count` (window state, event-time timers and watermarks in
-/// the checkpoint): a harmless flip commits every window's count exactly once.
+/// the checkpoint): harmless damage leaves every window's count committed exactly once.
 #[test]
-fn a_flipped_bit_in_a_window_jobs_checkpoint_is_caught_or_harmless() {
-    flips_in_the_checkpoints_of(
+fn a_damaged_file_in_a_window_jobs_checkpoint_is_caught_or_harmless() {
+    damage_to_the_checkpoints_of(
         "window-count",
         CheckpointedRun::window_count(1_200_000, 997, "2", "20ms", "100ms"),
         |run, what| {
@@ -2162,10 +2162,10 @@ fn a_flipped_bit_in_a_window_jobs_checkpoint_is_caught_or_harmless() {
     );
 }
 
-/// The flips of [`a_flipped_bit_anywhere_in_a_checkpoint_is_caught_or_harmless`] in the
+/// The damage of [`a_damaged_file_anywhere_in_a_checkpoint_is_caught_or_harmless`] to the
 /// checkpoints of `run` (of job `job`), killed after its fourth checkpoint; `check` asserts
 /// that the committed output of a finished run is exact.
-fn flips_in_the_checkpoints_of(
+fn damage_to_the_checkpoints_of(
     job: &str,
     mut run: CheckpointedRun,
     check: impl Fn(&CheckpointedRun, &str),
@@ -2215,12 +2215,33 @@ fn flips_in_the_checkpoints_of(
         if len == 0 {
             continue;
         }
-        let (at, bit) = (next() % len, next() % 8);
         let mut bytes = std::fs::read(f).expect("read");
-        bytes[at as usize] ^= 1 << bit;
-        std::fs::write(f, bytes).expect("write");
+        let at = next() % len;
+        // Mostly flips; also cuts, appended garbage and removals.
+        let damage = match next() % 8 {
+            0 => {
+                bytes.truncate(at as usize);
+                format!("cut to {at} bytes")
+            }
+            1 => {
+                let extra = 1 + next() % 64;
+                bytes.extend((0..extra).map(|_| next() as u8));
+                format!("{extra} bytes appended to")
+            }
+            2 => "removed".to_string(),
+            _ => {
+                let bit = next() % 8;
+                bytes[at as usize] ^= 1 << bit;
+                format!("bit {bit} of byte {at} flipped in")
+            }
+        };
+        if damage == "removed" {
+            std::fs::remove_file(f).expect("remove");
+        } else {
+            std::fs::write(f, bytes).expect("write");
+        }
         let name = f.file_name().and_then(|n| n.to_str()).expect("name");
-        let what = format!("case {case}: bit {bit} of byte {at} of {}", f.display());
+        let what = format!("case {case}: {damage} {}", f.display());
         let v = weir(&["checkpoints", "verify", run.ck.to_str().expect("utf8")]);
         let ve = stderr(&v);
         assert!(!ve.contains("panicked"), "{what}: verify: {ve}");
@@ -2253,7 +2274,7 @@ fn flips_in_the_checkpoints_of(
         }
     }
     eprintln!(
-        "{job}: {cases} flips over {} files: {caught} caught, {harmless} harmless",
+        "{job}: {cases} damaged files of {}: {caught} caught, {harmless} harmless",
         files.len()
     );
 }
