@@ -261,8 +261,11 @@ pub fn verify(a: &VerifyArgs) -> Result<(), VerifyFailed> {
     }
     if checked == 0 {
         return Err(VerifyFailed::Other(format!(
-            "{}: no complete checkpoint to verify",
-            a.dir.display()
+            "{}: no complete checkpoint to verify (no chk-<n>/{} in its job directories, and \
+             no {} of a savepoint)",
+            a.dir.display(),
+            weir_io::METADATA_FILE,
+            weir_io::METADATA_FILE
         )));
     }
     Ok(())
