@@ -2353,3 +2353,49 @@ fn copy_tree(from: &Path, to: &Path) {
         }
     }
 }
+
+/// An input file changed before the offset a checkpoint read it to (here one digit of an early
+/// line, every line where it was) is refused by a restart with `--restore latest`, naming the
+/// file and the change, rather than read on from the old offset into other content; nothing
+/// more is committed.
+#[test]
+fn a_restart_refuses_an_input_changed_before_the_checkpointed_offset() {
+    let run = CheckpointedRun::new(1_200_000, 997, "1", "20ms");
+    let job_dir = run.ck.join("keyed-sum");
+    let mut child = run.spawn();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while newest_complete_id(&job_dir) < Some(2) && child.try_wait().expect("try_wait").is_none() {
+        assert!(std::time::Instant::now() < deadline, "no checkpoint");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        has_complete_checkpoint(&job_dir),
+        "the run left a checkpoint"
+    );
+    let committed = committed_lines(&run.out);
+    let input = run.dir.path().join("in.csv");
+    let mut text = std::fs::read(&input).expect("input");
+    // The last digit of the header's next line: the first record's amount.
+    let at = text.iter().position(|&b| b == b'\n').expect("a header") + 1;
+    let end = at
+        + text[at..]
+            .iter()
+            .position(|&b| b == b'\n')
+            .expect("a record");
+    text[end - 1] = if text[end - 1] == b'7' { b'8' } else { b'7' };
+    std::fs::write(&input, text).expect("change the input");
+    let o = weir(&run.args());
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{e}");
+    assert!(
+        e.contains("in.csv") && e.contains("the file changed since"),
+        "names the file and the change: {e}"
+    );
+    assert_eq!(
+        committed_lines(&run.out),
+        committed,
+        "nothing more committed"
+    );
+}

@@ -42,10 +42,23 @@ const READ_BUFFER_BYTES: usize = 256 * 1024;
 /// Longest record kept in memory. A longer line (or a CSV record that a stray quote stretched
 /// over many lines) is malformed rather than a reason to exhaust memory.
 const MAX_RECORD_BYTES: usize = 64 * 1024 * 1024;
-/// Version byte of the position encoding.
-const POSITION_VERSION: u8 = 1;
+/// Version byte of the position encoding: `version u8 | file index u64 | byte offset u64 |
+/// line u64 | name length u32 | name | head length u32 | head CRC-32 u32 | tail length u32 |
+/// tail CRC-32 u32`, little-endian. The head is the file's first [`POSITION_WINDOW_BYTES`]
+/// bytes and the tail the last ones before the offset (fewer, and the same bytes, when the
+/// offset is smaller), as read: a restore refuses a file whose bytes there changed since (a
+/// file replaced by another of the same name, cut or rewritten near the offset), rather than
+/// read on from the offset into other content. An edit elsewhere in what was read goes
+/// unseen: checking every byte would make a restore read the whole file up to the offset
+/// again. Version 1, read still, had no windows.
+const POSITION_VERSION: u8 = 2;
+const POSITION_VERSION_1: u8 = 1;
 /// Fixed part of a position: version, file index, byte offset, line number, name length.
 const POSITION_FIXED_BYTES: usize = 1 + 8 + 8 + 8 + 4;
+/// The windows after the name: head and tail, each its length and its CRC-32.
+const POSITION_WINDOW_FIELDS: usize = 2 * (4 + 4);
+/// Bytes of each window of a position (see [`POSITION_VERSION`]).
+const POSITION_WINDOW_BYTES: u64 = 4096;
 /// The UTF-8 byte order mark that some tools put at the start of a text file.
 const BOM: &[u8] = b"\xEF\xBB\xBF";
 
@@ -523,7 +536,7 @@ impl<T: 'static> FileReader<T> {
     }
 
     /// Opens `files[index]`, reads a CSV header, and moves to `at` (offset, line) if given.
-    fn open_current(&mut self, at: Option<(u64, u64)>) -> Result<(), SourceError> {
+    fn open_current(&mut self, at: Option<(u64, u64, Option<Windows>)>) -> Result<(), SourceError> {
         let Some(path) = self.files.get(self.index) else {
             return Err(SourceError::Other(format!(
                 "file source: no file at index {}",
@@ -545,38 +558,108 @@ impl<T: 'static> FileReader<T> {
             restart(&mut self.csv);
             self.read_header()?;
         }
-        let Some((offset, line)) = at else {
+        let Some((offset, line, window)) = at else {
             return Ok(());
         };
         let Some(open) = self.open.as_mut() else {
             return Ok(());
         };
         let path = &self.loc.file;
-        if (offset, line) == (0, 1) || (offset, line) == (open.offset, open.line) {
+        let bad = |why: &str| SourceError::BadPosition(format!("{}: {why}", path.display()));
+        if (offset, line) == (0, 1) {
             return Ok(());
         }
-        let bad = |why: &str| SourceError::BadPosition(format!("{}: {why}", path.display()));
-        if offset <= open.offset || line <= open.line {
-            return Err(bad("offset lies before the first record"));
+        let at_header_end = (offset, line) == (open.offset, open.line);
+        if !at_header_end {
+            if offset <= open.offset || line <= open.line {
+                return Err(bad("offset lies before the first record"));
+            }
+            if offset > len {
+                return Err(bad("offset lies beyond the end of the file"));
+            }
         }
-        if offset > len {
-            return Err(bad("offset lies beyond the end of the file"));
+        let changed = |what: &str, w: Window, found: u32| {
+            bad(&format!(
+                "the {} bytes {what} are not those this position was taken after (CRC-32 \
+                 {:08x}, now {found:08x}): the file changed since",
+                w.len, w.crc32
+            ))
+        };
+        if let Some(head) = window.map(|w| w.head).filter(|w| w.len > 0) {
+            if u64::from(head.len) > offset {
+                return Err(bad(&format!(
+                    "a head of {} bytes before offset {offset}",
+                    head.len
+                )));
+            }
+            let mut bytes = vec![0u8; head.len as usize];
+            use std::os::unix::fs::FileExt;
+            open.reader
+                .get_ref()
+                .read_exact_at(&mut bytes, 0)
+                .map_err(io_error(path))?;
+            let found = crc32fast::hash(&bytes);
+            if found != head.crc32 {
+                return Err(changed(
+                    &format!("at the start of the file, before offset {offset}"),
+                    head,
+                    found,
+                ));
+            }
         }
-        // A record starts just after a line terminator, and the end of a file whose last line
-        // has none is where its reader stops; anything else is not a position of ours.
-        let mut before = [0u8; 1];
+        // The tail before the offset (at least its last byte) is read where the reader then
+        // goes on, so that reading resumes at the offset.
+        let tail = window.map(|w| w.tail);
+        let window_len = tail.map_or(1, |w| w.len).max(1);
+        if u64::from(window_len) > offset {
+            return Err(bad(&format!(
+                "a window of {window_len} bytes before offset {offset}"
+            )));
+        }
+        let mut before = vec![0u8; window_len as usize];
         open.reader
-            .seek(SeekFrom::Start(offset - 1))
+            .seek(SeekFrom::Start(offset - u64::from(window_len)))
             .map_err(io_error(path))?;
         open.reader
             .read_exact(&mut before)
             .map_err(io_error(path))?;
-        if before[0] != b'\n' && offset != len {
+        // A record starts just after a line terminator, and the end of a file whose last line
+        // has none is where its reader stops; anything else is not a position of ours.
+        if !at_header_end && before.last() != Some(&b'\n') && offset != len {
             return Err(bad("offset is not at the start of a line"));
+        }
+        if let Some(w) = tail.filter(|w| w.len > 0) {
+            let found = crc32fast::hash(&before);
+            if found != w.crc32 {
+                return Err(changed(&format!("before offset {offset}"), w, found));
+            }
         }
         open.offset = offset;
         open.line = line;
         Ok(())
+    }
+
+    /// The windows of a position at the open file's offset (see [`POSITION_VERSION`]): none
+    /// at offset 0, or where the bytes cannot be read back (then the position has none, as
+    /// those of version 1 had).
+    fn windows(&self) -> Windows {
+        let Some(open) = self.open.as_ref().filter(|o| o.offset > 0) else {
+            return Windows::default();
+        };
+        let len = open.offset.min(POSITION_WINDOW_BYTES);
+        let read = |at: u64| {
+            let mut buf = vec![0u8; len as usize];
+            use std::os::unix::fs::FileExt;
+            open.reader.get_ref().read_exact_at(&mut buf, at).ok()?;
+            Some(Window {
+                len: len as u32,
+                crc32: crc32fast::hash(&buf),
+            })
+        };
+        match (read(0), read(open.offset - len)) {
+            (Some(head), Some(tail)) => Windows { head, tail },
+            _ => Windows::default(),
+        }
     }
 
     /// Reads the header of the open CSV file and maps the wanted columns to field indexes.
@@ -807,19 +890,25 @@ impl<T: 'static> SourceReader<T> for FileReader<T> {
     fn position(&self) -> Vec<u8> {
         let (offset, line) = self.open.as_ref().map_or((0, 1), |o| (o.offset, o.line));
         let name = self.position_name(self.index);
-        let mut pos = Vec::with_capacity(POSITION_FIXED_BYTES + name.len());
+        let windows = self.windows();
+        let mut pos =
+            Vec::with_capacity(POSITION_FIXED_BYTES + name.len() + POSITION_WINDOW_FIELDS);
         pos.push(POSITION_VERSION);
         pos.extend_from_slice(&(self.index as u64).to_le_bytes());
         pos.extend_from_slice(&offset.to_le_bytes());
         pos.extend_from_slice(&line.to_le_bytes());
         pos.extend_from_slice(&(name.len() as u32).to_le_bytes());
         pos.extend_from_slice(name.as_bytes());
+        for w in [windows.head, windows.tail] {
+            pos.extend_from_slice(&w.len.to_le_bytes());
+            pos.extend_from_slice(&w.crc32.to_le_bytes());
+        }
         pos
     }
 
     fn seek(&mut self, position: &[u8]) -> Result<(), SourceError> {
         let bad = |why: String| SourceError::BadPosition(why);
-        let (index, offset, line, name) = decode_position(position).ok_or_else(|| {
+        let (index, offset, line, name, window) = decode_position(position).ok_or_else(|| {
             bad(format!(
                 "not a file source position ({} bytes)",
                 position.len()
@@ -854,7 +943,7 @@ impl<T: 'static> SourceReader<T> for FileReader<T> {
         self.index = index;
         self.finished = false;
         if index < self.files.len() {
-            self.open_current(Some((offset, line)))?;
+            self.open_current(Some((offset, line, window)))?;
         }
         Ok(())
     }
@@ -906,20 +995,61 @@ fn column_list<'a>(names: impl Iterator<Item = &'a [u8]>, count: usize) -> Strin
     list.join(", ")
 }
 
-/// Decodes (file index, byte offset, line, file name) from a position.
-fn decode_position(pos: &[u8]) -> Option<(u64, u64, u64, &[u8])> {
+/// The fingerprint of some bytes of the file a position is in (see [`POSITION_VERSION`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Window {
+    /// 0: none (offset 0, or unreadable when the position was taken).
+    len: u32,
+    crc32: u32,
+}
+
+/// A position's windows: the file's first bytes and the last ones before the offset.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Windows {
+    head: Window,
+    tail: Window,
+}
+
+/// Decodes (file index, byte offset, line, file name, windows) from a position; a version 1
+/// position has no windows.
+type Decoded<'a> = (u64, u64, u64, &'a [u8], Option<Windows>);
+
+fn decode_position(pos: &[u8]) -> Option<Decoded<'_>> {
     let u64_at = |at: usize| -> Option<u64> {
         Some(u64::from_le_bytes(pos.get(at..at + 8)?.try_into().ok()?))
     };
-    if pos.first() != Some(&POSITION_VERSION) {
+    let u32_at = |at: usize| -> Option<u32> {
+        Some(u32::from_le_bytes(pos.get(at..at + 4)?.try_into().ok()?))
+    };
+    let version = *pos.first()?;
+    if version != POSITION_VERSION && version != POSITION_VERSION_1 {
         return None;
     }
-    let name_len = u32::from_le_bytes(pos.get(25..29)?.try_into().ok()?) as usize;
-    let name = pos.get(POSITION_FIXED_BYTES..)?;
-    if name.len() != name_len {
+    let name_len = u32_at(25)? as usize;
+    let name_end = POSITION_FIXED_BYTES.checked_add(name_len)?;
+    let name = pos.get(POSITION_FIXED_BYTES..name_end)?;
+    let window = if version == POSITION_VERSION_1 {
+        None
+    } else {
+        let at = |i: usize| -> Option<Window> {
+            let w = Window {
+                len: u32_at(name_end + 8 * i)?,
+                crc32: u32_at(name_end + 8 * i + 4)?,
+            };
+            (u64::from(w.len) <= POSITION_WINDOW_BYTES).then_some(w)
+        };
+        let (head, tail) = (at(0)?, at(1)?);
+        // Of one length, as `windows` writes them (both none, or both as long).
+        if head.len != tail.len {
+            return None;
+        }
+        Some(Windows { head, tail })
+    };
+    let end = name_end + window.map_or(0, |_| POSITION_WINDOW_FIELDS);
+    if pos.len() != end {
         return None;
     }
-    Some((u64_at(1)?, u64_at(9)?, u64_at(17)?, name))
+    Some((u64_at(1)?, u64_at(9)?, u64_at(17)?, name, window))
 }
 
 fn is_json_space(b: u8) -> bool {
@@ -1711,8 +1841,9 @@ mod tests {
         let mut out = Vec::new();
         r.poll(&mut out, 1).expect("poll");
         let good = r.position();
+        // Version 1 (no window), as earlier checkpoints hold; `windowed` makes version 2.
         let encode = |index: u64, offset: u64, line: u64, name: &str| {
-            let mut p = vec![POSITION_VERSION];
+            let mut p = vec![POSITION_VERSION_1];
             p.extend_from_slice(&index.to_le_bytes());
             p.extend_from_slice(&offset.to_le_bytes());
             p.extend_from_slice(&line.to_le_bytes());
@@ -1720,13 +1851,29 @@ mod tests {
             p.extend_from_slice(name.as_bytes());
             p
         };
-        assert_eq!(good, encode(0, 16, 2, "a.jsonl"));
+        // Version 2: `head` and `tail` windows, each (length, CRC-32).
+        let windowed = |mut p: Vec<u8>, head: (u32, u32), tail: (u32, u32)| {
+            p[0] = POSITION_VERSION;
+            for (len, crc) in [head, tail] {
+                p.extend_from_slice(&len.to_le_bytes());
+                p.extend_from_slice(&crc.to_le_bytes());
+            }
+            p
+        };
+        let first = (16, crc32fast::hash(b"{\"k\":\"a\",\"v\":1}\n"));
+        assert_eq!(good, windowed(encode(0, 16, 2, "a.jsonl"), first, first));
+        reader(&source)
+            .seek(&encode(0, 16, 2, "a.jsonl"))
+            .expect("a version 1 position");
         let mut wrong_version = good.clone();
         wrong_version[0] = 9;
+        let mut longer = good.clone();
+        longer.push(0);
         let bad = [
             Vec::new(),
             vec![1, 2, 3],
             good[..good.len() - 1].to_vec(),
+            longer,
             wrong_version,
             encode(5, 0, 1, ""),
             encode(0, 16, 2, "b.jsonl"),
@@ -1734,6 +1881,18 @@ mod tests {
             encode(0, 9999, 3, "a.jsonl"),
             encode(0, 16, 0, "a.jsonl"),
             encode(1, 5, 1, ""),
+            // Windows longer than the offset, or than any position takes, of two lengths,
+            // or whose bytes are not the file's.
+            windowed(encode(0, 16, 2, "a.jsonl"), (17, first.1), (17, first.1)),
+            windowed(
+                encode(0, 16, 2, "a.jsonl"),
+                (4097, first.1),
+                (4097, first.1),
+            ),
+            windowed(encode(0, 16, 2, "a.jsonl"), first, (15, first.1)),
+            windowed(encode(0, 16, 2, "a.jsonl"), first, (16, first.1 ^ 1)),
+            windowed(encode(0, 16, 2, "a.jsonl"), (16, first.1 ^ 1), first),
+            windowed(encode(0, 16, 2, "a.jsonl"), (15, first.1), (15, first.1)),
         ];
         for position in bad {
             let mut fresh = reader(&source);
@@ -1748,7 +1907,7 @@ mod tests {
         let mut done = reader(&source);
         assert!(until_error(done.as_mut()).1.is_none());
         let end = done.position();
-        assert_eq!(end, encode(1, 0, 1, "a.jsonl"));
+        assert_eq!(end, windowed(encode(1, 0, 1, "a.jsonl"), (0, 0), (0, 0)));
         reader(&source).seek(&end).expect("the same input");
         reader(&source)
             .seek(&encode(1, 0, 1, ""))
@@ -1759,6 +1918,82 @@ mod tests {
         match reader(&other).seek(&end) {
             Err(SourceError::BadPosition(why)) => assert!(why.contains("b.jsonl"), "{why}"),
             other => panic!("expected BadPosition, got {other:?}"),
+        }
+    }
+
+    /// A position fingerprints the file's first bytes and the bytes before its offset: a file
+    /// changed there since (the same name, the offset still at a line start) is refused,
+    /// naming file and offset, where reading on would mix two inputs. A change after the offset
+    /// is input not read yet.
+    #[test]
+    fn a_position_in_a_file_changed_before_its_offset_is_refused() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let lines = ["k,v\n", "a,1\n", "b,2\n", "c,3\n"];
+        let path = write(tmp.path(), "in.csv", &lines.concat());
+        let source = FileSource::new(&path, FileFormat::Csv, &["k", "v"], texts);
+        let mut r = reader(&source);
+        let mut out = Vec::new();
+        while out.len() < 2 {
+            r.poll(&mut out, 1).expect("poll");
+        }
+        let position = r.position();
+        let offset = (lines[0].len() + lines[1].len() + lines[2].len()) as u64;
+        let (_, at, _, _, window) = decode_position(&position).expect("position");
+        assert_eq!(at, offset);
+        let w = window.expect("windows");
+        assert_eq!(
+            (u64::from(w.head.len), u64::from(w.tail.len)),
+            (offset, offset)
+        );
+        // After the offset: taken, and the new line is read.
+        write(tmp.path(), "in.csv", "k,v\na,1\nb,2\nd,4\n");
+        let mut after = reader(&source);
+        after.seek(&position).expect("changed after the offset");
+        assert_eq!(
+            drain(after.as_mut(), 1).expect("rest"),
+            vec![vec!["d".to_owned(), "4".to_owned()]]
+        );
+        // Before it, with every line where it was: refused.
+        write(tmp.path(), "in.csv", "k,v\na,1\nb,9\nc,3\n");
+        match reader(&source).seek(&position) {
+            Err(SourceError::BadPosition(why)) => assert!(
+                why.contains("in.csv") && why.contains(&format!("offset {offset}")),
+                "{why}"
+            ),
+            other => panic!("expected BadPosition, got {other:?}"),
+        }
+        // Windows hold at most POSITION_WINDOW_BYTES: the head from the start, the tail up to
+        // the offset; a change in either is refused.
+        let long: String = (0..2000).map(|i| format!("k{i},{i}\n")).collect();
+        let path = write(tmp.path(), "long.csv", &format!("k,v\n{long}"));
+        let source = FileSource::new(&path, FileFormat::Csv, &["k", "v"], texts);
+        let mut r = reader(&source);
+        let mut out = Vec::new();
+        while out.len() < 1500 {
+            r.poll(&mut out, 100).expect("poll");
+        }
+        let position = r.position();
+        let (_, at, _, _, window) = decode_position(&position).expect("position");
+        let w = window.expect("windows");
+        assert_eq!(u64::from(w.head.len), POSITION_WINDOW_BYTES);
+        assert_eq!(u64::from(w.tail.len), POSITION_WINDOW_BYTES);
+        let bytes = std::fs::read(&path).expect("read");
+        let at = at as usize;
+        assert_eq!(w.head.crc32, crc32fast::hash(&bytes[..4096]));
+        assert_eq!(w.tail.crc32, crc32fast::hash(&bytes[at - 4096..at]));
+        reader(&source).seek(&position).expect("the same file");
+        for (changed_at, what) in [(5, "at the start of the file"), (at - 3, "before offset")] {
+            let mut changed = bytes.clone();
+            changed[changed_at] = if changed[changed_at] == b'7' {
+                b'8'
+            } else {
+                b'7'
+            };
+            std::fs::write(&path, &changed).expect("change");
+            match reader(&source).seek(&position) {
+                Err(SourceError::BadPosition(why)) => assert!(why.contains(what), "{why}"),
+                other => panic!("byte {changed_at}: expected BadPosition, got {other:?}"),
+            }
         }
     }
 
@@ -2003,7 +2238,7 @@ mod tests {
             }
             let position = first.position();
             let (offset, line) = ends[n];
-            let (_, at, at_line, _) = decode_position(&position).expect("position");
+            let (_, at, at_line, _, _) = decode_position(&position).expect("position");
             assert_eq!((at, at_line), (offset, line), "n={n}");
             let mut second = reader(&source);
             second.seek(&position).expect("seek");
