@@ -819,6 +819,58 @@ fn kill_loop_that_changes_the_shard_count_commits_every_result_exactly_once() {
     );
 }
 
+/// The kill loop over an input with a malformed line after every 997th record, dead-lettered
+/// (`--on-error dead-letter=PATH`): each restart cuts the dead-letter file back to where the
+/// restored checkpoint left it, so it ends with every malformed line exactly once, whole, and
+/// the committed output is every running sum of the good records exactly once.
+#[test]
+fn kill_loop_with_dead_letters_writes_each_malformed_line_once() {
+    kill_loop_of(
+        "keyed-sum",
+        || {
+            let mut run = CheckpointedRun::new(1_200_000, 997, "2", "50ms");
+            let input = run.dir.path().join("in.csv");
+            let mut text = String::from("user,amount,ts\n");
+            for (i, (k, v, t)) in run.recs.iter().enumerate() {
+                text.push_str(&format!("{k},{v},{t}\n"));
+                if i % 997 == 996 {
+                    text.push_str(&format!("{k},not-a-number-{i},{t}\n"));
+                }
+            }
+            std::fs::write(&input, text).expect("input");
+            let dead = run.dir.path().join("dead.jsonl");
+            run.args.extend([
+                "--on-error".to_owned(),
+                format!("dead-letter={}", dead.display()),
+            ]);
+            run
+        },
+        &[],
+        false,
+        |run, mid_run| {
+            let got = parse_sums(&committed_lines(&run.out));
+            let how = format!("in order ({mid_run} kills mid-run)");
+            assert_same_sums(&got, &running_sums(&run.recs), &how);
+            // Line numbers: the header is line 1, record i is line i + 2 plus the malformed
+            // lines before it.
+            let want: Vec<u64> = (0..run.recs.len() as u64)
+                .filter(|i| i % 997 == 996)
+                .map(|i| i + 3 + i / 997)
+                .collect();
+            let dead = std::fs::read_to_string(run.dir.path().join("dead.jsonl")).expect("dead");
+            let lines: Vec<u64> = dead
+                .lines()
+                .map(|l| {
+                    let v: serde_json::Value =
+                        serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l} ({how})"));
+                    v["line"].as_u64().expect("line")
+                })
+                .collect();
+            assert_eq!(lines, want, "each malformed line once, {how}");
+        },
+    );
+}
+
 /// `WEIR_KILL_LOOPS` kills (default 4) of checkpointed runs of `job` (made by `make`) with
 /// `extra` flags, with `rescale` each run on 1, 2 or 3 shards in turn; `check(run, kills
 /// mid-run)` checks the committed output of each round (see [`kill_loop`]). A round's kills

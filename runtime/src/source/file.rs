@@ -27,7 +27,7 @@
 //! named twice in the header) is an error.
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, BufRead, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
+use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -44,7 +44,9 @@ const READ_BUFFER_BYTES: usize = 256 * 1024;
 const MAX_RECORD_BYTES: usize = 64 * 1024 * 1024;
 /// Version byte of the position encoding: `version u8 | file index u64 | byte offset u64 |
 /// line u64 | name length u32 | name | head length u32 | head CRC-32 u32 | tail length u32 |
-/// tail CRC-32 u32`, little-endian. The head is the file's first [`POSITION_WINDOW_BYTES`]
+/// tail CRC-32 u32 | dead-letter length u64 | dead-letter path length u32 | dead-letter path`,
+/// little-endian (no dead-letter file: path length 0, see [`FileReader::dead_letter_len`]).
+/// The head is the file's first [`POSITION_WINDOW_BYTES`]
 /// bytes and the tail the last ones before the offset (fewer, and the same bytes, when the
 /// offset is smaller), as read: a restore refuses a file whose bytes there changed since (a
 /// file replaced by another of the same name, cut or rewritten near the offset), rather than
@@ -57,6 +59,8 @@ const POSITION_VERSION_1: u8 = 1;
 const POSITION_FIXED_BYTES: usize = 1 + 8 + 8 + 8 + 4;
 /// The windows after the name: head and tail, each its length and its CRC-32.
 const POSITION_WINDOW_FIELDS: usize = 2 * (4 + 4);
+/// The dead-letter length and path length after the windows.
+const POSITION_DEAD_LETTER_FIELDS: usize = 8 + 4;
 /// Bytes of each window of a position (see [`POSITION_VERSION`]).
 const POSITION_WINDOW_BYTES: u64 = 4096;
 /// The UTF-8 byte order mark that some tools put at the start of a text file.
@@ -257,10 +261,14 @@ enum CsvRead {
     Bad(String),
 }
 
-/// The dead-letter file, opened on first use.
+/// The dead-letter file, opened on first use. Each line goes to the file in one `write`
+/// (append mode), unbuffered: a killed process leaves whole lines, and a position can say how
+/// long the file is (see [`FileReader::dead_letter_len`]). Malformed lines are the exception,
+/// so a system call each costs little.
 struct DeadLetter {
     path: PathBuf,
-    out: BufWriter<File>,
+    out: File,
+    line: Vec<u8>,
 }
 
 impl DeadLetter {
@@ -273,20 +281,23 @@ impl DeadLetter {
         let file = OpenOptions::new().create(true).append(true).open(path)?;
         Ok(Self {
             path: path.to_path_buf(),
-            out: BufWriter::new(file),
+            out: file,
+            line: Vec::new(),
         })
     }
 
     fn write(&mut self, file: &Path, line: u64, reason: &str, raw: &[u8]) -> io::Result<()> {
-        let out = &mut self.out;
-        out.write_all(b"{\"file\":")?;
+        let out = &mut self.line;
+        out.clear();
+        out.extend_from_slice(b"{\"file\":");
         serde_json::to_writer(&mut *out, &file.to_string_lossy())?;
         write!(out, ",\"line\":{line},\"reason\":")?;
         serde_json::to_writer(&mut *out, reason)?;
-        out.write_all(b",\"raw\":")?;
+        out.extend_from_slice(b",\"raw\":");
         // JSON strings are Unicode; an undecodable byte becomes U+FFFD.
         serde_json::to_writer(&mut *out, &String::from_utf8_lossy(raw))?;
-        out.write_all(b"}\n")
+        out.extend_from_slice(b"}\n");
+        self.out.write_all(out)
     }
 }
 
@@ -841,11 +852,50 @@ impl<T: 'static> FileReader<T> {
     fn finish(&mut self) -> Result<(), SourceError> {
         self.finished = true;
         if let Some(dead) = self.dead.as_mut() {
-            dead.out.flush().map_err(io_error(&dead.path))?;
-            dead.out
-                .get_ref()
-                .sync_data()
-                .map_err(io_error(&dead.path))?;
+            dead.out.sync_data().map_err(io_error(&dead.path))?;
+        }
+        Ok(())
+    }
+
+    /// The dead-letter file's path and length now, for a position: what a restore truncates
+    /// it to, so that the lines of records read after this position, which the restored job
+    /// reads again, are not there twice. Its length is 0 when it does not exist yet (the
+    /// restore then removes what a later run wrote), and `None` without one (another policy,
+    /// or a file that cannot be examined: the restore then leaves the file as it is).
+    fn dead_letter_len(&self) -> Option<(&Path, u64)> {
+        let ErrorPolicy::DeadLetter(path) = &self.policy else {
+            return None;
+        };
+        let len = match &self.dead {
+            Some(dead) => dead.out.metadata().ok()?.len(),
+            None => match fs::metadata(path) {
+                Ok(m) => m.len(),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => 0,
+                Err(_) => return None,
+            },
+        };
+        Some((path, len))
+    }
+
+    /// On a restore: cuts the dead-letter file back to the length a position recorded, if it
+    /// is the same file (by the path the job was given) and longer now. Shorter (its tail was
+    /// written but not synced when the machine went down) it is left as it is.
+    fn restore_dead_letters(&mut self, recorded: Option<(&[u8], u64)>) -> Result<(), SourceError> {
+        let (Some((was, len)), ErrorPolicy::DeadLetter(path)) = (recorded, &self.policy) else {
+            return Ok(());
+        };
+        if was != path.as_os_str().as_encoded_bytes() {
+            return Ok(());
+        }
+        self.dead = None;
+        let file = match OpenOptions::new().write(true).open(path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(io_error(path)(e)),
+        };
+        if file.metadata().map_err(io_error(path))?.len() > len {
+            file.set_len(len).map_err(io_error(path))?;
+            file.sync_data().map_err(io_error(path))?;
         }
         Ok(())
     }
@@ -891,8 +941,15 @@ impl<T: 'static> SourceReader<T> for FileReader<T> {
         let (offset, line) = self.open.as_ref().map_or((0, 1), |o| (o.offset, o.line));
         let name = self.position_name(self.index);
         let windows = self.windows();
-        let mut pos =
-            Vec::with_capacity(POSITION_FIXED_BYTES + name.len() + POSITION_WINDOW_FIELDS);
+        let dead = self.dead_letter_len();
+        let dead_path = dead.map_or(&[][..], |(p, _)| p.as_os_str().as_encoded_bytes());
+        let mut pos = Vec::with_capacity(
+            POSITION_FIXED_BYTES
+                + name.len()
+                + POSITION_WINDOW_FIELDS
+                + POSITION_DEAD_LETTER_FIELDS
+                + dead_path.len(),
+        );
         pos.push(POSITION_VERSION);
         pos.extend_from_slice(&(self.index as u64).to_le_bytes());
         pos.extend_from_slice(&offset.to_le_bytes());
@@ -903,12 +960,22 @@ impl<T: 'static> SourceReader<T> for FileReader<T> {
             pos.extend_from_slice(&w.len.to_le_bytes());
             pos.extend_from_slice(&w.crc32.to_le_bytes());
         }
+        pos.extend_from_slice(&dead.map_or(0, |(_, len)| len).to_le_bytes());
+        pos.extend_from_slice(&(dead_path.len() as u32).to_le_bytes());
+        pos.extend_from_slice(dead_path);
         pos
     }
 
     fn seek(&mut self, position: &[u8]) -> Result<(), SourceError> {
         let bad = |why: String| SourceError::BadPosition(why);
-        let (index, offset, line, name, window) = decode_position(position).ok_or_else(|| {
+        let Decoded {
+            index,
+            offset,
+            line,
+            name,
+            windows: window,
+            dead_letter,
+        } = decode_position(position).ok_or_else(|| {
             bad(format!(
                 "not a file source position ({} bytes)",
                 position.len()
@@ -945,7 +1012,8 @@ impl<T: 'static> SourceReader<T> for FileReader<T> {
         if index < self.files.len() {
             self.open_current(Some((offset, line, window)))?;
         }
-        Ok(())
+        // Only once the position is known good: a refused one changes nothing.
+        self.restore_dead_letters(dead_letter)
     }
 }
 
@@ -1010,9 +1078,16 @@ struct Windows {
     tail: Window,
 }
 
-/// Decodes (file index, byte offset, line, file name, windows) from a position; a version 1
-/// position has no windows.
-type Decoded<'a> = (u64, u64, u64, &'a [u8], Option<Windows>);
+/// A decoded position; one of version 1 has no windows and no dead-letter length.
+struct Decoded<'a> {
+    index: u64,
+    offset: u64,
+    line: u64,
+    name: &'a [u8],
+    windows: Option<Windows>,
+    /// The dead-letter file's path (as the job was given it) and length.
+    dead_letter: Option<(&'a [u8], u64)>,
+}
 
 fn decode_position(pos: &[u8]) -> Option<Decoded<'_>> {
     let u64_at = |at: usize| -> Option<u64> {
@@ -1045,11 +1120,27 @@ fn decode_position(pos: &[u8]) -> Option<Decoded<'_>> {
         }
         Some(Windows { head, tail })
     };
-    let end = name_end + window.map_or(0, |_| POSITION_WINDOW_FIELDS);
+    let (dead_letter, end) = if version == POSITION_VERSION_1 {
+        (None, name_end)
+    } else {
+        let at = name_end + POSITION_WINDOW_FIELDS;
+        let (len, path_len) = (u64_at(at)?, u32_at(at + 8)? as usize);
+        let path_at = at + POSITION_DEAD_LETTER_FIELDS;
+        let path_end = path_at.checked_add(path_len)?;
+        let path = pos.get(path_at..path_end)?;
+        ((path_len > 0).then_some((path, len)), path_end)
+    };
     if pos.len() != end {
         return None;
     }
-    Some((u64_at(1)?, u64_at(9)?, u64_at(17)?, name, window))
+    Some(Decoded {
+        index: u64_at(1)?,
+        offset: u64_at(9)?,
+        line: u64_at(17)?,
+        name,
+        windows: window,
+        dead_letter,
+    })
 }
 
 fn is_json_space(b: u8) -> bool {
@@ -1851,13 +1942,16 @@ mod tests {
             p.extend_from_slice(name.as_bytes());
             p
         };
-        // Version 2: `head` and `tail` windows, each (length, CRC-32).
+        // Version 2: `head` and `tail` windows, each (length, CRC-32), and no dead-letter
+        // file.
         let windowed = |mut p: Vec<u8>, head: (u32, u32), tail: (u32, u32)| {
             p[0] = POSITION_VERSION;
             for (len, crc) in [head, tail] {
                 p.extend_from_slice(&len.to_le_bytes());
                 p.extend_from_slice(&crc.to_le_bytes());
             }
+            p.extend_from_slice(&0u64.to_le_bytes());
+            p.extend_from_slice(&0u32.to_le_bytes());
             p
         };
         let first = (16, crc32fast::hash(b"{\"k\":\"a\",\"v\":1}\n"));
@@ -1869,11 +1963,16 @@ mod tests {
         wrong_version[0] = 9;
         let mut longer = good.clone();
         longer.push(0);
+        // A dead-letter path longer than the position.
+        let mut dead_path_past_end = good.clone();
+        let n = dead_path_past_end.len();
+        dead_path_past_end[n - 4..].copy_from_slice(&9u32.to_le_bytes());
         let bad = [
             Vec::new(),
             vec![1, 2, 3],
             good[..good.len() - 1].to_vec(),
             longer,
+            dead_path_past_end,
             wrong_version,
             encode(5, 0, 1, ""),
             encode(0, 16, 2, "b.jsonl"),
@@ -1921,6 +2020,68 @@ mod tests {
         }
     }
 
+    /// A position records how long the dead-letter file was: a restore cuts it back to that,
+    /// so the malformed lines after the position, read again, are in it once; a job given
+    /// another dead-letter file leaves this one alone.
+    #[test]
+    fn a_restore_cuts_the_dead_letter_file_back_to_the_position() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let text: String = (0..40)
+            .map(|i| {
+                if i % 4 == 3 {
+                    format!("k{i},bad{i}\n")
+                } else {
+                    format!("k{i},{i}\n")
+                }
+            })
+            .collect();
+        let path = write(tmp.path(), "in.csv", &format!("k,v\n{text}"));
+        let dead = tmp.path().join("dead.jsonl");
+        let source = FileSource::new(&path, FileFormat::Csv, &["k", "v"], pair)
+            .error_policy(ErrorPolicy::DeadLetter(dead.clone()));
+        let dead_lines = |p: &Path| -> Vec<u64> {
+            fs::read_to_string(p)
+                .unwrap_or_default()
+                .lines()
+                .map(|l| {
+                    let v: serde_json::Value = serde_json::from_str(l).expect("a whole line");
+                    v["line"].as_u64().expect("line")
+                })
+                .collect()
+        };
+        let mut r = reader(&source);
+        let mut out = Vec::new();
+        while out.len() < 15 {
+            r.poll(&mut out, 1).expect("poll");
+        }
+        let position = r.position();
+        let at_position = dead_lines(&dead);
+        assert_eq!(at_position, [5, 9, 13, 17]);
+        // The run goes on, writes more dead letters, and is killed.
+        drain(r.as_mut(), 4).expect("the rest");
+        assert_eq!(dead_lines(&dead).len(), 10);
+        // The restored reader cuts the file back and writes the rest once.
+        let mut restored = reader(&source);
+        restored.seek(&position).expect("seek");
+        assert_eq!(dead_lines(&dead), at_position);
+        drain(restored.as_mut(), 4).expect("the rest again");
+        assert_eq!(dead_lines(&dead), [5, 9, 13, 17, 21, 25, 29, 33, 37, 41]);
+        // Another dead-letter file: the first is not cut.
+        let other = tmp.path().join("other.jsonl");
+        let source2 = FileSource::new(&path, FileFormat::Csv, &["k", "v"], pair)
+            .error_policy(ErrorPolicy::DeadLetter(other.clone()));
+        reader(&source2).seek(&position).expect("seek");
+        assert_eq!(dead_lines(&dead).len(), 10);
+        // A position taken before any dead letter (the file did not exist) cuts to empty.
+        fs::remove_file(&dead).expect("remove");
+        let early = reader(&source).position();
+        let mut r = reader(&source);
+        drain(r.as_mut(), 4).expect("all");
+        assert_eq!(dead_lines(&dead).len(), 10);
+        reader(&source).seek(&early).expect("seek");
+        assert!(dead_lines(&dead).is_empty());
+    }
+
     /// A position fingerprints the file's first bytes and the bytes before its offset: a file
     /// changed there since (the same name, the offset still at a line start) is refused,
     /// naming file and offset, where reading on would mix two inputs. A change after the offset
@@ -1938,7 +2099,11 @@ mod tests {
         }
         let position = r.position();
         let offset = (lines[0].len() + lines[1].len() + lines[2].len()) as u64;
-        let (_, at, _, _, window) = decode_position(&position).expect("position");
+        let Decoded {
+            offset: at,
+            windows: window,
+            ..
+        } = decode_position(&position).expect("position");
         assert_eq!(at, offset);
         let w = window.expect("windows");
         assert_eq!(
@@ -1973,7 +2138,11 @@ mod tests {
             r.poll(&mut out, 100).expect("poll");
         }
         let position = r.position();
-        let (_, at, _, _, window) = decode_position(&position).expect("position");
+        let Decoded {
+            offset: at,
+            windows: window,
+            ..
+        } = decode_position(&position).expect("position");
         let w = window.expect("windows");
         assert_eq!(u64::from(w.head.len), POSITION_WINDOW_BYTES);
         assert_eq!(u64::from(w.tail.len), POSITION_WINDOW_BYTES);
@@ -2238,7 +2407,11 @@ mod tests {
             }
             let position = first.position();
             let (offset, line) = ends[n];
-            let (_, at, at_line, _, _) = decode_position(&position).expect("position");
+            let Decoded {
+                offset: at,
+                line: at_line,
+                ..
+            } = decode_position(&position).expect("position");
             assert_eq!((at, at_line), (offset, line), "n={n}");
             let mut second = reader(&source);
             second.seek(&position).expect("seek");
