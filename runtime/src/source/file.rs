@@ -1452,6 +1452,20 @@ mod tests {
         Ok(fields.iter().map(|f| (*f).to_owned()).collect())
     }
 
+    /// A reader of `source` that read at least `n` records, polling `step` lines at a time.
+    fn read_past<T: Send + 'static>(
+        source: &FileSource<T>,
+        n: usize,
+        step: usize,
+    ) -> Box<dyn SourceReader<T>> {
+        let mut r = reader(source);
+        let mut out = Vec::new();
+        while out.len() < n {
+            r.poll(&mut out, step).expect("poll");
+        }
+        r
+    }
+
     fn reader<T: Send + 'static>(source: &FileSource<T>) -> Box<dyn SourceReader<T>> {
         source.create_reader(0, 1).expect("create reader")
     }
@@ -2049,11 +2063,7 @@ mod tests {
                 })
                 .collect()
         };
-        let mut r = reader(&source);
-        let mut out = Vec::new();
-        while out.len() < 15 {
-            r.poll(&mut out, 1).expect("poll");
-        }
+        let mut r = read_past(&source, 15, 1);
         let position = r.position();
         let at_position = dead_lines(&dead);
         assert_eq!(at_position, [5, 9, 13, 17]);
@@ -2092,12 +2102,7 @@ mod tests {
         let lines = ["k,v\n", "a,1\n", "b,2\n", "c,3\n"];
         let path = write(tmp.path(), "in.csv", &lines.concat());
         let source = FileSource::new(&path, FileFormat::Csv, &["k", "v"], texts);
-        let mut r = reader(&source);
-        let mut out = Vec::new();
-        while out.len() < 2 {
-            r.poll(&mut out, 1).expect("poll");
-        }
-        let position = r.position();
+        let position = read_past(&source, 2, 1).position();
         let offset = (lines[0].len() + lines[1].len() + lines[2].len()) as u64;
         let Decoded {
             offset: at,
@@ -2132,12 +2137,7 @@ mod tests {
         let long: String = (0..2000).map(|i| format!("k{i},{i}\n")).collect();
         let path = write(tmp.path(), "long.csv", &format!("k,v\n{long}"));
         let source = FileSource::new(&path, FileFormat::Csv, &["k", "v"], texts);
-        let mut r = reader(&source);
-        let mut out = Vec::new();
-        while out.len() < 1500 {
-            r.poll(&mut out, 100).expect("poll");
-        }
-        let position = r.position();
+        let position = read_past(&source, 1500, 100).position();
         let Decoded {
             offset: at,
             windows: window,
