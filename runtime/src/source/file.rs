@@ -44,9 +44,9 @@ const READ_BUFFER_BYTES: usize = 256 * 1024;
 const MAX_RECORD_BYTES: usize = 64 * 1024 * 1024;
 /// Version byte of the position encoding: `version u8 | file index u64 | byte offset u64 |
 /// line u64 | name length u32 | name | head length u32 | head CRC-32 u32 | tail length u32 |
-/// tail CRC-32 u32 | dead-letter length u64 | dead-letter path length u32 | dead-letter path`,
-/// little-endian (no dead-letter file: path length 0, see [`FileReader::dead_letter_len`]).
-/// The head is the file's first [`POSITION_WINDOW_BYTES`]
+/// tail CRC-32 u32 | dead-letter length u64 | dead-letter path length u32 | dead-letter path
+/// (absolute)`, little-endian (no dead-letter file: path length 0, see
+/// [`FileReader::dead_letter_len`]). The head is the file's first [`POSITION_WINDOW_BYTES`]
 /// bytes and the tail the last ones before the offset (fewer, and the same bytes, when the
 /// offset is smaller), as read: a restore refuses a file whose bytes there changed since (a
 /// file replaced by another of the same name, cut or rewritten near the offset), rather than
@@ -862,10 +862,13 @@ impl<T: 'static> FileReader<T> {
     /// reads again, are not there twice. Its length is 0 when it does not exist yet (the
     /// restore then removes what a later run wrote), and `None` without one (another policy,
     /// or a file that cannot be examined: the restore then leaves the file as it is).
-    fn dead_letter_len(&self) -> Option<(&Path, u64)> {
+    /// The path is made absolute (from the working directory, without resolving links), so
+    /// that a job restarted elsewhere with the same relative path does not cut another file.
+    fn dead_letter_len(&self) -> Option<(PathBuf, u64)> {
         let ErrorPolicy::DeadLetter(path) = &self.policy else {
             return None;
         };
+        let absolute = std::path::absolute(path).ok()?;
         let len = match &self.dead {
             Some(dead) => dead.out.metadata().ok()?.len(),
             None => match fs::metadata(path) {
@@ -874,17 +877,18 @@ impl<T: 'static> FileReader<T> {
                 Err(_) => return None,
             },
         };
-        Some((path, len))
+        Some((absolute, len))
     }
 
     /// On a restore: cuts the dead-letter file back to the length a position recorded, if it
-    /// is the same file (by the path the job was given) and longer now. Shorter (its tail was
+    /// is the same file (by its absolute path, see [`Self::dead_letter_len`]) and longer now. Shorter (its tail was
     /// written but not synced when the machine went down) it is left as it is.
     fn restore_dead_letters(&mut self, recorded: Option<(&[u8], u64)>) -> Result<(), SourceError> {
         let (Some((was, len)), ErrorPolicy::DeadLetter(path)) = (recorded, &self.policy) else {
             return Ok(());
         };
-        if was != path.as_os_str().as_encoded_bytes() {
+        let same = std::path::absolute(path).is_ok_and(|p| p.as_os_str().as_encoded_bytes() == was);
+        if !same {
             return Ok(());
         }
         self.dead = None;
@@ -942,7 +946,9 @@ impl<T: 'static> SourceReader<T> for FileReader<T> {
         let name = self.position_name(self.index);
         let windows = self.windows();
         let dead = self.dead_letter_len();
-        let dead_path = dead.map_or(&[][..], |(p, _)| p.as_os_str().as_encoded_bytes());
+        let dead_path = dead
+            .as_ref()
+            .map_or(&[][..], |(p, _)| p.as_os_str().as_encoded_bytes());
         let mut pos = Vec::with_capacity(
             POSITION_FIXED_BYTES
                 + name.len()
@@ -960,7 +966,7 @@ impl<T: 'static> SourceReader<T> for FileReader<T> {
             pos.extend_from_slice(&w.len.to_le_bytes());
             pos.extend_from_slice(&w.crc32.to_le_bytes());
         }
-        pos.extend_from_slice(&dead.map_or(0, |(_, len)| len).to_le_bytes());
+        pos.extend_from_slice(&dead.as_ref().map_or(0, |(_, len)| *len).to_le_bytes());
         pos.extend_from_slice(&(dead_path.len() as u32).to_le_bytes());
         pos.extend_from_slice(dead_path);
         pos
