@@ -861,8 +861,8 @@ impl<T: 'static> FileReader<T> {
     /// it to, so that the lines of records read after this position, which the restored job
     /// reads again, are not there twice. Its length is 0 when it does not exist yet (the
     /// restore then removes what a later run wrote), and `None` without one (another policy,
-    /// or a file that cannot be examined: the restore then leaves the file as it is).
-    /// The path is made absolute (from the working directory, without resolving links), so
+    /// or a file that cannot be examined: the restore then leaves the file as it is). The
+    /// path is made absolute (from the working directory, without resolving links), so
     /// that a job restarted elsewhere with the same relative path does not cut another file.
     fn dead_letter_len(&self) -> Option<(PathBuf, u64)> {
         let ErrorPolicy::DeadLetter(path) = &self.policy else {
@@ -881,8 +881,9 @@ impl<T: 'static> FileReader<T> {
     }
 
     /// On a restore: cuts the dead-letter file back to the length a position recorded, if it
-    /// is the same file (by its absolute path, see [`Self::dead_letter_len`]) and longer now. Shorter (its tail was
-    /// written but not synced when the machine went down) it is left as it is.
+    /// is the same file (by its absolute path, see [`Self::dead_letter_len`]) and longer now.
+    /// Shorter (its tail was written but not synced when the machine went down), it is left
+    /// as it is.
     fn restore_dead_letters(&mut self, recorded: Option<(&[u8], u64)>) -> Result<(), SourceError> {
         let (Some((was, len)), ErrorPolicy::DeadLetter(path)) = (recorded, &self.policy) else {
             return Ok(());
@@ -1091,7 +1092,7 @@ struct Decoded<'a> {
     line: u64,
     name: &'a [u8],
     windows: Option<Windows>,
-    /// The dead-letter file's path (as the job was given it) and length.
+    /// The dead-letter file's absolute path and its length.
     dead_letter: Option<(&'a [u8], u64)>,
 }
 
