@@ -113,6 +113,9 @@ pub struct FileSource<T> {
     policy: ErrorPolicy,
     skipped: Arc<AtomicU64>,
     max_record_bytes: usize,
+    /// The dead-letter file's length when this source made its first reader (0 if it did
+    /// not exist), shared with every reader: see [`FileReader::fresh`].
+    dead_start: Arc<std::sync::OnceLock<Option<u64>>>,
 }
 
 impl<T> std::fmt::Debug for FileSource<T> {
@@ -148,6 +151,7 @@ impl<T: Send + 'static> FileSource<T> {
             policy: ErrorPolicy::Fail,
             skipped: Arc::new(AtomicU64::new(0)),
             max_record_bytes: MAX_RECORD_BYTES,
+            dead_start: Arc::default(),
         }
     }
 
@@ -173,6 +177,14 @@ impl<T: Send + 'static> Source<T> for FileSource<T> {
             return Ok(Box::new(EmptyReader));
         }
         let files = list_files(&self.path)?;
+        let dead_start = *self.dead_start.get_or_init(|| match &self.policy {
+            ErrorPolicy::DeadLetter(path) => match fs::metadata(path) {
+                Ok(m) => Some(m.len()),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Some(0),
+                Err(_) => None,
+            },
+            _ => None,
+        });
         Ok(Box::new(FileReader {
             format: self.format,
             columns: self.columns.clone(),
@@ -195,6 +207,8 @@ impl<T: Send + 'static> Source<T> for FileSource<T> {
             json: JsonScratch::default(),
             strs: Vec::new(),
             dead: None,
+            fresh: true,
+            dead_start,
         }))
     }
 
@@ -329,6 +343,13 @@ struct FileReader<T> {
     /// An empty vector whose allocation is reused for the `&[&str]` handed to `parse`.
     strs: Vec<&'static str>,
     dead: Option<DeadLetter>,
+    /// Neither restored (`seek`) nor polled yet. A reader that starts from the beginning
+    /// first cuts the dead-letter file back to `dead_start`: an earlier attempt of the job in
+    /// this process (restarted before any checkpoint completed) read the same lines and
+    /// dead-lettered them already. Lines a killed process wrote before its first checkpoint
+    /// are another process's: they stay, and a restart from the beginning appends them again.
+    fresh: bool,
+    dead_start: Option<u64>,
 }
 
 /// Empties a vector of string slices and gives its allocation a new lifetime. The in-place
@@ -869,6 +890,10 @@ impl<T: 'static> FileReader<T> {
             return None;
         };
         let absolute = std::path::absolute(path).ok()?;
+        if self.fresh {
+            // What the first poll cuts the file back to.
+            return Some((absolute, self.dead_start?));
+        }
         let len = match &self.dead {
             Some(dead) => dead.out.metadata().ok()?.len(),
             None => match fs::metadata(path) {
@@ -892,6 +917,14 @@ impl<T: 'static> FileReader<T> {
         if !same {
             return Ok(());
         }
+        self.cut_dead_letters(Some(len))
+    }
+
+    /// Cuts the dead-letter file back to `len` bytes if it is longer (and syncs it).
+    fn cut_dead_letters(&mut self, len: Option<u64>) -> Result<(), SourceError> {
+        let (Some(len), ErrorPolicy::DeadLetter(path)) = (len, &self.policy) else {
+            return Ok(());
+        };
         self.dead = None;
         let file = match OpenOptions::new().write(true).open(path) {
             Ok(f) => f,
@@ -908,6 +941,11 @@ impl<T: 'static> FileReader<T> {
 
 impl<T: 'static> SourceReader<T> for FileReader<T> {
     fn poll(&mut self, out: &mut Vec<T>, max: usize) -> Result<SourcePoll, SourceError> {
+        if self.fresh {
+            self.fresh = false;
+            let start = self.dead_start;
+            self.cut_dead_letters(start)?;
+        }
         if self.finished {
             return Ok(SourcePoll::Finished);
         }
@@ -1020,6 +1058,7 @@ impl<T: 'static> SourceReader<T> for FileReader<T> {
             self.open_current(Some((offset, line, window)))?;
         }
         // Only once the position is known good: a refused one changes nothing.
+        self.fresh = false;
         self.restore_dead_letters(dead_letter)
     }
 }
@@ -2097,6 +2136,21 @@ mod tests {
         assert_eq!(dead_lines(&dead).len(), 10);
         reader(&source).seek(&early).expect("seek");
         assert!(dead_lines(&dead).is_empty());
+        // A second attempt from the beginning in this process (a restart before any
+        // checkpoint) cuts back to where the source's first reader found the file; another
+        // source (another process) appends, as to any existing file.
+        drain(reader(&source).as_mut(), 4).expect("first attempt");
+        drain(reader(&source).as_mut(), 4).expect("second attempt");
+        assert_eq!(dead_lines(&dead).len(), 10);
+        let again = FileSource::new(&path, FileFormat::Csv, &["k", "v"], pair)
+            .error_policy(ErrorPolicy::DeadLetter(dead.clone()));
+        drain(reader(&again).as_mut(), 4).expect("another process");
+        assert_eq!(dead_lines(&dead).len(), 20);
+        // A position of a reader that has not read yet says what it will cut to.
+        let unread = reader(&again).position();
+        let Decoded { dead_letter, .. } = decode_position(&unread).expect("position");
+        let half = fs::metadata(&dead).expect("dead").len() / 2;
+        assert_eq!(dead_letter.map(|(_, len)| len), Some(half));
     }
 
     /// A position fingerprints the file's first bytes and the bytes before its offset: a file
