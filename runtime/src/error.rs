@@ -130,6 +130,7 @@ impl JobError {
                 SourceError::Malformed { .. }
                     | SourceError::UnknownColumn { .. }
                     | SourceError::BadPosition(_)
+                    | SourceError::Corrupt { .. }
             ),
             JobError::RecordTooLarge { .. } | JobError::Start(_) | JobError::Cancelled => false,
             JobError::Operator { .. }
@@ -165,6 +166,11 @@ mod tests {
                 available: "a".into(),
             }),
             source(SourceError::BadPosition("p".into())),
+            source(SourceError::Corrupt {
+                file: file.clone(),
+                offset: 8,
+                reason: "c".into(),
+            }),
             JobError::RecordTooLarge {
                 operator: "x".into(),
                 bytes: 2,

@@ -156,6 +156,27 @@ fn format(f: Format) -> FileFormat {
     }
 }
 
+/// The name of the dead-letter start record in the job's checkpoint directory.
+pub const DEAD_LETTER_START: &str = "dead-letter-start";
+
+/// With a checkpoint directory and dead letters, the source keeps the dead-letter file's
+/// length at the start of a run in `CHECKPOINT_DIR/JOB/dead-letter-start`, and `--restore
+/// latest` takes it as the start: a restart from the beginning after a run killed before its
+/// first checkpoint then cuts that run's dead letters away instead of writing them twice.
+fn with_start_record<T: Send + 'static>(
+    source: FileSource<T>,
+    input: &InputArgs,
+    default_job_id: &str,
+) -> FileSource<T> {
+    let (Some(dir), Policy::DeadLetter(_)) = (&input.checkpoint.checkpoint_dir, &input.on_error)
+    else {
+        return source;
+    };
+    let job = input.checkpoint.job_id.as_deref().unwrap_or(default_job_id);
+    let resume = input.checkpoint.restore.as_deref() == Some("latest");
+    source.dead_letter_start_record(dir.join(job).join(DEAD_LETTER_START), resume)
+}
+
 fn policy(p: &Policy) -> ErrorPolicy {
     match p {
         Policy::Fail => ErrorPolicy::Fail,
@@ -238,6 +259,7 @@ pub fn keyed_sum(a: &KeyedSumArgs) -> Result<(), String> {
         },
     )
     .error_policy(policy(&a.input.on_error));
+    let source = with_start_record(source, &a.input, "keyed-sum");
     let skipped = source.skipped();
     let job = Job::new(config(&a.input, "keyed-sum")?);
     let sums = job
@@ -283,6 +305,7 @@ pub fn window_count(a: &WindowCountArgs) -> Result<(), String> {
         },
     )
     .error_policy(policy(&a.input.on_error));
+    let source = with_start_record(source, &a.input, "window-count");
     let skipped = source.skipped();
     let job = Job::new(config(&a.input, "window-count")?);
     let counts = job

@@ -888,21 +888,108 @@ fn kill_loop_with_dead_letters_writes_each_malformed_line_once() {
                     v["line"].as_u64().expect("line")
                 })
                 .collect();
-            // The file ends with every malformed line once, in order. Before that, only what
-            // runs killed before their first checkpoint wrote: prefixes of the same lines,
-            // which a restart from the beginning appends again.
-            assert!(
-                lines.ends_with(&want),
-                "ends with each malformed line once, {how}: {} lines",
-                lines.len()
-            );
-            let mut before = &lines[..lines.len() - want.len()];
-            while !before.is_empty() {
-                let n = before.iter().zip(&want).take_while(|(a, b)| a == b).count();
-                assert!(n > 0, "only prefixes before, {how}: {:?}", &before[..1]);
-                before = &before[n..];
-            }
+            // Every malformed line once, in order: a restart from a checkpoint cuts the file
+            // back to the checkpoint's position, and one from the beginning (a run killed
+            // before its first checkpoint) to the start record of the first run.
+            assert_eq!(lines, want, "each malformed line once, {how}");
         },
+    );
+}
+
+/// A run with dead letters killed before its first checkpoint, restarted with `--restore
+/// latest`: the restart starts from the beginning and cuts the dead-letter file back to where
+/// the first run found it (the start record in the job's checkpoint directory), so each
+/// malformed line is in it once and what was there before the first run stays. A start record
+/// that does not decode stops a restart (exit 1), naming it and the offset.
+#[test]
+fn a_restart_from_the_beginning_cuts_the_dead_letters_of_a_run_killed_before_its_first_checkpoint()
+{
+    // No checkpoint but the final one: every kill lands before the first.
+    let mut run = CheckpointedRun::new(1_200_000, 997, "2", "1h");
+    let input = run.dir.path().join("in.csv");
+    let mut text = String::from("user,amount,ts\n");
+    for (i, (k, v, t)) in run.recs.iter().enumerate() {
+        text.push_str(&format!("{k},{v},{t}\n"));
+        if i % 997 == 996 {
+            text.push_str(&format!("{k},not-a-number-{i},{t}\n"));
+        }
+    }
+    std::fs::write(&input, text).expect("input");
+    let dead = run.dir.path().join("dead.jsonl");
+    // Dead letters of an earlier, separate run: they stay.
+    let earlier = "{\"earlier\":true}\n";
+    std::fs::write(&dead, earlier).expect("earlier dead letters");
+    run.args.extend([
+        "--on-error".to_owned(),
+        format!("dead-letter={}", dead.display()),
+    ]);
+    let job_dir = run.ck.join("keyed-sum");
+    let record = job_dir.join("dead-letter-start");
+    // Killed once dead letters are written, twice: the second run starts from the beginning too.
+    for _ in 0..2 {
+        let mut child = run.spawn();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while std::fs::metadata(&dead).map_or(0, |m| m.len()) < earlier.len() as u64 + 500
+            && child.try_wait().expect("try_wait").is_none()
+        {
+            assert!(std::time::Instant::now() < deadline, "no dead letters");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(
+            !has_complete_checkpoint(&job_dir),
+            "killed before its first checkpoint"
+        );
+    }
+    assert!(record.exists(), "the first run left its start record");
+    let lines = |dead: &Path| -> Vec<String> {
+        std::fs::read_to_string(dead)
+            .expect("dead")
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    };
+    assert!(lines(&dead).len() > 2, "the killed runs wrote dead letters");
+    let o = weir(&run.args());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_same_sums(
+        &parse_sums(&committed_lines(&run.out)),
+        &running_sums(&run.recs),
+        "after two kills before the first checkpoint",
+    );
+    let got = lines(&dead);
+    assert_eq!(got[0], earlier.trim_end(), "the earlier run's line stays");
+    let want: Vec<u64> = (0..run.recs.len() as u64)
+        .filter(|i| i % 997 == 996)
+        .map(|i| i + 3 + i / 997)
+        .collect();
+    let numbers: Vec<u64> = got[1..]
+        .iter()
+        .map(|l| {
+            let v: serde_json::Value =
+                serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"));
+            v["line"].as_u64().expect("line")
+        })
+        .collect();
+    // (Compared by count and first difference: the lists are 1,203 numbers long.)
+    let first_difference = numbers.iter().zip(&want).position(|(a, b)| a != b);
+    assert_eq!(
+        (numbers.len(), first_difference),
+        (want.len(), None),
+        "each malformed line once"
+    );
+    // A damaged record is refused, naming it and where (a `--restore latest` reads it even
+    // where a checkpoint then takes over).
+    let mut bad = std::fs::read(&record).expect("record");
+    bad[17] ^= 0x10;
+    std::fs::write(&record, &bad).expect("damage");
+    let o = weir(&run.args());
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{e}");
+    assert!(
+        e.contains("dead-letter-start") && e.contains("offset"),
+        "names the record and the offset: {e}"
     );
 }
 

@@ -116,6 +116,9 @@ pub struct FileSource<T> {
     /// The dead-letter file's length when this source made its first reader (0 if it did
     /// not exist), shared with every reader: see [`FileReader::fresh`].
     dead_start: Arc<std::sync::OnceLock<Option<u64>>>,
+    /// Where that length is also kept durably, and whether one kept there is taken as the
+    /// start: see [`FileSource::dead_letter_start_record`].
+    start_record: Option<(PathBuf, bool)>,
 }
 
 impl<T> std::fmt::Debug for FileSource<T> {
@@ -152,6 +155,7 @@ impl<T: Send + 'static> FileSource<T> {
             skipped: Arc::new(AtomicU64::new(0)),
             max_record_bytes: MAX_RECORD_BYTES,
             dead_start: Arc::default(),
+            start_record: None,
         }
     }
 
@@ -159,6 +163,55 @@ impl<T: Send + 'static> FileSource<T> {
     pub fn error_policy(mut self, policy: ErrorPolicy) -> Self {
         self.policy = policy;
         self
+    }
+
+    /// Keep the dead-letter file's length at the start of the job in the file `record` (see
+    /// the format in `docs/checkpoint-format.md`), written durably before the first line is
+    /// read, so that a restart from the beginning in another process cuts the dead-letter file
+    /// back to it. With `resume` (the job restarts an earlier run, as `--restore latest`),
+    /// a record that names the same dead-letter file is the start: the lines that the earlier
+    /// run dead-lettered before its first checkpoint, which this run reads again, are not
+    /// written twice. Without it, or with no such record, the record is written anew with the
+    /// file's length now. A restore from a checkpoint cuts the file back to the length its
+    /// position recorded instead, whatever the record says.
+    ///
+    /// Without a record a process knows only where it found the file: lines that a killed run
+    /// wrote before its first checkpoint were written again by the restart.
+    ///
+    /// A record that does not decode fails the job with [`SourceError::Corrupt`], naming the
+    /// file and offset, rather than cut the dead-letter file by a guess.
+    pub fn dead_letter_start_record(mut self, record: impl Into<PathBuf>, resume: bool) -> Self {
+        self.start_record = Some((record.into(), resume));
+        self
+    }
+
+    /// The dead-letter file's length that a reader starting from the beginning cuts it back
+    /// to (`None`: no dead-letter file, or one that cannot be examined, which is left as it
+    /// is), and the start record's bookkeeping: read, or written anew.
+    fn initial_dead_start(&self) -> Result<Option<u64>, SourceError> {
+        let ErrorPolicy::DeadLetter(path) = &self.policy else {
+            return Ok(None);
+        };
+        let now = match fs::metadata(path) {
+            Ok(m) => Some(m.len()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Some(0),
+            Err(_) => None,
+        };
+        let Some((record, resume)) = &self.start_record else {
+            return Ok(now);
+        };
+        let absolute = std::path::absolute(path).map_err(io_error(path))?;
+        if *resume {
+            if let Some((was, len)) = read_start_record(record)? {
+                if was == absolute {
+                    return Ok(Some(len));
+                }
+            }
+        }
+        if let Some(len) = now {
+            write_start_record(record, &absolute, len)?;
+        }
+        Ok(now)
     }
 
     /// The number of lines skipped or dead-lettered so far, shared with the readers.
@@ -177,14 +230,15 @@ impl<T: Send + 'static> Source<T> for FileSource<T> {
             return Ok(Box::new(EmptyReader));
         }
         let files = list_files(&self.path)?;
-        let dead_start = *self.dead_start.get_or_init(|| match &self.policy {
-            ErrorPolicy::DeadLetter(path) => match fs::metadata(path) {
-                Ok(m) => Some(m.len()),
-                Err(e) if e.kind() == io::ErrorKind::NotFound => Some(0),
-                Err(_) => None,
-            },
-            _ => None,
-        });
+        // Made once per source (readers of later attempts in this process start from the
+        // same place); only shard 0 makes readers, one attempt after another.
+        let dead_start = match self.dead_start.get() {
+            Some(&start) => start,
+            None => {
+                let start = self.initial_dead_start()?;
+                *self.dead_start.get_or_init(|| start)
+            }
+        };
         Ok(Box::new(FileReader {
             format: self.format,
             columns: self.columns.clone(),
@@ -222,6 +276,120 @@ fn io_error(path: &Path) -> impl FnOnce(io::Error) -> SourceError + '_ {
         path: path.to_path_buf(),
         source,
     }
+}
+
+/// The dead-letter start record (`FileSource::dead_letter_start_record`): `magic 8 | version
+/// u16 | checksum algorithm u8 (1: CRC-32/IEEE) | reserved u8 | path length u32 | dead-letter
+/// length u64 | absolute path | CRC-32 u32 of everything before it`, little-endian.
+const START_MAGIC: &[u8; 8] = b"WEIRDLS\0";
+const START_VERSION: u16 = 1;
+const START_FIXED_BYTES: usize = 24;
+/// A record longer than this is not one (a path is at most a few KiB).
+const START_MAX_BYTES: u64 = 1 << 20;
+
+/// Writes a start record durably: a temporary file beside it, synced, renamed over it, the
+/// directory synced.
+fn write_start_record(record: &Path, dead_letters: &Path, len: u64) -> Result<(), SourceError> {
+    let path = dead_letters.as_os_str().as_encoded_bytes();
+    let mut bytes = Vec::with_capacity(START_FIXED_BYTES + path.len() + 4);
+    bytes.extend_from_slice(START_MAGIC);
+    bytes.extend_from_slice(&START_VERSION.to_le_bytes());
+    bytes.extend_from_slice(&[1, 0]);
+    bytes.extend_from_slice(&(path.len() as u32).to_le_bytes());
+    bytes.extend_from_slice(&len.to_le_bytes());
+    bytes.extend_from_slice(path);
+    let crc = crc32fast::hash(&bytes);
+    bytes.extend_from_slice(&crc.to_le_bytes());
+    let dir = match record.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    fs::create_dir_all(dir).map_err(io_error(dir))?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(record.file_name().unwrap_or_default());
+    tmp_name.push(".tmp");
+    let tmp = dir.join(tmp_name);
+    let mut f = File::create(&tmp).map_err(io_error(&tmp))?;
+    f.write_all(&bytes).map_err(io_error(&tmp))?;
+    f.sync_all().map_err(io_error(&tmp))?;
+    fs::rename(&tmp, record).map_err(io_error(record))?;
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_error(dir))
+}
+
+/// Reads a start record: `None` if there is none, else the dead-letter file's absolute path
+/// and the length it had at the start.
+fn read_start_record(record: &Path) -> Result<Option<(PathBuf, u64)>, SourceError> {
+    let corrupt = |offset: u64, reason: String| SourceError::Corrupt {
+        file: record.to_path_buf(),
+        offset,
+        reason,
+    };
+    let len = match fs::metadata(record) {
+        Ok(m) => m.len(),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io_error(record)(e)),
+    };
+    if len > START_MAX_BYTES {
+        return Err(corrupt(
+            START_MAX_BYTES,
+            format!("{len} bytes, more than a dead-letter start record holds"),
+        ));
+    }
+    let bytes = fs::read(record).map_err(io_error(record))?;
+    let n = bytes.len();
+    if n < START_FIXED_BYTES + 4 {
+        return Err(corrupt(
+            n as u64,
+            format!(
+                "{n} bytes, shorter than a dead-letter start record ({} at least)",
+                START_FIXED_BYTES + 4
+            ),
+        ));
+    }
+    if &bytes[..8] != START_MAGIC {
+        return Err(corrupt(
+            0,
+            "not a dead-letter start record (bad magic)".into(),
+        ));
+    }
+    let version = u16::from_le_bytes([bytes[8], bytes[9]]);
+    if version != START_VERSION {
+        return Err(corrupt(
+            8,
+            format!("version {version}, this build reads {START_VERSION}"),
+        ));
+    }
+    if bytes[10] != 1 {
+        return Err(corrupt(
+            10,
+            format!("checksum algorithm {}, this build knows 1", bytes[10]),
+        ));
+    }
+    let path_len = u32::from_le_bytes(bytes[12..16].try_into().expect("4 bytes")) as usize;
+    if START_FIXED_BYTES + path_len + 4 != n {
+        return Err(corrupt(
+            12,
+            format!("a path of {path_len} bytes does not fit a record of {n} bytes"),
+        ));
+    }
+    let body = n - 4;
+    let stored = u32::from_le_bytes(bytes[body..].try_into().expect("4 bytes"));
+    let actual = crc32fast::hash(&bytes[..body]);
+    if stored != actual {
+        return Err(corrupt(
+            body as u64,
+            format!("CRC-32 {stored:08x} stored, {actual:08x} computed"),
+        ));
+    }
+    if bytes[11] != 0 {
+        return Err(corrupt(11, "reserved byte not zero".into()));
+    }
+    let dead_len = u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes"));
+    let path = &bytes[START_FIXED_BYTES..body];
+    let path = <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(path);
+    Ok(Some((PathBuf::from(path), dead_len)))
 }
 
 /// The files to read, in name order.
@@ -346,8 +514,10 @@ struct FileReader<T> {
     /// Neither restored (`seek`) nor polled yet. A reader that starts from the beginning
     /// first cuts the dead-letter file back to `dead_start`: an earlier attempt of the job in
     /// this process (restarted before any checkpoint completed) read the same lines and
-    /// dead-lettered them already. Lines a killed process wrote before its first checkpoint
-    /// are another process's: they stay, and a restart from the beginning appends them again.
+    /// dead-lettered them already. Across processes the source knows that start only from a
+    /// start record ([`FileSource::dead_letter_start_record`]); without one, lines that a
+    /// killed process wrote before its first checkpoint stay, and a restart from the beginning
+    /// appends them again.
     fresh: bool,
     dead_start: Option<u64>,
 }
@@ -2151,6 +2321,166 @@ mod tests {
         let Decoded { dead_letter, .. } = decode_position(&unread).expect("position");
         let half = fs::metadata(&dead).expect("dead").len() / 2;
         assert_eq!(dead_letter.map(|(_, len)| len), Some(half));
+    }
+
+    /// A start record carries the dead-letter file's length at a run's start to another
+    /// process: a source that resumes (a restart from the beginning after a run killed before
+    /// its first checkpoint) cuts the file back to it, so the lines are there once and what
+    /// was there before the first run stays. A source that does not resume, or a record of
+    /// another dead-letter file, records the length now and appends.
+    #[test]
+    fn a_start_record_carries_the_dead_letter_start_to_a_restart() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let text: String = (0..40)
+            .map(|i| {
+                if i % 4 == 3 {
+                    format!("k{i},bad{i}\n")
+                } else {
+                    format!("k{i},{i}\n")
+                }
+            })
+            .collect();
+        let path = write(tmp.path(), "in.csv", &format!("k,v\n{text}"));
+        let dead = tmp.path().join("dead.jsonl");
+        fs::write(&dead, "earlier\n").expect("earlier dead letters");
+        // In a directory that does not exist yet: the record makes it.
+        let record = tmp.path().join("job").join("dead-letter-start");
+        let source = |resume: bool, dead: &Path| {
+            FileSource::new(&path, FileFormat::Csv, &["k", "v"], pair)
+                .error_policy(ErrorPolicy::DeadLetter(dead.to_path_buf()))
+                .dead_letter_start_record(&record, resume)
+        };
+        let count = |p: &Path| fs::read_to_string(p).expect("dead").lines().count();
+        // A first run (resuming, with no record yet: it records where it starts) is killed
+        // after dead-lettering all ten lines; so is a second one.
+        drain(reader(&source(true, &dead)).as_mut(), 4).expect("first run");
+        assert_eq!(count(&dead), 11);
+        let abs = std::path::absolute(&dead).expect("absolute");
+        assert_eq!(
+            read_start_record(&record).expect("record"),
+            Some((abs.clone(), 8))
+        );
+        drain(reader(&source(true, &dead)).as_mut(), 4).expect("second run");
+        assert_eq!(count(&dead), 11, "the restart cut the first run's lines");
+        assert_eq!(
+            read_start_record(&record).expect("record"),
+            Some((abs.clone(), 8)),
+            "a resumed run keeps the record"
+        );
+        // A run that does not resume is another run: it appends, and records its start.
+        drain(reader(&source(false, &dead)).as_mut(), 4).expect("another run");
+        assert_eq!(count(&dead), 21);
+        let len = fs::metadata(&dead).expect("dead").len();
+        assert_eq!(
+            read_start_record(&record).expect("record"),
+            Some((abs, len - (len - 8) / 2))
+        );
+        // A record of another dead-letter file is not taken: this one is appended to.
+        let other = tmp.path().join("other.jsonl");
+        drain(reader(&source(true, &other)).as_mut(), 4).expect("other");
+        drain(reader(&source(true, &dead)).as_mut(), 4).expect("after the other");
+        assert_eq!(count(&dead), 31);
+    }
+
+    /// A start record that does not decode is refused with the file and the offset of what is
+    /// wrong, whatever part of it is damaged, and fails the job without a restart: the
+    /// dead-letter file is not cut by a guess.
+    #[test]
+    fn bad_start_records_are_refused() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let path = write(tmp.path(), "in.csv", "k,v\na,1\n");
+        let dead = tmp.path().join("dead.jsonl");
+        let record = tmp.path().join("dead-letter-start");
+        write_start_record(&record, &std::path::absolute(&dead).expect("abs"), 5).expect("write");
+        let good = fs::read(&record).expect("record");
+        let n = good.len();
+        let body = n - 4;
+        let with = |f: &dyn Fn(&mut Vec<u8>)| {
+            let mut b = good.clone();
+            f(&mut b);
+            b
+        };
+        let recrc = |b: &mut Vec<u8>| {
+            let c = crc32fast::hash(&b[..b.len() - 4]);
+            let at = b.len() - 4;
+            b[at..].copy_from_slice(&c.to_le_bytes());
+        };
+        let cases: Vec<(&str, Vec<u8>, u64)> = vec![
+            ("cut", good[..20].to_vec(), 20),
+            ("empty", Vec::new(), 0),
+            ("magic", with(&|b| b[0] = b'X'), 0),
+            (
+                "version",
+                with(&|b| {
+                    b[8] = 2;
+                    recrc(b);
+                }),
+                8,
+            ),
+            (
+                "algorithm",
+                with(&|b| {
+                    b[10] = 7;
+                    recrc(b);
+                }),
+                10,
+            ),
+            (
+                "path length",
+                with(&|b| {
+                    b[12] = b[12].wrapping_add(1);
+                    recrc(b);
+                }),
+                12,
+            ),
+            ("appended", with(&|b| b.push(0)), 12),
+            ("length bit", with(&|b| b[17] ^= 1), body as u64),
+            (
+                "path bit",
+                with(&|b| b[START_FIXED_BYTES] ^= 1),
+                body as u64,
+            ),
+            ("crc bit", with(&|b| b[body] ^= 1), body as u64),
+            (
+                "reserved",
+                with(&|b| {
+                    b[11] = 1;
+                    recrc(b);
+                }),
+                11,
+            ),
+            (
+                "huge",
+                vec![0; START_MAX_BYTES as usize + 1],
+                START_MAX_BYTES,
+            ),
+        ];
+        for (what, bytes, offset) in cases {
+            fs::write(&record, &bytes).expect("damage");
+            let source = FileSource::new(&path, FileFormat::Csv, &["k", "v"], pair)
+                .error_policy(ErrorPolicy::DeadLetter(dead.clone()))
+                .dead_letter_start_record(&record, true);
+            match source.create_reader(0, 1).map(|_| ()) {
+                Err(SourceError::Corrupt {
+                    file, offset: at, ..
+                }) => {
+                    assert_eq!((file, at), (record.clone(), offset), "{what}");
+                }
+                other => panic!("{what}: {other:?}"),
+            }
+            let e = crate::JobError::Source {
+                operator: "input".into(),
+                shard: 0,
+                source: source.create_reader(0, 1).err().expect("refused again"),
+            };
+            assert!(!e.is_recoverable(), "{what}: {e}");
+        }
+        // Not resuming, the record is not read: it is replaced.
+        let source = FileSource::new(&path, FileFormat::Csv, &["k", "v"], pair)
+            .error_policy(ErrorPolicy::DeadLetter(dead.clone()))
+            .dead_letter_start_record(&record, false);
+        reader(&source);
+        assert!(read_start_record(&record).expect("replaced").is_some());
     }
 
     /// A position fingerprints the file's first bytes and the bytes before its offset: a file

@@ -52,6 +52,13 @@ pub enum SourceError {
     },
     #[error("source position is not valid for this source: {0}")]
     BadPosition(String),
+    /// A file the source keeps for itself (a dead-letter start record) does not decode.
+    #[error("{file}: offset {offset}: {reason}")]
+    Corrupt {
+        file: PathBuf,
+        offset: u64,
+        reason: String,
+    },
     #[error("{0}")]
     Other(String),
 }
