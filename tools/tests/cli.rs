@@ -839,59 +839,72 @@ fn kill_loop_that_changes_the_shard_count_commits_every_result_exactly_once() {
     );
 }
 
+/// A checkpointed keyed-sum run (`interval` between checkpoints) over an input with a malformed
+/// line after every 997th record, dead-lettered into `dead.jsonl` beside it.
+fn run_with_malformed_lines(interval: &str) -> CheckpointedRun {
+    let mut run = CheckpointedRun::new(1_200_000, 997, "2", interval);
+    let input = run.dir.path().join("in.csv");
+    let mut text = String::from("user,amount,ts\n");
+    for (i, (k, v, t)) in run.recs.iter().enumerate() {
+        text.push_str(&format!("{k},{v},{t}\n"));
+        if i % 997 == 996 {
+            text.push_str(&format!("{k},not-a-number-{i},{t}\n"));
+        }
+    }
+    std::fs::write(&input, text).expect("input");
+    let dead = run.dir.path().join("dead.jsonl");
+    run.args.extend([
+        "--on-error".to_owned(),
+        format!("dead-letter={}", dead.display()),
+    ]);
+    run
+}
+
+/// The line numbers of the malformed lines of [`run_with_malformed_lines`]: the header is line
+/// 1, record i is line i + 2 plus the malformed lines before it.
+fn malformed_line_numbers(run: &CheckpointedRun) -> Vec<u64> {
+    (0..run.recs.len() as u64)
+        .filter(|i| i % 997 == 996)
+        .map(|i| i + 3 + i / 997)
+        .collect()
+}
+
+/// The `line` of each dead letter in `lines`, each of which must be a whole JSON object.
+fn dead_letter_line_numbers<'a>(lines: impl Iterator<Item = &'a str>, how: &str) -> Vec<u64> {
+    lines
+        .map(|l| {
+            let v: serde_json::Value =
+                serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l} ({how})"));
+            v["line"].as_u64().expect("line")
+        })
+        .collect()
+}
+
 /// The kill loop over an input with a malformed line after every 997th record, dead-lettered
 /// (`--on-error dead-letter=PATH`): each restart cuts the dead-letter file back to where the
-/// restored checkpoint left it, so every line is whole and the file ends with every malformed
-/// line exactly once (before that, only the lines of runs killed before their first
-/// checkpoint), and the committed output is every running sum of the good records exactly
-/// once.
+/// restored checkpoint left it, or (a run killed before its first checkpoint) to where the
+/// first run found it, so every line is whole and every malformed line is in the file exactly
+/// once, and the committed output is every running sum of the good records exactly once.
 #[test]
 fn kill_loop_with_dead_letters_writes_each_malformed_line_once() {
     kill_loop_of(
         "keyed-sum",
-        || {
-            let mut run = CheckpointedRun::new(1_200_000, 997, "2", "50ms");
-            let input = run.dir.path().join("in.csv");
-            let mut text = String::from("user,amount,ts\n");
-            for (i, (k, v, t)) in run.recs.iter().enumerate() {
-                text.push_str(&format!("{k},{v},{t}\n"));
-                if i % 997 == 996 {
-                    text.push_str(&format!("{k},not-a-number-{i},{t}\n"));
-                }
-            }
-            std::fs::write(&input, text).expect("input");
-            let dead = run.dir.path().join("dead.jsonl");
-            run.args.extend([
-                "--on-error".to_owned(),
-                format!("dead-letter={}", dead.display()),
-            ]);
-            run
-        },
+        || run_with_malformed_lines("50ms"),
         &[],
         false,
         |run, mid_run| {
             let got = parse_sums(&committed_lines(&run.out));
             let how = format!("in order ({mid_run} kills mid-run)");
             assert_same_sums(&got, &running_sums(&run.recs), &how);
-            // Line numbers: the header is line 1, record i is line i + 2 plus the malformed
-            // lines before it.
-            let want: Vec<u64> = (0..run.recs.len() as u64)
-                .filter(|i| i % 997 == 996)
-                .map(|i| i + 3 + i / 997)
-                .collect();
             let dead = std::fs::read_to_string(run.dir.path().join("dead.jsonl")).expect("dead");
-            let lines: Vec<u64> = dead
-                .lines()
-                .map(|l| {
-                    let v: serde_json::Value =
-                        serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l} ({how})"));
-                    v["line"].as_u64().expect("line")
-                })
-                .collect();
             // Every malformed line once, in order: a restart from a checkpoint cuts the file
             // back to the checkpoint's position, and one from the beginning (a run killed
             // before its first checkpoint) to the start record of the first run.
-            assert_eq!(lines, want, "each malformed line once, {how}");
+            assert_eq!(
+                dead_letter_line_numbers(dead.lines(), &how),
+                malformed_line_numbers(run),
+                "each malformed line once, {how}"
+            );
         },
     );
 }
@@ -905,24 +918,11 @@ fn kill_loop_with_dead_letters_writes_each_malformed_line_once() {
 fn a_restart_from_the_beginning_cuts_the_dead_letters_of_a_run_killed_before_its_first_checkpoint()
 {
     // No checkpoint but the final one: every kill lands before the first.
-    let mut run = CheckpointedRun::new(1_200_000, 997, "2", "1h");
-    let input = run.dir.path().join("in.csv");
-    let mut text = String::from("user,amount,ts\n");
-    for (i, (k, v, t)) in run.recs.iter().enumerate() {
-        text.push_str(&format!("{k},{v},{t}\n"));
-        if i % 997 == 996 {
-            text.push_str(&format!("{k},not-a-number-{i},{t}\n"));
-        }
-    }
-    std::fs::write(&input, text).expect("input");
+    let run = run_with_malformed_lines("1h");
     let dead = run.dir.path().join("dead.jsonl");
     // Dead letters of an earlier, separate run: they stay.
     let earlier = "{\"earlier\":true}\n";
     std::fs::write(&dead, earlier).expect("earlier dead letters");
-    run.args.extend([
-        "--on-error".to_owned(),
-        format!("dead-letter={}", dead.display()),
-    ]);
     let job_dir = run.ck.join("keyed-sum");
     let record = job_dir.join("dead-letter-start");
     // Killed once dead letters are written, twice: the second run starts from the beginning too.
@@ -943,14 +943,11 @@ fn a_restart_from_the_beginning_cuts_the_dead_letters_of_a_run_killed_before_its
         );
     }
     assert!(record.exists(), "the first run left its start record");
-    let lines = |dead: &Path| -> Vec<String> {
-        std::fs::read_to_string(dead)
-            .expect("dead")
-            .lines()
-            .map(str::to_owned)
-            .collect()
-    };
-    assert!(lines(&dead).len() > 2, "the killed runs wrote dead letters");
+    let text = |dead: &Path| std::fs::read_to_string(dead).expect("dead");
+    assert!(
+        text(&dead).lines().count() > 2,
+        "the killed runs wrote dead letters"
+    );
     let o = weir(&run.args());
     assert!(o.status.success(), "{}", stderr(&o));
     assert_same_sums(
@@ -958,20 +955,15 @@ fn a_restart_from_the_beginning_cuts_the_dead_letters_of_a_run_killed_before_its
         &running_sums(&run.recs),
         "after two kills before the first checkpoint",
     );
-    let got = lines(&dead);
-    assert_eq!(got[0], earlier.trim_end(), "the earlier run's line stays");
-    let want: Vec<u64> = (0..run.recs.len() as u64)
-        .filter(|i| i % 997 == 996)
-        .map(|i| i + 3 + i / 997)
-        .collect();
-    let numbers: Vec<u64> = got[1..]
-        .iter()
-        .map(|l| {
-            let v: serde_json::Value =
-                serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"));
-            v["line"].as_u64().expect("line")
-        })
-        .collect();
+    let got = text(&dead);
+    let mut lines = got.lines();
+    assert_eq!(
+        lines.next(),
+        Some(earlier.trim_end()),
+        "the earlier run's line stays"
+    );
+    let numbers = dead_letter_line_numbers(lines, "after two kills");
+    let want = malformed_line_numbers(&run);
     // (Compared by count and first difference: the lists are 1,203 numbers long.)
     let first_difference = numbers.iter().zip(&want).position(|(a, b)| a != b);
     assert_eq!(

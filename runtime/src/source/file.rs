@@ -1652,6 +1652,21 @@ mod tests {
         path
     }
 
+    /// `in.csv` in `dir`: a header and 40 lines, every fourth one (lines 5, 9, ..., 41)
+    /// malformed for [`pair`].
+    fn every_fourth_line_bad(dir: &Path) -> PathBuf {
+        let text: String = (0..40)
+            .map(|i| {
+                if i % 4 == 3 {
+                    format!("k{i},bad{i}\n")
+                } else {
+                    format!("k{i},{i}\n")
+                }
+            })
+            .collect();
+        write(dir, "in.csv", &format!("k,v\n{text}"))
+    }
+
     /// Parses (key, integer value) from two fields.
     fn pair(fields: &[&str], _loc: &Location) -> Result<(String, i64), String> {
         let [key, value] = fields else {
@@ -2256,16 +2271,7 @@ mod tests {
     #[test]
     fn a_restore_cuts_the_dead_letter_file_back_to_the_position() {
         let tmp = tempfile::tempdir().expect("temp dir");
-        let text: String = (0..40)
-            .map(|i| {
-                if i % 4 == 3 {
-                    format!("k{i},bad{i}\n")
-                } else {
-                    format!("k{i},{i}\n")
-                }
-            })
-            .collect();
-        let path = write(tmp.path(), "in.csv", &format!("k,v\n{text}"));
+        let path = every_fourth_line_bad(tmp.path());
         let dead = tmp.path().join("dead.jsonl");
         let source = FileSource::new(&path, FileFormat::Csv, &["k", "v"], pair)
             .error_policy(ErrorPolicy::DeadLetter(dead.clone()));
@@ -2331,16 +2337,7 @@ mod tests {
     #[test]
     fn a_start_record_carries_the_dead_letter_start_to_a_restart() {
         let tmp = tempfile::tempdir().expect("temp dir");
-        let text: String = (0..40)
-            .map(|i| {
-                if i % 4 == 3 {
-                    format!("k{i},bad{i}\n")
-                } else {
-                    format!("k{i},{i}\n")
-                }
-            })
-            .collect();
-        let path = write(tmp.path(), "in.csv", &format!("k,v\n{text}"));
+        let path = every_fourth_line_bad(tmp.path());
         let dead = tmp.path().join("dead.jsonl");
         fs::write(&dead, "earlier\n").expect("earlier dead letters");
         // In a directory that does not exist yet: the record makes it.
