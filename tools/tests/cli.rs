@@ -980,8 +980,8 @@ fn a_restart_from_the_beginning_cuts_the_dead_letters_of_a_run_killed_before_its
     let e = stderr(&o);
     assert_eq!(o.status.code(), Some(1), "{e}");
     assert!(
-        e.contains("dead-letter-start") && e.contains("offset"),
-        "names the record and the offset: {e}"
+        e.contains("dead-letter-start") && e.contains("offset") && e.contains("remove it"),
+        "names the record and the offset, and what to do: {e}"
     );
 }
 

@@ -321,10 +321,16 @@ fn write_start_record(record: &Path, dead_letters: &Path, len: u64) -> Result<()
 /// Reads a start record: `None` if there is none, else the dead-letter file's absolute path
 /// and the length it had at the start.
 fn read_start_record(record: &Path) -> Result<Option<(PathBuf, u64)>, SourceError> {
+    // What to do about it, too: the record only serves a restart from the beginning, and a
+    // run without it may write again the dead letters of a run killed before its first
+    // checkpoint, which the user can accept.
     let corrupt = |offset: u64, reason: String| SourceError::Corrupt {
         file: record.to_path_buf(),
         offset,
-        reason,
+        reason: format!(
+            "{reason} (a dead-letter start record; remove it to start without one, at the \
+             risk of dead letters written twice)"
+        ),
     };
     let len = match fs::metadata(record) {
         Ok(m) => m.len(),
