@@ -383,10 +383,7 @@ fn run_bounded_sums(
     n: u64,
     keys: u64,
 ) -> (weir_runtime::JobSummary, Vec<u64>) {
-    let mut c = JobConfig::new()
-        .with_shards(2)
-        .with_pinning(Pinning::Never)
-        .with_checkpointing(ck(dir, CheckpointMode::ExactlyOnce));
+    let mut c = exactly_once(dir, 2);
     if let Some(r) = restore {
         c = c.with_restore(r);
     }
@@ -817,6 +814,14 @@ fn a_checkpoint_triggered_right_after_the_start_completes() {
 
 /// `c` restoring from `restore`, if any, and with the small batches of a held job (`held`:
 /// see [`HELD_BATCH_RECORDS`]).
+/// An exactly-once job on `shards` unpinned shards checkpointing into `dir` ([`ck`]).
+fn exactly_once(dir: &std::path::Path, shards: usize) -> JobConfig {
+    JobConfig::new()
+        .with_shards(shards)
+        .with_pinning(Pinning::Never)
+        .with_checkpointing(ck(dir, CheckpointMode::ExactlyOnce))
+}
+
 fn restoring(c: JobConfig, restore: Option<RestoreFrom>, held: bool) -> JobConfig {
     let c = match restore {
         Some(r) => c.with_restore(r),
@@ -896,10 +901,7 @@ fn restore_onto_another_number_of_shards_keeps_keyed_state() {
     let hold = Hold::new(n, n / 10);
     let run = |shards: usize, restore: bool, hold: Option<Hold>| {
         let c = restoring(
-            JobConfig::new()
-                .with_shards(shards)
-                .with_pinning(Pinning::Never)
-                .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce)),
+            exactly_once(dir.path(), shards),
             restore.then_some(RestoreFrom::Latest),
             hold.is_some(),
         );
@@ -974,10 +976,7 @@ fn a_split_source_restores_onto_fewer_and_more_shards() {
         let hold = Hold::new(n, n / 10);
         let run = |shards: usize, restore: bool, hold: Option<Hold>| {
             let c = restoring(
-                JobConfig::new()
-                    .with_shards(shards)
-                    .with_pinning(Pinning::Never)
-                    .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce)),
+                exactly_once(dir.path(), shards),
                 restore.then_some(RestoreFrom::Latest),
                 hold.is_some(),
             );
@@ -1036,10 +1035,7 @@ fn a_record_late_before_a_restore_is_late_after_it() {
         .collect();
     let run = |restore: bool, hold: Option<Hold>| {
         let c = restoring(
-            JobConfig::new()
-                .with_shards(1)
-                .with_pinning(Pinning::Never)
-                .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce)),
+            exactly_once(dir.path(), 1),
             restore.then_some(RestoreFrom::Latest),
             hold.is_some(),
         );
@@ -1125,11 +1121,7 @@ fn a_restore_refuses_state_no_operator_takes_unless_allowed() {
     let hold = Hold::new(n, n / 10);
     let run = |uid: &str, restore: bool, allow: bool, hold: Option<Hold>| {
         let c = restoring(
-            JobConfig::new()
-                .with_shards(2)
-                .with_pinning(Pinning::Never)
-                .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce))
-                .with_allow_non_restored_state(allow),
+            exactly_once(dir.path(), 2).with_allow_non_restored_state(allow),
             restore.then_some(RestoreFrom::Latest),
             hold.is_some(),
         );
@@ -1211,10 +1203,7 @@ fn stop_with_savepoint_commits_up_to_the_savepoint_and_ends_the_job() {
     let hold = Hold::new(n, n / 10);
     let run = |ckpt: &str, restore: Option<RestoreFrom>, hold: Option<Hold>| {
         let c = restoring(
-            JobConfig::new()
-                .with_shards(2)
-                .with_pinning(Pinning::Never)
-                .with_checkpointing(ck(&dir.path().join(ckpt), CheckpointMode::ExactlyOnce)),
+            exactly_once(&dir.path().join(ckpt), 2),
             restore,
             hold.is_some(),
         );
@@ -1563,12 +1552,7 @@ fn a_malformed_record_under_the_fail_policy_fails_the_job_without_restarts() {
     }
     text.push_str("u1,oops\n");
     std::fs::write(&input, text).expect("write");
-    let job = Job::new(
-        JobConfig::new()
-            .with_shards(2)
-            .with_pinning(Pinning::Never)
-            .with_checkpointing(ck(&dir.path().join("ck"), CheckpointMode::ExactlyOnce)),
-    );
+    let job = Job::new(exactly_once(&dir.path().join("ck"), 2));
     let source = FileSource::new(
         input.clone(),
         FileFormat::Csv,

@@ -701,20 +701,24 @@ impl CheckpointedRun {
     /// or finished before that; it must have left a complete checkpoint.
     fn killed_after(&self, job: &str, id: u64) {
         let job_dir = self.ck.join(job);
-        let mut child = self.spawn();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        while newest_complete_id(&job_dir) < Some(id)
-            && child.try_wait().expect("try_wait").is_none()
-        {
-            assert!(std::time::Instant::now() < deadline, "no checkpoint");
-            std::thread::sleep(std::time::Duration::from_millis(2));
-        }
-        let _ = child.kill();
-        let _ = child.wait();
+        self.killed_when("no checkpoint", || newest_complete_id(&job_dir) >= Some(id));
         assert!(
             has_complete_checkpoint(&job_dir),
             "the run left a checkpoint"
         );
+    }
+
+    /// The run, killed (SIGKILL) once `until` holds (checked every millisecond), or finished
+    /// before that; `what` names what did not happen within 60 s.
+    fn killed_when(&self, what: &str, until: impl Fn() -> bool) {
+        let mut child = self.spawn();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !until() && child.try_wait().expect("try_wait").is_none() {
+            assert!(std::time::Instant::now() < deadline, "{what}");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
     }
 
     /// The run started in the background, its output discarded.
@@ -927,16 +931,9 @@ fn a_restart_from_the_beginning_cuts_the_dead_letters_of_a_run_killed_before_its
     let record = job_dir.join("dead-letter-start");
     // Killed once dead letters are written, twice: the second run starts from the beginning too.
     for _ in 0..2 {
-        let mut child = run.spawn();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        while std::fs::metadata(&dead).map_or(0, |m| m.len()) < earlier.len() as u64 + 500
-            && child.try_wait().expect("try_wait").is_none()
-        {
-            assert!(std::time::Instant::now() < deadline, "no dead letters");
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-        let _ = child.kill();
-        let _ = child.wait();
+        run.killed_when("no dead letters", || {
+            std::fs::metadata(&dead).map_or(0, |m| m.len()) >= earlier.len() as u64 + 500
+        });
         assert!(
             !has_complete_checkpoint(&job_dir),
             "killed before its first checkpoint"
