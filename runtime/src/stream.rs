@@ -79,6 +79,10 @@ impl Job {
                         })?;
                 }
             }
+            reader.start().map_err(|e| StartError::Source {
+                operator: name2.clone(),
+                source: e,
+            })?;
             if let Some(c) = &ctx.checkpoint {
                 let mut c = c.borrow_mut();
                 c.register();

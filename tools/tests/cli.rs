@@ -917,7 +917,7 @@ fn kill_loop_with_dead_letters_writes_each_malformed_line_once() {
 /// latest`: the restart starts from the beginning and cuts the dead-letter file back to where
 /// the first run found it (the start record in the job's checkpoint directory), so each
 /// malformed line is in it once and what was there before the first run stays. A start record
-/// that does not decode stops a restart (exit 1), naming it and the offset.
+/// that does not decode stops a restart from the beginning (exit 1), naming it and the offset.
 #[test]
 fn a_restart_from_the_beginning_cuts_the_dead_letters_of_a_run_killed_before_its_first_checkpoint()
 {
@@ -968,17 +968,65 @@ fn a_restart_from_the_beginning_cuts_the_dead_letters_of_a_run_killed_before_its
         (want.len(), None),
         "each malformed line once"
     );
-    // A damaged record is refused, naming it and where (a `--restore latest` reads it even
-    // where a checkpoint then takes over).
+    // A damaged record is refused, naming it and where, by a restart that finds no complete
+    // checkpoint (a checkpoint directory that holds the record alone) and so starts from the
+    // beginning.
     let mut bad = std::fs::read(&record).expect("record");
     bad[17] ^= 0x10;
-    std::fs::write(&record, &bad).expect("damage");
-    let o = weir(&run.args());
+    let bare = run.dir.path().join("bare-ck");
+    std::fs::create_dir_all(bare.join("keyed-sum")).expect("bare checkpoint dir");
+    std::fs::write(bare.join("keyed-sum").join("dead-letter-start"), &bad).expect("damage");
+    let mut args = run.args();
+    let at = args
+        .iter()
+        .position(|a| *a == "--checkpoint-dir")
+        .expect("flag")
+        + 1;
+    let bare_arg = bare.to_string_lossy();
+    args[at] = &bare_arg;
+    let o = weir(&args);
     let e = stderr(&o);
     assert_eq!(o.status.code(), Some(1), "{e}");
     assert!(
         e.contains("dead-letter-start") && e.contains("offset") && e.contains("remove it"),
         "names the record and the offset, and what to do: {e}"
+    );
+}
+
+/// A restore from a checkpoint does not read the dead-letter start record (the checkpoint's
+/// source position says where to cut the dead-letter file), so a damaged record does not stop
+/// it: killed after its first checkpoint, with its record then damaged, a run restarted with
+/// `--restore latest` finishes with exact output and each malformed line dead-lettered once,
+/// and leaves the record as it was.
+#[test]
+fn a_damaged_start_record_does_not_stop_a_restore_from_a_checkpoint() {
+    let run = run_with_malformed_lines("100ms");
+    let dead = run.dir.path().join("dead.jsonl");
+    run.killed_after("keyed-sum", 1);
+    let record = run.ck.join("keyed-sum").join("dead-letter-start");
+    let mut bad = std::fs::read(&record).expect("the run left its start record");
+    bad[17] ^= 0x10;
+    std::fs::write(&record, &bad).expect("damage");
+    let o = weir(&run.args());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_same_sums(
+        &parse_sums(&committed_lines(&run.out)),
+        &running_sums(&run.recs),
+        "restored past a damaged start record",
+    );
+    let got = std::fs::read_to_string(&dead).expect("dead");
+    let numbers = dead_letter_line_numbers(got.lines(), "after the restore");
+    let want = malformed_line_numbers(&run);
+    let first_difference = numbers.iter().zip(&want).position(|(a, b)| a != b);
+    assert_eq!(
+        (numbers.len(), first_difference),
+        (want.len(), None),
+        "each malformed line once"
+    );
+    assert_eq!(
+        std::fs::read(&record).expect("record"),
+        bad,
+        "left as it was"
     );
 }
 

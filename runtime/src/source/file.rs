@@ -113,12 +113,21 @@ pub struct FileSource<T> {
     policy: ErrorPolicy,
     skipped: Arc<AtomicU64>,
     max_record_bytes: usize,
-    /// The dead-letter file's length when this source made its first reader (0 if it did
-    /// not exist), shared with every reader: see [`FileReader::fresh`].
-    dead_start: Arc<std::sync::OnceLock<Option<u64>>>,
+    /// Where a reader that starts from the beginning cuts the dead-letter file back to,
+    /// shared with every reader.
+    dead_start: Arc<DeadStart>,
+}
+
+/// The dead-letter file's length when the first reader of a source started from the
+/// beginning (0 if the file did not exist): where every later reader that starts so cuts it
+/// back to (see [`FileReader::fresh`]). Made once per source, so that the readers of later
+/// attempts in the process start from the same place.
+#[derive(Default)]
+struct DeadStart {
+    len: std::sync::OnceLock<Option<u64>>,
     /// Where that length is also kept durably, and whether one kept there is taken as the
     /// start: see [`FileSource::dead_letter_start_record`].
-    start_record: Option<(PathBuf, bool)>,
+    record: Option<(PathBuf, bool)>,
 }
 
 impl<T> std::fmt::Debug for FileSource<T> {
@@ -155,7 +164,6 @@ impl<T: Send + 'static> FileSource<T> {
             skipped: Arc::new(AtomicU64::new(0)),
             max_record_bytes: MAX_RECORD_BYTES,
             dead_start: Arc::default(),
-            start_record: None,
         }
     }
 
@@ -178,18 +186,40 @@ impl<T: Send + 'static> FileSource<T> {
     /// Without a record a process knows only where it found the file: lines that a killed run
     /// wrote before its first checkpoint were written again by the restart.
     ///
-    /// A record that does not decode fails the job with [`SourceError::Corrupt`], naming the
-    /// file and offset, rather than cut the dead-letter file by a guess.
+    /// The record is read and written only by a reader that starts from the beginning
+    /// ([`SourceReader::start`]); a restore from a checkpoint touches neither it nor the
+    /// length it holds. A record that such a reader cannot decode fails the job with
+    /// [`SourceError::Corrupt`], naming the file and offset, rather than cut the dead-letter
+    /// file by a guess.
     pub fn dead_letter_start_record(mut self, record: impl Into<PathBuf>, resume: bool) -> Self {
-        self.start_record = Some((record.into(), resume));
+        self.dead_start = Arc::new(DeadStart {
+            len: std::sync::OnceLock::new(),
+            record: Some((record.into(), resume)),
+        });
         self
     }
 
-    /// The dead-letter file's length that a reader starting from the beginning cuts it back
-    /// to (`None`: no dead-letter file, or one that cannot be examined, which is left as it
-    /// is), and the start record's bookkeeping: read, or written anew.
-    fn initial_dead_start(&self) -> Result<Option<u64>, SourceError> {
-        let ErrorPolicy::DeadLetter(path) = &self.policy else {
+    /// The number of lines skipped or dead-lettered so far, shared with the readers.
+    pub fn skipped(&self) -> Arc<AtomicU64> {
+        Arc::clone(&self.skipped)
+    }
+}
+
+impl DeadStart {
+    /// The length (see [`DeadStart`]), made by the first call; `None`: no dead-letter file,
+    /// or one that cannot be examined, which is left as it is.
+    fn get(&self, policy: &ErrorPolicy) -> Result<Option<u64>, SourceError> {
+        if let Some(&len) = self.len.get() {
+            return Ok(len);
+        }
+        // Only shard 0 makes readers, one attempt after another: no race to make it twice.
+        let len = self.make(policy)?;
+        Ok(*self.len.get_or_init(|| len))
+    }
+
+    /// The length now, or the start record's: read, or written anew.
+    fn make(&self, policy: &ErrorPolicy) -> Result<Option<u64>, SourceError> {
+        let ErrorPolicy::DeadLetter(path) = policy else {
             return Ok(None);
         };
         let now = match fs::metadata(path) {
@@ -197,7 +227,7 @@ impl<T: Send + 'static> FileSource<T> {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Some(0),
             Err(_) => None,
         };
-        let Some((record, resume)) = &self.start_record else {
+        let Some((record, resume)) = &self.record else {
             return Ok(now);
         };
         let absolute = std::path::absolute(path).map_err(io_error(path))?;
@@ -213,11 +243,6 @@ impl<T: Send + 'static> FileSource<T> {
         }
         Ok(now)
     }
-
-    /// The number of lines skipped or dead-lettered so far, shared with the readers.
-    pub fn skipped(&self) -> Arc<AtomicU64> {
-        Arc::clone(&self.skipped)
-    }
 }
 
 impl<T: Send + 'static> Source<T> for FileSource<T> {
@@ -230,15 +255,6 @@ impl<T: Send + 'static> Source<T> for FileSource<T> {
             return Ok(Box::new(EmptyReader));
         }
         let files = list_files(&self.path)?;
-        // Made once per source (readers of later attempts in this process start from the
-        // same place); only shard 0 makes readers, one attempt after another.
-        let dead_start = match self.dead_start.get() {
-            Some(&start) => start,
-            None => {
-                let start = self.initial_dead_start()?;
-                *self.dead_start.get_or_init(|| start)
-            }
-        };
         Ok(Box::new(FileReader {
             format: self.format,
             columns: self.columns.clone(),
@@ -262,7 +278,9 @@ impl<T: Send + 'static> Source<T> for FileSource<T> {
             strs: Vec::new(),
             dead: None,
             fresh: true,
-            dead_start,
+            started: false,
+            dead_start: None,
+            dead_start_of: Arc::clone(&self.dead_start),
         }))
     }
 
@@ -525,7 +543,11 @@ struct FileReader<T> {
     /// killed process wrote before its first checkpoint stay, and a restart from the beginning
     /// appends them again.
     fresh: bool,
+    /// [`SourceReader::start`] ran.
+    started: bool,
+    /// Set by `start` on a fresh reader: see [`DeadStart`].
     dead_start: Option<u64>,
+    dead_start_of: Arc<DeadStart>,
 }
 
 /// Empties a vector of string slices and gives its allocation a new lifetime. The in-place
@@ -1118,6 +1140,9 @@ impl<T: 'static> FileReader<T> {
 impl<T: 'static> SourceReader<T> for FileReader<T> {
     fn poll(&mut self, out: &mut Vec<T>, max: usize) -> Result<SourcePoll, SourceError> {
         if self.fresh {
+            if !self.started {
+                self.start()?;
+            }
             self.fresh = false;
             let start = self.dead_start;
             self.cut_dead_letters(start)?;
@@ -1185,6 +1210,16 @@ impl<T: 'static> SourceReader<T> for FileReader<T> {
         pos.extend_from_slice(&(dead_path.len() as u32).to_le_bytes());
         pos.extend_from_slice(dead_path);
         pos
+    }
+
+    /// A reader that starts from the beginning (not restored: still fresh) learns where to
+    /// cut the dead-letter file back to, from the start record if the source keeps one.
+    fn start(&mut self) -> Result<(), SourceError> {
+        self.started = true;
+        if self.fresh {
+            self.dead_start = self.dead_start_of.get(&self.policy)?;
+        }
+        Ok(())
     }
 
     fn seek(&mut self, position: &[u8]) -> Result<(), SourceError> {
@@ -1673,6 +1708,18 @@ mod tests {
         write(dir, "in.csv", &format!("k,v\n{text}"))
     }
 
+    /// The input line numbers of the dead letters in `p`, in file order.
+    fn dead_lines(p: &Path) -> Vec<u64> {
+        fs::read_to_string(p)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).expect("a whole line");
+                v["line"].as_u64().expect("line")
+            })
+            .collect()
+    }
+
     /// Parses (key, integer value) from two fields.
     fn pair(fields: &[&str], _loc: &Location) -> Result<(String, i64), String> {
         let [key, value] = fields else {
@@ -1705,6 +1752,13 @@ mod tests {
 
     fn reader<T: Send + 'static>(source: &FileSource<T>) -> Box<dyn SourceReader<T>> {
         source.create_reader(0, 1).expect("create reader")
+    }
+
+    /// A reader as the runtime starts one that restores nothing: made, then started.
+    fn started<T: Send + 'static>(source: &FileSource<T>) -> Box<dyn SourceReader<T>> {
+        let mut r = reader(source);
+        r.start().expect("start");
+        r
     }
 
     fn drain<T: 'static>(
@@ -2281,16 +2335,6 @@ mod tests {
         let dead = tmp.path().join("dead.jsonl");
         let source = FileSource::new(&path, FileFormat::Csv, &["k", "v"], pair)
             .error_policy(ErrorPolicy::DeadLetter(dead.clone()));
-        let dead_lines = |p: &Path| -> Vec<u64> {
-            fs::read_to_string(p)
-                .unwrap_or_default()
-                .lines()
-                .map(|l| {
-                    let v: serde_json::Value = serde_json::from_str(l).expect("a whole line");
-                    v["line"].as_u64().expect("line")
-                })
-                .collect()
-        };
         let mut r = read_past(&source, 15, 1);
         let position = r.position();
         let at_position = dead_lines(&dead);
@@ -2312,7 +2356,7 @@ mod tests {
         assert_eq!(dead_lines(&dead).len(), 10);
         // A position taken before any dead letter (the file did not exist) cuts to empty.
         fs::remove_file(&dead).expect("remove");
-        let early = reader(&source).position();
+        let early = started(&source).position();
         let mut r = reader(&source);
         drain(r.as_mut(), 4).expect("all");
         assert_eq!(dead_lines(&dead).len(), 10);
@@ -2329,7 +2373,7 @@ mod tests {
         drain(reader(&again).as_mut(), 4).expect("another process");
         assert_eq!(dead_lines(&dead).len(), 20);
         // A position of a reader that has not read yet says what it will cut to.
-        let unread = reader(&again).position();
+        let unread = started(&again).position();
         let Decoded { dead_letter, .. } = decode_position(&unread).expect("position");
         let half = fs::metadata(&dead).expect("dead").len() / 2;
         assert_eq!(dead_letter.map(|(_, len)| len), Some(half));
@@ -2463,7 +2507,8 @@ mod tests {
             let source = FileSource::new(&path, FileFormat::Csv, &["k", "v"], pair)
                 .error_policy(ErrorPolicy::DeadLetter(dead.clone()))
                 .dead_letter_start_record(&record, true);
-            match source.create_reader(0, 1).map(|_| ()) {
+            let start = || source.create_reader(0, 1).and_then(|mut r| r.start());
+            match start() {
                 Err(SourceError::Corrupt {
                     file, offset: at, ..
                 }) => {
@@ -2474,7 +2519,7 @@ mod tests {
             let e = crate::JobError::Source {
                 operator: "input".into(),
                 shard: 0,
-                source: source.create_reader(0, 1).err().expect("refused again"),
+                source: start().expect_err("refused again"),
             };
             assert!(!e.is_recoverable(), "{what}: {e}");
         }
@@ -2482,8 +2527,53 @@ mod tests {
         let source = FileSource::new(&path, FileFormat::Csv, &["k", "v"], pair)
             .error_policy(ErrorPolicy::DeadLetter(dead.clone()))
             .dead_letter_start_record(&record, false);
-        reader(&source);
+        started(&source);
         assert!(read_start_record(&record).expect("replaced").is_some());
+    }
+
+    /// Only a reader that starts from the beginning reads the start record: one restored from
+    /// a position (which says where to cut the dead-letter file) starts, reads and cuts by
+    /// that position even when the record is damaged, and leaves the record as it is.
+    #[test]
+    fn a_restored_reader_does_not_need_the_start_record() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let path = every_fourth_line_bad(tmp.path());
+        let dead = tmp.path().join("dead.jsonl");
+        let record = tmp.path().join("dead-letter-start");
+        let source = || {
+            FileSource::new(&path, FileFormat::Csv, &["k", "v"], pair)
+                .error_policy(ErrorPolicy::DeadLetter(dead.clone()))
+                .dead_letter_start_record(&record, true)
+        };
+        // A run takes a position after four dead letters and goes on to the end.
+        let first = source();
+        let mut r = read_past(&first, 15, 1);
+        let position = r.position();
+        assert_eq!(dead_lines(&dead), [5, 9, 13, 17]);
+        drain(r.as_mut(), 4).expect("the rest");
+        assert_eq!(dead_lines(&dead).len(), 10);
+        // Its record is damaged.
+        let mut bytes = fs::read(&record).expect("record");
+        bytes[17] ^= 1;
+        fs::write(&record, &bytes).expect("damage");
+        // A fresh start refuses it ...
+        let e = source()
+            .create_reader(0, 1)
+            .and_then(|mut r| r.start())
+            .expect_err("a fresh start reads the record");
+        assert!(matches!(e, SourceError::Corrupt { .. }), "{e}");
+        // ... a restored one does not read it: it cuts the file back to the position's four
+        // lines, dead-letters the other six again, and leaves the record alone.
+        let again = source();
+        let mut r = reader(&again);
+        r.restore(1, &[(0, &position)]).expect("restore");
+        r.start()
+            .expect("a restored reader starts without the record");
+        drain(r.as_mut(), 4).expect("restored run");
+        let lines = dead_lines(&dead);
+        let once: Vec<u64> = (0..10).map(|i| 5 + 4 * i).collect();
+        assert_eq!(lines, once, "each dead letter once");
+        assert_eq!(fs::read(&record).expect("record"), bytes);
     }
 
     /// A position fingerprints the file's first bytes and the bytes before its offset: a file

@@ -74,6 +74,18 @@ pub trait SourceReader<T>: 'static {
     /// Continues from a position that [`SourceReader::position`] returned earlier.
     fn seek(&mut self, position: &[u8]) -> Result<(), SourceError>;
 
+    /// Called once the reader is made and, when the job restores a checkpoint, after
+    /// [`Self::restore`], before the first [`Self::poll`] or [`Self::position`]: for work that
+    /// depends on whether the reader starts from the beginning or from a restored position.
+    /// An error fails the job's start, as one from [`Source::create_reader`] does.
+    ///
+    /// [`FileSource`] reads its dead-letter start record here, and only when it starts from
+    /// the beginning: a restored position says where to cut the dead-letter file instead, so a
+    /// damaged record does not stop a restore that does not need it.
+    fn start(&mut self) -> Result<(), SourceError> {
+        Ok(())
+    }
+
     /// Continues after a restore from the positions of the readers of a checkpoint taken on
     /// `old_shards` shards that this reader takes over: old shard `s` goes to new shard
     /// `s % shards` (as keyed state goes by key group), so with as many shards as before each
