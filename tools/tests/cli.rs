@@ -884,6 +884,23 @@ fn dead_letter_line_numbers<'a>(lines: impl Iterator<Item = &'a str>, how: &str)
         .collect()
 }
 
+/// Asserts that the dead letters `lines` are the malformed lines of `run`, each once, in
+/// order (compared by count and first difference: the lists are 1,203 numbers long).
+fn assert_each_malformed_line_once<'a>(
+    run: &CheckpointedRun,
+    lines: impl Iterator<Item = &'a str>,
+    how: &str,
+) {
+    let numbers = dead_letter_line_numbers(lines, how);
+    let want = malformed_line_numbers(run);
+    let first_difference = numbers.iter().zip(&want).position(|(a, b)| a != b);
+    assert_eq!(
+        (numbers.len(), first_difference),
+        (want.len(), None),
+        "each malformed line once, {how}"
+    );
+}
+
 /// The kill loop over an input with a malformed line after every 997th record, dead-lettered
 /// (`--on-error dead-letter=PATH`): each restart cuts the dead-letter file back to where the
 /// restored checkpoint left it, or (a run killed before its first checkpoint) to where the
@@ -904,11 +921,7 @@ fn kill_loop_with_dead_letters_writes_each_malformed_line_once() {
             // Every malformed line once, in order: a restart from a checkpoint cuts the file
             // back to the checkpoint's position, and one from the beginning (a run killed
             // before its first checkpoint) to the start record of the first run.
-            assert_eq!(
-                dead_letter_line_numbers(dead.lines(), &how),
-                malformed_line_numbers(run),
-                "each malformed line once, {how}"
-            );
+            assert_each_malformed_line_once(run, dead.lines(), &how);
         },
     );
 }
@@ -959,15 +972,7 @@ fn a_restart_from_the_beginning_cuts_the_dead_letters_of_a_run_killed_before_its
         Some(earlier.trim_end()),
         "the earlier run's line stays"
     );
-    let numbers = dead_letter_line_numbers(lines, "after two kills");
-    let want = malformed_line_numbers(&run);
-    // (Compared by count and first difference: the lists are 1,203 numbers long.)
-    let first_difference = numbers.iter().zip(&want).position(|(a, b)| a != b);
-    assert_eq!(
-        (numbers.len(), first_difference),
-        (want.len(), None),
-        "each malformed line once"
-    );
+    assert_each_malformed_line_once(&run, lines, "after two kills");
     // A damaged record is refused, naming it and where, by a restart that finds no complete
     // checkpoint (a checkpoint directory that holds the record alone) and so starts from the
     // beginning.
@@ -1015,14 +1020,7 @@ fn a_damaged_start_record_does_not_stop_a_restore_from_a_checkpoint() {
         "restored past a damaged start record",
     );
     let got = std::fs::read_to_string(&dead).expect("dead");
-    let numbers = dead_letter_line_numbers(got.lines(), "after the restore");
-    let want = malformed_line_numbers(&run);
-    let first_difference = numbers.iter().zip(&want).position(|(a, b)| a != b);
-    assert_eq!(
-        (numbers.len(), first_difference),
-        (want.len(), None),
-        "each malformed line once"
-    );
+    assert_each_malformed_line_once(&run, got.lines(), "after the restore");
     assert_eq!(
         std::fs::read(&record).expect("record"),
         bad,
