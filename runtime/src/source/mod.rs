@@ -76,8 +76,9 @@ pub trait SourceReader<T>: 'static {
 
     /// Called once the reader is made and, when the job restores a checkpoint, after
     /// [`Self::restore`], before the first [`Self::poll`] or [`Self::position`]: for work that
-    /// depends on whether the reader starts from the beginning or from a restored position.
-    /// An error fails the job's start, as one from [`Source::create_reader`] does.
+    /// depends on whether the reader starts from the beginning or from a restored position
+    /// (as Flink's `SourceReader#start` follows the restore of its splits). An error fails
+    /// the job's start, as one from [`Source::create_reader`] does.
     ///
     /// [`FileSource`] reads its dead-letter start record here, and only when it starts from
     /// the beginning: a restored position says where to cut the dead-letter file instead, so a
