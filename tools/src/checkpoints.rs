@@ -248,6 +248,11 @@ pub fn verify(a: &VerifyArgs) -> Result<(), VerifyFailed> {
     let mut checked = 0;
     for (root, job) in jobs {
         let s = open(&root, &job).map_err(VerifyFailed::Other)?;
+        if a.checkpoint.is_none() {
+            if let Some(done) = completed_without_metadata(&s, None) {
+                return Err(completed_metadata_gone(&s, &job, done));
+            }
+        }
         // Every checkpoint listed may be dropped while it is verified: list again, so that a
         // job's newer checkpoint is verified instead (a few rounds; a job keeping up with
         // that is checkpointing faster than a verification takes).
@@ -323,7 +328,10 @@ fn verify_listed(
                 );
             }
             Err(e @ VerifyError::NotFound { .. }) if a.checkpoint.is_some() => {
-                return Err(VerifyFailed::Other(format!("{job}: {e}")))
+                return Err(match completed_without_metadata(s, Some(id)) {
+                    Some(done) => completed_metadata_gone(s, job, done),
+                    None => VerifyFailed::Other(format!("{job}: {e}")),
+                });
             }
             // A running job's retention may drop a checkpoint while it is verified (its
             // metadata first, then the files only it used): a file gone then is not
@@ -454,6 +462,38 @@ fn still_there(s: &CheckpointStorage, id: u64) -> bool {
         l.iter()
             .any(|i| i.id == id && (i.complete || i.metadata_corrupt))
     })
+}
+
+/// The checkpoint that the job's `COMPLETED` record names (`only`: if it is that one) when no
+/// checkpoint at least as new has a `_metadata`: one that completed, its sinks' output
+/// perhaps committed, and whose metadata was removed since (retention never drops the newest
+/// complete checkpoint, and a crash never leaves that record naming one that did not
+/// complete). A restore refuses to start then, so `verify` reports it as corruption. The
+/// record is read before the listing: a checkpoint that completes in between is listed.
+fn completed_without_metadata(s: &CheckpointStorage, only: Option<u64>) -> Option<u64> {
+    let done = s
+        .completed_marker()
+        .filter(|&d| only.is_none_or(|n| n == d))?;
+    let listed = s.list().ok()?;
+    let kept = listed
+        .iter()
+        .any(|i| i.id >= done && (i.complete || i.metadata_corrupt));
+    (!kept).then_some(done)
+}
+
+/// See [`completed_without_metadata`].
+fn completed_metadata_gone(s: &CheckpointStorage, job: &str, done: u64) -> VerifyFailed {
+    VerifyFailed::Corrupt(format!(
+        "{job}: checkpoint {done} completed ({} in {} names it) but its {} is gone: a \
+         restore stops rather than start from an older checkpoint or the beginning, which \
+         could commit output twice",
+        weir_io::COMPLETED_FILE,
+        s.job_dir().display(),
+        s.job_dir()
+            .join(weir_io::checkpoint_dir_name(done))
+            .join(weir_io::METADATA_FILE)
+            .display()
+    ))
 }
 
 /// A metadata read that failed: a corrupt file is [`VerifyFailed::Corrupt`] (exit 3).

@@ -1793,7 +1793,8 @@ fn verify_beside_a_running_job_reports_no_corruption() {
 /// whole), so its sink output may be committed: `--restore latest` stops and names the file
 /// and offset, rather than start over as if there were no checkpoint and write every result
 /// a second time (what it did before: 60000 lines for 30000 records). The same when the
-/// metadata is removed: the job directory's `COMPLETED` record says it completed.
+/// metadata is removed: the job directory's `COMPLETED` record says it completed, and
+/// `weir checkpoints verify` reports the checkpoint as corrupt (exit 3).
 #[test]
 fn a_corrupt_metadata_file_stops_restore_latest_instead_of_starting_over() {
     let run = CheckpointedRun::new(30_000, 500, "2", "20ms");
@@ -1848,9 +1849,27 @@ fn a_corrupt_metadata_file_stops_restore_latest_instead_of_starting_over() {
         want,
         "nothing written twice"
     );
+    // `verify` refuses what the restore refuses: the directory, and that checkpoint by id,
+    // are corrupt (exit 3), naming the record and the missing file.
+    let ck_s = ck.to_str().expect("utf8");
+    let id = newest
+        .file_name()
+        .and_then(|n| n.to_str()?.strip_prefix("chk-").map(str::to_owned))
+        .expect("chk-<n>");
+    for verify in [
+        vec!["checkpoints", "verify", ck_s],
+        vec!["checkpoints", "verify", ck_s, "--checkpoint", &id],
+    ] {
+        let r = weir(&verify);
+        let e = stderr(&r);
+        assert_eq!(r.status.code(), Some(3), "{verify:?}: {e}");
+        assert!(
+            e.contains("COMPLETED") && e.contains(meta.to_str().expect("utf8")),
+            "{verify:?}: {e}"
+        );
+    }
     std::fs::write(&meta, &corrupt).expect("write");
     // The tools that pick the newest checkpoint report it as corrupt too.
-    let ck_s = ck.to_str().expect("utf8");
     let sp = dir.path().join("sp");
     for args in [
         vec!["checkpoints", "inspect", ck_s],

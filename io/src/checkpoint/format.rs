@@ -666,7 +666,7 @@ pub(crate) fn is_lower_hex(s: &str, len: usize) -> bool {
 const CHECKPOINT_DIR_PREFIX: &str = "chk-";
 
 /// The name of checkpoint `checkpoint_id`'s directory in its job directory: `chk-<n>`.
-pub(crate) fn checkpoint_dir_name(checkpoint_id: u64) -> String {
+pub fn checkpoint_dir_name(checkpoint_id: u64) -> String {
     format!("{CHECKPOINT_DIR_PREFIX}{checkpoint_id}")
 }
 

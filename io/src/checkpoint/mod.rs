@@ -23,10 +23,10 @@ mod storage;
 
 pub use error::{CheckpointError, VerifyError};
 pub use format::{
-    parse_checkpoint_dir_name, CheckpointKind, CheckpointMetadata, FileRef, LogicalFileRef,
-    SmallFileKind, COMPLETED_FILE, DATA_HEADER_LEN, DATA_MAGIC, DATA_VERSION, METADATA_FILE,
-    METADATA_HEADER_LEN, METADATA_MAGIC, METADATA_TRAILER_LEN, METADATA_VERSION, SHARED_DIR,
-    TASKOWNED_DIR,
+    checkpoint_dir_name, parse_checkpoint_dir_name, CheckpointKind, CheckpointMetadata, FileRef,
+    LogicalFileRef, SmallFileKind, COMPLETED_FILE, DATA_HEADER_LEN, DATA_MAGIC, DATA_VERSION,
+    METADATA_FILE, METADATA_HEADER_LEN, METADATA_MAGIC, METADATA_TRAILER_LEN, METADATA_VERSION,
+    SHARED_DIR, TASKOWNED_DIR,
 };
 pub use read::{RawDiagnose, Savepoint, VerifyReport};
 pub use storage::{
