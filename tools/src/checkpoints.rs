@@ -136,10 +136,20 @@ pub fn list(a: &ListArgs) -> Result<(), String> {
     }
     for (root, job) in jobs {
         let s = open(&root, &job)?;
+        let gone = completed_without_metadata(&s, None);
         let mut infos = s.list().map_err(|e| e.to_string())?;
         infos.sort_by_key(|i| i.id);
-        for i in infos {
+        for mut i in infos {
             let status = if i.complete { "complete" } else { "incomplete" };
+            if gone == Some(i.id) {
+                // Not merely incomplete: what a restore stops at (see `verify`).
+                i.problem = Some(format!(
+                    "{}; {} names it: it completed, and its {} was removed since",
+                    i.problem.as_deref().unwrap_or("no metadata"),
+                    weir_io::COMPLETED_FILE,
+                    weir_io::METADATA_FILE
+                ));
+            }
             if a.json {
                 let v = serde_json::json!({
                     "job": job,

@@ -1868,6 +1868,17 @@ fn a_corrupt_metadata_file_stops_restore_latest_instead_of_starting_over() {
             "{verify:?}: {e}"
         );
     }
+    // `list` says why it is not merely incomplete.
+    let r = weir(&["checkpoints", "list", ck_s, "--json"]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let row = String::from_utf8_lossy(&r.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json"))
+        .find(|v| v["checkpoint"].as_u64() == id.parse().ok())
+        .expect("the checkpoint is listed");
+    assert_eq!(row["status"], "incomplete");
+    let problem = row["problem"].as_str().expect("a problem");
+    assert!(problem.contains("COMPLETED names it"), "{problem}");
     std::fs::write(&meta, &corrupt).expect("write");
     // The tools that pick the newest checkpoint report it as corrupt too.
     let sp = dir.path().join("sp");
