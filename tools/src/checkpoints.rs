@@ -136,8 +136,10 @@ pub fn list(a: &ListArgs) -> Result<(), String> {
     }
     for (root, job) in jobs {
         let s = open(&root, &job)?;
-        let gone = completed_without_metadata(&s, None);
+        // The record before the listing (see `completed_without_metadata`).
+        let marker = s.completed_marker();
         let mut infos = s.list().map_err(|e| e.to_string())?;
+        let gone = marker.filter(|&done| !kept_since(&infos, done));
         infos.sort_by_key(|i| i.id);
         for mut i in infos {
             let status = if i.complete { "complete" } else { "incomplete" };
@@ -485,10 +487,14 @@ fn completed_without_metadata(s: &CheckpointStorage, only: Option<u64>) -> Optio
         .completed_marker()
         .filter(|&d| only.is_none_or(|n| n == d))?;
     let listed = s.list().ok()?;
-    let kept = listed
+    (!kept_since(&listed, done)).then_some(done)
+}
+
+/// Whether `listed` holds a checkpoint at least as new as `done` with a `_metadata`.
+fn kept_since(listed: &[weir_io::CheckpointInfo], done: u64) -> bool {
+    listed
         .iter()
-        .any(|i| i.id >= done && (i.complete || i.metadata_corrupt));
-    (!kept).then_some(done)
+        .any(|i| i.id >= done && (i.complete || i.metadata_corrupt))
 }
 
 /// See [`completed_without_metadata`].
