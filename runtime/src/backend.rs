@@ -542,7 +542,7 @@ impl ShardState {
         // Reuse only files of complete checkpoints: an aborted checkpoint's files are deleted
         // with it, and a complete one keeps its files while a retained checkpoint (the newest
         // always references every live segment) refers to them.
-        {
+        let incremental = {
             let c = ckpt.borrow();
             let ids = c
                 .shared
@@ -550,12 +550,19 @@ impl ShardState {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
             inner.uploaded.retain(|_, (_, by)| ids.contains(by));
-        }
-        let known: HashMap<u64, FileRefData> = inner
-            .uploaded
-            .iter()
-            .map(|(k, (f, _))| (*k, f.clone()))
-            .collect();
+            c.shared.config.incremental
+        };
+        // A full (not incremental) checkpoint reuses nothing: it writes every segment of the
+        // state again, so that it shares no file with another checkpoint.
+        let known: HashMap<u64, FileRefData> = if incremental {
+            inner
+                .uploaded
+                .iter()
+                .map(|(k, (f, _))| (*k, f.clone()))
+                .collect()
+        } else {
+            HashMap::new()
+        };
         let work = move || {
             let t = Instant::now();
             let result = (|| -> Result<(Part, Vec<(u64, FileRefData)>), String> {

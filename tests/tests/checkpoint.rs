@@ -542,6 +542,85 @@ fn checkpoints_after_a_restore_reference_the_restored_segments() {
     assert_eq!(got, want);
 }
 
+/// The shared files (keyed state segments) checkpoint `id` in `dir` refers to.
+fn shared_files(dir: &std::path::Path, id: u64) -> std::collections::BTreeSet<std::path::PathBuf> {
+    let storage =
+        weir_io::CheckpointStorage::open_read_only(Arc::new(weir_io::StdFs), dir, "verify")
+            .expect("storage");
+    let m = storage.read_metadata(id).expect("metadata");
+    m.files
+        .into_iter()
+        .map(|f| f.path)
+        .filter(|p| p.starts_with(weir_io::SHARED_DIR))
+        .collect()
+}
+
+/// `incremental` off (Flink's full checkpoints): every checkpoint writes the whole keyed
+/// state again, sharing no file with another checkpoint, so that each one's new bytes are
+/// its size; a restore from it gives the same state. On, the newer of two retained
+/// checkpoints refers to files the older one wrote. (The setting was loaded and then
+/// ignored: every checkpoint was incremental.)
+#[test]
+fn full_checkpoints_share_no_file_and_restore_the_same_state() {
+    for incremental in [false, true] {
+        let dir = tempfile::tempdir().expect("tmp");
+        let ck = || {
+            CheckpointConfig::new(dir.path(), "verify")
+                .with_interval(Duration::from_millis(20))
+                .with_retained(2)
+                .with_incremental(incremental)
+        };
+        let (s, out) = run_slow_sums(ck(), None, 30_000);
+        assert_eq!(out.len(), 30_000);
+        assert!(
+            s.checkpoints.number_of_completed_checkpoints >= 2,
+            "{incremental}"
+        );
+        let storage = weir_io::CheckpointStorage::open_read_only(
+            Arc::new(weir_io::StdFs),
+            dir.path(),
+            "verify",
+        )
+        .expect("storage");
+        let kept: Vec<_> = storage
+            .list()
+            .expect("list")
+            .into_iter()
+            .filter(|c| c.complete)
+            .collect();
+        assert_eq!(kept.len(), 2, "{incremental}: retained");
+        let (older, newer) = (
+            shared_files(dir.path(), kept[0].id),
+            shared_files(dir.path(), kept[1].id),
+        );
+        assert!(!older.is_empty() && !newer.is_empty(), "{incremental}");
+        let common = older.intersection(&newer).count();
+        if incremental {
+            assert!(common > 0, "incremental checkpoints share segments");
+        } else {
+            assert_eq!(
+                common, 0,
+                "a full checkpoint shares no file: {older:?} {newer:?}"
+            );
+            for c in &kept {
+                assert_eq!(
+                    c.new_bytes, c.size_bytes,
+                    "checkpoint {} wrote all it holds",
+                    c.id
+                );
+            }
+        }
+        // The newest (final) checkpoint restores the sums: 7 more records, one per key (so
+        // that the two shards' order does not matter), continue them.
+        let (_, mut got) = run_slow_sums(ck(), Some(RestoreFrom::Latest), 30_007);
+        got.sort_unstable();
+        let want: Vec<u64> = (30_000..30_007u64)
+            .map(|i| (0..=i).filter(|j| j % 7 == i % 7).sum())
+            .collect();
+        assert_eq!(got, want, "{incremental}");
+    }
+}
+
 #[test]
 fn unaligned_checkpoints_under_backpressure_are_exactly_once() {
     let n = 90_000;

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Deserialize;
+use toml::Spanned;
 
 /// The longest duration any setting may have: 100 years (humantime's years of 365.25 days,
 /// so `"100years"` itself passes). Flink takes any `java.time.Duration`, but nobody waits a
@@ -87,7 +88,8 @@ pub struct CheckpointConfig {
     pub tolerable_failures: u32,
     /// Complete checkpoints kept.
     pub retained: usize,
-    /// Write only what the previous checkpoint does not hold.
+    /// Write only what the previous checkpoint does not hold; off, every checkpoint writes
+    /// the whole keyed state (see [`Self::with_incremental`]).
     pub incremental: bool,
     pub restart: RestartStrategy,
 }
@@ -142,6 +144,17 @@ impl CheckpointConfig {
     }
     pub fn with_retained(mut self, n: usize) -> Self {
         self.retained = n.max(1);
+        self
+    }
+    pub fn with_max_concurrent(mut self, n: usize) -> Self {
+        self.max_concurrent = n;
+        self
+    }
+    /// Off: every checkpoint writes the whole keyed state again and shares no file with
+    /// another (Flink's full checkpoints); on (the default), it writes only the segments the
+    /// previous complete checkpoint does not hold.
+    pub fn with_incremental(mut self, on: bool) -> Self {
+        self.incremental = on;
         self
     }
     pub fn with_restart(mut self, r: RestartStrategy) -> Self {
@@ -209,7 +222,8 @@ impl CheckpointConfig {
 
     /// Loads a configuration from TOML text, over the defaults. Durations are written as
     /// `"1s"`, `"500ms"`, `"2m"`, at most [`MAX_DURATION`]; the values must pass
-    /// [`Self::validate`].
+    /// [`Self::validate`]. `dir` is required; `job-id` defaults to `"job"`. An error names
+    /// the key, and the line where the text has one.
     ///
     /// ```toml
     /// dir = "/var/lib/weir/checkpoints"
@@ -224,52 +238,103 @@ impl CheckpointConfig {
     /// delay = "1s"
     /// ```
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
-        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::from_toml(&e))?;
-        let dir = raw
-            .dir
-            .ok_or_else(|| ConfigError::new("dir", "is required"))?;
-        let mut c = CheckpointConfig::new(dir, raw.job_id.unwrap_or_else(|| "job".into()));
-        let dur = |key: &str, v: Option<String>| -> Result<Option<Duration>, ConfigError> {
-            v.map(|s| {
-                humantime::parse_duration(&s)
-                    .map_err(|e| ConfigError::new(key, &format!("`{s}`: {e}")))
-            })
-            .transpose()
+        let raw = RawConfig::parse(text)?;
+        let Some(dir) = raw.dir.clone() else {
+            return Err(ConfigError::new("dir", "is required"));
         };
-        c.interval = dur("interval", raw.interval)?;
+        CheckpointConfig::new(dir.into_inner(), "job").load(raw, text)
+    }
+
+    /// Loads TOML text (the keys of [`Self::from_toml`]) over this configuration: each key
+    /// the text sets replaces this one's value, the others stay, `dir` included (it may be
+    /// absent here). The result must pass [`Self::validate`]. `weir run --checkpoint-config`
+    /// loads its file so, over its own defaults, before its flags.
+    pub fn with_toml(self, text: &str) -> Result<Self, ConfigError> {
+        let raw = RawConfig::parse(text)?;
+        self.load(raw, text)
+    }
+
+    fn load(mut self, raw: RawConfig, text: &str) -> Result<Self, ConfigError> {
+        let at = |span: std::ops::Range<usize>| line_of(text, span.start);
+        // The line of each top-level key set, and `restart.<key>`, for errors `validate`
+        // finds in values that parsed.
+        let mut lines: KeyLines = Vec::new();
+        let mut dur = |key: &'static str,
+                       v: Option<Spanned<String>>|
+         -> Result<Option<Duration>, ConfigError> {
+            let Some(v) = v else { return Ok(None) };
+            let line = at(v.span());
+            lines.push((key, line));
+            humantime::parse_duration(v.get_ref())
+                .map(Some)
+                .map_err(|e| ConfigError::new(key, &format!("`{}`: {e}", v.get_ref())).at(line))
+        };
+        if let Some(d) = dur("interval", raw.interval)? {
+            self.interval = Some(d);
+        }
         if let Some(d) = dur("timeout", raw.timeout)? {
-            c.timeout = d;
+            self.timeout = d;
         }
         if let Some(d) = dur("min-pause", raw.min_pause)? {
-            c.min_pause = d;
-        }
-        if let Some(n) = raw.max_concurrent {
-            c.max_concurrent = n;
-        }
-        if let Some(m) = raw.mode {
-            c.mode = m;
-        }
-        if let Some(u) = raw.unaligned {
-            c.unaligned = u;
+            self.min_pause = d;
         }
         if let Some(d) = dur("aligned-timeout", raw.aligned_timeout)? {
-            c.aligned_timeout = d;
+            self.aligned_timeout = d;
+        }
+        let mut set = |key: &'static str, span: std::ops::Range<usize>| lines.push((key, at(span)));
+        if let Some(d) = raw.dir {
+            set("dir", d.span());
+            self.dir = d.into_inner();
+        }
+        if let Some(j) = raw.job_id {
+            set("job-id", j.span());
+            self.job_id = j.into_inner();
+        }
+        if let Some(n) = raw.max_concurrent {
+            set("max-concurrent", n.span());
+            self.max_concurrent = n.into_inner();
+        }
+        if let Some(m) = raw.mode {
+            set("mode", m.span());
+            self.mode = m.into_inner();
+        }
+        if let Some(u) = raw.unaligned {
+            set("unaligned", u.span());
+            self.unaligned = u.into_inner();
         }
         if let Some(n) = raw.tolerable_failures {
-            c.tolerable_failures = n;
+            set("tolerable-failures", n.span());
+            self.tolerable_failures = n.into_inner();
         }
         if let Some(n) = raw.retained {
-            c.retained = n;
+            set("retained", n.span());
+            self.retained = n.into_inner();
         }
         if let Some(i) = raw.incremental {
-            c.incremental = i;
+            set("incremental", i.span());
+            self.incremental = i.into_inner();
         }
         if let Some(r) = raw.restart {
-            c.restart = r.into_strategy()?;
+            let (restart, restart_lines) = r.into_inner().into_strategy(text)?;
+            self.restart = restart;
+            lines.extend(restart_lines);
         }
-        c.validate()?;
-        Ok(c)
+        self.validate().map_err(|e| {
+            let line = lines.iter().find(|(k, _)| *k == e.key).map(|(_, l)| *l);
+            ConfigError { line, ..e }
+        })?;
+        Ok(self)
     }
+}
+
+/// The 1-based line of byte `offset` in `text`.
+fn line_of(text: &str, offset: usize) -> usize {
+    let end = offset.min(text.len());
+    text.as_bytes()[..end]
+        .iter()
+        .filter(|&&b| b == b'\n')
+        .count()
+        + 1
 }
 
 /// Checks one duration setting: not zero where `positive` (a zero interval would trigger
@@ -291,12 +356,20 @@ fn check_duration(key: &str, d: Duration, positive: bool) -> Result<(), ConfigEr
     Ok(())
 }
 
-/// A configuration error naming the key.
+/// A configuration error naming the key, and for TOML text the line where it is set (or
+/// where the text fails to parse).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("checkpoint configuration `{key}`: {reason}")]
+#[error("checkpoint configuration `{key}`{}: {reason}", at_line(*.line))]
 pub struct ConfigError {
     pub key: String,
     pub reason: String,
+    /// 1-based line in the TOML text; `None` for a configuration built in code, or a key the
+    /// text does not set (a required one missing).
+    pub line: Option<usize>,
+}
+
+fn at_line(line: Option<usize>) -> String {
+    line.map(|l| format!(" at line {l}")).unwrap_or_default()
 }
 
 impl ConfigError {
@@ -304,10 +377,18 @@ impl ConfigError {
         Self {
             key: key.into(),
             reason: reason.into(),
+            line: None,
         }
     }
 
-    fn from_toml(e: &toml::de::Error) -> Self {
+    fn at(self, line: usize) -> Self {
+        Self {
+            line: Some(line),
+            ..self
+        }
+    }
+
+    fn from_toml(e: &toml::de::Error, text: &str) -> Self {
         // toml names unknown keys in its message; keep it whole, and the offending key if found.
         let msg = e.message().to_string();
         let key = msg
@@ -315,79 +396,151 @@ impl ConfigError {
             .nth(1)
             .map(str::to_string)
             .unwrap_or_else(|| "(toml)".to_string());
-        Self { key, reason: msg }
+        Self {
+            key,
+            reason: msg,
+            line: e.span().map(|s| line_of(text, s.start)),
+        }
     }
 }
 
+// Every value keeps its place in the text, for the line an error names.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 struct RawConfig {
-    dir: Option<PathBuf>,
-    job_id: Option<String>,
-    interval: Option<String>,
-    timeout: Option<String>,
-    min_pause: Option<String>,
-    max_concurrent: Option<usize>,
-    mode: Option<CheckpointMode>,
-    unaligned: Option<bool>,
-    aligned_timeout: Option<String>,
-    tolerable_failures: Option<u32>,
-    retained: Option<usize>,
-    incremental: Option<bool>,
-    restart: Option<RawRestart>,
+    dir: Option<Spanned<PathBuf>>,
+    job_id: Option<Spanned<String>>,
+    interval: Option<Spanned<String>>,
+    timeout: Option<Spanned<String>>,
+    min_pause: Option<Spanned<String>>,
+    max_concurrent: Option<Spanned<usize>>,
+    mode: Option<Spanned<CheckpointMode>>,
+    unaligned: Option<Spanned<bool>>,
+    aligned_timeout: Option<Spanned<String>>,
+    tolerable_failures: Option<Spanned<u32>>,
+    retained: Option<Spanned<usize>>,
+    incremental: Option<Spanned<bool>>,
+    restart: Option<Spanned<RawRestart>>,
 }
+
+impl RawConfig {
+    fn parse(text: &str) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::from_toml(&e, text))
+    }
+}
+
+/// The line of each key a TOML text set, by the key's name in errors.
+type KeyLines = Vec<(&'static str, usize)>;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 struct RawRestart {
-    strategy: String,
-    attempts: Option<u32>,
-    delay: Option<String>,
-    initial: Option<String>,
-    max: Option<String>,
-    multiplier: Option<f64>,
-    jitter: Option<f64>,
-    max_failures: Option<u32>,
-    interval: Option<String>,
+    strategy: Spanned<String>,
+    attempts: Option<Spanned<u32>>,
+    delay: Option<Spanned<String>>,
+    initial: Option<Spanned<String>>,
+    max: Option<Spanned<String>>,
+    multiplier: Option<Spanned<f64>>,
+    jitter: Option<Spanned<f64>>,
+    reset_after: Option<Spanned<String>>,
+    max_failures: Option<Spanned<u32>>,
+    interval: Option<Spanned<String>>,
 }
 
 impl RawRestart {
-    fn into_strategy(self) -> Result<RestartStrategy, ConfigError> {
-        let d =
-            |key: &str, v: &Option<String>, default: Duration| -> Result<Duration, ConfigError> {
-                match v {
-                    None => Ok(default),
-                    Some(s) => humantime::parse_duration(s).map_err(|e| {
-                        ConfigError::new(&format!("restart.{key}"), &format!("`{s}`: {e}"))
-                    }),
-                }
-            };
-        match self.strategy.as_str() {
-            "none" => Ok(RestartStrategy::None),
-            "fixed-delay" => Ok(RestartStrategy::FixedDelay {
-                attempts: self.attempts.unwrap_or(u32::MAX),
-                delay: d("delay", &self.delay, Duration::from_secs(1))?,
-            }),
-            // The multiplier and jitter are checked with the rest, in `validate`.
-            "exponential-delay" => Ok(RestartStrategy::ExponentialDelay {
-                initial: d("initial", &self.initial, Duration::from_secs(1))?,
-                max: d("max", &self.max, Duration::from_secs(60))?,
-                multiplier: self.multiplier.unwrap_or(1.5),
-                jitter: self.jitter.unwrap_or(0.1),
-                reset_after: Duration::from_secs(3600),
-            }),
-            "failure-rate" => Ok(RestartStrategy::FailureRate {
-                max_failures: self.max_failures.unwrap_or(1),
-                interval: d("interval", &self.interval, Duration::from_secs(60))?,
-                delay: d("delay", &self.delay, Duration::from_secs(1))?,
-            }),
-            other => Err(ConfigError::new(
-                "restart.strategy",
-                &format!(
-                    "`{other}` is not one of none, fixed-delay, exponential-delay, failure-rate"
-                ),
-            )),
+    /// The strategy, and the line of each key set (`restart.<key>`). A key the strategy does
+    /// not take (`attempts` of exponential-delay) is refused rather than ignored.
+    fn into_strategy(
+        self,
+        text: &str,
+    ) -> Result<(RestartStrategy, KeyLines), ConfigError> {
+        let mut lines = Vec::new();
+        let at = |span: std::ops::Range<usize>| line_of(text, span.start);
+        let strategy_line = at(self.strategy.span());
+        let taken: &[&str] = match self.strategy.get_ref().as_str() {
+            "none" => &[],
+            "fixed-delay" => &["attempts", "delay"],
+            "exponential-delay" => &["initial", "max", "multiplier", "jitter", "reset-after"],
+            "failure-rate" => &["max-failures", "interval", "delay"],
+            other => {
+                return Err(ConfigError::new(
+                    "restart.strategy",
+                    &format!(
+                        "`{other}` is not one of none, fixed-delay, exponential-delay, \
+                         failure-rate"
+                    ),
+                )
+                .at(strategy_line))
+            }
+        };
+        let given = [
+            ("attempts", self.attempts.as_ref().map(Spanned::span)),
+            ("delay", self.delay.as_ref().map(Spanned::span)),
+            ("initial", self.initial.as_ref().map(Spanned::span)),
+            ("max", self.max.as_ref().map(Spanned::span)),
+            ("multiplier", self.multiplier.as_ref().map(Spanned::span)),
+            ("jitter", self.jitter.as_ref().map(Spanned::span)),
+            ("reset-after", self.reset_after.as_ref().map(Spanned::span)),
+            (
+                "max-failures",
+                self.max_failures.as_ref().map(Spanned::span),
+            ),
+            ("interval", self.interval.as_ref().map(Spanned::span)),
+        ];
+        for (key, span) in given {
+            if let Some(span) = span.filter(|_| !taken.contains(&key)) {
+                return Err(ConfigError::new(
+                    &format!("restart.{key}"),
+                    &format!("strategy `{}` takes no `{key}`", self.strategy.get_ref()),
+                )
+                .at(at(span)));
+            }
         }
+        let mut num = |key: &'static str, v: Option<Spanned<f64>>, default: f64| match v {
+            Some(v) => {
+                lines.push((key, at(v.span())));
+                v.into_inner()
+            }
+            None => default,
+        };
+        let multiplier = num("restart.multiplier", self.multiplier, 1.5);
+        let jitter = num("restart.jitter", self.jitter, 0.1);
+        let mut d = |key: &'static str,
+                     v: Option<Spanned<String>>,
+                     default: Duration|
+         -> Result<Duration, ConfigError> {
+            let Some(v) = v else { return Ok(default) };
+            let line = at(v.span());
+            lines.push((key, line));
+            humantime::parse_duration(v.get_ref())
+                .map_err(|e| ConfigError::new(key, &format!("`{}`: {e}", v.get_ref())).at(line))
+        };
+        let count = |v: Option<Spanned<u32>>, default: u32| v.map_or(default, Spanned::into_inner);
+        let strategy = match self.strategy.get_ref().as_str() {
+            "fixed-delay" => RestartStrategy::FixedDelay {
+                attempts: count(self.attempts, u32::MAX),
+                delay: d("restart.delay", self.delay, Duration::from_secs(1))?,
+            },
+            // The multiplier and jitter are checked with the rest, in `validate`.
+            "exponential-delay" => RestartStrategy::ExponentialDelay {
+                initial: d("restart.initial", self.initial, Duration::from_secs(1))?,
+                max: d("restart.max", self.max, Duration::from_secs(60))?,
+                multiplier,
+                jitter,
+                reset_after: d(
+                    "restart.reset-after",
+                    self.reset_after,
+                    Duration::from_secs(3600),
+                )?,
+            },
+            "failure-rate" => RestartStrategy::FailureRate {
+                max_failures: count(self.max_failures, 1),
+                interval: d("restart.interval", self.interval, Duration::from_secs(60))?,
+                delay: d("restart.delay", self.delay, Duration::from_secs(1))?,
+            },
+            _ => RestartStrategy::None,
+        };
+        Ok((strategy, lines))
     }
 }
 
@@ -464,6 +617,133 @@ mod tests {
             e.reason.contains("twice") || e.reason.contains("variant"),
             "{e}"
         );
+    }
+
+    /// An error names the line the key is on, whether the text fails to parse there or its
+    /// value fails a check afterwards; a key the text does not set has no line.
+    #[test]
+    fn errors_name_the_line_of_the_key() {
+        let line = |toml: &str| {
+            let e = CheckpointConfig::from_toml(toml).expect_err(toml);
+            (e.key.clone(), e.line, e.to_string())
+        };
+        let (key, at, msg) = line("dir = \"/d\"\n\nintervall = \"1s\"\n");
+        assert_eq!((key.as_str(), at), ("intervall", Some(3)), "{msg}");
+        assert!(
+            msg.starts_with("checkpoint configuration `intervall` at line 3: "),
+            "{msg}"
+        );
+        assert_eq!(line("dir = \"/d\"\ninterval = \"soon\"\n").1, Some(2));
+        // Found by `validate`, after parsing.
+        assert_eq!(
+            line("dir = \"/d\"\nmode = \"at-least-once\"\nretained = 0\n"),
+            (
+                "retained".into(),
+                Some(3),
+                "checkpoint configuration `retained` at line 3: must be at least 1".into()
+            )
+        );
+        assert_eq!(line("dir = \"/d\"\ntimeout = \"0s\"\n").1, Some(2));
+        let exp = "dir = \"/d\"\n[restart]\nstrategy = \"exponential-delay\"\n";
+        assert_eq!(
+            line(&format!("{exp}initial = \"2s\"\nmultiplier = inf\n")).1,
+            Some(5)
+        );
+        assert_eq!(line(&format!("{exp}jitter = 2.0\n")).1, Some(4));
+        assert_eq!(line(&format!("{exp}max = \"1 fortnight\"\n")).1, Some(4));
+        assert_eq!(line("dir = \"/d\"\nretained = -1\n").1, Some(2));
+        // Missing: nowhere to point at.
+        assert_eq!(line("interval = \"1s\"\n").1, None);
+        let built = CheckpointConfig::new("/d", "j").with_retained(1);
+        let built = CheckpointConfig {
+            max_concurrent: 0,
+            ..built
+        };
+        assert_eq!(built.validate().expect_err("zero").line, None);
+    }
+
+    /// `with_toml` replaces only what the text sets, `dir` included, and checks the result.
+    #[test]
+    fn with_toml_loads_over_a_configuration() {
+        let base =
+            CheckpointConfig::new("/flags", "keyed-sum").with_interval(Duration::from_secs(1));
+        let c = base
+            .clone()
+            .with_toml("retained = 3\ntolerable-failures = 2\n[restart]\nstrategy = \"none\"\n")
+            .expect("valid");
+        assert_eq!(c.dir, PathBuf::from("/flags"));
+        assert_eq!(c.job_id, "keyed-sum");
+        assert_eq!(c.interval, Some(Duration::from_secs(1)));
+        assert_eq!((c.retained, c.tolerable_failures), (3, 2));
+        assert_eq!(c.restart, RestartStrategy::None);
+        let c = base
+            .clone()
+            .with_toml(
+                "dir = \"/file\"\njob-id = \"orders\"\ninterval = \"250ms\"\nincremental = false\n",
+            )
+            .expect("valid");
+        assert_eq!(c.dir, PathBuf::from("/file"));
+        assert_eq!(c.job_id, "orders");
+        assert_eq!(c.interval, Some(Duration::from_millis(250)));
+        assert!(!c.incremental);
+        assert_eq!(c.with_toml("").expect("empty").job_id, "orders");
+        let e = base.with_toml("max-concurrent = 0\n").expect_err("zero");
+        assert_eq!((e.key.as_str(), e.line), ("max-concurrent", Some(1)));
+    }
+
+    /// Every key of every strategy loads; a key the chosen strategy does not take was ignored
+    /// without a word, and is refused now.
+    #[test]
+    fn restart_keys_load_and_foreign_ones_are_refused() {
+        let load = |r: &str| {
+            CheckpointConfig::from_toml(&format!("dir = \"/d\"\n[restart]\n{r}\n"))
+                .map(|c| c.restart)
+        };
+        assert_eq!(
+            load("strategy = \"exponential-delay\"\ninitial = \"2s\"\nmax = \"5m\"\nmultiplier = 2.0\n\
+                  jitter = 0.5\nreset-after = \"10m\""),
+            Ok(RestartStrategy::ExponentialDelay {
+                initial: Duration::from_secs(2),
+                max: Duration::from_secs(300),
+                multiplier: 2.0,
+                jitter: 0.5,
+                reset_after: Duration::from_secs(600),
+            })
+        );
+        assert_eq!(
+            load(
+                "strategy = \"failure-rate\"\nmax-failures = 3\ninterval = \"5m\"\ndelay = \"10s\""
+            ),
+            Ok(RestartStrategy::FailureRate {
+                max_failures: 3,
+                interval: Duration::from_secs(300),
+                delay: Duration::from_secs(10),
+            })
+        );
+        for (r, key, at) in [
+            (
+                "strategy = \"exponential-delay\"\nattempts = 3",
+                "restart.attempts",
+                4,
+            ),
+            (
+                "strategy = \"fixed-delay\"\ndelay = \"1s\"\njitter = 0.2",
+                "restart.jitter",
+                5,
+            ),
+            ("strategy = \"none\"\ndelay = \"1s\"", "restart.delay", 4),
+            (
+                "strategy = \"failure-rate\"\nmax = \"1m\"",
+                "restart.max",
+                4,
+            ),
+        ] {
+            let e = load(r).expect_err(r);
+            assert_eq!((e.key.as_str(), e.line), (key, Some(at)), "{r}: {e}");
+            assert!(e.reason.contains("takes no"), "{e}");
+        }
+        let e = load("strategy = \"sometimes\"").expect_err("unknown");
+        assert_eq!((e.key.as_str(), e.line), ("restart.strategy", Some(3)));
     }
 
     /// Durations too long to add to an `Instant` and multipliers that are no finite number
