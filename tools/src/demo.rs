@@ -46,7 +46,7 @@ pub fn run(a: &DemoArgs) -> Result<(), String> {
     if let Some(n) = a.shards {
         config = config.with_shards(n);
     }
-    let config = crate::apply_checkpointing(config, &a.checkpoint, "demo")?;
+    let config = crate::apply_checkpointing(config, &a.checkpoint)?;
     let checkpointing = a.checkpoint.checkpoint_dir.is_some();
     let keys = a.keys;
     let gen = GeneratorSource::new(Some(a.events), a.seed, move |i: u64, r: u64| Bid {

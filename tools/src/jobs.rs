@@ -8,7 +8,7 @@ use weir_runtime::{Job, JobConfig, WatermarkStrategy, WindowAssigner};
 
 use crate::{Format, InputArgs, KeyedSumArgs, Policy, WindowCountArgs};
 
-fn config(input: &InputArgs, job: &str) -> Result<JobConfig, String> {
+fn config(input: &InputArgs) -> Result<JobConfig, String> {
     // Checked here, before the job starts: inside the job a missing input is an I/O error,
     // which a checkpointing job's restart strategy retries (the file may come back) rather
     // than the one clear line this mistake deserves.
@@ -39,7 +39,7 @@ fn config(input: &InputArgs, job: &str) -> Result<JobConfig, String> {
                 .into(),
         );
     }
-    crate::apply_checkpointing(c, &input.checkpoint, job)
+    crate::apply_checkpointing(c, &input.checkpoint)
 }
 
 /// `p` absolute with symbolic links resolved as far as it exists (an output directory may not
@@ -261,7 +261,7 @@ pub fn keyed_sum(a: &KeyedSumArgs) -> Result<(), String> {
     .error_policy(policy(&a.input.on_error));
     let source = with_start_record(source, &a.input, "keyed-sum");
     let skipped = source.skipped();
-    let job = Job::new(config(&a.input, "keyed-sum")?);
+    let job = Job::new(config(&a.input)?);
     let sums = job
         .source(source)
         .uid("input")
@@ -307,7 +307,7 @@ pub fn window_count(a: &WindowCountArgs) -> Result<(), String> {
     .error_policy(policy(&a.input.on_error));
     let source = with_start_record(source, &a.input, "window-count");
     let skipped = source.skipped();
-    let job = Job::new(config(&a.input, "window-count")?);
+    let job = Job::new(config(&a.input)?);
     let counts = job
         .source(source)
         .uid("input")

@@ -59,25 +59,33 @@ enum CheckpointsCommand {
 // The field docs are clap's help text, where `<job-id>` is meant literally.
 #[allow(rustdoc::invalid_html_tags)]
 #[derive(Args, Clone, Debug, Default)]
+#[command(group(
+    clap::ArgGroup::new("checkpointing")
+        .multiple(true)
+        .args(["checkpoint_dir", "checkpoint_config"])
+))]
 pub struct CheckpointArgs {
     /// Checkpoint into DIR/<job-id>; with it, --output is written exactly once (two-phase
     /// commit) and a failed job restarts from its latest checkpoint.
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
-    /// Interval between checkpoints.
-    // `requires`: without --checkpoint-dir these flags were ignored without a word.
-    #[arg(long, value_parser = parse_interval_ms, default_value = "1s", requires = "checkpoint_dir")]
-    pub checkpoint_interval: i64,
-    /// exactly-once or at-least-once (which takes no --unaligned: it does not align).
-    #[arg(
-        long,
-        value_enum,
-        default_value = "exactly-once",
-        requires = "checkpoint_dir"
-    )]
-    pub mode: ModeArg,
+    /// Checkpoint and restart settings from a TOML file (dir, job-id, interval, timeout,
+    /// min-pause, max-concurrent, mode, unaligned, aligned-timeout, tolerable-failures,
+    /// retained, incremental, and a [restart] table: see the README). Flags given beside it
+    /// override its values; its `dir` stands for --checkpoint-dir.
+    #[arg(long, value_name = "FILE")]
+    pub checkpoint_config: Option<PathBuf>,
+    /// Interval between checkpoints [default: 1s].
+    // `requires`: without a checkpoint directory these flags were ignored without a word.
+    // No clap default: a flag given overrides the --checkpoint-config file, a default must not.
+    #[arg(long, value_parser = parse_interval_ms, requires = "checkpointing")]
+    pub checkpoint_interval: Option<i64>,
+    /// exactly-once or at-least-once (which takes no --unaligned: it does not align) [default:
+    /// exactly-once].
+    #[arg(long, value_enum, requires = "checkpointing")]
+    pub mode: Option<ModeArg>,
     /// Barriers overtake in-flight data, which is stored with the checkpoint.
-    #[arg(long, requires = "checkpoint_dir")]
+    #[arg(long, requires = "checkpointing")]
     pub unaligned: bool,
     /// With --unaligned: align for this long first, then turn unaligned (without it, checkpoints
     /// stay aligned and this has no effect, as in Flink; `weir run` says so on stderr).
@@ -96,20 +104,24 @@ pub struct CheckpointArgs {
     #[arg(long)]
     pub allow_non_restored_state: bool,
     /// The job's name in the checkpoint directory (default: the job's kind).
-    #[arg(long, requires = "checkpoint_dir")]
+    #[arg(long, requires = "checkpointing")]
     pub job_id: Option<String>,
-    /// Complete checkpoints to keep (at least 1).
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..), requires = "checkpoint_dir")]
-    pub retained: u64,
+    /// Complete checkpoints to keep (at least 1) [default: 1].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..), requires = "checkpointing")]
+    pub retained: Option<u64>,
     /// Where a stop (SIGINT or SIGTERM) writes the job's savepoint [default:
     /// CHECKPOINT_DIR/savepoints]. A second signal ends the process at once.
-    #[arg(long, requires = "checkpoint_dir")]
+    #[arg(long, requires = "checkpointing")]
     pub savepoint_dir: Option<PathBuf>,
     /// Where the shards keep their local state (segment files) [default: a fresh directory in
     /// the system's temporary directory, removed at exit]. On the checkpoint directory's file
     /// system, checkpoints hard-link segments instead of copying them.
     #[arg(long)]
     pub state_dir: Option<PathBuf>,
+    /// The checkpointing these flags and the --checkpoint-config file resolve to (see
+    /// [`resolve_checkpointing`]); `None` without checkpointing.
+    #[arg(skip)]
+    pub resolved: Option<weir_runtime::checkpoint::CheckpointConfig>,
 }
 
 #[derive(Clone, Copy, Debug, Default, ValueEnum)]
@@ -175,13 +187,12 @@ fn parse_policy(s: &str) -> Result<Policy, String> {
     }
 }
 
-/// Applies the checkpoint flags (and `--state-dir`) to a job configuration.
+/// Applies the resolved checkpointing (see [`resolve_checkpointing`]), the restore flags and
+/// `--state-dir` to a job configuration.
 pub fn apply_checkpointing(
     c: weir_runtime::JobConfig,
     a: &CheckpointArgs,
-    default_job_id: &str,
 ) -> Result<weir_runtime::JobConfig, String> {
-    use weir_runtime::checkpoint::{CheckpointConfig, CheckpointMode};
     let c = match &a.state_dir {
         Some(d) => c.with_state_dir(d),
         None => c,
@@ -198,7 +209,7 @@ pub fn apply_checkpointing(
             d.display()
         ));
     }
-    let Some(dir) = &a.checkpoint_dir else {
+    let Some(ck) = a.resolved.clone() else {
         if a.restore.as_deref() == Some("latest") {
             return Err("--restore latest needs --checkpoint-dir".into());
         }
@@ -210,17 +221,6 @@ pub fn apply_checkpointing(
             None => c,
         });
     };
-    let mut ck = CheckpointConfig::new(dir, a.job_id.as_deref().unwrap_or(default_job_id))
-        .with_interval(Duration::from_millis(a.checkpoint_interval.unsigned_abs()))
-        .with_mode(match a.mode {
-            ModeArg::ExactlyOnce => CheckpointMode::ExactlyOnce,
-            ModeArg::AtLeastOnce => CheckpointMode::AtLeastOnce,
-        })
-        .with_unaligned(a.unaligned)
-        .with_retained(usize::try_from(a.retained).unwrap_or(usize::MAX));
-    if let Some(t) = a.aligned_timeout {
-        ck = ck.with_aligned_timeout(Duration::from_millis(t.max(0) as u64));
-    }
     let mut c = c
         .with_checkpointing(ck)
         .with_allow_fallback(a.allow_fallback)
@@ -332,36 +332,99 @@ pub struct DemoArgs {
     pub checkpoint: CheckpointArgs,
 }
 
-/// The checkpoint flags of a `weir run` command.
-fn run_checkpoint_args(cli: &Cli) -> Option<&CheckpointArgs> {
-    match &cli.command {
-        Command::Run(RunCommand::KeyedSum(a)) => Some(&a.input.checkpoint),
-        Command::Run(RunCommand::WindowCount(a)) => Some(&a.input.checkpoint),
-        Command::Run(RunCommand::Demo(a)) => Some(&a.checkpoint),
+/// The checkpoint flags of a `weir run` command, and the job's kind (its default job id).
+fn run_checkpoint_args(cli: &mut Cli) -> Option<(&mut CheckpointArgs, &'static str)> {
+    match &mut cli.command {
+        Command::Run(RunCommand::KeyedSum(a)) => Some((&mut a.input.checkpoint, "keyed-sum")),
+        Command::Run(RunCommand::WindowCount(a)) => Some((&mut a.input.checkpoint, "window-count")),
+        Command::Run(RunCommand::Demo(a)) => Some((&mut a.checkpoint, "demo")),
         Command::Checkpoints(_) => None,
     }
 }
 
-/// A combination of flags that clap's attributes cannot refuse (exit code 2).
-fn usage_error(cli: &Cli) -> Option<String> {
-    let ck = run_checkpoint_args(cli)?;
-    // At-least-once does not align barriers, so it has nothing to make unaligned: the flag
-    // was ignored without a word (Flink refuses the combination too).
-    if ck.unaligned && matches!(ck.mode, ModeArg::AtLeastOnce) {
-        return Some("--unaligned needs --mode exactly-once: at-least-once does not align".into());
+/// Resolves a run's checkpointing, each layer over the one before: `weir run`'s defaults (a
+/// checkpoint every second, the job's kind as its id, the rest Flink's), the
+/// `--checkpoint-config` file, the flags given. The resolved directory and job id are
+/// written back into the flags, which the rest of the run reads (output paths, the
+/// dead-letter start record, savepoints); `a.resolved` is left `None` without checkpointing.
+/// An error is a usage error (exit code 2). Returns a note for a setting that has no effect
+/// in the combination given: an aligned-checkpoint timeout without unaligned checkpoints.
+/// Flink ignores that timeout unless unaligned checkpoints are on, and a command line that
+/// gives it alone is one the issue's flags allow, so it is not refused.
+fn resolve_checkpointing(a: &mut CheckpointArgs, kind: &str) -> Result<Option<String>, String> {
+    use weir_runtime::checkpoint::{CheckpointConfig, CheckpointMode};
+    const FLAG_NOTE: &str =
+        "note: --aligned-timeout has no effect without --unaligned: checkpoints stay aligned";
+    if a.checkpoint_dir.is_none() && a.checkpoint_config.is_none() {
+        return Ok(a.aligned_timeout.map(|_| FLAG_NOTE.to_string()));
     }
-    None
-}
-
-/// A flag that has no effect in the combination given: said on stderr, the run goes on.
-/// `--aligned-timeout` without `--unaligned` is one: Flink ignores its aligned-checkpoint
-/// timeout unless unaligned checkpoints are on, and a command line that gives it alone is
-/// one the issue's flags allow, so it is not refused.
-fn usage_note(cli: &Cli) -> Option<&'static str> {
-    let ck = run_checkpoint_args(cli)?;
-    (ck.aligned_timeout.is_some() && !ck.unaligned).then_some(
-        "note: --aligned-timeout has no effect without --unaligned: checkpoints stay aligned",
-    )
+    let mut c = CheckpointConfig::new(PathBuf::new(), kind).with_interval(Duration::from_secs(1));
+    let mut file = None;
+    if let Some(path) = &a.checkpoint_config {
+        let named =
+            |e: &dyn std::fmt::Display| format!("--checkpoint-config {}: {e}", path.display());
+        let text = std::fs::read_to_string(path).map_err(|e| named(&e))?;
+        c = c.with_toml(&text).map_err(|e| named(&e))?;
+        file = Some(path.display().to_string());
+    }
+    if let Some(d) = &a.checkpoint_dir {
+        c.dir = d.clone();
+    }
+    if let Some(j) = &a.job_id {
+        c.job_id = j.clone();
+    }
+    if let Some(ms) = a.checkpoint_interval {
+        c.interval = Some(Duration::from_millis(ms.unsigned_abs()));
+    }
+    if let Some(m) = a.mode {
+        c.mode = match m {
+            ModeArg::ExactlyOnce => CheckpointMode::ExactlyOnce,
+            ModeArg::AtLeastOnce => CheckpointMode::AtLeastOnce,
+        };
+    }
+    if a.unaligned {
+        c.unaligned = true;
+    }
+    if let Some(ms) = a.aligned_timeout {
+        c.aligned_timeout = Duration::from_millis(ms.unsigned_abs());
+    }
+    if let Some(n) = a.retained {
+        c.retained = usize::try_from(n).unwrap_or(usize::MAX);
+    }
+    if c.dir.as_os_str().is_empty() {
+        return Err(format!(
+            "--checkpoint-config {}: sets no `dir`, and no --checkpoint-dir is given: say where \
+             checkpoints go",
+            file.unwrap_or_default()
+        ));
+    }
+    // At-least-once does not align barriers, so it has nothing to make unaligned: the setting
+    // was ignored without a word (Flink refuses the combination too).
+    if c.unaligned && c.mode == CheckpointMode::AtLeastOnce {
+        return Err(match file {
+            None => "--unaligned needs --mode exactly-once: at-least-once does not align".into(),
+            Some(f) => format!(
+                "unaligned checkpoints need mode exactly-once, and --checkpoint-config {f} with \
+                 the flags gives at-least-once: at-least-once does not align"
+            ),
+        });
+    }
+    // The flags' values were checked as they were parsed, the file's as it loaded; this
+    // checks what they make together.
+    c.validate().map_err(|e| e.to_string())?;
+    let note = match (&file, a.aligned_timeout) {
+        _ if c.unaligned => None,
+        (_, Some(_)) => Some(FLAG_NOTE.to_string()),
+        (Some(f), None) if !c.aligned_timeout.is_zero() => Some(format!(
+            "note: aligned-timeout in --checkpoint-config {f} has no effect without unaligned \
+             checkpoints: checkpoints stay aligned"
+        )),
+        _ => None,
+    };
+    a.checkpoint_dir = Some(c.dir.clone());
+    a.job_id = Some(c.job_id.clone());
+    a.resolved = Some(c);
+    Ok(note)
 }
 
 /// Corruption exits with code 3 (after its error line); other failures go on as usual.
@@ -385,15 +448,18 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    let cli = Cli::parse();
-    if let Some(msg) = usage_error(&cli) {
-        use clap::CommandFactory as _;
-        Cli::command()
-            .error(clap::error::ErrorKind::ArgumentConflict, msg)
-            .exit();
-    }
-    if let Some(note) = usage_note(&cli) {
-        eprintln!("weir: {note}");
+    let mut cli = Cli::parse();
+    if let Some((ck, kind)) = run_checkpoint_args(&mut cli) {
+        match resolve_checkpointing(ck, kind) {
+            Ok(Some(note)) => eprintln!("weir: {note}"),
+            Ok(None) => {}
+            Err(msg) => {
+                use clap::CommandFactory as _;
+                Cli::command()
+                    .error(clap::error::ErrorKind::ArgumentConflict, msg)
+                    .exit();
+            }
+        }
     }
     let r = match cli.command {
         Command::Run(RunCommand::KeyedSum(a)) => jobs::keyed_sum(&a),

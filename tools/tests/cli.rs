@@ -2283,6 +2283,157 @@ fn flags_without_what_they_need_or_out_of_range_are_usage_errors() {
     }
 }
 
+/// The complete checkpoints `list --json` shows under `ck`: (job, id, size, new bytes).
+fn complete_checkpoints(ck: &Path) -> Vec<(String, u64, u64, u64)> {
+    let r = weir(&["checkpoints", "list", ck.to_str().expect("utf8"), "--json"]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    String::from_utf8_lossy(&r.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json"))
+        .filter(|v| v["status"] == "complete")
+        .map(|v| {
+            let n = |k: &str| v[k].as_u64().expect(k);
+            let job = v["job"].as_str().expect("job").to_string();
+            (job, n("checkpoint"), n("size_bytes"), n("new_bytes"))
+        })
+        .collect()
+}
+
+/// `--checkpoint-config FILE` takes every checkpoint and restart setting from TOML: its `dir`
+/// stands for `--checkpoint-dir`, flags given beside it override its values, and `--restore
+/// latest` finds the checkpoints where it put them. A mistake in it is a usage error (exit
+/// 2) naming the file, the key and its line, before anything is written. (Before, timeout,
+/// min pause, tolerable failures, incremental and the restart strategy could not be set
+/// from `weir run`, and `incremental = false` was ignored by the runtime.)
+#[test]
+fn a_checkpoint_config_file_sets_what_the_flags_do_not() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let input = dir.path().join("in.csv");
+    let recs = records(200_000, 300);
+    write_csv(&input, &recs);
+    let want = running_sums(&recs);
+    let ck = dir.path().join("ck");
+    let cfg = dir.path().join("ck.toml");
+    let cfg_s = cfg.to_str().expect("utf8");
+    std::fs::write(
+        &cfg,
+        format!(
+            "dir = '{}'\njob-id = \"sums\"\ninterval = \"1h\"\nretained = 2\n\
+             incremental = false\ntolerable-failures = 1\ntimeout = \"1m\"\n\
+             [restart]\nstrategy = \"fixed-delay\"\nattempts = 3\ndelay = \"10ms\"\n",
+            ck.display()
+        ),
+    )
+    .expect("write");
+    // The file alone: its job id, and its interval of an hour leaves only the final
+    // checkpoint.
+    let out = dir.path().join("out");
+    let r = keyed_sum(&input, "csv", &out, &["--checkpoint-config", cfg_s]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert_eq!(parse_sums(&committed_lines(&out)), want);
+    assert!(!ck.join("keyed-sum").exists(), "the file's job id");
+    let kept = complete_checkpoints(&ck);
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    assert_eq!(kept[0].0, "sums");
+    // `--restore latest` restores from the file's directory: the finished job replays
+    // nothing.
+    let r = keyed_sum(
+        &input,
+        "csv",
+        &out,
+        &["--checkpoint-config", cfg_s, "--restore", "latest"],
+    );
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert!(
+        stderr(&r).contains(&format!("restoring from checkpoint {}", kept[0].1)),
+        "{}",
+        stderr(&r)
+    );
+    assert_eq!(parse_sums(&committed_lines(&out)), want);
+    // A flag overrides the file: checkpoints every 5 ms, of which the file's two are kept,
+    // each a full one (it wrote all it holds).
+    std::fs::remove_dir_all(&ck).expect("rm");
+    let out2 = dir.path().join("out2");
+    let r = keyed_sum(
+        &input,
+        "csv",
+        &out2,
+        &[
+            "--checkpoint-config",
+            cfg_s,
+            "--checkpoint-interval",
+            "5ms",
+            "--shards",
+            "1",
+        ],
+    );
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert_eq!(parse_sums(&committed_lines(&out2)), want);
+    let kept = complete_checkpoints(&ck);
+    assert_eq!(kept.len(), 2, "{kept:?}");
+    for (_, id, size, new) in &kept {
+        assert!(*id > 1, "{kept:?}");
+        assert_eq!(size, new, "checkpoint {id} is a full one: {kept:?}");
+    }
+    // Mistakes, each naming the file and where.
+    let bad = dir.path().join("bad.toml");
+    let bad_s = bad.to_str().expect("utf8");
+    let ck_s = ck.to_str().expect("utf8");
+    let out3 = dir.path().join("out3");
+    let cases: [(&str, &[&str], &[&str]); 6] = [
+        (
+            "dir = 'x'\nintervall = \"1s\"\n",
+            &[],
+            &["bad.toml", "`intervall` at line 2", "unknown field"],
+        ),
+        (
+            "dir = 'x'\n# keep\nretained = 0\n",
+            &[],
+            &["bad.toml", "`retained` at line 3", "at least 1"],
+        ),
+        (
+            "dir = 'x'\n[restart]\nstrategy = \"exponential-delay\"\nattempts = 3\n",
+            &[],
+            &["`restart.attempts` at line 4", "takes no `attempts`"],
+        ),
+        (
+            "interval = \"1s\"\n",
+            &[],
+            &["bad.toml", "sets no `dir`", "--checkpoint-dir"],
+        ),
+        (
+            "mode = \"at-least-once\"\n",
+            &["--checkpoint-dir", ck_s, "--unaligned"],
+            &["bad.toml", "need mode exactly-once"],
+        ),
+        (
+            "timeout = \"soon\"\n",
+            &["--checkpoint-dir", ck_s],
+            &["`timeout` at line 1", "`soon`"],
+        ),
+    ];
+    for (text, flags, says) in cases {
+        std::fs::write(&bad, text).expect("write");
+        let mut args = vec!["--checkpoint-config", bad_s];
+        args.extend(flags);
+        let r = keyed_sum(&input, "csv", &out3, &args);
+        assert_eq!(r.status.code(), Some(2), "{text}: {}", stderr(&r));
+        for s in says {
+            assert!(stderr(&r).contains(s), "{text}: {s}: {}", stderr(&r));
+        }
+        assert!(!out3.exists(), "{text}: nothing written");
+    }
+    let missing = dir.path().join("missing.toml");
+    let r = keyed_sum(
+        &input,
+        "csv",
+        &out3,
+        &["--checkpoint-config", missing.to_str().expect("utf8")],
+    );
+    assert_eq!(r.status.code(), Some(2), "{}", stderr(&r));
+    assert!(stderr(&r).contains("missing.toml"), "{}", stderr(&r));
+}
+
 /// `weir checkpoints` given `.` or `..` (a job or `chk-<n>` directory reached by `cd`). Before,
 /// a job directory so given was "not a job directory" (exit 1) and a sound `chk-<n>`
 /// directory, read as a savepoint, "misdirected block" (exit 3).
