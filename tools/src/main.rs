@@ -104,7 +104,7 @@ pub struct CheckpointArgs {
     #[arg(long)]
     pub allow_non_restored_state: bool,
     /// The job's name in the checkpoint directory (default: the job's kind).
-    #[arg(long, requires = "checkpointing")]
+    #[arg(long, value_parser = parse_job_id, requires = "checkpointing")]
     pub job_id: Option<String>,
     /// Complete checkpoints to keep (at least 1) [default: 1].
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..), requires = "checkpointing")]
@@ -271,6 +271,16 @@ fn parse_interval_ms(s: &str) -> Result<i64, String> {
 /// `--aligned-timeout`: zero (start unaligned) up to `MAX_DURATION`.
 fn parse_timeout_ms(s: &str) -> Result<i64, String> {
     at_most_max_duration(s, parse_duration_ms(s)?)
+}
+
+/// `--job-id`: a name the checkpoint directory takes, refused as the flag is parsed (before,
+/// the job refused it when it opened its checkpoint storage, exit 1).
+fn parse_job_id(s: &str) -> Result<String, String> {
+    if weir_io::is_valid_name(s) {
+        Ok(s.to_string())
+    } else {
+        Err(weir_io::VALID_NAME.to_string())
+    }
 }
 
 /// The runtime's limit on shards (`JobConfig::validate`).

@@ -2223,7 +2223,8 @@ fn overlapping_input_output_and_dead_letter_paths_are_refused() {
 /// are usage errors (exit 2) naming the flag. Before, `--checkpoint-interval 5s` without
 /// `--checkpoint-dir` and `--unaligned` with `--mode at-least-once` were ignored without a
 /// word (exit 0); `--shards 0` and `--checkpoint-interval 200y` were exit 1 from the job's
-/// configuration check, and `--keys 0` was taken as 1. `--aligned-timeout` without
+/// configuration check, and `--keys 0` was taken as 1; a `--job-id` the checkpoint directory
+/// cannot take was exit 1 from the job's checkpoint storage. `--aligned-timeout` without
 /// `--unaligned` has no effect (as in Flink): the run goes on and says so.
 #[test]
 fn flags_without_what_they_need_or_out_of_range_are_usage_errors() {
@@ -2232,8 +2233,9 @@ fn flags_without_what_they_need_or_out_of_range_are_usage_errors() {
     std::fs::write(&input, "user,amount\na,1\n").expect("write");
     let (out, ck) = (dir.path().join("out"), dir.path().join("ck"));
     let ck_s = ck.to_str().expect("utf8");
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 10] = [
         (&["--checkpoint-interval", "5s"], "--checkpoint-dir"),
+        (&["--checkpoint-dir", ck_s, "--job-id", "../up"], "--job-id"),
         (&["--mode", "at-least-once"], "--checkpoint-dir"),
         (&["--unaligned"], "--checkpoint-dir"),
         (&["--job-id", "j"], "--checkpoint-dir"),
@@ -2380,7 +2382,12 @@ fn a_checkpoint_config_file_sets_what_the_flags_do_not() {
     let bad_s = bad.to_str().expect("utf8");
     let ck_s = ck.to_str().expect("utf8");
     let out3 = dir.path().join("out3");
-    let cases: [(&str, &[&str], &[&str]); 6] = [
+    let cases: [(&str, &[&str], &[&str]); 7] = [
+        (
+            "dir = 'x'\njob-id = '../up'\n",
+            &[],
+            &["bad.toml", "`job-id` at line 2", "[A-Za-z0-9._-]"],
+        ),
         (
             "dir = 'x'\nintervall = \"1s\"\n",
             &[],

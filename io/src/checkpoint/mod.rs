@@ -30,6 +30,7 @@ pub use format::{
 };
 pub use read::{RawDiagnose, Savepoint, VerifyReport};
 pub use storage::{
-    savepoint_dir_name, CheckpointInfo, CheckpointPin, CheckpointStorage, CheckpointWriter,
-    CommitInfo, CompletedCheckpoint, GcReport, PendingCheckpoint, StorageOptions, WriterStats,
+    is_valid_name, savepoint_dir_name, CheckpointInfo, CheckpointPin, CheckpointStorage,
+    CheckpointWriter, CommitInfo, CompletedCheckpoint, GcReport, PendingCheckpoint, StorageOptions,
+    WriterStats, VALID_NAME,
 };

@@ -129,19 +129,28 @@ fn session_nonce() -> u64 {
     (z ^ (z >> 31)) & 0xffff_ffff
 }
 
-fn check_name(what: &'static str, s: &str) -> Result<(), CheckpointError> {
-    let ok = !s.is_empty()
+/// Whether `s` may name a job (its directory under the checkpoint directory) or a savepoint:
+/// 1 to 200 of `[A-Za-z0-9._-]`, not `.` or `..`. Configurations check job ids with it
+/// before any storage is opened.
+pub fn is_valid_name(s: &str) -> bool {
+    !s.is_empty()
         && s.len() <= 200
         && s != "."
         && s != ".."
         && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
-    if ok {
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+/// What [`is_valid_name`] wants, for errors.
+pub const VALID_NAME: &str = "use 1 to 200 of [A-Za-z0-9._-], not . or ..";
+
+fn check_name(what: &'static str, s: &str) -> Result<(), CheckpointError> {
+    if is_valid_name(s) {
         Ok(())
     } else {
         Err(CheckpointError::InvalidArgument {
             what,
-            reason: format!("{s:?}: use 1 to 200 of [A-Za-z0-9._-]"),
+            reason: format!("{s:?}: {VALID_NAME}"),
         })
     }
 }

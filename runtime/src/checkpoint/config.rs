@@ -164,12 +164,21 @@ impl CheckpointConfig {
 
     /// Checks every value, naming the bad one by its TOML key (`restart.<key>` for the restart
     /// strategy's): [`Self::from_toml`] runs it, and so does `JobConfig::validate` when a job
-    /// starts, so that a configuration built in code meets the same rules. Intervals and
+    /// starts, so that a configuration built in code meets the same rules. The job id must
+    /// be a name the checkpoint directory takes ([`weir_io::is_valid_name`]). Intervals and
     /// timeouts must be more than zero, every duration at most [`MAX_DURATION`], counts of
     /// concurrent and retained checkpoints at least 1, the exponential delay's multiplier a
     /// finite number of at least 1 (any such works: the delay stops growing at `max`) and its
     /// jitter within 0..=1.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        // The job's directory under `dir`: refused here, naming the key, rather than when the
+        // job opens its checkpoint storage.
+        if !weir_io::is_valid_name(&self.job_id) {
+            return Err(ConfigError::new(
+                "job-id",
+                &format!("{:?}: {}", self.job_id, weir_io::VALID_NAME),
+            ));
+        }
         if let Some(d) = self.interval {
             check_duration("interval", d, true)?;
         }
@@ -450,10 +459,7 @@ struct RawRestart {
 impl RawRestart {
     /// The strategy, and the line of each key set (`restart.<key>`). A key the strategy does
     /// not take (`attempts` of exponential-delay) is refused rather than ignored.
-    fn into_strategy(
-        self,
-        text: &str,
-    ) -> Result<(RestartStrategy, KeyLines), ConfigError> {
+    fn into_strategy(self, text: &str) -> Result<(RestartStrategy, KeyLines), ConfigError> {
         let mut lines = Vec::new();
         let at = |span: std::ops::Range<usize>| line_of(text, span.start);
         let strategy_line = at(self.strategy.span());
@@ -652,6 +658,16 @@ mod tests {
         assert_eq!(line(&format!("{exp}jitter = 2.0\n")).1, Some(4));
         assert_eq!(line(&format!("{exp}max = \"1 fortnight\"\n")).1, Some(4));
         assert_eq!(line("dir = \"/d\"\nretained = -1\n").1, Some(2));
+        assert_eq!(
+            line("dir = \"/d\"\njob-id = \"a b\"\n"),
+            (
+                "job-id".into(),
+                Some(2),
+                "checkpoint configuration `job-id` at line 2: \"a b\": use 1 to 200 of \
+                 [A-Za-z0-9._-], not . or .."
+                    .into()
+            )
+        );
         // Missing: nowhere to point at.
         assert_eq!(line("interval = \"1s\"\n").1, None);
         let built = CheckpointConfig::new("/d", "j").with_retained(1);
@@ -807,6 +823,18 @@ mod tests {
         let key = |c: CheckpointConfig| c.validate().err().map(|e| e.key);
         assert_eq!(key(ck()), None);
         assert_eq!(key(ck().with_interval(MAX_DURATION)), None);
+        for bad in ["", ".", "..", "a/b", "../up", "é"] {
+            assert_eq!(
+                key(CheckpointConfig::new("/d", bad)).as_deref(),
+                Some("job-id"),
+                "{bad:?}"
+            );
+        }
+        assert_eq!(key(CheckpointConfig::new("/d", "a".repeat(200))), None);
+        assert_eq!(
+            key(CheckpointConfig::new("/d", "a".repeat(201))).as_deref(),
+            Some("job-id")
+        );
         assert_eq!(
             key(ck().with_interval(Duration::MAX)).as_deref(),
             Some("interval")
