@@ -2233,7 +2233,7 @@ fn flags_without_what_they_need_or_out_of_range_are_usage_errors() {
     std::fs::write(&input, "user,amount\na,1\n").expect("write");
     let (out, ck) = (dir.path().join("out"), dir.path().join("ck"));
     let ck_s = ck.to_str().expect("utf8");
-    let cases: [(&[&str], &str); 10] = [
+    let cases: [(&[&str], &str); 11] = [
         (&["--checkpoint-interval", "5s"], "--checkpoint-dir"),
         (&["--checkpoint-dir", ck_s, "--job-id", "../up"], "--job-id"),
         (&["--mode", "at-least-once"], "--checkpoint-dir"),
@@ -2256,6 +2256,7 @@ fn flags_without_what_they_need_or_out_of_range_are_usage_errors() {
         ),
         (&["--shards", "0"], "--shards"),
         (&["--shards", "1025"], "--shards"),
+        (&["--shards", "129"], "1..=128"),
     ];
     for (flags, says) in cases {
         let r = keyed_sum(&input, "csv", &out, flags);
