@@ -71,7 +71,7 @@ pub struct CheckpointArgs {
     pub checkpoint_dir: Option<PathBuf>,
     /// Checkpoint and restart settings from a TOML file (dir, job-id, interval, timeout,
     /// min-pause, max-concurrent, mode, unaligned, aligned-timeout, tolerable-failures,
-    /// retained, incremental, and a [restart] table: see the README). Flags given beside it
+    /// retained, incremental, and a `[restart]` table: see the README). Flags given beside it
     /// override its values; its `dir` stands for --checkpoint-dir.
     #[arg(long, value_name = "FILE")]
     pub checkpoint_config: Option<PathBuf>,
