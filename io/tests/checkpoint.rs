@@ -519,7 +519,36 @@ fn corruption_names_file_and_offset() {
     let good_marker = std::fs::read(&marker).unwrap();
     std::fs::write(&marker, b"7 00000000\n").unwrap();
     assert_eq!(st.completed_marker(), None);
+    // `completed_record` tells such a record, naming the file and where, from a missing one.
+    let damaged = |st: &CheckpointStorage| match st.completed_record() {
+        Err(weir_io::CheckpointError::Format(f)) => {
+            assert_eq!(f.file(), marker);
+            f
+        }
+        other => panic!("{other:?}"),
+    };
+    assert!(matches!(
+        damaged(&st),
+        FormatError::ChecksumMismatch {
+            offset: 2,
+            expected: 0,
+            ..
+        }
+    ));
+    for bad in [
+        &b""[..],
+        b"1",
+        b"1 \n",
+        b"1\n",
+        b"\xff 1\n",
+        b"1 0000000g\n",
+    ] {
+        std::fs::write(&marker, bad).unwrap();
+        damaged(&st);
+        assert_eq!(st.completed_marker(), None);
+    }
     std::fs::write(&marker, &good_marker).unwrap();
+    assert_eq!(st.completed_record().unwrap(), Some(1));
     assert!(st.latest_complete().unwrap().is_none());
     // A missing metadata file is a checkpoint cut short, not corruption.
     std::fs::remove_file(&meta_path).unwrap();
@@ -962,6 +991,8 @@ fn other_spellings_of_an_id_are_not_checkpoints_and_survive_retention() {
     assert_eq!(st.completed_marker(), None, "upper-case CRC");
     std::fs::write(&marker, format!("4 {crc:08x}\n")).unwrap();
     assert_eq!(st.completed_marker(), Some(4));
+    std::fs::remove_file(&marker).unwrap();
+    assert_eq!(st.completed_record().unwrap(), None, "missing");
 }
 
 #[test]

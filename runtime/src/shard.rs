@@ -524,7 +524,14 @@ fn latest_restore(
     // The storage's record of the newest completed checkpoint: when no checkpoint that new
     // has a `_metadata`, one was removed after it completed, and is treated as one that does
     // not verify (the metadata of a checkpoint cut short by a crash never existed).
-    if let Some(done) = store.storage.completed_marker().filter(|&n| n >= min_id) {
+    let record = store.storage.completed_record();
+    if let Some(done) = record
+        .as_ref()
+        .ok()
+        .copied()
+        .flatten()
+        .filter(|&n| n >= min_id)
+    {
         if !candidates.iter().any(|i| i.id >= done) {
             skipped.push((
                 done,
@@ -594,6 +601,27 @@ fn latest_restore(
         return Err(err(format!(
             "no complete checkpoint verifies; the newest, {bad}: {why}"
         )));
+    }
+    // No checkpoint has a `_metadata`, and the record of the newest completed one exists but
+    // does not decode. Only a completed checkpoint writes that record, after its metadata is
+    // synced: a crash can tear the record but not take that metadata away, so it was removed
+    // since, and its sinks may have committed. Starting from the beginning could commit
+    // that output twice. (A failover, `min_id` > 0, goes back to where its run started.)
+    if let (Err(e), 0) = (&record, min_id) {
+        let why = format!(
+            "{e}: the record of the newest completed checkpoint does not decode, and no \
+             checkpoint in {} has a {}: one completed and its metadata was removed since",
+            store.storage.job_dir().display(),
+            weir_io::METADATA_FILE
+        );
+        if !config.allow_fallback {
+            return Err(err(format!(
+                "{why}; starting from the beginning could duplicate output that a sink \
+                 committed for it. Restore stops here; allow starting over with \
+                 --allow-fallback (JobConfig::with_allow_fallback)"
+            )));
+        }
+        eprintln!("weir: {why}; starting from the beginning (fallback allowed)");
     }
     Ok(None)
 }

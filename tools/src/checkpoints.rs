@@ -264,6 +264,15 @@ pub fn verify(a: &VerifyArgs) -> Result<(), VerifyFailed> {
             if let Some(done) = completed_without_metadata(&s, None) {
                 return Err(completed_metadata_gone(&s, &job, done));
             }
+            if let Some(e) = damaged_record_without_metadata(&s) {
+                return Err(VerifyFailed::Corrupt(format!(
+                    "{job}: {e}: the record of the newest completed checkpoint does not \
+                     decode, and no checkpoint has a {}: one completed and its metadata was \
+                     removed since, so a restore stops rather than start from the beginning, \
+                     which could commit output twice",
+                    weir_io::METADATA_FILE
+                )));
+            }
         }
         // Every checkpoint listed may be dropped while it is verified: list again, so that a
         // job's newer checkpoint is verified instead (a few rounds; a job keeping up with
@@ -488,6 +497,16 @@ fn completed_without_metadata(s: &CheckpointStorage, only: Option<u64>) -> Optio
         .filter(|&d| only.is_none_or(|n| n == d))?;
     let listed = s.list().ok()?;
     (!kept_since(&listed, done)).then_some(done)
+}
+
+/// The error of the job's `COMPLETED` record when it does not decode and no checkpoint has a
+/// `_metadata`: a restore stops there (see `latest_restore` in the runtime). A record torn by
+/// a crash beside checkpoints that kept their metadata is no corruption: only `COMPLETED`
+/// is written without a sync.
+fn damaged_record_without_metadata(s: &CheckpointStorage) -> Option<CheckpointError> {
+    let e = s.completed_record().err()?;
+    let listed = s.list().ok()?;
+    (!listed.iter().any(|i| i.complete || i.metadata_corrupt)).then_some(e)
 }
 
 /// Whether `listed` holds a checkpoint at least as new as `done` with a `_metadata`.

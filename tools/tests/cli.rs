@@ -1899,6 +1899,85 @@ fn a_corrupt_metadata_file_stops_restore_latest_instead_of_starting_over() {
     }
 }
 
+/// The job directory's `COMPLETED` record damaged: beside checkpoints that kept their
+/// metadata it is what a power cut can leave (it is replaced without a sync), and changes
+/// nothing; with no `_metadata` left anywhere, a checkpoint completed (only one writes the
+/// record) and its metadata was removed since, so `--restore latest` stops, naming the record
+/// and offset, rather than start from the beginning and commit the output twice (before, the
+/// damaged record said nothing and the run started over); `verify` exits 3 the same way, and
+/// `--allow-fallback` starts over.
+#[test]
+fn a_damaged_completed_record_with_no_metadata_left_stops_restore_latest() {
+    let run = CheckpointedRun::new(30_000, 500, "2", "20ms");
+    let (recs, out, ck, args) = (&run.recs, &run.out, &run.ck, run.args());
+    let r = weir(&args);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let want = running_sums(recs);
+    assert_eq!(parse_sums(&committed_lines(out)), want);
+    let job = ck.join("keyed-sum");
+    let record = job.join("COMPLETED");
+    let mut torn = std::fs::read(&record).expect("read");
+    torn[0] ^= 0x01;
+    std::fs::write(&record, &torn).expect("write");
+    let ck_s = ck.to_str().expect("utf8");
+    // The checkpoints' metadata is there: a restore and `verify` go on as before.
+    let r = weir(&["checkpoints", "verify", ck_s]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let r = weir(&args);
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert!(
+        stderr(&r).contains("restoring from checkpoint"),
+        "{}",
+        stderr(&r)
+    );
+    assert_eq!(parse_sums(&committed_lines(out)), want);
+    // The restore's run wrote a fresh record; damage it, and remove every metadata file.
+    std::fs::write(&record, &torn).expect("write");
+    for e in std::fs::read_dir(&job).expect("job dir").flatten() {
+        let meta = e.path().join("_metadata");
+        if meta.exists() {
+            std::fs::remove_file(meta).expect("rm");
+        }
+    }
+    let r = weir(&["checkpoints", "verify", ck_s]);
+    assert_eq!(r.status.code(), Some(3), "{}", stderr(&r));
+    assert!(
+        stderr(&r).contains(record.to_str().expect("utf8")) && stderr(&r).contains("offset"),
+        "{}",
+        stderr(&r)
+    );
+    let r = weir(&args);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    let e = stderr(&r);
+    assert!(
+        e.contains(record.to_str().expect("utf8"))
+            && e.contains("offset")
+            && e.contains("--allow-fallback"),
+        "{e}"
+    );
+    assert!(!e.contains("starting from the beginning;"), "{e}");
+    assert_eq!(
+        parse_sums(&committed_lines(out)),
+        want,
+        "nothing written twice"
+    );
+    // Allowed, the run starts over (and so commits every sum a second time).
+    let mut again = args.clone();
+    again.push("--allow-fallback");
+    let r = weir(&again);
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert!(
+        stderr(&r).contains("starting from the beginning"),
+        "{}",
+        stderr(&r)
+    );
+    let twice: usize = parse_sums(&committed_lines(out))
+        .values()
+        .map(Vec::len)
+        .sum();
+    assert_eq!(twice, 2 * recs.len());
+}
+
 #[test]
 fn checkpoints_inspect_shows_the_parts_and_clean_keeps_the_newest() {
     let Inputs {

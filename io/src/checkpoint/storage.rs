@@ -506,23 +506,66 @@ impl CheckpointStorage {
     /// checkpoint, and a crash may lose the newest record but not make it name a checkpoint
     /// that did not complete. So when no checkpoint at least this new has a `_metadata`, one
     /// was removed after it completed (its sinks may have committed), which a restore must
-    /// not take for a checkpoint cut short by a crash.
+    /// not take for a checkpoint cut short by a crash. A record that does not decode says
+    /// nothing here; [`Self::completed_record`] tells it from a missing one.
     pub fn completed_marker(&self) -> Option<u64> {
+        self.completed_record().ok().flatten()
+    }
+
+    /// [`Self::completed_marker`], telling a missing record (`Ok(None)`: no checkpoint of
+    /// this directory completed, or the file was removed) from one that does not decode
+    /// (`Err`, naming the file and offset). Such a record was written (only a completed
+    /// checkpoint writes one), but it may be damaged by a crash too: it is replaced without
+    /// a sync, so a power cut can leave it empty or torn, while the checkpoint it names keeps
+    /// its synced `_metadata`.
+    pub fn completed_record(&self) -> Result<Option<u64>, CheckpointError> {
         let path = self.shared.job_dir.join(COMPLETED_FILE);
-        let f = self.shared.fs.open(&path).ok()?;
-        let len = usize::try_from(f.len().ok()?).ok()?.min(32);
+        let f = match self.shared.fs.open(&path) {
+            Ok(f) => f,
+            Err(e) if is_not_found(&e) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let len = usize::try_from(f.len()?).unwrap_or(usize::MAX).min(32);
         let mut buf = vec![0u8; len];
-        f.read_at(0, &mut buf).ok()?;
-        // "<id> <crc32 of the id's digits, 8 hex digits>\n"; a record that fails its CRC
-        // says nothing.
-        let text = std::str::from_utf8(&buf).ok()?.strip_suffix('\n')?;
-        let (id, crc) = text.split_once(' ')?;
+        f.read_at(0, &mut buf)?;
+        let malformed = |offset: usize, reason: &str| {
+            CheckpointError::Format(FormatError::Malformed {
+                file: path.clone(),
+                offset: offset as u64,
+                reason: reason.to_string(),
+            })
+        };
+        // "<id> <crc32 of the id's digits, 8 hex digits>\n".
+        let Some(text) = std::str::from_utf8(&buf)
+            .ok()
+            .and_then(|t| t.strip_suffix('\n'))
+        else {
+            return Err(malformed(0, "not `<id> <crc>` and a newline"));
+        };
+        let Some((id, crc)) = text.split_once(' ') else {
+            return Err(malformed(0, "no space between the id and its CRC"));
+        };
         // Only as `write_completed_marker` spells it: `parse` alone would also take `04` or
         // `+4` (under their own CRC) for 4.
-        if !is_lower_hex(crc, 8) || u32::from_str_radix(crc, 16).ok()? != crc32(&[id.as_bytes()]) {
-            return None;
+        let crc_at = id.len() + 1;
+        if !is_lower_hex(crc, 8) {
+            return Err(malformed(crc_at, "the CRC is not 8 lowercase hex digits"));
+        }
+        let (stored, computed) = (
+            u32::from_str_radix(crc, 16).unwrap_or(0),
+            crc32(&[id.as_bytes()]),
+        );
+        if stored != computed {
+            return Err(CheckpointError::Format(FormatError::ChecksumMismatch {
+                file: path,
+                offset: crc_at as u64,
+                expected: stored,
+                actual: computed,
+            }));
         }
         parse_id(id)
+            .map(Some)
+            .ok_or_else(|| malformed(0, "the id is not a checkpoint id in decimal"))
     }
 
     /// The newest complete checkpoint.
