@@ -1087,6 +1087,62 @@ fn commit_fails_when_a_reused_file_is_gone() {
     assert_eq!(st.latest_complete().unwrap().unwrap().id, 1);
 }
 
+/// A savepoint export that fails part way (a directory's fsync, the metadata's write or
+/// fsync) leaves no directory behind: before, the partial copy stayed in the savepoint root
+/// beside real savepoints. One that succeeds verifies, also where a hard link failed and the
+/// file was copied instead.
+#[test]
+fn a_failed_savepoint_export_leaves_no_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+    let c1 = write_checkpoint(&open(Arc::new(StdFs), &root), 1, &local, None).unwrap();
+    write_checkpoint(&open(Arc::new(StdFs), &root), 2, &local, Some(&c1.metadata)).unwrap();
+    // Past the last step of an export, every kind succeeds.
+    let (mut failed, mut clean_steps) = (0, 0);
+    for step in 0..200 {
+        let sp_root = tmp.path().join(format!("sp{step}"));
+        let mut done = true;
+        for kind in 0..4 {
+            let at = Some(step);
+            // A failed hard link falls back to a copy, whose faults the other kinds inject.
+            let fs = FaultyFs::new(FaultConfig {
+                fail_sync_at_step: at.filter(|_| kind == 0),
+                tear_write_at_step: at.filter(|_| kind == 1),
+                fail_sync_dir_at_step: at.filter(|_| kind == 2),
+                fail_link_at_step: at.filter(|_| kind == 3),
+                ..FaultConfig::default()
+            });
+            let st =
+                CheckpointStorage::open_read_only_with(Arc::new(fs), &root, "job", OPTS).unwrap();
+            std::fs::create_dir_all(&sp_root).unwrap();
+            let name = format!("sp{kind}");
+            match st.export_savepoint(2, &sp_root, &name) {
+                Ok(dir) => {
+                    Savepoint::open(Arc::new(StdFs), &dir)
+                        .unwrap()
+                        .verify()
+                        .unwrap();
+                    assert!(!dir.join(".links").exists(), "the staging links went");
+                }
+                Err(e) => {
+                    done = false;
+                    failed += 1;
+                    assert!(
+                        !sp_root.join(&name).exists(),
+                        "step {step}, kind {kind}: {e}: a partial savepoint was left"
+                    );
+                }
+            }
+        }
+        clean_steps = if done { clean_steps + 1 } else { 0 };
+        if clean_steps == 20 {
+            break;
+        }
+    }
+    assert_eq!(clean_steps, 20, "exports past the faults' steps succeed");
+    assert!(failed > 10, "faults were injected: {failed}");
+}
+
 #[test]
 fn savepoint_is_self_contained() {
     let tmp = tempfile::tempdir().unwrap();

@@ -760,25 +760,35 @@ fn one_job(dir: &Path) -> Result<(String, CheckpointStorage), String> {
 /// job (if the job's retention deletes the checkpoint meanwhile, the copy fails; run it again).
 pub fn savepoint(a: &SavepointArgs) -> Result<(), VerifyFailed> {
     let (job, s) = one_job(&a.dir).map_err(VerifyFailed::Other)?;
-    let id = chosen(&job, &s, a.checkpoint)?;
     std::fs::create_dir_all(&a.to)
         .map_err(|e| VerifyFailed::Other(format!("{}: {e}", a.to.display())))?;
-    let path = s
-        .export_savepoint(id, &a.to, &weir_io::savepoint_dir_name(id))
-        .map_err(|e| {
-            // As `verify` classifies them: a file that is there but wrong is corruption.
-            let corrupt = match &e {
-                CheckpointError::Verify(VerifyError::NotFound { .. }) => false,
-                CheckpointError::Format(_) | CheckpointError::Verify(_) => true,
-                _ => false,
-            };
-            let msg = format!("{job} checkpoint {id}: {e}");
-            if corrupt {
-                VerifyFailed::Corrupt(msg)
-            } else {
-                VerifyFailed::Other(msg)
+    // The newest checkpoint of a running job may be dropped by its retention while it is
+    // copied (there is no pin across processes): copy the newest again, a few rounds, as
+    // `verify` does. Before, such a run failed with "checkpoint N not found".
+    let mut round = 0;
+    loop {
+        round += 1;
+        let id = chosen(&job, &s, a.checkpoint)?;
+        match s.export_savepoint(id, &a.to, &weir_io::savepoint_dir_name(id)) {
+            Ok(path) => {
+                println!("{}", path.display());
+                return Ok(());
             }
-        })?;
-    println!("{}", path.display());
-    Ok(())
+            Err(_) if a.checkpoint.is_none() && round < VERIFY_ROUNDS && !still_there(&s, id) => {}
+            Err(e) => {
+                // As `verify` classifies them: a file that is there but wrong is corruption.
+                let corrupt = match &e {
+                    CheckpointError::Verify(VerifyError::NotFound { .. }) => false,
+                    CheckpointError::Format(_) | CheckpointError::Verify(_) => true,
+                    _ => false,
+                };
+                let msg = format!("{job} checkpoint {id}: {e}");
+                return Err(if corrupt {
+                    VerifyFailed::Corrupt(msg)
+                } else {
+                    VerifyFailed::Other(msg)
+                });
+            }
+        }
+    }
 }

@@ -1760,17 +1760,21 @@ fn input_errors_of_a_checkpointing_job_exit_at_once() {
     assert!(stderr(&o).contains("missing.csv"), "{}", stderr(&o));
 }
 
-/// `checkpoints verify` beside a running job: the job's retention drops checkpoints while
-/// they are verified, which is not corruption (it was exit 3 in 1 of ~100 verifications
-/// beside a job checkpointing every 10 ms). Every verification exits 0 here; the race is
-/// not forced, so a run where it never happens passes as well.
+/// `checkpoints verify` and `checkpoints savepoint` beside a running job: the job's retention
+/// drops checkpoints while they are verified or copied, which is not corruption (verify was
+/// exit 3 in 1 of ~100 verifications beside a job checkpointing every 10 ms) and no reason to
+/// fail (savepoint was exit 1, "checkpoint N not found", in 3 of 20). Every one exits 0 here,
+/// each savepoint made verifies, and no partial copy is left beside them; the race is not
+/// forced, so a run where it never happens passes as well.
 #[test]
-fn verify_beside_a_running_job_reports_no_corruption() {
+fn verify_and_savepoint_beside_a_running_job_succeed() {
     // One shard: a longer job, more checkpoints dropped while verified.
     let run = CheckpointedRun::new(3_000_000, 997, "1", "10ms");
     let mut job = run.spawn();
     let ck_s = run.ck.to_str().expect("utf8");
-    let mut verified = 0;
+    let sp_root = run.dir.path().join("savepoints");
+    let sp_s = sp_root.to_str().expect("utf8");
+    let (mut verified, mut saved) = (0, Vec::new());
     let job_dir = run.ck.join("keyed-sum");
     while job.try_wait().expect("wait").is_none() {
         let had_one = has_complete_checkpoint(&job_dir);
@@ -1784,9 +1788,34 @@ fn verify_beside_a_running_job_reports_no_corruption() {
             stderr(&v)
         );
         verified += usize::from(v.status.success());
+        let had_one = has_complete_checkpoint(&job_dir);
+        let s = weir(&["checkpoints", "savepoint", ck_s, "--to", sp_s]);
+        assert_ne!(s.status.code(), Some(3), "{}", stderr(&s));
+        assert!(
+            s.status.success() || !had_one,
+            "savepoint: exit {:?} with a complete checkpoint: {}",
+            s.status.code(),
+            stderr(&s)
+        );
+        if s.status.success() {
+            saved.push(String::from_utf8_lossy(&s.stdout).trim().to_string());
+        }
     }
     assert!(job.wait().expect("wait").success());
     assert!(verified > 0, "no verification ran while the job did");
+    assert!(!saved.is_empty(), "no savepoint was made while the job ran");
+    let mut dirs: Vec<String> = std::fs::read_dir(&sp_root)
+        .expect("savepoints")
+        .flatten()
+        .map(|e| e.path().to_str().expect("utf8").to_string())
+        .collect();
+    dirs.sort();
+    saved.sort();
+    assert_eq!(dirs, saved, "only whole savepoints are there");
+    for sp in &saved {
+        let v = weir(&["checkpoints", "verify", sp]);
+        assert!(v.status.success(), "{sp}: {}", stderr(&v));
+    }
 }
 
 /// A checkpoint whose `_metadata` is corrupt did complete (the file is renamed into place

@@ -821,20 +821,53 @@ impl CheckpointStorage {
         self.verify(checkpoint_id)?;
         let mut metadata = self.read_metadata(checkpoint_id)?;
         metadata.kind = CheckpointKind::Savepoint;
-        for d in [SHARED_DIR, TASKOWNED_DIR] {
-            create_dir_all_durable(&*sh.fs, &target.join(d))?;
+        let staging = target.join(SAVEPOINT_STAGING_DIR);
+        let copied = (|| -> Result<(), CheckpointError> {
+            for d in [SHARED_DIR, TASKOWNED_DIR] {
+                create_dir_all_durable(&*sh.fs, &target.join(d))?;
+            }
+            // First a hard link to every file, where the file system takes them: files are
+            // immutable once uploaded, so the links hold the checkpoint's files at once, and a
+            // running job's retention can no longer drop them from under a tool exporting
+            // the checkpoint (a copy takes longer than a 10 ms interval). The savepoint then
+            // gets copies of its own (not links: an independent copy, which no damage to the
+            // job's files reaches), and the links go.
+            let paths = metadata.physical_paths();
+            let mut sources = Vec::with_capacity(paths.len());
+            for rel in &paths {
+                let (from, held) = (sh.job_dir.join(rel), staging.join(rel));
+                let linked = held
+                    .parent()
+                    .is_some_and(|d| sh.fs.create_dir_all(d).is_ok())
+                    && sh.fs.hard_link(&from, &held).is_ok();
+                sources.push(if linked { held } else { from });
+            }
+            for (rel, from) in paths.iter().zip(&sources) {
+                copy_file(&*sh.fs, from, &target.join(rel))?;
+            }
+            remove_staging(&*sh.fs, &staging)?;
+            // The copies are verbatim: check them before the metadata makes them a savepoint.
+            verify_files(&*sh.fs, &target, &metadata, sh.options.raw_diagnose)?;
+            for d in [SHARED_DIR, TASKOWNED_DIR] {
+                sh.fs.sync_dir(&target.join(d))?;
+            }
+            sh.fs.sync_dir(&target)?;
+            sh.fs.sync_dir(savepoint_root)?;
+            publish_file(&*sh.fs, &target.join(METADATA_FILE), &metadata.encode())?;
+            Ok(())
+        })();
+        if let Err(e) = copied {
+            // A checkpoint dropped by its job's retention while it was copied (a tool beside a
+            // running job), or a failed copy or metadata write: the directory goes, so that
+            // none is left that is not a whole savepoint. Best effort; one a crash leaves has
+            // no `_metadata` (published last), so it is no savepoint.
+            let _ = remove_staging(&*sh.fs, &staging);
+            for d in [SHARED_DIR, TASKOWNED_DIR] {
+                let _ = remove_dir_contents(&*sh.fs, &target.join(d));
+            }
+            let _ = remove_dir_contents(&*sh.fs, &target);
+            return Err(e);
         }
-        for rel in metadata.physical_paths() {
-            copy_file(&*sh.fs, &sh.job_dir.join(&rel), &target.join(&rel))?;
-        }
-        // The copies are verbatim: check them before the metadata makes them a savepoint.
-        verify_files(&*sh.fs, &target, &metadata, sh.options.raw_diagnose)?;
-        for d in [SHARED_DIR, TASKOWNED_DIR] {
-            sh.fs.sync_dir(&target.join(d))?;
-        }
-        sh.fs.sync_dir(&target)?;
-        sh.fs.sync_dir(savepoint_root)?;
-        publish_file(&*sh.fs, &target.join(METADATA_FILE), &metadata.encode())?;
         Ok(target)
     }
 }
@@ -891,6 +924,25 @@ enum Status {
     Complete(Box<CheckpointMetadata>),
     Missing,
     Corrupt(String),
+}
+
+/// Where [`CheckpointStorage::export_savepoint`] holds hard links to a checkpoint's files
+/// while it copies them, inside the savepoint's directory (hidden; gone before the metadata
+/// makes the directory a savepoint).
+const SAVEPOINT_STAGING_DIR: &str = ".links";
+
+/// Remove a savepoint's staging links (see [`SAVEPOINT_STAGING_DIR`]), if there are any.
+fn remove_staging(fs: &dyn Fs, staging: &Path) -> Result<(), CheckpointError> {
+    if !staging.exists() {
+        return Ok(());
+    }
+    for d in [SHARED_DIR, TASKOWNED_DIR] {
+        let d = staging.join(d);
+        if d.exists() {
+            remove_dir_contents(fs, &d)?;
+        }
+    }
+    remove_dir_contents(fs, staging)
 }
 
 /// Remove the files in `dir` and then `dir` itself.
