@@ -268,25 +268,31 @@ pub(crate) fn report_watermark(
     report_part(checkpoint, id, name, &[w]);
 }
 
-/// The `i64`s of operator `name`'s watermark parts that this shard takes over in a restore
-/// (old shard `s` goes to new shard `s % shards`), element by element the least of them:
-/// after a rescale a shard's watermark is no further than that of any old shard whose input
-/// it takes, so a record on time before is on time after. All `i64::MIN` (nothing seen) when
-/// the checkpoint holds none: one taken before watermarks were checkpointed, or a shard a
-/// scale-up added.
+/// The `i64`s of operator `name`'s watermark parts that this shard takes over in a restore,
+/// element by element the least of them: after a rescale a shard's watermark is no further
+/// than that of any old shard whose input it takes, so a record on time before is on time
+/// after. A watermark generator's input is its source's splits, which go from old shard `s`
+/// to new shard `s % shards`; a keyed operator's is its key groups, which come from every old
+/// shard whose range meets the new one's (`keyed`). Before, keyed operators took the first
+/// rule too: a new shard holding key groups of an old shard whose watermark it did not take
+/// could start ahead of that shard, and dropped its replayed records as late. All `i64::MIN`
+/// (nothing seen) when the checkpoint holds none: one taken before watermarks were
+/// checkpointed, or a shard a scale-up added.
 fn restored_values<const N: usize>(
     ctx: &BuildCtx,
     name: &str,
+    keyed: bool,
 ) -> Result<[i64; N], crate::StartError> {
     let mut out = [i64::MIN; N];
     let Some(r) = &ctx.restore else {
         return Ok(out);
     };
-    let parts = r.parts_for_shard(
-        name,
-        crate::checkpoint::snapshot::PartKind::Watermark,
-        ctx.shard,
-    );
+    let kind = crate::checkpoint::snapshot::PartKind::Watermark;
+    let parts = if keyed {
+        r.parts_for_key_groups(name, kind, ctx.shard, ctx.config.max_parallelism)
+    } else {
+        r.parts_for_shard(name, kind, ctx.shard)
+    };
     for (k, p) in parts.iter().enumerate() {
         let values: Option<Vec<i64>> = (p.bytes.len() == 8 * N).then(|| {
             p.bytes
@@ -313,11 +319,11 @@ fn restored_values<const N: usize>(
 
 /// A keyed operator's restored watermark (see [`restored_values`]).
 pub(crate) fn restored_watermark(ctx: &BuildCtx, name: &str) -> Result<i64, crate::StartError> {
-    Ok(restored_values::<1>(ctx, name)?[0])
+    Ok(restored_values::<1>(ctx, name, true)?[0])
 }
 
 /// A watermark generator's restored largest timestamp and sent watermark.
 fn restored_pair(ctx: &BuildCtx, name: &str) -> Result<(i64, i64), crate::StartError> {
-    let [max_ts, emitted] = restored_values::<2>(ctx, name)?;
+    let [max_ts, emitted] = restored_values::<2>(ctx, name, false)?;
     Ok((max_ts, emitted))
 }
