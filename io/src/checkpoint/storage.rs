@@ -931,18 +931,19 @@ enum Status {
 /// makes the directory a savepoint).
 const SAVEPOINT_STAGING_DIR: &str = ".links";
 
-/// Remove a savepoint's staging links (see [`SAVEPOINT_STAGING_DIR`]), if there are any.
+/// Remove a savepoint's staging links (see [`SAVEPOINT_STAGING_DIR`]), those there are.
 fn remove_staging(fs: &dyn Fs, staging: &Path) -> Result<(), CheckpointError> {
-    if !staging.exists() {
-        return Ok(());
-    }
-    for d in [SHARED_DIR, TASKOWNED_DIR] {
-        let d = staging.join(d);
-        if d.exists() {
-            remove_dir_contents(fs, &d)?;
+    for d in [
+        staging.join(SHARED_DIR),
+        staging.join(TASKOWNED_DIR),
+        staging.to_owned(),
+    ] {
+        match remove_dir_contents(fs, &d) {
+            Err(CheckpointError::Io(e)) if is_not_found(&e) => {}
+            r => r?,
         }
     }
-    remove_dir_contents(fs, staging)
+    Ok(())
 }
 
 /// Remove the files in `dir` and then `dir` itself.
