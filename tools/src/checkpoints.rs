@@ -506,7 +506,7 @@ fn completed_without_metadata(s: &CheckpointStorage, only: Option<u64>) -> Optio
 fn damaged_record_without_metadata(s: &CheckpointStorage) -> Option<CheckpointError> {
     let e = s.completed_record().err()?;
     let listed = s.list().ok()?;
-    (!listed.iter().any(|i| i.complete || i.metadata_corrupt)).then_some(e)
+    (!kept_since(&listed, 0)).then_some(e)
 }
 
 /// Whether `listed` holds a checkpoint at least as new as `done` with a `_metadata`.
