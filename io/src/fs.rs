@@ -493,8 +493,9 @@ pub fn publish_file(fs: &dyn Fs, path: &Path, bytes: &[u8]) -> Result<(), IoErro
     fs.sync_dir(dir)
 }
 
-/// An exclusive advisory lock (`flock`) on `<dir>/LOCK`, held until dropped. Mapped files must
-/// have no other writer: a second store on the same directory fails with [`IoError::Locked`].
+/// An exclusive advisory lock (`flock`) on `<dir>/LOCK` (or another name), held until dropped.
+/// Mapped files must have no other writer: a second store on the same directory fails with
+/// [`IoError::Locked`]. The exactly-once file sink locks its output directory the same way.
 /// The holder writes its process id into the file, so that a lock still held for an exited
 /// process can be told from one a live process holds (see `DEAD_OWNER_WAIT`).
 #[derive(Debug)]
@@ -515,13 +516,19 @@ impl DirLock {
     /// included): [`IoError::Locked`] at once. Held for a process that has exited: waits for
     /// the kernel to release it, up to `DEAD_OWNER_WAIT` (30 s).
     pub fn acquire(dir: &Path) -> Result<DirLock, IoError> {
-        DirLock::acquire_with(dir, &mut || {})
+        DirLock::acquire_named(dir, "LOCK")
     }
 
-    /// [`DirLock::acquire`], calling `waiting` before each wait for a dead owner's lock (tests
-    /// observe the waits through it rather than through a clock).
-    fn acquire_with(dir: &Path, waiting: &mut dyn FnMut()) -> Result<DirLock, IoError> {
-        let path = dir.join("LOCK");
+    /// [`DirLock::acquire`] with the lock file `<dir>/<name>` (a directory whose readers list
+    /// it, as a sink's output directory, takes a hidden name).
+    pub fn acquire_named(dir: &Path, name: &str) -> Result<DirLock, IoError> {
+        DirLock::acquire_with(dir, name, &mut || {})
+    }
+
+    /// [`DirLock::acquire_named`], calling `waiting` before each wait for a dead owner's lock
+    /// (tests observe the waits through it rather than through a clock).
+    fn acquire_with(dir: &Path, name: &str, waiting: &mut dyn FnMut()) -> Result<DirLock, IoError> {
+        let path = dir.join(name);
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -640,7 +647,7 @@ mod tests {
             drop(held);
         });
         let mut waits = 0;
-        let got = DirLock::acquire_with(dir.path(), &mut || {
+        let got = DirLock::acquire_with(dir.path(), "LOCK", &mut || {
             waits += 1;
             let _ = waits_tx.send(());
         })
@@ -654,7 +661,7 @@ mod tests {
         // A live owner (this process) is refused without a single wait.
         let mut waits = 0;
         assert!(matches!(
-            DirLock::acquire_with(dir.path(), &mut || waits += 1),
+            DirLock::acquire_with(dir.path(), "LOCK", &mut || waits += 1),
             Err(IoError::Locked { .. })
         ));
         assert_eq!(waits, 0);

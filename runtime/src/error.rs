@@ -27,6 +27,12 @@ pub enum StartError {
         #[source]
         source: std::io::Error,
     },
+    #[error("output directory {path}: {source}")]
+    OutputDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("could not start shard {shard}: {reason}")]
     Executor { shard: usize, reason: String },
     #[error("source `{operator}`: {source}")]

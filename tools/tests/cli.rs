@@ -2327,6 +2327,46 @@ fn overlapping_input_output_and_dead_letter_paths_are_refused() {
     assert!(!elsewhere.exists(), "nothing written");
 }
 
+/// One job per exactly-once output directory: a restore deletes the hidden part files of its
+/// shard indices that its checkpoint does not list, which would be another job's. A run whose
+/// `--output` another job writes (here: its lock held by this test) exits 1 naming the lock
+/// file, having written nothing there; once the directory is free the same command runs.
+/// Before, a second job in one output directory failed the first with "File exists" on a
+/// part file and both went on writing their shards' parts into it.
+#[test]
+fn an_output_directory_another_job_writes_is_refused() {
+    let run = CheckpointedRun::new(2_000, 50, "2", "20ms");
+    std::fs::create_dir_all(&run.out).expect("mkdir");
+    let lock_file = run.out.join(weir_runtime::sink::SINK_LOCK_FILE);
+    let lock = weir_io::DirLock::acquire_named(&run.out, weir_runtime::sink::SINK_LOCK_FILE)
+        .expect("lock");
+    let r = weir(&run.args());
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    assert!(
+        stderr(&r).contains("in use by another job")
+            && stderr(&r).contains(&lock_file.display().to_string()),
+        "{}",
+        stderr(&r)
+    );
+    let names: Vec<String> = std::fs::read_dir(&run.out)
+        .expect("output dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        names,
+        [weir_runtime::sink::SINK_LOCK_FILE],
+        "nothing written"
+    );
+    drop(lock);
+    let r = weir(&run.args());
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert_same_sums(
+        &parse_sums(&committed_lines(&run.out)),
+        &running_sums(&run.recs),
+        "once the directory is free",
+    );
+}
+
 /// Checkpoint flags that need another flag, or values the job would refuse only once started,
 /// are usage errors (exit 2) naming the flag. Before, `--checkpoint-interval 5s` without
 /// `--checkpoint-dir` and `--unaligned` with `--mode at-least-once` were ignored without a

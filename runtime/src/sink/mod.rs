@@ -22,7 +22,7 @@ mod file;
 mod transactional;
 
 pub use file::FileSinkWriter;
-pub use transactional::{TransactionalFileSink, TransactionalFileWriter};
+pub use transactional::{TransactionalFileSink, TransactionalFileWriter, SINK_LOCK_FILE};
 
 /// One shard's writer of a sink.
 ///

@@ -11,12 +11,18 @@ use std::collections::HashSet;
 use std::fmt::Display;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 
-use weir_io::{crc32, Fs, FsFile, IoError, StdFs, CHECKSUM_CRC32_IEEE};
+use weir_io::{crc32, DirLock, Fs, FsFile, IoError, StdFs, CHECKSUM_CRC32_IEEE};
 
 use super::{Sink, SinkWriter};
 use crate::error::StartError;
+
+/// The lock file a [`TransactionalFileSink`] holds in its output directory while its writers
+/// exist (hidden, so readers of the directory skip it). A restore deletes hidden files of its
+/// shard indices that no checkpoint lists, which would be another job's files in progress: one
+/// job per output directory.
+pub const SINK_LOCK_FILE: &str = ".weir-sink.lock";
 
 /// Default size past which a part file is closed and a new one started: 128 MiB.
 pub const DEFAULT_PART_SIZE_BYTES: u64 = 128 << 20;
@@ -48,6 +54,10 @@ pub struct TransactionalFileSink<F> {
     format: Arc<F>,
     part_size: u64,
     fs: Arc<dyn Fs>,
+    /// The output directory's lock ([`SINK_LOCK_FILE`]), shared by the writers this sink made:
+    /// held while any of them exists (an attempt's shards, and the next attempt's while the
+    /// last one's are dropped), released when the job's writers are gone.
+    lock: Mutex<Weak<DirLock>>,
 }
 
 impl<F> TransactionalFileSink<F> {
@@ -59,7 +69,34 @@ impl<F> TransactionalFileSink<F> {
             format: Arc::new(format),
             part_size: DEFAULT_PART_SIZE_BYTES,
             fs: Arc::new(StdFs),
+            lock: Mutex::new(Weak::new()),
         }
+    }
+
+    /// The output directory's lock, taken if no writer of this sink holds it yet. Another
+    /// holder (another job, in this process or another) is an error naming the lock file.
+    fn lock_dir(&self) -> io::Result<Arc<DirLock>> {
+        let mut held = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(lock) = held.upgrade() {
+            return Ok(lock);
+        }
+        // The directory first: the lock file lives in it.
+        weir_io::create_dir_all_durable(&*self.fs, &self.dir).map_err(to_io)?;
+        let lock = Arc::new(DirLock::acquire_named(&self.dir, SINK_LOCK_FILE).map_err(
+            |e| match e {
+                IoError::Locked { lock_file, .. } => io::Error::new(
+                    io::ErrorKind::WouldBlock,
+                    format!(
+                        "in use by another job ({} is locked); \
+                         give each job its own output directory",
+                        lock_file.display()
+                    ),
+                ),
+                e => to_io(e),
+            },
+        )?);
+        *held = Arc::downgrade(&lock);
+        Ok(lock)
     }
 
     /// Start a new part file once the current one holds at least `n` bytes (default
@@ -84,15 +121,19 @@ impl<T: 'static, F: Fn(&T, &mut String) + Send + Sync + 'static> Sink<T>
         shard: usize,
         _shards: usize,
     ) -> Result<Box<dyn SinkWriter<T>>, StartError> {
+        let output_dir = |source| StartError::OutputDir {
+            path: self.dir.clone(),
+            source,
+        };
+        // Before the writer lists the directory: what it finds there must be this job's.
+        let lock = self.lock_dir().map_err(output_dir)?;
         let w = TransactionalFileWriter::open(self.fs.clone(), &self.dir, shard, self.part_size)
-            .map_err(|source| StartError::StateDir {
-                path: self.dir.clone(),
-                source,
-            })?;
+            .map_err(output_dir)?;
         Ok(Box::new(FormattedWriter {
             w,
             format: self.format.clone(),
             line: String::new(),
+            _lock: lock,
         }))
     }
 
@@ -106,6 +147,8 @@ struct FormattedWriter<F> {
     w: TransactionalFileWriter,
     format: Arc<F>,
     line: String,
+    /// The output directory's lock, held as long as the writer.
+    _lock: Arc<DirLock>,
 }
 
 impl<T: 'static, F: Fn(&T, &mut String) + Send + Sync + 'static> SinkWriter<T>
@@ -890,10 +933,11 @@ mod tests {
             .collect()
     }
 
+    /// Hidden part files' names, sorted (the sink's lock file is no part file).
     fn hidden(dir: &Path) -> Vec<String> {
         names(dir)
             .into_iter()
-            .filter(|n| n.starts_with('.'))
+            .filter(|n| n.starts_with('.') && n != SINK_LOCK_FILE)
             .collect()
     }
 
@@ -966,13 +1010,54 @@ mod tests {
                 .contains("part numbers of shard 0 are used up"),
             "{e}"
         );
-        assert_eq!(names(&dir), [last]);
+        assert_eq!(names(&dir), [SINK_LOCK_FILE.to_string(), last]);
         // Another shard's numbers are its own.
         let mut w1 = writer(&s, 1);
         write_all(&mut *w1, &lines("b", 0..3));
         w1.pre_commit(1).expect("pre-commit");
         w1.commit(1).expect("commit");
         assert!(names(&dir).contains(&final_name(1, 0)));
+    }
+
+    /// One job per output directory: a restore deletes hidden files of its shard indices that
+    /// its checkpoint does not list, which would be another job's. A second sink on the
+    /// directory is refused, naming the lock file, while the first one's writers exist (its
+    /// shards share the lock); once they are dropped the directory is free again.
+    #[test]
+    fn a_second_sink_on_an_output_directory_is_refused_while_the_first_writes() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let dir = tmp.path().join("out");
+        let first = sink(&dir);
+        let mut w0 = writer(&first, 0);
+        let w1 = writer(&first, 1);
+        write_all(&mut *w0, &lines("a", 0..3));
+        let other = sink(&dir);
+        let refused = |s: &TransactionalFileSink<Fmt>| match Sink::<String>::create_writer(s, 0, 2)
+        {
+            Ok(_) => panic!("a second sink wrote into a locked directory"),
+            Err(e) => e,
+        };
+        let e = refused(&other);
+        assert!(
+            matches!(&e, StartError::OutputDir { path, .. } if *path == dir),
+            "{e}"
+        );
+        let lock = dir.join(SINK_LOCK_FILE);
+        assert!(e.to_string().contains(&lock.display().to_string()), "{e}");
+        assert_eq!(hidden(&dir), [inprogress_name(0, 0)]);
+        // Still held while any writer of the first sink exists.
+        drop(w0);
+        refused(&other);
+        drop(w1);
+        let mut w = writer(&other, 0);
+        write_all(&mut *w, &lines("b", 0..2));
+        w.finish().expect("finish");
+        // Its restore-free start left the first sink's abandoned file alone and numbered past it.
+        assert!(
+            visible(&dir).contains(&final_name(0, 1)),
+            "{:?}",
+            names(&dir)
+        );
     }
 
     #[test]
