@@ -64,6 +64,32 @@ fn resolved(p: &Path) -> PathBuf {
     }
 }
 
+/// Refuses `path` (given as `flag`) inside the job's checkpoint directory `DIR/<job-id>`, or
+/// that directory itself: retention and `weir checkpoints clean` delete checkpoint directories
+/// there with everything in them. Found with `--output DIR/keyed-sum/chk-1`: the committed
+/// output went with checkpoint 1 when checkpoint 2 completed.
+pub(crate) fn check_outside_job_dir(
+    flag: &str,
+    path: &Path,
+    a: &crate::CheckpointArgs,
+) -> Result<(), String> {
+    let (Some(dir), Some(job)) = (&a.checkpoint_dir, &a.job_id) else {
+        return Ok(());
+    };
+    let job_dir = dir.join(job);
+    if resolved(path).starts_with(resolved(&job_dir)) {
+        // `--on-error dead-letter=PATH` is written as one word.
+        let sep = if flag.ends_with('=') { "" } else { " " };
+        return Err(format!(
+            "{flag}{sep}{} is in the job's checkpoint directory {}, where retention \
+             deletes checkpoints with what is in them; put it elsewhere",
+            path.display(),
+            job_dir.display()
+        ));
+    }
+    Ok(())
+}
+
 /// Refuses input, output and dead-letter paths that overlap. The job deletes (plain sink) or
 /// renames over (exactly-once sink) `part-*` files in --output, so an input there was lost
 /// (truncated, the run "succeeding" with 0 records); an --input directory that is --output
@@ -84,7 +110,10 @@ fn check_paths(input: &InputArgs) -> Result<(), String> {
              or replaces; write the output to another directory"
         ));
     }
+    check_outside_job_dir("--input", &input.input, &input.checkpoint)?;
+    check_outside_job_dir("--output", &input.output, &input.checkpoint)?;
     if let Policy::DeadLetter(d) = &input.on_error {
+        check_outside_job_dir("--on-error dead-letter=", d, &input.checkpoint)?;
         let d_shown = d.display();
         let dr = resolved(d);
         if dr.starts_with(&i) {

@@ -209,6 +209,14 @@ pub fn apply_checkpointing(
             d.display()
         ));
     }
+    for (flag, d) in [
+        ("--state-dir", &a.state_dir),
+        ("--savepoint-dir", &a.savepoint_dir),
+    ] {
+        if let Some(d) = d {
+            jobs::check_outside_job_dir(flag, d, a)?;
+        }
+    }
     let Some(ck) = a.resolved.clone() else {
         if a.restore.as_deref() == Some("latest") {
             return Err("--restore latest needs --checkpoint-dir".into());

@@ -2327,6 +2327,65 @@ fn overlapping_input_output_and_dead_letter_paths_are_refused() {
     assert!(!elsewhere.exists(), "nothing written");
 }
 
+/// A path the job uses in its checkpoint directory `DIR/<job-id>` is refused before anything
+/// is written: retention deletes checkpoint directories with what is in them. Before,
+/// `--output DIR/keyed-sum/chk-1` lost its committed output when checkpoint 2 completed, and
+/// the job failed on its next commit. Beside the job's directory, in `DIR`, is fine.
+#[test]
+fn paths_in_the_jobs_checkpoint_directory_are_refused() {
+    let inputs = Inputs::new(3_000, 20, "csv");
+    let (input, ck) = (&inputs.input, &inputs.ck);
+    let job_dir = ck.join("keyed-sum");
+    let s = |p: &Path| p.to_str().expect("utf8").to_owned();
+    let ck_s = s(ck);
+    let elsewhere = inputs.dir.path().join("out");
+    let chk1 = job_dir.join("chk-1");
+    let dl = format!("dead-letter={}", job_dir.join("dl.jsonl").display());
+    for (flag, output, extra) in [
+        ("--output", &chk1, vec![]),
+        ("--output", &job_dir, vec![]),
+        (
+            "--state-dir",
+            &elsewhere,
+            vec!["--state-dir".into(), s(&job_dir.join("s"))],
+        ),
+        (
+            "--savepoint-dir",
+            &elsewhere,
+            vec!["--savepoint-dir".into(), s(&job_dir)],
+        ),
+        (
+            "--on-error dead-letter=",
+            &elsewhere,
+            vec!["--on-error".into(), dl.clone()],
+        ),
+    ] {
+        let mut args = vec!["--checkpoint-dir", &ck_s, "--checkpoint-interval", "10ms"];
+        args.extend(extra.iter().map(String::as_str));
+        let r = keyed_sum(input, "csv", output, &args);
+        assert_eq!(r.status.code(), Some(1), "{flag}: {}", stderr(&r));
+        assert!(
+            stderr(&r).contains(flag)
+                && stderr(&r).contains(&format!(
+                    "is in the job's checkpoint directory {}",
+                    job_dir.display()
+                )),
+            "{}",
+            stderr(&r)
+        );
+        assert!(!job_dir.exists() && !elsewhere.exists(), "nothing written");
+    }
+    // Beside the job's directory, in the checkpoint directory.
+    let beside = ck.join("out");
+    let r = keyed_sum(input, "csv", &beside, &["--checkpoint-dir", &ck_s]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert_same_sums(
+        &parse_sums(&committed_lines(&beside)),
+        &running_sums(&inputs.recs),
+        "output beside the job's checkpoints",
+    );
+}
+
 /// One job per exactly-once output directory: a restore deletes the hidden part files of its
 /// shard indices that its checkpoint does not list, which would be another job's. A run whose
 /// `--output` another job writes (here: its lock held by this test) exits 1 naming the lock
