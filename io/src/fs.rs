@@ -493,6 +493,28 @@ pub fn publish_file(fs: &dyn Fs, path: &Path, bytes: &[u8]) -> Result<(), IoErro
     fs.sync_dir(dir)
 }
 
+/// `p` absolute with symbolic links resolved as far as it exists (an output directory may not
+/// yet), so that two spellings of one path compare equal.
+pub fn resolved_path(p: &Path) -> PathBuf {
+    let Ok(abs) = std::path::absolute(p) else {
+        return p.to_path_buf();
+    };
+    let mut existing = abs.as_path();
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(c) = std::fs::canonicalize(existing) {
+            return rest.iter().rev().fold(c, |acc, name| acc.join(name));
+        }
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_owned());
+                existing = parent;
+            }
+            _ => return abs,
+        }
+    }
+}
+
 /// An exclusive advisory lock (`flock`) on `<dir>/LOCK` (or another name), held until dropped.
 /// Mapped files must have no other writer: a second store on the same directory fails with
 /// [`IoError::Locked`]. The exactly-once file sink locks its output directory the same way.

@@ -35,7 +35,7 @@ pub use frame::{
     crc32, decode_block, encode_block, BlockHeader, BLOCK_HEADER_LEN, CHECKSUM_CRC32_IEEE,
 };
 pub use fs::{
-    create_dir_all_durable, publish_file, DirLock, Fs, FsFile, Mapped, ReadAhead, ReadBuf, StdFs,
-    WriteBuf, DIRECT_ALIGN,
+    create_dir_all_durable, publish_file, resolved_path, DirLock, Fs, FsFile, Mapped, ReadAhead,
+    ReadBuf, StdFs, WriteBuf, DIRECT_ALIGN,
 };
 pub use uring::{UringFs, URING_CHUNK_BYTES, URING_DEPTH};

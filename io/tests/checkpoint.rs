@@ -1170,7 +1170,23 @@ fn savepoint_is_self_contained() {
         Err(CheckpointError::AlreadyExists { .. })
     ));
     assert!(st.export_savepoint(2, &sp_root, "../escape").is_err());
+    // Not where retention deletes: in the job's directory, or one of its checkpoints'.
     let job = st.job_dir().to_owned();
+    for inside in [job.clone(), job.join("chk-1"), job.join("x").join("..")] {
+        assert!(
+            matches!(
+                st.export_savepoint(2, &inside, "sp"),
+                Err(CheckpointError::InvalidArgument {
+                    what: "savepoint directory",
+                    ..
+                })
+            ),
+            "{}",
+            inside.display()
+        );
+        assert!(!inside.join("sp").exists());
+    }
+    assert_eq!(st.latest_complete().unwrap().unwrap().id, 2);
     drop(st);
     std::fs::remove_dir_all(&job).unwrap();
 

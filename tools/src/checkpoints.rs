@@ -75,6 +75,12 @@ fn is_job_dir(p: &Path) -> bool {
     p.join(weir_io::SHARED_DIR).is_dir() && p.join(weir_io::TASKOWNED_DIR).is_dir()
 }
 
+/// A savepoint has the same two directories and its metadata beside them (a job directory
+/// keeps metadata in its `chk-<n>` directories only).
+fn is_savepoint_dir(p: &Path) -> bool {
+    is_job_dir(p) && p.join(weir_io::METADATA_FILE).is_file()
+}
+
 /// `dir` spelled with a last component. `.` and `..` (and `x/..`) have no file name, so a job
 /// directory given so was "not a job directory", and a `chk-<n>` one, taken for a savepoint
 /// that is not one, was reported corrupt (exit 3).
@@ -99,6 +105,15 @@ fn jobs(dir: &Path) -> Result<Vec<(PathBuf, String)>, String> {
             .ok_or_else(|| format!("{}: not a job directory", p.display()))?;
         Ok((root, job.to_string()))
     };
+    if is_savepoint_dir(dir) {
+        // Taken for a job, `clean` locked it (a LOCK file inside the savepoint) and `list`
+        // showed a job without checkpoints.
+        return Err(format!(
+            "{}: a savepoint, not a job's checkpoint directory (`weir checkpoints verify` and \
+             `inspect` take it)",
+            dir.display()
+        ));
+    }
     if is_job_dir(dir) {
         return Ok(vec![split(dir)?]);
     }
@@ -106,7 +121,8 @@ fn jobs(dir: &Path) -> Result<Vec<(PathBuf, String)>, String> {
     let mut out = Vec::new();
     for e in entries.flatten() {
         let p = e.path();
-        if is_job_dir(&p) {
+        // A savepoint made into the checkpoint directory sits beside the jobs: not one.
+        if is_job_dir(&p) && !is_savepoint_dir(&p) {
             out.push(split(&p)?);
         }
     }

@@ -1,7 +1,7 @@
 //! The built-in file jobs of `weir run`.
 
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use weir_runtime::source::{ErrorPolicy, FileFormat, FileSource};
 use weir_runtime::{Job, JobConfig, WatermarkStrategy, WindowAssigner};
@@ -42,28 +42,6 @@ fn config(input: &InputArgs) -> Result<JobConfig, String> {
     crate::apply_checkpointing(c, &input.checkpoint)
 }
 
-/// `p` absolute with symbolic links resolved as far as it exists (an output directory may not
-/// yet), so that two spellings of one path compare equal.
-fn resolved(p: &Path) -> PathBuf {
-    let Ok(abs) = std::path::absolute(p) else {
-        return p.to_path_buf();
-    };
-    let mut existing = abs.as_path();
-    let mut rest = Vec::new();
-    loop {
-        if let Ok(c) = std::fs::canonicalize(existing) {
-            return rest.iter().rev().fold(c, |acc, name| acc.join(name));
-        }
-        match (existing.parent(), existing.file_name()) {
-            (Some(parent), Some(name)) => {
-                rest.push(name.to_owned());
-                existing = parent;
-            }
-            _ => return abs,
-        }
-    }
-}
-
 /// Refuses `path` (given as `flag`) inside the job's checkpoint directory `DIR/<job-id>`, or
 /// that directory itself: retention and `weir checkpoints clean` delete checkpoint directories
 /// there with everything in them. Found with `--output DIR/keyed-sum/chk-1`: the committed
@@ -77,7 +55,7 @@ pub(crate) fn check_outside_job_dir(
         return Ok(());
     };
     let job_dir = dir.join(job);
-    if resolved(path).starts_with(resolved(&job_dir)) {
+    if weir_io::resolved_path(path).starts_with(weir_io::resolved_path(&job_dir)) {
         // `--on-error dead-letter=PATH` is written as one word.
         let sep = if flag.ends_with('=') { "" } else { " " };
         return Err(format!(
@@ -96,7 +74,10 @@ pub(crate) fn check_outside_job_dir(
 /// reads the output as input on the next run; a dead-letter file that is the input was
 /// appended to it, and one in --output was overwritten by a part file.
 fn check_paths(input: &InputArgs) -> Result<(), String> {
-    let (i, o) = (resolved(&input.input), resolved(&input.output));
+    let (i, o) = (
+        weir_io::resolved_path(&input.input),
+        weir_io::resolved_path(&input.output),
+    );
     let (i_shown, o_shown) = (input.input.display(), input.output.display());
     if i == o {
         return Err(format!(
@@ -115,7 +96,7 @@ fn check_paths(input: &InputArgs) -> Result<(), String> {
     if let Policy::DeadLetter(d) = &input.on_error {
         check_outside_job_dir("--on-error dead-letter=", d, &input.checkpoint)?;
         let d_shown = d.display();
-        let dr = resolved(d);
+        let dr = weir_io::resolved_path(d);
         if dr.starts_with(&i) {
             return Err(format!(
                 "--on-error dead-letter={d_shown} is --input {i_shown} or inside it: dead \

@@ -2386,6 +2386,73 @@ fn paths_in_the_jobs_checkpoint_directory_are_refused() {
     );
 }
 
+/// A savepoint goes nowhere retention deletes: `--to` in the job's directory (or a checkpoint's)
+/// is refused, exit 1, and nothing is made there. Before, one in `chk-1` stopped the job's
+/// retention from removing `chk-1` and `clean` then failed on it. A savepoint made into the
+/// checkpoint directory itself sits beside the jobs and is no job: `list`, `clean`, `inspect`
+/// and `savepoint` of the directory still see the one job (before, `clean` locked the
+/// savepoint as a job, leaving a LOCK file in it, and `inspect`/`savepoint` refused a
+/// directory of two jobs), and `list` or `clean` of the savepoint itself say what it is.
+#[test]
+fn savepoints_stay_out_of_the_jobs_directory_and_are_no_job_beside_it() {
+    let inputs = Inputs::new(2_000, 20, "jsonl");
+    inputs.run_checkpointed();
+    let s = |p: &Path| p.to_str().expect("utf8").to_owned();
+    let (ck, job_dir) = (s(&inputs.ck), inputs.ck.join("keyed-sum"));
+    for to in [job_dir.clone(), job_dir.join("chk-1")] {
+        let r = weir(&["checkpoints", "savepoint", &ck, "--to", &s(&to)]);
+        assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+        assert!(
+            stderr(&r).contains("is in the job's checkpoint directory"),
+            "{}",
+            stderr(&r)
+        );
+        let made = std::fs::read_dir(&to)
+            .expect("dir")
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with("savepoint-"));
+        assert!(!made, "nothing made in {}", to.display());
+    }
+    let r = weir(&["checkpoints", "savepoint", &ck, "--to", &ck]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let sp = String::from_utf8_lossy(&r.stdout).trim().to_string();
+    for cmd in [&["list"][..], &["clean"], &["inspect"]] {
+        let mut args = vec!["checkpoints"];
+        args.extend_from_slice(cmd);
+        args.push(&ck);
+        let r = weir(&args);
+        assert!(r.status.success(), "{cmd:?}: {}", stderr(&r));
+        let out = String::from_utf8_lossy(&r.stdout);
+        assert!(
+            !out.contains("savepoint-"),
+            "{cmd:?} took the savepoint for a job: {out}"
+        );
+    }
+    assert!(
+        !Path::new(&sp).join("LOCK").exists(),
+        "clean left the savepoint alone"
+    );
+    let again = weir(&[
+        "checkpoints",
+        "savepoint",
+        &ck,
+        "--to",
+        &s(&inputs.dir.path().join("sps")),
+    ]);
+    assert!(again.status.success(), "{}", stderr(&again));
+    for cmd in ["list", "clean"] {
+        let r = weir(&["checkpoints", cmd, &sp]);
+        assert_eq!(r.status.code(), Some(1), "{cmd}: {}", stderr(&r));
+        assert!(
+            stderr(&r).contains("a savepoint, not a job's"),
+            "{}",
+            stderr(&r)
+        );
+    }
+    let v = weir(&["checkpoints", "verify", &sp]);
+    assert!(v.status.success(), "{}", stderr(&v));
+}
+
 /// One job per exactly-once output directory: a restore deletes the hidden part files of its
 /// shard indices that its checkpoint does not list, which would be another job's. A run whose
 /// `--output` another job writes (here: its lock held by this test) exits 1 naming the lock

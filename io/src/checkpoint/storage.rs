@@ -815,6 +815,19 @@ impl CheckpointStorage {
         check_name("savepoint name", name)?;
         let sh = &self.shared;
         let target = savepoint_root.join(name);
+        // Retention removes checkpoint directories whole, and `clean` what no checkpoint uses:
+        // a savepoint among them would be deleted, or stop the removal of a checkpoint.
+        if crate::fs::resolved_path(&target).starts_with(crate::fs::resolved_path(&sh.job_dir)) {
+            return Err(CheckpointError::InvalidArgument {
+                what: "savepoint directory",
+                reason: format!(
+                    "{} is in the job's checkpoint directory {}, where retention deletes \
+                     checkpoints with what is in them",
+                    savepoint_root.display(),
+                    sh.job_dir.display()
+                ),
+            });
+        }
         if target.exists() {
             return Err(CheckpointError::AlreadyExists { path: target });
         }
