@@ -65,8 +65,8 @@ enum CheckpointsCommand {
         .args(["checkpoint_dir", "checkpoint_config"])
 ))]
 pub struct CheckpointArgs {
-    /// Checkpoint into DIR/<job-id>; with it, --output is written exactly once (two-phase
-    /// commit) and a failed job restarts from its latest checkpoint.
+    /// Checkpoint into DIR/<job-id>; with it, a failed job restarts from its latest
+    /// checkpoint, and a file job's --output is written exactly once (two-phase commit).
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
     /// Checkpoint and restart settings from a TOML file (dir, job-id, interval, timeout,
