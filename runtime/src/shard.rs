@@ -253,7 +253,8 @@ impl JobHandle {
     /// barrier; once it completed and every shard's sinks committed it, the shards end and
     /// [`Self::wait`] returns `Ok` (status `Finished`). Records read past the barrier are
     /// not committed: a job restored from the savepoint reads them again. If the savepoint
-    /// fails, the job keeps running and this returns the error.
+    /// fails (its checkpoint, or copying it out), the job keeps running, checkpointing again,
+    /// and this returns the error: the shards end only once the savepoint is out.
     pub fn stop_with_savepoint(&self, dir: &Path) -> Result<PathBuf, SavepointError> {
         self.savepoint(dir, true)
     }
@@ -264,9 +265,10 @@ impl JobHandle {
         }
         let (tx, rx) = mpsc::channel();
         lock(&self.ctl.requests.savepoints).push(SavepointRequest { waiter: tx, stop });
-        let pin = loop {
+        // `gate`: a stop's; dropped before `stop` (any error below), the job goes on.
+        let (pin, gate) = loop {
             match rx.recv_timeout(Duration::from_millis(20)) {
-                Ok(Ok(pin)) => break pin,
+                Ok(Ok(reply)) => break reply,
                 Ok(Err(reason)) => return Err(SavepointError::CheckpointFailed { reason }),
                 Err(mpsc::RecvTimeoutError::Timeout) => {
                     // A request no coordinator took before the job ended is never served.
@@ -293,8 +295,13 @@ impl JobHandle {
             reason: e,
         };
         std::fs::create_dir_all(dir).map_err(|e| export(e.to_string()))?;
-        pin.export_savepoint(dir, &name)
-            .map_err(|e| export(e.to_string()))
+        let path = pin
+            .export_savepoint(dir, &name)
+            .map_err(|e| export(e.to_string()))?;
+        if let Some(g) = gate {
+            g.stop();
+        }
+        Ok(path)
     }
 
     /// How many times the job restarted after a failure so far.
@@ -890,6 +897,7 @@ fn run_attempt(
                 shards_ready: AtomicUsize::new(0),
                 final_id: AtomicU64::new(0),
                 stop_at: AtomicU64::new(0),
+                stop_go: AtomicU64::new(0),
                 stopping: AtomicBool::new(false),
                 store: store.clone(),
                 acks: Mutex::new(tx),

@@ -1255,6 +1255,64 @@ fn a_restore_refuses_state_no_operator_takes_unless_allowed() {
     }
 }
 
+/// A stop-with-savepoint whose checkpoint completes but whose copy fails (here: the savepoint
+/// directory is a file) returns the error and leaves the job running, as Flink's does when
+/// its savepoint fails: it checkpoints again and, its input read, commits every record's sum
+/// once. Before, the shards ended as the stop's checkpoint completed, so the job finished
+/// with half its output and no savepoint (`weir run`, asked to stop on a full disk, said
+/// "the job goes on" and exited 0).
+#[test]
+fn a_stop_whose_savepoint_is_not_copied_out_leaves_the_job_running() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let out = dir.path().join("out");
+    let not_a_dir = dir.path().join("file");
+    std::fs::write(&not_a_dir, "x").expect("file");
+    let n = 100_000u64;
+    let Sums { data, at, .. } = Sums::new(n);
+    let hold = Hold::new(n, n / 10);
+    let c = restoring(exactly_once(&dir.path().join("ckpt"), 2), None, true);
+    let job = Job::new(c);
+    running_sum_job(&job, &data, Some(hold.clone()), "sum")
+        .sink(weir_runtime::sink::TransactionalFileSink::new(
+            out.clone(),
+            |r: &(u64, i64, u64), line: &mut String| {
+                line.push_str(&format!("{},{},{}", r.0, r.1, r.2));
+            },
+        ))
+        .uid("out");
+    let h = job.start().expect("start");
+    await_checkpoints(&h, 1);
+    let stop_id = match h.stop_with_savepoint(&not_a_dir) {
+        Err(weir_runtime::SavepointError::Export { checkpoint_id, .. }) => checkpoint_id,
+        other => panic!("expected a failed copy, got {other:?}"),
+    };
+    hold.release();
+    let summary = h.wait().expect("the job ran on to its end");
+    assert!(
+        summary
+            .checkpoints
+            .last_completed_checkpoint_id
+            .is_some_and(|id| id > stop_id),
+        "checkpoints went on after the withdrawn stop's {stop_id}: {:?}",
+        summary.checkpoints.last_completed_checkpoint_id
+    );
+    let mut all: Vec<u64> = committed_lines(&out)
+        .iter()
+        .map(|l| {
+            let f: Vec<&str> = l.split(',').collect();
+            let (sum, i): (i64, u64) = (f[1].parse().expect("sum"), f[2].parse().expect("index"));
+            assert_eq!(Some(&sum), at.get(&i), "record {i}");
+            i
+        })
+        .collect();
+    all.sort_unstable();
+    assert_eq!(
+        all,
+        (0..n).collect::<Vec<_>>(),
+        "every record's sum exactly once"
+    );
+}
+
 /// The lines of the visible (committed) files under `dir`.
 fn committed_lines(dir: &std::path::Path) -> Vec<String> {
     let mut lines = Vec::new();

@@ -77,8 +77,43 @@ struct Pending {
     acked: usize,
 }
 
-/// Where a savepoint request hears of its checkpoint: pinned once complete, or why not.
-pub(crate) type SavepointWaiter = mpsc::Sender<Result<weir_io::CheckpointPin, String>>;
+/// Where a savepoint request hears of its checkpoint: pinned once complete (with the gate of
+/// a stop-with-savepoint), or why not.
+pub(crate) type SavepointWaiter =
+    mpsc::Sender<Result<(weir_io::CheckpointPin, Option<StopGate>), String>>;
+
+/// Handed to a stop-with-savepoint's caller with its completed checkpoint: the shards end
+/// only once the caller says the savepoint is out ([`StopGate::stop`]). Dropped without that
+/// (the copy failed), the job goes on and checkpoints again, as when Flink's stop-with-
+/// savepoint fails; before, the shards ended as the checkpoint completed, and a failed copy
+/// left the job ended with no savepoint.
+pub(crate) struct StopGate {
+    shared: Arc<Shared>,
+    id: u64,
+    stopped: bool,
+}
+
+impl StopGate {
+    /// The savepoint is out: the shards end once they told their sinks of its checkpoint.
+    pub fn stop(mut self) {
+        self.stopped = true;
+        self.shared.stop_go.store(self.id, Ordering::Release);
+    }
+}
+
+impl Drop for StopGate {
+    fn drop(&mut self) {
+        if !self.stopped {
+            // The coordinator sees the stop withdrawn and triggers again.
+            let _ = self.shared.stop_at.compare_exchange(
+                self.id,
+                0,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+        }
+    }
+}
 
 /// A savepoint request from the job handle.
 pub(crate) struct SavepointRequest {
@@ -114,8 +149,8 @@ pub(crate) struct Coordinator {
     next_periodic: Option<Instant>,
     consecutive_failures: u32,
     requests: Arc<Requests>,
-    /// Savepoint requests and the checkpoint that serves them.
-    savepoint_waiters: Vec<(u64, SavepointWaiter)>,
+    /// Savepoint requests, the checkpoint that serves them, and whether they stop the job.
+    savepoint_waiters: Vec<(u64, SavepointWaiter, bool)>,
     /// The checkpoint of a stop-with-savepoint in progress: none is triggered after it.
     stop_id: Option<u64>,
     pub metrics: Arc<Mutex<CheckpointMetrics>>,
@@ -189,6 +224,13 @@ impl Coordinator {
     }
 
     fn maybe_trigger(&mut self) {
+        // A stop whose savepoint could not be copied out was withdrawn (see `StopGate`).
+        if self
+            .stop_id
+            .is_some_and(|id| self.shared.stop_at.load(Ordering::Acquire) != id)
+        {
+            self.stop_id = None;
+        }
         if !self.ready()
             || self.pending.len() >= self.shared.config.max_concurrent
             || self.stop_id.is_some()
@@ -238,7 +280,7 @@ impl Coordinator {
                         self.shared.stop_at.store(id, Ordering::Release);
                     }
                     self.savepoint_waiters
-                        .extend(waiting.into_iter().map(|r| (id, r.waiter)));
+                        .extend(waiting.into_iter().map(|r| (id, r.waiter, r.stop)));
                 }
                 None => {
                     for r in waiting {
@@ -412,8 +454,26 @@ impl Coordinator {
                 }
                 self.update_in_progress();
                 // Pinned before retention runs: no later checkpoint can drop it meanwhile.
-                for (_, w) in self.waiters_of(id) {
-                    let _ = w.send(self.shared.store.pin(id));
+                for (_, w, stop) in self.waiters_of(id) {
+                    let reply = self.shared.store.pin(id).map(|pin| {
+                        let gate = stop.then(|| StopGate {
+                            shared: self.shared.clone(),
+                            id,
+                            stopped: false,
+                        });
+                        (pin, gate)
+                    });
+                    // A stop without a pin has no savepoint: withdrawn at once. (A gate the
+                    // caller never received, its thread gone, withdraws it as it drops.)
+                    if stop && reply.is_err() {
+                        let _ = self.shared.stop_at.compare_exchange(
+                            id,
+                            0,
+                            Ordering::AcqRel,
+                            Ordering::Acquire,
+                        );
+                    }
+                    let _ = w.send(reply);
                 }
                 if let Err(e) = self.shared.store.retain(self.shared.config.retained) {
                     tracing::warn!("checkpoint retention after {id} failed: {e}");
@@ -442,17 +502,17 @@ impl Coordinator {
     }
 
     /// The savepoint requests served by checkpoint `id`, taken out.
-    fn waiters_of(&mut self, id: u64) -> Vec<(u64, SavepointWaiter)> {
+    fn waiters_of(&mut self, id: u64) -> Vec<(u64, SavepointWaiter, bool)> {
         let (mine, rest) = std::mem::take(&mut self.savepoint_waiters)
             .into_iter()
-            .partition(|(c, _)| *c == id);
+            .partition(|(c, _, _)| *c == id);
         self.savepoint_waiters = rest;
         mine
     }
 
     fn fail_checkpoint(&mut self, id: u64, reason: String) {
         tracing::debug!("ckpt {id} failed: {reason}");
-        for (_, w) in self.waiters_of(id) {
+        for (_, w, _) in self.waiters_of(id) {
             let _ = w.send(Err(reason.clone()));
         }
         tracing::warn!("checkpoint {id} failed: {reason}");
@@ -522,6 +582,7 @@ mod tests {
             shards_ready: AtomicUsize::new(1),
             final_id: AtomicU64::new(0),
             stop_at: AtomicU64::new(0),
+            stop_go: AtomicU64::new(0),
             stopping: AtomicBool::new(false),
             store: Arc::new(IoCheckpointStore::new(storage)),
             acks: Mutex::new(tx),

@@ -57,9 +57,12 @@ pub(crate) struct Shared {
     pub final_id: AtomicU64,
     /// The job is ending (stop triggering).
     pub stopping: AtomicBool,
-    /// The checkpoint of a stop-with-savepoint (0: none): nothing is triggered after it, and
-    /// the shards end once it completed and their sinks committed it.
+    /// The checkpoint of a stop-with-savepoint (0: none, or withdrawn): nothing is triggered
+    /// after it.
     pub stop_at: AtomicU64,
+    /// The stop-with-savepoint checkpoint whose savepoint was copied out (0: none): the shards
+    /// end once it completed and their sinks committed it (see `StopGate`).
+    pub stop_go: AtomicU64,
     pub store: Arc<dyn CheckpointStore>,
     pub acks: std::sync::Mutex<mpsc::Sender<Ack>>,
 }
@@ -251,11 +254,11 @@ impl ShardCheckpoint {
     }
 
     /// True once this shard told its listeners (sinks committed) of the completion of the
-    /// stop-with-savepoint's checkpoint: the shard may end.
+    /// stop-with-savepoint's checkpoint, and its savepoint is out: the shard may end.
     pub fn stop_reached(this: &ShardCheckpointRef) -> bool {
         let s = this.borrow();
-        let at = s.shared.stop_at.load(Ordering::Acquire);
-        at != 0 && s.seen_completed >= at
+        let go = s.shared.stop_go.load(Ordering::Acquire);
+        go != 0 && s.seen_completed >= go
     }
 
     /// Tells listeners about checkpoints completed since the last call; drops bookkeeping of
