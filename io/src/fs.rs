@@ -124,7 +124,9 @@ pub trait FsFile: Send + Debug {
     /// in flight: the call first waits for the previous one, and returns its buffer for reuse
     /// (implementations that write at once return `buf` itself). A failure of a write is
     /// returned by this call or by the next [`FsFile::wait_behind`]; [`FsFile::sync`] waits
-    /// for the write first, so it never makes a write durable that did not complete.
+    /// for the write first, so it never makes a write durable that did not complete. An
+    /// implementation may make earlier pieces durable in the background meanwhile; a failure
+    /// of that fails a later call and every later [`FsFile::sync`].
     fn write_behind(
         &mut self,
         offset: u64,
