@@ -1296,13 +1296,31 @@ fn a_stop_whose_savepoint_is_not_copied_out_leaves_the_job_running() {
         "checkpoints went on after the withdrawn stop's {stop_id}: {:?}",
         summary.checkpoints.last_completed_checkpoint_id
     );
-    let mut all: Vec<u64> = committed_lines(&out)
+    assert_every_sum_once(&parse_sums(committed_lines(&out)), &at, n);
+}
+
+/// The `key,sum,index` lines of a running-sum job's file sink.
+fn parse_sums(lines: Vec<String>) -> Vec<(u64, i64, u64)> {
+    lines
         .iter()
         .map(|l| {
             let f: Vec<&str> = l.split(',').collect();
-            let (sum, i): (i64, u64) = (f[1].parse().expect("sum"), f[2].parse().expect("index"));
-            assert_eq!(Some(&sum), at.get(&i), "record {i}");
-            i
+            (
+                f[0].parse().expect("key"),
+                f[1].parse().expect("sum"),
+                f[2].parse().expect("index"),
+            )
+        })
+        .collect()
+}
+
+/// Every record `0..n` was emitted exactly once, with the running sum at its index.
+fn assert_every_sum_once(got: &[(u64, i64, u64)], at: &HashMap<u64, i64>, n: u64) {
+    let mut all: Vec<u64> = got
+        .iter()
+        .map(|(k, sum, i)| {
+            assert_eq!(Some(sum), at.get(i), "key {k} at record {i}");
+            *i
         })
         .collect();
     all.sort_unstable();
@@ -1377,20 +1395,7 @@ fn stop_with_savepoint_commits_up_to_the_savepoint_and_ends_the_job() {
         Some(sp_id),
         "no checkpoint after the savepoint"
     );
-    let parse = |lines: Vec<String>| -> Vec<(u64, i64, u64)> {
-        lines
-            .iter()
-            .map(|l| {
-                let f: Vec<&str> = l.split(',').collect();
-                (
-                    f[0].parse().expect("key"),
-                    f[1].parse().expect("sum"),
-                    f[2].parse().expect("index"),
-                )
-            })
-            .collect()
-    };
-    let first = parse(committed_lines(&out));
+    let first = parse_sums(committed_lines(&out));
     assert!(
         !first.is_empty() && (first.len() as u64) < n,
         "stopped mid-way: {} lines committed",
@@ -1402,19 +1407,7 @@ fn stop_with_savepoint_commits_up_to_the_savepoint_and_ends_the_job() {
 
     let h = run("ckpt2", Some(RestoreFrom::Path(sp)), None);
     h.wait().expect("restored job");
-    let mut all: Vec<u64> = parse(committed_lines(&out))
-        .into_iter()
-        .map(|(k, sum, i)| {
-            assert_eq!(Some(&sum), at.get(&i), "key {k} at record {i}");
-            i
-        })
-        .collect();
-    all.sort_unstable();
-    assert_eq!(
-        all,
-        (0..n).collect::<Vec<_>>(),
-        "every record's sum exactly once"
-    );
+    assert_every_sum_once(&parse_sums(committed_lines(&out)), &at, n);
 }
 
 /// A savepoint taken from a running 2-shard job is self-contained: with the job's checkpoint
