@@ -329,8 +329,8 @@ const BEHIND_ENTRIES: u32 = 4;
 /// piece is issued with an `fdatasync` of the file that nobody waits for (as RocksDB's
 /// `bytes_per_sync`), so that the device's flush of what is written overlaps the writer's
 /// encoding instead of being paid at `sync`. This VM's virtual disk makes written data durable
-/// at about 1 ms per MB, all of it at the final `fdatasync` otherwise: 73-103 ms of a 77 MB
-/// segment job that ran ~130 ms of CPU. Measured (`state_segment_write`, two runs each): the
+/// at about 1 ms per MB, all of it at the final `fdatasync` otherwise: 74-88 ms (strace) of a
+/// 77 MB segment job that ran ~130 ms of CPU. Measured (`state_segment_write`, two runs each): the
 /// ratio to raw writes 0.58-0.65 without, 0.63-0.69 every 8 MiB, 0.72-0.81 every 4 MiB,
 /// 0.72-0.87 every 2 MiB; the updates benchmark's maintenance CPU did not change.
 const SYNC_BEHIND_BYTES: u64 = 4 << 20;
