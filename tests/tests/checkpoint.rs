@@ -1299,6 +1299,120 @@ fn a_stop_whose_savepoint_is_not_copied_out_leaves_the_job_running() {
     assert_every_sum_once(&parse_sums(committed_lines(&out)), &at, n);
 }
 
+/// A failover whose newest checkpoint has a damaged file (one only it uses) does not restore
+/// it. Falling back to the checkpoint before could commit output twice (the file sink
+/// committed what the newer one's transactions held), so the job stops with an error naming
+/// the checkpoint, the file and its offset, and what was committed stays exactly once. With
+/// `allow_fallback` the failover restores the older checkpoint and the job completes every
+/// record (those between the two checkpoints may be committed twice: the price accepted).
+/// The startup restore of such a directory is the CLI tests'; this is the failover's path.
+#[test]
+fn a_failover_past_a_damaged_checkpoint_stops_unless_fallback_is_allowed() {
+    for allow in [false, true] {
+        let dir = tempfile::tempdir().expect("tmp");
+        let (ckpt, out) = (dir.path().join("ckpt"), dir.path().join("out"));
+        let n = 60_000u64;
+        let Sums { data, at, .. } = Sums::new(n);
+        // Most of the input trickles, so that records still flow when the failure is set.
+        let hold = Hold::new(n, n - 2_000);
+        let fail = Arc::new(AtomicBool::new(false));
+        let c = JobConfig::new()
+            .with_shards(2)
+            .with_pinning(Pinning::Never)
+            .with_batch_records(HELD_BATCH_RECORDS)
+            .with_allow_fallback(allow)
+            .with_checkpointing(
+                // Manual checkpoints only: none completes between the damage and the failure.
+                CheckpointConfig::new(&ckpt, "verify")
+                    .with_mode(CheckpointMode::ExactlyOnce)
+                    .with_retained(2)
+                    .with_restart(RestartStrategy::FixedDelay {
+                        attempts: 1,
+                        delay: Duration::ZERO,
+                    }),
+            );
+        let job = Job::new(c);
+        let failing = fail.clone();
+        running_sum_job(&job, &data, Some(hold.clone()), "sum")
+            .inspect(move |_: &(u64, i64, u64)| {
+                if failing.swap(false, Ordering::AcqRel) {
+                    panic!("injected failure");
+                }
+            })
+            .sink(weir_runtime::sink::TransactionalFileSink::new(
+                out.clone(),
+                |r: &(u64, i64, u64), line: &mut String| {
+                    line.push_str(&format!("{},{},{}", r.0, r.1, r.2));
+                },
+            ))
+            .uid("out");
+        let h = job.start().expect("start");
+        // Records in each checkpoint's sink transactions: the fallback would repeat some.
+        let mut ids = Vec::new();
+        for _ in 0..2 {
+            let seen = h.metrics().records_out("input");
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            while h.metrics().records_out("input") < seen + 500 {
+                assert!(std::time::Instant::now() < deadline, "records stopped");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            let done = h.checkpoint_metrics().number_of_completed_checkpoints;
+            h.trigger_checkpoint().expect("trigger");
+            await_checkpoints(&h, done + 1);
+            ids.push(
+                h.checkpoint_metrics()
+                    .last_completed_checkpoint_id
+                    .expect("completed"),
+            );
+        }
+        let (older, newer) = (ids[0], ids[1]);
+        let only_newer: Vec<_> = shared_files(&ckpt, newer)
+            .difference(&shared_files(&ckpt, older))
+            .cloned()
+            .collect();
+        let damaged = ckpt.join("verify").join(&only_newer[0]);
+        let mut bytes = std::fs::read(&damaged).expect("read");
+        let at_byte = bytes.len() / 2;
+        bytes[at_byte] ^= 0x10;
+        std::fs::write(&damaged, &bytes).expect("damage");
+        fail.store(true, Ordering::Release);
+        let name = damaged.file_name().unwrap().to_string_lossy().into_owned();
+        if !allow {
+            let e = h
+                .wait()
+                .expect_err("the failover must not fall back")
+                .to_string();
+            for part in [
+                format!("checkpoint {newer} does not verify"),
+                name.clone(),
+                "offset".into(),
+                format!("falling back to checkpoint {older} could duplicate"),
+            ] {
+                assert!(e.contains(&part), "{part:?} not in: {e}");
+            }
+            let got = parse_sums(committed_lines(&out));
+            assert!(!got.is_empty(), "checkpoint {newer} committed records");
+            let mut seen = std::collections::HashSet::new();
+            for (k, sum, i) in &got {
+                assert_eq!(Some(sum), at.get(i), "key {k} at record {i}");
+                assert!(seen.insert(*i), "record {i} committed twice");
+            }
+        } else {
+            hold.release();
+            let summary = h.wait().expect("the fallback completes the job");
+            assert_eq!(summary.restarts, 1);
+            assert_eq!(summary.checkpoints.last_restored_checkpoint_id, Some(older));
+            let got = parse_sums(committed_lines(&out));
+            let mut seen = std::collections::HashSet::new();
+            for (k, sum, i) in &got {
+                assert_eq!(Some(sum), at.get(i), "key {k} at record {i}");
+                seen.insert(*i);
+            }
+            assert_eq!(seen.len() as u64, n, "every record committed");
+        }
+    }
+}
+
 /// The `key,sum,index` lines of a running-sum job's file sink.
 fn parse_sums(lines: Vec<String>) -> Vec<(u64, i64, u64)> {
     lines
