@@ -1272,14 +1272,10 @@ fn a_stop_whose_savepoint_is_not_copied_out_leaves_the_job_running() {
     let hold = Hold::new(n, n / 10);
     let c = restoring(exactly_once(&dir.path().join("ckpt"), 2), None, true);
     let job = Job::new(c);
-    running_sum_job(&job, &data, Some(hold.clone()), "sum")
-        .sink(weir_runtime::sink::TransactionalFileSink::new(
-            out.clone(),
-            |r: &(u64, i64, u64), line: &mut String| {
-                line.push_str(&format!("{},{},{}", r.0, r.1, r.2));
-            },
-        ))
-        .uid("out");
+    sums_to_files(
+        running_sum_job(&job, &data, Some(hold.clone()), "sum"),
+        &out,
+    );
     let h = job.start().expect("start");
     await_checkpoints(&h, 1);
     let stop_id = match h.stop_with_savepoint(&not_a_dir) {
@@ -1333,19 +1329,14 @@ fn a_failover_past_a_damaged_checkpoint_stops_unless_fallback_is_allowed() {
             );
         let job = Job::new(c);
         let failing = fail.clone();
-        running_sum_job(&job, &data, Some(hold.clone()), "sum")
-            .inspect(move |_: &(u64, i64, u64)| {
+        let sums = running_sum_job(&job, &data, Some(hold.clone()), "sum").inspect(
+            move |_: &(u64, i64, u64)| {
                 if failing.swap(false, Ordering::AcqRel) {
                     panic!("injected failure");
                 }
-            })
-            .sink(weir_runtime::sink::TransactionalFileSink::new(
-                out.clone(),
-                |r: &(u64, i64, u64), line: &mut String| {
-                    line.push_str(&format!("{},{},{}", r.0, r.1, r.2));
-                },
-            ))
-            .uid("out");
+            },
+        );
+        sums_to_files(sums, &out);
         let h = job.start().expect("start");
         // Records in each checkpoint's sink transactions: the fallback would repeat some.
         let mut ids = Vec::new();
@@ -1413,6 +1404,18 @@ fn a_failover_past_a_damaged_checkpoint_stops_unless_fallback_is_allowed() {
     }
 }
 
+/// Writes a running sum's `key,sum,index` lines to `out` through the exactly-once file sink
+/// (uid `out`).
+fn sums_to_files(sums: weir_runtime::Stream<(u64, i64, u64)>, out: &std::path::Path) {
+    sums.sink(weir_runtime::sink::TransactionalFileSink::new(
+        out.to_path_buf(),
+        |r: &(u64, i64, u64), line: &mut String| {
+            line.push_str(&format!("{},{},{}", r.0, r.1, r.2));
+        },
+    ))
+    .uid("out");
+}
+
 /// The `key,sum,index` lines of a running-sum job's file sink.
 fn parse_sums(lines: Vec<String>) -> Vec<(u64, i64, u64)> {
     lines
@@ -1477,14 +1480,7 @@ fn stop_with_savepoint_commits_up_to_the_savepoint_and_ends_the_job() {
             hold.is_some(),
         );
         let job = Job::new(c);
-        running_sum_job(&job, &data, hold, "sum")
-            .sink(weir_runtime::sink::TransactionalFileSink::new(
-                out.clone(),
-                |r: &(u64, i64, u64), line: &mut String| {
-                    line.push_str(&format!("{},{},{}", r.0, r.1, r.2));
-                },
-            ))
-            .uid("out");
+        sums_to_files(running_sum_job(&job, &data, hold, "sum"), &out);
         job.start().expect("start")
     };
     let h = run("ckpt", None, Some(hold.clone()));
