@@ -104,15 +104,17 @@ impl StopGate {
 impl Drop for StopGate {
     fn drop(&mut self) {
         if !self.stopped {
-            // The coordinator sees the stop withdrawn and triggers again.
-            let _ = self.shared.stop_at.compare_exchange(
-                self.id,
-                0,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            );
+            withdraw_stop(&self.shared, self.id);
         }
     }
+}
+
+/// Withdraws the stop-with-savepoint at checkpoint `id`, if it is still the one pending: the
+/// coordinator sees it gone and triggers again, and the shards run on.
+fn withdraw_stop(shared: &Shared, id: u64) {
+    let _ = shared
+        .stop_at
+        .compare_exchange(id, 0, Ordering::AcqRel, Ordering::Acquire);
 }
 
 /// A savepoint request from the job handle.
@@ -466,12 +468,7 @@ impl Coordinator {
                     // A stop without a pin has no savepoint: withdrawn at once. (A gate the
                     // caller never received, its thread gone, withdraws it as it drops.)
                     if stop && reply.is_err() {
-                        let _ = self.shared.stop_at.compare_exchange(
-                            id,
-                            0,
-                            Ordering::AcqRel,
-                            Ordering::Acquire,
-                        );
+                        withdraw_stop(&self.shared, id);
                     }
                     let _ = w.send(reply);
                 }
