@@ -2441,6 +2441,34 @@ mod tests {
         }
     }
 
+    /// The writer's whole-file CRC (what checkpoints name a segment file by) is the CRC of the
+    /// bytes on disk: across 2 MiB pieces (a block's tail moves to the next piece), and with a
+    /// filter too large for the buffer (written from where it is).
+    #[test]
+    fn the_file_crc_is_the_crc_of_the_bytes_written() {
+        let dir = tempfile::tempdir().unwrap();
+        for (expected, entries) in [(None, 90_000u32), (Some(4_000_000), 90_000)] {
+            let p = dir.path().join(format!("s{}.wseg", expected.is_some()));
+            let opts = WriterOptions {
+                block_target_bytes: 1000,
+                bloom_bits_per_key: 10,
+                expected_keys: expected,
+            };
+            let mut w = SegmentWriter::create(&StdFs, &p, 7, opts).unwrap();
+            for i in 0..entries {
+                let mut k = vec![0u8, 3];
+                k.extend_from_slice(&i.to_be_bytes());
+                let v = [i as u8; 48];
+                w.add(&k, ValueRef::new(&v, NO_EXPIRY, false)).unwrap();
+            }
+            let written = w.finish().unwrap();
+            let bytes = std::fs::read(&p).unwrap();
+            assert!(bytes.len() > 3 * WRITE_BUFFER_BYTES, "{}", bytes.len());
+            assert_eq!(written.size_bytes, bytes.len() as u64);
+            assert_eq!(written.crc32, crc32fast::hash(&bytes), "{expected:?}");
+        }
+    }
+
     #[test]
     fn open_written_matches_full_verification_and_catches_changed_bytes() {
         let dir = tempfile::tempdir().unwrap();
