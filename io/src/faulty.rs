@@ -22,6 +22,18 @@ use crate::error::IoError;
 use crate::fs::{FsFile, Mapped, StdFs};
 use crate::Fs;
 
+/// A fault armed while the file system is in use ([`FaultyFs::arm`]): it fires at the next
+/// operation of its kind, once. For tests of running jobs, whose step numbers depend on timing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The next `write_at` stores only a prefix and fails (as `tear_write_at_step`).
+    TearWrite,
+    /// The next fsync fails (as `fail_sync_at_step`).
+    FailSync,
+    /// The next rename fails without renaming (as `fail_rename_at_step`).
+    FailRename,
+}
+
 /// Which faults to inject. Steps count `write_at`, `sync`, `rename`, `hard_link`, `sync_dir`,
 /// `remove` and `remove_dir` calls from 0 (not `create`, `create_dir_all` or reads).
 #[derive(Debug, Clone, Copy, Default)]
@@ -62,6 +74,8 @@ struct State {
     dirs_unsynced: HashSet<PathBuf>,
     /// The power went at this step (see [`FaultConfig::power_cut_at_step`]).
     cut_at: Option<u64>,
+    /// The fault [`FaultyFs::arm`] set, until it fires.
+    armed: Option<Fault>,
 }
 
 /// A directory change that a crash undoes until the directory holding the entry is synced.
@@ -95,6 +109,15 @@ impl Unsynced {
 }
 
 impl State {
+    /// Whether `fault` is armed; disarms it if so (it fires now).
+    fn fire_armed(&mut self, fault: Fault) -> bool {
+        let fires = self.armed == Some(fault);
+        if fires {
+            self.armed = None;
+        }
+        fires
+    }
+
     /// The content a crash would leave at `path` if its entry stayed: none if its creation
     /// was not durable, its content at its last sync if written since, else what it holds.
     fn durable_content(&self, path: &Path) -> Option<Vec<u8>> {
@@ -171,6 +194,17 @@ impl FaultyFs {
     /// Steps taken so far.
     pub fn steps(&self) -> u64 {
         self.shared.lock().step
+    }
+
+    /// Arm `fault`: the next operation of its kind fails, once (replacing a fault armed and not
+    /// fired yet).
+    pub fn arm(&self, fault: Fault) {
+        self.shared.lock().armed = Some(fault);
+    }
+
+    /// Whether a fault [`Self::arm`] set has not fired yet.
+    pub fn is_armed(&self) -> bool {
+        self.shared.lock().armed.is_some()
     }
 
     /// Whether a power cut stopped the file system ([`FaultConfig::power_cut_at_step`]).
@@ -315,7 +349,7 @@ impl FsFile for FaultyFile {
             st.durable.insert(path.clone(), before);
         }
         st.dirty.insert(path.clone());
-        if cfg.tear_write_at_step == Some(step) {
+        if cfg.tear_write_at_step == Some(step) || st.fire_armed(Fault::TearWrite) {
             let keep = if buf.is_empty() {
                 0
             } else {
@@ -357,7 +391,7 @@ impl FsFile for FaultyFile {
     fn sync(&mut self) -> Result<(), IoError> {
         let path = self.inner.path().to_owned();
         let (step, mut st) = self.fs.take_step(&path)?;
-        if self.fs.shared.config.fail_sync_at_step == Some(step) {
+        if self.fs.shared.config.fail_sync_at_step == Some(step) || st.fire_armed(Fault::FailSync) {
             // Linux may drop the dirty pages of a failed fsync: model the worst case at crash.
             return Err(self.fs.shared.injected(step, "fsync failure", &path));
         }
@@ -398,7 +432,8 @@ impl Fs for FaultyFs {
 
     fn rename(&self, from: &Path, to: &Path) -> Result<(), IoError> {
         let (step, mut st) = self.take_step(from)?;
-        if self.shared.config.fail_rename_at_step == Some(step) {
+        if self.shared.config.fail_rename_at_step == Some(step) || st.fire_armed(Fault::FailRename)
+        {
             drop(st);
             return Err(self.shared.injected(step, "rename failure", from));
         }
@@ -797,6 +832,37 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// An armed fault waits for an operation of its kind (others pass), fires once, and is
+    /// then disarmed.
+    #[test]
+    fn an_armed_fault_fires_once_at_the_next_operation_of_its_kind() {
+        let dir = tempfile::tempdir().unwrap();
+        let fs = FaultyFs::new(FaultConfig::default());
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        let mut f = fs.create(&a).unwrap();
+        fs.arm(Fault::FailRename);
+        f.write_at(0, b"abc").unwrap();
+        f.sync().unwrap();
+        assert!(fs.is_armed(), "a write and a sync are not renames");
+        assert!(matches!(fs.rename(&a, &b), Err(IoError::Injected { .. })));
+        assert!(!fs.is_armed());
+        assert!(
+            a.exists() && !b.exists(),
+            "the failed rename renamed nothing"
+        );
+        fs.rename(&a, &b).unwrap();
+        let mut f = fs.create(&a).unwrap();
+        fs.arm(Fault::FailSync);
+        f.write_at(0, b"abc").unwrap();
+        assert!(f.sync().is_err());
+        f.sync().unwrap();
+        fs.arm(Fault::TearWrite);
+        assert!(f.write_at(0, &[7u8; 1000]).is_err());
+        assert!(std::fs::read(&a).unwrap().len() < 1000, "only a prefix");
+        f.write_at(0, &[7u8; 1000]).unwrap();
+        assert!(!fs.is_armed());
     }
 
     #[test]

@@ -30,7 +30,7 @@ pub use checkpoint::{
     METADATA_VERSION, SHARED_DIR, TASKOWNED_DIR, VALID_NAME,
 };
 pub use error::{FormatError, IoError};
-pub use faulty::{FaultConfig, FaultyFs};
+pub use faulty::{Fault, FaultConfig, FaultyFs};
 pub use frame::{
     crc32, decode_block, encode_block, BlockHeader, BLOCK_HEADER_LEN, CHECKSUM_CRC32_IEEE,
 };
