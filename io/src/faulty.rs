@@ -74,8 +74,9 @@ struct State {
     dirs_unsynced: HashSet<PathBuf>,
     /// The power went at this step (see [`FaultConfig::power_cut_at_step`]).
     cut_at: Option<u64>,
-    /// The fault [`FaultyFs::arm`] set, until it fires.
-    armed: Option<Fault>,
+    /// The fault [`FaultyFs::arm`] set, until it fires, and the start of the file names it
+    /// fires on (any if empty).
+    armed: Option<(Fault, String)>,
 }
 
 /// A directory change that a crash undoes until the directory holding the entry is synced.
@@ -109,9 +110,14 @@ impl Unsynced {
 }
 
 impl State {
-    /// Whether `fault` is armed; disarms it if so (it fires now).
-    fn fire_armed(&mut self, fault: Fault) -> bool {
-        let fires = self.armed == Some(fault);
+    /// Whether `fault` is armed for `path`; disarms it if so (it fires now).
+    fn fire_armed(&mut self, fault: Fault, path: &Path) -> bool {
+        let fires = self.armed.as_ref().is_some_and(|(f, name)| {
+            *f == fault
+                && path
+                    .file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with(name.as_str()))
+        });
         if fires {
             self.armed = None;
         }
@@ -199,7 +205,13 @@ impl FaultyFs {
     /// Arm `fault`: the next operation of its kind fails, once (replacing a fault armed and not
     /// fired yet).
     pub fn arm(&self, fault: Fault) {
-        self.shared.lock().armed = Some(fault);
+        self.arm_for(fault, "");
+    }
+
+    /// Arm `fault` for the next operation of its kind on a file whose name starts with
+    /// `name` (a rename's source).
+    pub fn arm_for(&self, fault: Fault, name: &str) {
+        self.shared.lock().armed = Some((fault, name.to_owned()));
     }
 
     /// Whether a fault [`Self::arm`] set has not fired yet.
@@ -349,7 +361,7 @@ impl FsFile for FaultyFile {
             st.durable.insert(path.clone(), before);
         }
         st.dirty.insert(path.clone());
-        if cfg.tear_write_at_step == Some(step) || st.fire_armed(Fault::TearWrite) {
+        if cfg.tear_write_at_step == Some(step) || st.fire_armed(Fault::TearWrite, &path) {
             let keep = if buf.is_empty() {
                 0
             } else {
@@ -391,7 +403,9 @@ impl FsFile for FaultyFile {
     fn sync(&mut self) -> Result<(), IoError> {
         let path = self.inner.path().to_owned();
         let (step, mut st) = self.fs.take_step(&path)?;
-        if self.fs.shared.config.fail_sync_at_step == Some(step) || st.fire_armed(Fault::FailSync) {
+        if self.fs.shared.config.fail_sync_at_step == Some(step)
+            || st.fire_armed(Fault::FailSync, &path)
+        {
             // Linux may drop the dirty pages of a failed fsync: model the worst case at crash.
             return Err(self.fs.shared.injected(step, "fsync failure", &path));
         }
@@ -432,7 +446,8 @@ impl Fs for FaultyFs {
 
     fn rename(&self, from: &Path, to: &Path) -> Result<(), IoError> {
         let (step, mut st) = self.take_step(from)?;
-        if self.shared.config.fail_rename_at_step == Some(step) || st.fire_armed(Fault::FailRename)
+        if self.shared.config.fail_rename_at_step == Some(step)
+            || st.fire_armed(Fault::FailRename, from)
         {
             drop(st);
             return Err(self.shared.injected(step, "rename failure", from));
@@ -862,6 +877,12 @@ mod tests {
         assert!(f.write_at(0, &[7u8; 1000]).is_err());
         assert!(std::fs::read(&a).unwrap().len() < 1000, "only a prefix");
         f.write_at(0, &[7u8; 1000]).unwrap();
+        assert!(!fs.is_armed());
+        // Aimed at one file: another's rename passes.
+        fs.arm_for(Fault::FailRename, "b");
+        fs.rename(&a, &dir.path().join("c")).unwrap();
+        assert!(fs.is_armed());
+        assert!(fs.rename(&b, &a).is_err());
         assert!(!fs.is_armed());
     }
 
