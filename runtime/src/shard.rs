@@ -403,12 +403,14 @@ pub(crate) fn start(config: JobConfig, graph: Graph) -> Result<JobHandle, StartE
         .collect();
     let store = match &config.checkpoint {
         Some(c) => {
-            let fs =
-                Arc::new(
-                    weir_io::UringFs::new().map_err(|e| StartError::IoUringUnavailable {
+            let fs: Arc<dyn weir_io::Fs> = match &c.fs {
+                Some(fs) => fs.clone(),
+                None => Arc::new(weir_io::UringFs::new().map_err(|e| {
+                    StartError::IoUringUnavailable {
                         reason: e.to_string(),
-                    })?,
-                );
+                    }
+                })?),
+            };
             let options = crate::checkpoint::storage_options();
             let storage = weir_io::CheckpointStorage::open_with(fs, &c.dir, &c.job_id, options)
                 .map_err(|e| StartError::Checkpoint {

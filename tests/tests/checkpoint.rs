@@ -14,6 +14,9 @@ use weir_runtime::{
     WindowAssigner,
 };
 
+use weir_io::{Fault, FaultConfig, FaultyFs};
+use weir_runtime::sink::TransactionalFileSink;
+
 use common::{Hold, HELD_BATCH_RECORDS};
 
 const KEYS: u64 = 50;
@@ -1412,69 +1415,115 @@ fn a_failover_past_a_damaged_checkpoint_stops_unless_fallback_is_allowed() {
 /// record's sum exactly once.
 #[test]
 fn sink_io_failures_fail_over_and_the_output_stays_exactly_once() {
-    use weir_io::{Fault, FaultConfig, FaultyFs};
     for fault in [Fault::TearWrite, Fault::FailSync, Fault::FailRename] {
-        let dir = tempfile::tempdir().expect("tmp");
-        let (ckpt, out) = (dir.path().join("ckpt"), dir.path().join("out"));
-        let n = 40_000u64;
-        let Sums { data, at, .. } = Sums::new(n);
-        // Most of the input trickles, so that records and checkpoints still flow when the
-        // fault is armed.
-        let hold = Hold::new(n, n - 2_000);
-        let fs = FaultyFs::new(FaultConfig::default());
-        let c = JobConfig::new()
+        run_with_an_io_fault(fault, "", FaultIn::Sink, 1);
+    }
+}
+
+/// I/O failures of the checkpoint storage while the job runs, one per run: a torn write, a
+/// failed fsync, a failed rename of a checkpoint's `_metadata` into place. The checkpoint
+/// fails, which fails the job (no failure is tolerated); the restart restores the latest
+/// complete checkpoint and the committed output ends with every record's sum exactly once.
+/// A failed rename of the `COMPLETED` record, written after the metadata is durable, fails
+/// nothing: the record is best effort (it may only say less), the checkpoint completes and
+/// its transactions commit, and the job goes on without a restart.
+#[test]
+fn checkpoint_storage_io_failures_fail_over_and_the_output_stays_exactly_once() {
+    for fault in [Fault::TearWrite, Fault::FailSync, Fault::FailRename] {
+        run_with_an_io_fault(fault, "", FaultIn::Storage, 1);
+    }
+    run_with_an_io_fault(
+        Fault::FailRename,
+        weir_io::COMPLETED_FILE,
+        FaultIn::Storage,
+        0,
+    );
+}
+
+/// Where [`run_with_an_io_fault`] injects its fault.
+#[derive(Debug, Clone, Copy)]
+enum FaultIn {
+    /// The exactly-once file sink's file system.
+    Sink,
+    /// The checkpoint storage's.
+    Storage,
+}
+
+/// A running sum into the exactly-once file sink, checkpointing every 20 ms with one restart
+/// allowed, gets `fault` armed in `place` (for files whose names start with `name`) once a
+/// checkpoint completed while records flow: the job must restart `restarts` times and commit
+/// every record's sum exactly once.
+fn run_with_an_io_fault(fault: Fault, name: &str, place: FaultIn, restarts: u64) {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (ckpt, out) = (dir.path().join("ckpt"), dir.path().join("out"));
+    let n = 40_000u64;
+    let Sums { data, at, .. } = Sums::new(n);
+    // Most of the input trickles, so that records and checkpoints still flow when the fault
+    // is armed.
+    let hold = Hold::new(n, n - 2_000);
+    let fs = FaultyFs::new(FaultConfig::default());
+    let mut checkpointing = CheckpointConfig::new(&ckpt, "io-fault")
+        .with_mode(CheckpointMode::ExactlyOnce)
+        .with_interval(Duration::from_millis(20))
+        .with_restart(RestartStrategy::FixedDelay {
+            attempts: 1,
+            delay: Duration::ZERO,
+        });
+    if let FaultIn::Storage = place {
+        checkpointing = checkpointing.with_fs(Arc::new(fs.clone()));
+    }
+    let job = Job::new(
+        JobConfig::new()
             .with_shards(2)
             .with_pinning(Pinning::Never)
             .with_batch_records(HELD_BATCH_RECORDS)
-            .with_checkpointing(
-                CheckpointConfig::new(&ckpt, "sink-io")
-                    .with_mode(CheckpointMode::ExactlyOnce)
-                    .with_interval(Duration::from_millis(20))
-                    .with_restart(RestartStrategy::FixedDelay {
-                        attempts: 1,
-                        delay: Duration::ZERO,
-                    }),
-            );
-        let job = Job::new(c);
-        running_sum_job(&job, &data, Some(hold.clone()), "sum")
-            .sink(
-                weir_runtime::sink::TransactionalFileSink::new(
-                    out.clone(),
-                    |r: &(u64, i64, u64), line: &mut String| {
-                        line.push_str(&format!("{},{},{}", r.0, r.1, r.2));
-                    },
-                )
-                .with_fs(Arc::new(fs.clone())),
-            )
-            .uid("out");
-        let h = job.start().expect("start");
-        await_checkpoint_past_start(&h, "input");
-        fs.arm(fault);
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while fs.is_armed() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{fault:?}: the sink did no such operation"
-            );
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        hold.release();
-        let summary = h.wait().expect("the restart completes the job");
-        assert_eq!(summary.restarts, 1, "{fault:?}");
-        assert_every_sum_once(&parse_sums(committed_lines(&out)), &at, n);
+            .with_checkpointing(checkpointing),
+    );
+    let mut sink = sum_sink(&out);
+    if let FaultIn::Sink = place {
+        sink = sink.with_fs(Arc::new(fs.clone()));
     }
+    running_sum_job(&job, &data, Some(hold.clone()), "sum")
+        .sink(sink)
+        .uid("out");
+    let h = job.start().expect("start");
+    await_checkpoint_past_start(&h, "input");
+    fs.arm_for(fault, name);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while fs.is_armed() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{fault:?} in {place:?}: no such operation"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    hold.release();
+    let summary = h
+        .wait()
+        .unwrap_or_else(|e| panic!("{fault:?} in {place:?}: the restart completes: {e}"));
+    assert_eq!(
+        summary.restarts, restarts,
+        "{fault:?} {name:?} in {place:?}"
+    );
+    assert_every_sum_once(&parse_sums(committed_lines(&out)), &at, n);
 }
 
 /// Writes a running sum's `key,sum,index` lines to `out` through the exactly-once file sink
 /// (uid `out`).
 fn sums_to_files(sums: weir_runtime::Stream<(u64, i64, u64)>, out: &std::path::Path) {
-    sums.sink(weir_runtime::sink::TransactionalFileSink::new(
+    sums.sink(sum_sink(out)).uid("out");
+}
+
+/// The exactly-once file sink of a running sum's `key,sum,index` lines into `out`.
+fn sum_sink(
+    out: &std::path::Path,
+) -> TransactionalFileSink<impl Fn(&(u64, i64, u64), &mut String) + Send + Sync + 'static> {
+    TransactionalFileSink::new(
         out.to_path_buf(),
         |r: &(u64, i64, u64), line: &mut String| {
             line.push_str(&format!("{},{},{}", r.0, r.1, r.2));
         },
-    ))
-    .uid("out");
+    )
 }
 
 /// The `key,sum,index` lines of a running-sum job's file sink.

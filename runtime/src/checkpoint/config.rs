@@ -92,6 +92,9 @@ pub struct CheckpointConfig {
     /// the whole keyed state (see [`Self::with_incremental`]).
     pub incremental: bool,
     pub restart: RestartStrategy,
+    /// The file system the checkpoint storage writes through; `None` (the default): io_uring
+    /// (see [`Self::with_fs`]).
+    pub fs: Option<std::sync::Arc<dyn weir_io::Fs>>,
 }
 
 impl CheckpointConfig {
@@ -111,6 +114,7 @@ impl CheckpointConfig {
             retained: 1,
             incremental: true,
             restart: RestartStrategy::default(),
+            fs: None,
         }
     }
 
@@ -159,6 +163,14 @@ impl CheckpointConfig {
     }
     pub fn with_restart(mut self, r: RestartStrategy) -> Self {
         self.restart = r;
+        self
+    }
+    /// Write checkpoints through another file-system implementation, as the exactly-once file
+    /// sink can (`TransactionalFileSink::with_fs`): `weir_io::FaultyFs` in tests of I/O
+    /// failures while a job runs. Restores from a path (`RestoreFrom::Path`) read through
+    /// `std::fs`.
+    pub fn with_fs(mut self, fs: std::sync::Arc<dyn weir_io::Fs>) -> Self {
+        self.fs = Some(fs);
         self
     }
 
