@@ -232,15 +232,16 @@ impl ShardState {
             std::process::id(),
             RUNS.fetch_add(1, Ordering::Relaxed)
         ));
-        let fs: Arc<dyn Fs> = if ctx.real_io {
-            Arc::new(
-                weir_io::UringFs::new().map_err(|e| StartError::IoUringUnavailable {
-                    reason: e.to_string(),
-                })?,
-            )
-        } else {
-            Arc::new(weir_io::StdFs)
-        };
+        let fs: Arc<dyn Fs> =
+            match &ctx.config.state_fs {
+                Some(fs) => fs.clone(),
+                None if ctx.real_io => Arc::new(weir_io::UringFs::new().map_err(|e| {
+                    StartError::IoUringUnavailable {
+                        reason: e.to_string(),
+                    }
+                })?),
+                None => Arc::new(weir_io::StdFs),
+            };
         let config = &ctx.config;
         let store_config = store_config(config);
         let range =

@@ -62,6 +62,9 @@ pub struct JobConfig {
     /// Let a restore skip state of operators the job does not have (Flink's
     /// `--allowNonRestoredState`); without it such a restore fails, naming them.
     pub allow_non_restored_state: bool,
+    /// The file system the shards' state stores write their segments through; `None` (the
+    /// default): io_uring (see [`Self::with_state_fs`]).
+    pub state_fs: Option<std::sync::Arc<dyn weir_io::Fs>>,
 }
 
 /// Where a job's state comes from when it starts.
@@ -103,6 +106,7 @@ impl Default for JobConfig {
             restore: None,
             allow_fallback: false,
             allow_non_restored_state: false,
+            state_fs: None,
         }
     }
 }
@@ -197,6 +201,14 @@ impl JobConfig {
     /// them: a renamed uid or the wrong checkpoint would otherwise start that state afresh.
     pub fn with_allow_non_restored_state(mut self, allow: bool) -> Self {
         self.allow_non_restored_state = allow;
+        self
+    }
+
+    /// Let the shards' state stores write through another file-system implementation:
+    /// `weir_io::FaultyFs` in tests of I/O failures while a job runs (as
+    /// `CheckpointConfig::with_fs` and the file sink's `with_fs` for theirs).
+    pub fn with_state_fs(mut self, fs: std::sync::Arc<dyn weir_io::Fs>) -> Self {
+        self.state_fs = Some(fs);
         self
     }
 

@@ -1440,6 +1440,18 @@ fn checkpoint_storage_io_failures_fail_over_and_the_output_stays_exactly_once() 
     );
 }
 
+/// I/O failures of the shards' state stores while the job runs, one per run: a torn write
+/// and a failed fsync of the segment a checkpoint's snapshot writes. The snapshot fails, its
+/// checkpoint is declined, which fails the job (no failure is tolerated); the restart
+/// restores every store from the latest complete checkpoint, and the committed output ends
+/// with every record's sum exactly once.
+#[test]
+fn state_store_io_failures_fail_over_and_the_output_stays_exactly_once() {
+    for fault in [Fault::TearWrite, Fault::FailSync] {
+        run_with_an_io_fault(fault, "", FaultIn::State, 1);
+    }
+}
+
 /// Where [`run_with_an_io_fault`] injects its fault.
 #[derive(Debug, Clone, Copy)]
 enum FaultIn {
@@ -1447,6 +1459,8 @@ enum FaultIn {
     Sink,
     /// The checkpoint storage's.
     Storage,
+    /// The shards' state stores'.
+    State,
 }
 
 /// A running sum into the exactly-once file sink, checkpointing every 20 ms with one restart
@@ -1472,13 +1486,15 @@ fn run_with_an_io_fault(fault: Fault, name: &str, place: FaultIn, restarts: u64)
     if let FaultIn::Storage = place {
         checkpointing = checkpointing.with_fs(Arc::new(fs.clone()));
     }
-    let job = Job::new(
-        JobConfig::new()
-            .with_shards(2)
-            .with_pinning(Pinning::Never)
-            .with_batch_records(HELD_BATCH_RECORDS)
-            .with_checkpointing(checkpointing),
-    );
+    let mut config = JobConfig::new()
+        .with_shards(2)
+        .with_pinning(Pinning::Never)
+        .with_batch_records(HELD_BATCH_RECORDS)
+        .with_checkpointing(checkpointing);
+    if let FaultIn::State = place {
+        config = config.with_state_fs(Arc::new(fs.clone()));
+    }
+    let job = Job::new(config);
     let mut sink = sum_sink(&out);
     if let FaultIn::Sink = place {
         sink = sink.with_fs(Arc::new(fs.clone()));
