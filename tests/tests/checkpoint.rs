@@ -1452,6 +1452,17 @@ fn state_store_io_failures_fail_over_and_the_output_stays_exactly_once() {
     }
 }
 
+/// A checkpoint failed by the storage's I/O (its `_metadata` not written, or not renamed into
+/// place) within the tolerable number of failures: the job goes on without a restart, the
+/// sink's transactions of the failed checkpoint are committed with the next complete one,
+/// and every record's sum is committed exactly once.
+#[test]
+fn a_checkpoint_failed_by_storage_io_within_the_tolerable_number_commits_with_the_next() {
+    for fault in [Fault::TearWrite, Fault::FailRename] {
+        run_with_an_io_fault(fault, "_metadata", FaultIn::Storage, 0);
+    }
+}
+
 /// Where [`run_with_an_io_fault`] injects its fault.
 #[derive(Debug, Clone, Copy)]
 enum FaultIn {
@@ -1466,7 +1477,8 @@ enum FaultIn {
 /// A running sum into the exactly-once file sink, checkpointing every 20 ms with one restart
 /// allowed, gets `fault` armed in `place` (for files whose names start with `name`) once a
 /// checkpoint completed while records flow: the job must restart `restarts` times and commit
-/// every record's sum exactly once.
+/// every record's sum exactly once. No failed checkpoint is tolerated when a restart is
+/// expected, one when none is.
 fn run_with_an_io_fault(fault: Fault, name: &str, place: FaultIn, restarts: u64) {
     let dir = tempfile::tempdir().expect("tmp");
     let (ckpt, out) = (dir.path().join("ckpt"), dir.path().join("out"));
@@ -1479,6 +1491,7 @@ fn run_with_an_io_fault(fault: Fault, name: &str, place: FaultIn, restarts: u64)
     let mut checkpointing = CheckpointConfig::new(&ckpt, "io-fault")
         .with_mode(CheckpointMode::ExactlyOnce)
         .with_interval(Duration::from_millis(20))
+        .with_tolerable_failures(u32::from(restarts == 0))
         .with_restart(RestartStrategy::FixedDelay {
             attempts: 1,
             delay: Duration::ZERO,
