@@ -12,7 +12,9 @@
 //! directory fails without effect, as if the process died, so that [`FaultyFs::crash`] then
 //! sees exactly the operations before it (a failure at a step lets the caller go on, clean up
 //! and retry, which a real power cut never does). Every injected failure prints its seed so a
-//! failing test can be replayed.
+//! failing test can be replayed. A running job's step numbers depend on timing: a test of one
+//! arms a fault instead ([`FaultyFs::arm`], [`FaultyFs::arm_for`]), which fires at the next
+//! operation of its kind.
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -214,7 +216,7 @@ impl FaultyFs {
         self.shared.lock().armed = Some((fault, name.to_owned()));
     }
 
-    /// Whether a fault [`Self::arm`] set has not fired yet.
+    /// Whether a fault [`Self::arm`] or [`Self::arm_for`] set has not fired yet.
     pub fn is_armed(&self) -> bool {
         self.shared.lock().armed.is_some()
     }
