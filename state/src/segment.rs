@@ -1972,17 +1972,7 @@ mod tests {
     /// The fixture of `docs/segment-format.md`: two entries, one a tombstone.
     fn write_fixture(dir: &Path) -> PathBuf {
         let p = dir.join("fixture.wseg");
-        let mut w = SegmentWriter::create(
-            &StdFs,
-            &p,
-            1,
-            WriterOptions {
-                block_target_bytes: 4096,
-                bloom_bits_per_key: 10,
-                expected_keys: None,
-            },
-        )
-        .unwrap();
+        let mut w = SegmentWriter::create(&StdFs, &p, 1, opts(4096, None)).unwrap();
         let forty_two = 42u64.to_le_bytes();
         let v = ValueRef::new(&forty_two, NO_EXPIRY, false);
         w.add(&[0, 5, 0, 1, 0, 0, 0, 1, b'a'], v).unwrap();
@@ -1990,6 +1980,15 @@ mod tests {
         w.add(&[0, 5, 0, 1, 0, 0, 0, 1, b'b'], t).unwrap();
         w.finish().unwrap();
         p
+    }
+
+    /// Writer options with 10 bloom bits per key.
+    fn opts(block_target_bytes: usize, expected_keys: Option<u64>) -> WriterOptions {
+        WriterOptions {
+            block_target_bytes,
+            bloom_bits_per_key: 10,
+            expected_keys,
+        }
     }
 
     /// Write buffers come from the scratch pool with whatever an earlier user left in them:
@@ -2089,11 +2088,7 @@ mod tests {
         const N: u64 = 160_000;
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("pages.wseg");
-        let opts = WriterOptions {
-            block_target_bytes: 1500,
-            bloom_bits_per_key: 10,
-            expected_keys: Some(N),
-        };
+        let opts = opts(1500, Some(N));
         let key = |i: u64| {
             let mut k = vec![0u8, 1, 0, 1];
             k.extend_from_slice(&(i * 3).to_be_bytes());
@@ -2141,11 +2136,7 @@ mod tests {
     fn keys_and_values_of_every_small_length_read_back_and_order_is_enforced() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("lengths.wseg");
-        let opts = WriterOptions {
-            block_target_bytes: 256,
-            bloom_bits_per_key: 10,
-            expected_keys: None,
-        };
+        let opts = opts(256, None);
         // A shared 16-byte stem, then a big-endian counter and a tail that varies the length.
         let key = |i: u32| {
             let mut k = vec![0u8, 7];
@@ -2221,11 +2212,7 @@ mod tests {
     fn a_stream_reads_what_the_map_iterates() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("stream.wseg");
-        let opts = WriterOptions {
-            block_target_bytes: 1024,
-            bloom_bits_per_key: 10,
-            expected_keys: Some(50_000),
-        };
+        let opts = opts(1024, Some(50_000));
         let mut w = SegmentWriter::create(&StdFs, &p, 5, opts).unwrap();
         for i in 0..50_000u32 {
             let mut k = vec![0u8, 2];
@@ -2305,11 +2292,7 @@ mod tests {
         let mut files = Vec::new();
         for (name, fs) in [("std", Arc::new(StdFs) as Arc<dyn Fs>), ("uring", uring)] {
             let p = dir.path().join(format!("{name}.wseg"));
-            let opts = WriterOptions {
-                block_target_bytes: 1024,
-                bloom_bits_per_key: 10,
-                expected_keys: Some(u64::from(n)),
-            };
+            let opts = opts(1024, Some(u64::from(n)));
             let mut w = SegmentWriter::create(&*fs, &p, 11, opts).unwrap();
             for i in 0..n {
                 let mut k = vec![0u8, 5, 0, 1];
@@ -2341,11 +2324,7 @@ mod tests {
     fn diagnose_names_the_block_a_changed_byte_is_in() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("d.wseg");
-        let opts = WriterOptions {
-            block_target_bytes: 128,
-            bloom_bits_per_key: 10,
-            expected_keys: Some(2000),
-        };
+        let opts = opts(128, Some(2000));
         let mut w = SegmentWriter::create(&StdFs, &p, 9, opts).unwrap();
         for i in 0..2000u32 {
             let mut k = vec![0u8, 1, 0, 1];
@@ -2409,11 +2388,7 @@ mod tests {
     fn forged_footer_flags_are_errors_at_their_offset() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("f.wseg");
-        let opts = WriterOptions {
-            block_target_bytes: 256,
-            bloom_bits_per_key: 10,
-            expected_keys: None,
-        };
+        let opts = opts(256, None);
         let mut w = SegmentWriter::create(&StdFs, &p, 3, opts).unwrap();
         for i in 0..20u32 {
             let mut k = vec![0u8, 2, 0, 1];
@@ -2449,11 +2424,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         for (expected, entries) in [(None, 90_000u32), (Some(4_000_000), 90_000)] {
             let p = dir.path().join(format!("s{}.wseg", expected.is_some()));
-            let opts = WriterOptions {
-                block_target_bytes: 1000,
-                bloom_bits_per_key: 10,
-                expected_keys: expected,
-            };
+            let opts = opts(1000, expected);
             let mut w = SegmentWriter::create(&StdFs, &p, 7, opts).unwrap();
             for i in 0..entries {
                 let mut k = vec![0u8, 3];
@@ -2480,11 +2451,7 @@ mod tests {
         };
         for expected in [None, Some(5000)] {
             let p = dir.path().join(format!("s{}.wseg", expected.is_some()));
-            let opts = WriterOptions {
-                block_target_bytes: 128,
-                bloom_bits_per_key: 10,
-                expected_keys: expected,
-            };
+            let opts = opts(128, expected);
             let mut w = SegmentWriter::create(&StdFs, &p, 7, opts).unwrap();
             for i in 0..3000u32 {
                 let v = i.to_le_bytes();
