@@ -34,6 +34,8 @@ pub enum Fault {
     FailSync,
     /// The next rename fails without renaming (as `fail_rename_at_step`).
     FailRename,
+    /// The next hard link fails without linking (as `fail_link_at_step`).
+    FailLink,
 }
 
 /// Which faults to inject. Steps count `write_at`, `sync`, `rename`, `hard_link`, `sync_dir`,
@@ -76,9 +78,9 @@ struct State {
     dirs_unsynced: HashSet<PathBuf>,
     /// The power went at this step (see [`FaultConfig::power_cut_at_step`]).
     cut_at: Option<u64>,
-    /// The fault [`FaultyFs::arm`] set, until it fires, and the start of the file names it
-    /// fires on (any if empty).
-    armed: Option<(Fault, String)>,
+    /// The faults [`FaultyFs::arm`] set that have not fired, each with the start of the file
+    /// names it fires on (any if empty), in the order they were armed.
+    armed: Vec<(Fault, String)>,
 }
 
 /// A directory change that a crash undoes until the directory holding the entry is synced.
@@ -112,18 +114,17 @@ impl Unsynced {
 }
 
 impl State {
-    /// Whether `fault` is armed for `path`; disarms it if so (it fires now).
+    /// Whether `fault` is armed for `path`; disarms the first such if so (it fires now).
     fn fire_armed(&mut self, fault: Fault, path: &Path) -> bool {
-        let fires = self.armed.as_ref().is_some_and(|(f, name)| {
-            *f == fault
-                && path
-                    .file_name()
-                    .is_some_and(|n| n.to_string_lossy().starts_with(name.as_str()))
-        });
-        if fires {
-            self.armed = None;
-        }
-        fires
+        let file = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let at = self
+            .armed
+            .iter()
+            .position(|(f, name)| *f == fault && file.starts_with(name.as_str()));
+        at.map(|i| self.armed.remove(i)).is_some()
     }
 
     /// The content a crash would leave at `path` if its entry stayed: none if its creation
@@ -204,21 +205,21 @@ impl FaultyFs {
         self.shared.lock().step
     }
 
-    /// Arm `fault`: the next operation of its kind fails, once (replacing a fault armed and not
-    /// fired yet).
+    /// Arm `fault`: the next operation of its kind fails, once. Faults armed before and not
+    /// fired yet stay armed.
     pub fn arm(&self, fault: Fault) {
         self.arm_for(fault, "");
     }
 
     /// Arm `fault` for the next operation of its kind on a file whose name starts with
-    /// `name` (a rename's source).
+    /// `name` (a rename's source, a link's destination).
     pub fn arm_for(&self, fault: Fault, name: &str) {
-        self.shared.lock().armed = Some((fault, name.to_owned()));
+        self.shared.lock().armed.push((fault, name.to_owned()));
     }
 
     /// Whether a fault [`Self::arm`] or [`Self::arm_for`] set has not fired yet.
     pub fn is_armed(&self) -> bool {
-        self.shared.lock().armed.is_some()
+        !self.shared.lock().armed.is_empty()
     }
 
     /// Whether a power cut stopped the file system ([`FaultConfig::power_cut_at_step`]).
@@ -557,7 +558,8 @@ impl Fs for FaultyFs {
 
     fn hard_link(&self, src: &Path, dst: &Path) -> Result<(), IoError> {
         let (step, mut st) = self.take_step(dst)?;
-        if self.shared.config.fail_link_at_step == Some(step) {
+        if self.shared.config.fail_link_at_step == Some(step) || st.fire_armed(Fault::FailLink, dst)
+        {
             drop(st);
             return Err(self.shared.injected(step, "hard link failure", dst));
         }
@@ -886,6 +888,16 @@ mod tests {
         assert!(fs.is_armed());
         assert!(fs.rename(&b, &a).is_err());
         assert!(!fs.is_armed());
+        // Two armed at once: each fires at its own kind's next operation, in turn.
+        fs.arm(Fault::FailLink);
+        fs.arm(Fault::FailLink);
+        fs.arm(Fault::FailRename);
+        let link = dir.path().join("l");
+        assert!(fs.hard_link(&b, &link).is_err());
+        assert!(fs.rename(&b, &a).is_err());
+        assert!(fs.hard_link(&b, &link).is_err());
+        assert!(!fs.is_armed() && !link.exists());
+        fs.hard_link(&b, &link).unwrap();
     }
 
     #[test]
