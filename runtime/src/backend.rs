@@ -219,6 +219,8 @@ impl ShardState {
     pub(crate) fn open_for(ctx: &BuildCtx, name: &str) -> Result<Self, StartError> {
         let shard = ctx.shard;
         let err = |reason: String| StartError::State { shard, reason };
+        // I/O errors: a restart may pass them (a failover's restore is retried).
+        let io_err = |reason: String| StartError::StateIo { shard, reason };
         let op_dir = ctx
             .state_dir
             .join(format!("shard-{shard}"))
@@ -323,10 +325,16 @@ impl ShardState {
                             )));
                         }
                         r.reader.link_file_to(f, &path).map_err(|e| {
-                            err(format!(
+                            let io = matches!(e, weir_io::CheckpointError::Io(_));
+                            let reason = format!(
                                 "checkpoint {}: segment {} of `{name}`: {e}",
                                 r.checkpoint_id, seg.segment_id
-                            ))
+                            );
+                            if io {
+                                io_err(reason)
+                            } else {
+                                err(reason)
+                            }
                         })?;
                         linked.insert(path.clone(), (seg.segment_id, (*f).clone()));
                         seg.path = path;
@@ -351,10 +359,15 @@ impl ShardState {
                                     format!(" (checkpoint file {})", r.reader.path_of(f).display())
                                 })
                                 .unwrap_or_default();
-                            err(format!(
+                            let reason = format!(
                                 "restoring `{name}` from checkpoint {}: {e}{of}",
                                 r.checkpoint_id
-                            ))
+                            );
+                            if matches!(e, StateError::Io(_)) {
+                                io_err(reason)
+                            } else {
+                                err(reason)
+                            }
                         },
                     )?;
                 tracing::debug!("restore {name} shard {shard}: {report:?}");
@@ -362,8 +375,14 @@ impl ShardState {
                 scratch.0 = None;
                 store
             }
-            None => Store::open(fs, &dir, store_config)
-                .map_err(|e| err(format!("{}: {e}", dir.display())))?,
+            None => Store::open(fs, &dir, store_config).map_err(|e| {
+                let reason = format!("{}: {e}", dir.display());
+                if matches!(e, StateError::Io(_)) {
+                    io_err(reason)
+                } else {
+                    err(reason)
+                }
+            })?,
         };
         // A segment the store kept from a checkpoint of this job's own storage is in that
         // storage already: the next checkpoint references its file there instead of

@@ -43,6 +43,11 @@ pub enum StartError {
     },
     #[error("state store of shard {shard}: {reason}")]
     State { shard: usize, reason: String },
+    /// An I/O error of a shard's state store while it opens or restores (linking or copying a
+    /// checkpoint's file, reading or writing its own): unlike [`StartError::State`], one that
+    /// a restart may pass, so a failover's restore that meets it is restarted.
+    #[error("state store of shard {shard}: {reason}")]
+    StateIo { shard: usize, reason: String },
     #[error("sink `{operator}` on shard {shard}: {source}")]
     Sink {
         operator: String,
@@ -128,7 +133,9 @@ impl JobError {
     /// a record larger than a ring, a failure to start. The restart strategy does not apply to
     /// them (Flink's `SuppressRestartsException`): the job fails at once with the error, where
     /// it would otherwise restart forever under the default strategy. Operator errors and
-    /// panics, I/O errors and checkpoint failures may pass, and are restarted.
+    /// panics, I/O errors and checkpoint failures may pass, and are restarted; so is a state
+    /// store's I/O error while it opens or restores ([`StartError::StateIo`]), which a torn
+    /// copy or a full disk during a failover's restore gives.
     pub fn is_recoverable(&self) -> bool {
         match self {
             JobError::Source { source, .. } => !matches!(
@@ -138,6 +145,7 @@ impl JobError {
                     | SourceError::BadPosition(_)
                     | SourceError::Corrupt { .. }
             ),
+            JobError::Start(StartError::StateIo { .. }) => true,
             JobError::RecordTooLarge { .. } | JobError::Start(_) | JobError::Cancelled => false,
             JobError::Operator { .. }
             | JobError::SinkIo { .. }
@@ -182,6 +190,10 @@ mod tests {
                 bytes: 2,
                 capacity_bytes: 1,
             },
+            JobError::Start(StartError::State {
+                shard: 0,
+                reason: "a handle that does not decode".into(),
+            }),
         ];
         for e in &deterministic {
             assert!(!e.is_recoverable(), "{e}");
@@ -207,6 +219,10 @@ mod tests {
                 source: std::io::Error::other("full"),
             },
             JobError::CheckpointFailures { reason: "r".into() },
+            JobError::Start(StartError::StateIo {
+                shard: 1,
+                reason: "a torn copy".into(),
+            }),
         ];
         for e in &may_pass {
             assert!(e.is_recoverable(), "{e}");

@@ -1463,6 +1463,70 @@ fn a_checkpoint_failed_by_storage_io_within_the_tolerable_number_commits_with_th
     }
 }
 
+/// A restore that fails is an attempt like any other: after an injected failure the restart
+/// restores the latest checkpoint, whose segments a hard link cannot give the store, and whose
+/// copy is torn. That attempt fails, the restart strategy's next one restores the checkpoint
+/// again, and every record's sum is committed exactly once.
+#[test]
+fn a_restore_that_fails_is_retried_by_the_restart_strategy() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (ckpt, out) = (dir.path().join("ckpt"), dir.path().join("out"));
+    let n = 40_000u64;
+    let Sums { data, at, .. } = Sums::new(n);
+    let hold = Hold::new(n, n - 2_000);
+    let fs = FaultyFs::new(FaultConfig::default());
+    let fail = Arc::new(AtomicBool::new(false));
+    let job = Job::new(
+        JobConfig::new()
+            .with_shards(2)
+            .with_pinning(Pinning::Never)
+            .with_batch_records(HELD_BATCH_RECORDS)
+            .with_checkpointing(
+                // Manual checkpoints only: no upload links a file between the arming of the
+                // faults and the restore.
+                CheckpointConfig::new(&ckpt, "restore-fault")
+                    .with_mode(CheckpointMode::ExactlyOnce)
+                    .with_restart(RestartStrategy::FixedDelay {
+                        attempts: 2,
+                        delay: Duration::ZERO,
+                    })
+                    .with_fs(Arc::new(fs.clone())),
+            ),
+    );
+    let failing = fail.clone();
+    let sums = running_sum_job(&job, &data, Some(hold.clone()), "sum").inspect(
+        move |_: &(u64, i64, u64)| {
+            if failing.swap(false, Ordering::AcqRel) {
+                panic!("injected failure");
+            }
+        },
+    );
+    sums_to_files(sums, &out);
+    let h = job.start().expect("start");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while h.metrics().records_out("input") < 1_000 {
+        assert!(std::time::Instant::now() < deadline, "records stopped");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    h.trigger_checkpoint().expect("trigger");
+    await_checkpoints(&h, 1);
+    fs.arm(Fault::FailLink);
+    fs.arm(Fault::TearWrite);
+    fail.store(true, Ordering::Release);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while fs.is_armed() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the restore linked or copied nothing"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    hold.release();
+    let summary = h.wait().expect("the second restore completes the job");
+    assert_eq!(summary.restarts, 2, "the failure, then the failed restore");
+    assert_every_sum_once(&parse_sums(committed_lines(&out)), &at, n);
+}
+
 /// Where [`run_with_an_io_fault`] injects its fault.
 #[derive(Debug, Clone, Copy)]
 enum FaultIn {

@@ -17,8 +17,9 @@ pub(crate) trait CheckpointReader: Send + Sync {
     /// length is checked, without reading it; a framed one is copied, verified, without being
     /// held in memory (`dest` is removed on error). For segments only, after the checkpoint
     /// verified: the store that opens `dest` checks every block, then size and whole-file CRC
-    /// against its handle, which the caller has compared with `f`.
-    fn link_file_to(&self, f: &FileRefData, dest: &Path) -> Result<(), String>;
+    /// against its handle, which the caller has compared with `f`. The storage's error, typed:
+    /// an I/O error (`CheckpointError::Io`) is one a restart may pass.
+    fn link_file_to(&self, f: &FileRefData, dest: &Path) -> Result<(), weir_io::CheckpointError>;
     /// Where `f` is: what an error about a link to it names as well.
     fn path_of(&self, f: &FileRefData) -> std::path::PathBuf;
     fn read_logical(&self, f: &LogicalRefData) -> Result<Vec<u8>, String>;
@@ -160,8 +161,11 @@ mod tests {
     struct NoFiles;
 
     impl CheckpointReader for NoFiles {
-        fn link_file_to(&self, _: &FileRefData, _: &Path) -> Result<(), String> {
-            Err("no files".into())
+        fn link_file_to(&self, f: &FileRefData, _: &Path) -> Result<(), weir_io::CheckpointError> {
+            Err(weir_io::CheckpointError::MissingReusedFile {
+                checkpoint_id: 0,
+                path: f.path.clone().into(),
+            })
         }
         fn path_of(&self, _: &FileRefData) -> std::path::PathBuf {
             std::path::PathBuf::new()

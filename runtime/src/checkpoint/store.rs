@@ -247,11 +247,12 @@ pub(crate) struct SavepointReader(pub Savepoint);
 macro_rules! checkpoint_reader {
     ($t:ty, $base:ident) => {
         impl CheckpointReader for $t {
-            fn link_file_to(&self, f: &FileRefData, dest: &Path) -> Result<(), String> {
-                self.0
-                    .link_file_to(&to_ref(f), dest)
-                    .map(|_| ())
-                    .map_err(|e| e.to_string())
+            fn link_file_to(
+                &self,
+                f: &FileRefData,
+                dest: &Path,
+            ) -> Result<(), weir_io::CheckpointError> {
+                self.0.link_file_to(&to_ref(f), dest).map(|_| ())
             }
             fn read_logical(&self, f: &LogicalRefData) -> Result<Vec<u8>, String> {
                 self.0
