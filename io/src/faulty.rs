@@ -36,6 +36,8 @@ pub enum Fault {
     FailRename,
     /// The next hard link fails without linking (as `fail_link_at_step`).
     FailLink,
+    /// The next directory fsync fails (as `fail_sync_dir_at_step`).
+    FailSyncDir,
 }
 
 /// Which faults to inject. Steps count `write_at`, `sync`, `rename`, `hard_link`, `sync_dir`,
@@ -482,7 +484,9 @@ impl Fs for FaultyFs {
 
     fn sync_dir(&self, dir: &Path) -> Result<(), IoError> {
         let (step, mut st) = self.take_step(dir)?;
-        if self.shared.config.fail_sync_dir_at_step == Some(step) {
+        if self.shared.config.fail_sync_dir_at_step == Some(step)
+            || st.fire_armed(Fault::FailSyncDir, dir)
+        {
             drop(st);
             return Err(self.shared.injected(step, "directory fsync failure", dir));
         }
@@ -898,6 +902,10 @@ mod tests {
         assert!(fs.hard_link(&b, &link).is_err());
         assert!(!fs.is_armed() && !link.exists());
         fs.hard_link(&b, &link).unwrap();
+        fs.arm(Fault::FailSyncDir);
+        f.sync().unwrap();
+        assert!(fs.sync_dir(dir.path()).is_err());
+        fs.sync_dir(dir.path()).unwrap();
     }
 
     #[test]
