@@ -135,7 +135,9 @@ impl JobError {
     /// it would otherwise restart forever under the default strategy. Operator errors and
     /// panics, I/O errors and checkpoint failures may pass, and are restarted; so is a state
     /// store's I/O error while it opens or restores ([`StartError::StateIo`]), which a torn
-    /// copy or a full disk during a failover's restore gives.
+    /// copy or a full disk during a failover's restore gives, and a sink's I/O error while it
+    /// restores ([`StartError::Sink`]) unless it found its files other than its checkpoint
+    /// describes, or gone (data, not the moment).
     pub fn is_recoverable(&self) -> bool {
         match self {
             JobError::Source { source, .. } => !matches!(
@@ -146,6 +148,17 @@ impl JobError {
                     | SourceError::Corrupt { .. }
             ),
             JobError::Start(StartError::StateIo { .. }) => true,
+            // A sink's restore that failed on I/O (publishing or removing its files); not one
+            // that found them other than its checkpoint describes, or gone.
+            JobError::Start(StartError::Sink { source, .. }) => !matches!(
+                source.kind(),
+                std::io::ErrorKind::InvalidData
+                    | std::io::ErrorKind::InvalidInput
+                    | std::io::ErrorKind::NotFound
+                    | std::io::ErrorKind::PermissionDenied
+                    | std::io::ErrorKind::ReadOnlyFilesystem
+                    | std::io::ErrorKind::AlreadyExists
+            ),
             JobError::RecordTooLarge { .. } | JobError::Start(_) | JobError::Cancelled => false,
             JobError::Operator { .. }
             | JobError::SinkIo { .. }
@@ -194,6 +207,11 @@ mod tests {
                 shard: 0,
                 reason: "a handle that does not decode".into(),
             }),
+            JobError::Start(StartError::Sink {
+                operator: "out".into(),
+                shard: 0,
+                source: std::io::Error::new(std::io::ErrorKind::InvalidData, "not as recorded"),
+            }),
         ];
         for e in &deterministic {
             assert!(!e.is_recoverable(), "{e}");
@@ -222,6 +240,11 @@ mod tests {
             JobError::Start(StartError::StateIo {
                 shard: 1,
                 reason: "a torn copy".into(),
+            }),
+            JobError::Start(StartError::Sink {
+                operator: "out".into(),
+                shard: 1,
+                source: std::io::Error::other("directory fsync failed"),
             }),
         ];
         for e in &may_pass {

@@ -1464,11 +1464,19 @@ fn a_checkpoint_failed_by_storage_io_within_the_tolerable_number_commits_with_th
 }
 
 /// A restore that fails is an attempt like any other: after an injected failure the restart
-/// restores the latest checkpoint, whose segments a hard link cannot give the store, and whose
-/// copy is torn. That attempt fails, the restart strategy's next one restores the checkpoint
-/// again, and every record's sum is committed exactly once.
+/// restores the latest checkpoint, and meets an I/O error there. That attempt fails, the
+/// restart strategy's next one restores the checkpoint again, and every record's sum is
+/// committed exactly once. In the state store: a hard link of a segment fails and its copy
+/// is torn. In the sink: the directory fsync after it removed its files in progress fails.
 #[test]
 fn a_restore_that_fails_is_retried_by_the_restart_strategy() {
+    restore_fails_once(FaultIn::Storage, &[Fault::FailLink, Fault::TearWrite]);
+    restore_fails_once(FaultIn::Sink, &[Fault::FailSyncDir]);
+}
+
+/// See [`a_restore_that_fails_is_retried_by_the_restart_strategy`]: `faults` armed in
+/// `place` once a checkpoint is complete and committed, then an operator panics.
+fn restore_fails_once(place: FaultIn, faults: &[Fault]) {
     let dir = tempfile::tempdir().expect("tmp");
     let (ckpt, out) = (dir.path().join("ckpt"), dir.path().join("out"));
     let n = 40_000u64;
@@ -1476,22 +1484,23 @@ fn a_restore_that_fails_is_retried_by_the_restart_strategy() {
     let hold = Hold::new(n, n - 2_000);
     let fs = FaultyFs::new(FaultConfig::default());
     let fail = Arc::new(AtomicBool::new(false));
+    // Manual checkpoints only: nothing links, copies or publishes a file between the arming
+    // of the faults and the restore.
+    let mut checkpointing = CheckpointConfig::new(&ckpt, "restore-fault")
+        .with_mode(CheckpointMode::ExactlyOnce)
+        .with_restart(RestartStrategy::FixedDelay {
+            attempts: 2,
+            delay: Duration::ZERO,
+        });
+    if let FaultIn::Storage = place {
+        checkpointing = checkpointing.with_fs(Arc::new(fs.clone()));
+    }
     let job = Job::new(
         JobConfig::new()
             .with_shards(2)
             .with_pinning(Pinning::Never)
             .with_batch_records(HELD_BATCH_RECORDS)
-            .with_checkpointing(
-                // Manual checkpoints only: no upload links a file between the arming of the
-                // faults and the restore.
-                CheckpointConfig::new(&ckpt, "restore-fault")
-                    .with_mode(CheckpointMode::ExactlyOnce)
-                    .with_restart(RestartStrategy::FixedDelay {
-                        attempts: 2,
-                        delay: Duration::ZERO,
-                    })
-                    .with_fs(Arc::new(fs.clone())),
-            ),
+            .with_checkpointing(checkpointing),
     );
     let failing = fail.clone();
     let sums = running_sum_job(&job, &data, Some(hold.clone()), "sum").inspect(
@@ -1501,7 +1510,11 @@ fn a_restore_that_fails_is_retried_by_the_restart_strategy() {
             }
         },
     );
-    sums_to_files(sums, &out);
+    let mut sink = sum_sink(&out);
+    if let FaultIn::Sink = place {
+        sink = sink.with_fs(Arc::new(fs.clone()));
+    }
+    sums.sink(sink).uid("out");
     let h = job.start().expect("start");
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while h.metrics().records_out("input") < 1_000 {
@@ -1510,21 +1523,43 @@ fn a_restore_that_fails_is_retried_by_the_restart_strategy() {
     }
     h.trigger_checkpoint().expect("trigger");
     await_checkpoints(&h, 1);
-    fs.arm(Fault::FailLink);
-    fs.arm(Fault::TearWrite);
+    // Both shards' commits of it are done: their part files are published.
+    while visible_files(&out) < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "checkpoint 1 not committed"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    for &f in faults {
+        fs.arm(f);
+    }
     fail.store(true, Ordering::Release);
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while fs.is_armed() {
         assert!(
             std::time::Instant::now() < deadline,
-            "the restore linked or copied nothing"
+            "{faults:?} in {place:?}: the restore met none"
         );
         std::thread::sleep(Duration::from_millis(2));
     }
     hold.release();
-    let summary = h.wait().expect("the second restore completes the job");
-    assert_eq!(summary.restarts, 2, "the failure, then the failed restore");
+    let summary = h
+        .wait()
+        .unwrap_or_else(|e| panic!("{faults:?} in {place:?}: the second restore completes: {e}"));
+    assert_eq!(
+        summary.restarts, 2,
+        "{faults:?} in {place:?}: the failure, then the failed restore"
+    );
     assert_every_sum_once(&parse_sums(committed_lines(&out)), &at, n);
+}
+
+/// Files under `dir` whose names do not start with `.` (published ones).
+fn visible_files(dir: &std::path::Path) -> usize {
+    std::fs::read_dir(dir).map_or(0, |d| {
+        d.flatten()
+            .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+            .count()
+    })
 }
 
 /// Where [`run_with_an_io_fault`] injects its fault.
