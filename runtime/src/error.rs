@@ -148,8 +148,9 @@ impl JobError {
                     | SourceError::Corrupt { .. }
             ),
             JobError::Start(StartError::StateIo { .. }) => true,
-            // A sink's restore that failed on I/O (publishing or removing its files); not one
-            // that found them other than its checkpoint describes, or gone.
+            // A sink's restore or open that failed on I/O (publishing or removing its files);
+            // not one that found them other than its checkpoint describes, or gone, nor a path
+            // that cannot be a directory of files.
             JobError::Start(StartError::Sink { source, .. }) => !matches!(
                 source.kind(),
                 std::io::ErrorKind::InvalidData
@@ -158,6 +159,8 @@ impl JobError {
                     | std::io::ErrorKind::PermissionDenied
                     | std::io::ErrorKind::ReadOnlyFilesystem
                     | std::io::ErrorKind::AlreadyExists
+                    | std::io::ErrorKind::NotADirectory
+                    | std::io::ErrorKind::IsADirectory
             ),
             JobError::RecordTooLarge { .. } | JobError::Start(_) | JobError::Cancelled => false,
             JobError::Operator { .. }
