@@ -1535,22 +1535,34 @@ fn restore_fails_once(place: FaultIn, faults: &[Fault]) {
         fs.arm(f);
     }
     fail.store(true, Ordering::Release);
+    // The failure, then the failed restore.
+    let what = format!("{faults:?} in {place:?}");
+    end_after_the_faults(h, &fs, &hold, 2, &what);
+    assert_every_sum_once(&parse_sums(committed_lines(&out)), &at, n);
+}
+
+/// Waits (30 s at most) until every fault armed on `fs` fired, lets the held input end, waits
+/// for the job, and checks that it restarted `restarts` times. `what` names the case.
+fn end_after_the_faults(
+    h: weir_runtime::JobHandle,
+    fs: &FaultyFs,
+    hold: &Hold,
+    restarts: u64,
+    what: &str,
+) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while fs.is_armed() {
         assert!(
             std::time::Instant::now() < deadline,
-            "{faults:?} in {place:?}: the restore met none"
+            "{what}: no operation met the fault"
         );
         std::thread::sleep(Duration::from_millis(2));
     }
     hold.release();
     let summary = h
         .wait()
-        .unwrap_or_else(|e| panic!("{faults:?} in {place:?}: the second restore completes: {e}"));
-    assert_eq!(
-        summary.restarts, 2,
-        "{faults:?} in {place:?}: the failure, then the failed restore"
-    );
-    assert_every_sum_once(&parse_sums(committed_lines(&out)), &at, n);
+        .unwrap_or_else(|e| panic!("{what}: the restart completes the job: {e}"));
+    assert_eq!(summary.restarts, restarts, "{what}");
 }
 
 /// Files under `dir` whose names do not start with `.` (published ones).
@@ -1617,22 +1629,8 @@ fn run_with_an_io_fault(fault: Fault, name: &str, place: FaultIn, restarts: u64)
     let h = job.start().expect("start");
     await_checkpoint_past_start(&h, "input");
     fs.arm_for(fault, name);
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while fs.is_armed() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{fault:?} in {place:?}: no such operation"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    hold.release();
-    let summary = h
-        .wait()
-        .unwrap_or_else(|e| panic!("{fault:?} in {place:?}: the restart completes: {e}"));
-    assert_eq!(
-        summary.restarts, restarts,
-        "{fault:?} {name:?} in {place:?}"
-    );
+    let what = format!("{fault:?} {name:?} in {place:?}");
+    end_after_the_faults(h, &fs, &hold, restarts, &what);
     assert_every_sum_once(&parse_sums(committed_lines(&out)), &at, n);
 }
 
