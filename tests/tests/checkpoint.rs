@@ -1477,44 +1477,26 @@ fn a_restore_that_fails_is_retried_by_the_restart_strategy() {
 /// See [`a_restore_that_fails_is_retried_by_the_restart_strategy`]: `faults` armed in
 /// `place` once a checkpoint is complete and committed, then an operator panics.
 fn restore_fails_once(place: FaultIn, faults: &[Fault]) {
-    let dir = tempfile::tempdir().expect("tmp");
-    let (ckpt, out) = (dir.path().join("ckpt"), dir.path().join("out"));
-    let n = 40_000u64;
-    let Sums { data, at, .. } = Sums::new(n);
-    let hold = Hold::new(n, n - 2_000);
-    let fs = FaultyFs::new(FaultConfig::default());
+    let r = FaultRun::new();
     let fail = Arc::new(AtomicBool::new(false));
     // Manual checkpoints only: nothing links, copies or publishes a file between the arming
     // of the faults and the restore.
-    let mut checkpointing = CheckpointConfig::new(&ckpt, "restore-fault")
+    let checkpointing = CheckpointConfig::new(&r.ckpt, "restore-fault")
         .with_mode(CheckpointMode::ExactlyOnce)
         .with_restart(RestartStrategy::FixedDelay {
             attempts: 2,
             delay: Duration::ZERO,
         });
-    if let FaultIn::Storage = place {
-        checkpointing = checkpointing.with_fs(Arc::new(fs.clone()));
-    }
-    let job = Job::new(
-        JobConfig::new()
-            .with_shards(2)
-            .with_pinning(Pinning::Never)
-            .with_batch_records(HELD_BATCH_RECORDS)
-            .with_checkpointing(checkpointing),
-    );
+    let job = r.job(checkpointing, place);
     let failing = fail.clone();
-    let sums = running_sum_job(&job, &data, Some(hold.clone()), "sum").inspect(
+    let sums = running_sum_job(&job, &r.data, Some(r.hold.clone()), "sum").inspect(
         move |_: &(u64, i64, u64)| {
             if failing.swap(false, Ordering::AcqRel) {
                 panic!("injected failure");
             }
         },
     );
-    let mut sink = sum_sink(&out);
-    if let FaultIn::Sink = place {
-        sink = sink.with_fs(Arc::new(fs.clone()));
-    }
-    sums.sink(sink).uid("out");
+    sums.sink(r.sink(place)).uid("out");
     let h = job.start().expect("start");
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while h.metrics().records_out("input") < 1_000 {
@@ -1524,7 +1506,7 @@ fn restore_fails_once(place: FaultIn, faults: &[Fault]) {
     h.trigger_checkpoint().expect("trigger");
     await_checkpoints(&h, 1);
     // Both shards' commits of it are done: their part files are published.
-    while visible_files(&out) < 2 {
+    while visible_files(&r.out) < 2 {
         assert!(
             std::time::Instant::now() < deadline,
             "checkpoint 1 not committed"
@@ -1532,13 +1514,78 @@ fn restore_fails_once(place: FaultIn, faults: &[Fault]) {
         std::thread::sleep(Duration::from_millis(2));
     }
     for &f in faults {
-        fs.arm(f);
+        r.fs.arm(f);
     }
     fail.store(true, Ordering::Release);
     // The failure, then the failed restore.
-    let what = format!("{faults:?} in {place:?}");
-    end_after_the_faults(h, &fs, &hold, 2, &what);
-    assert_every_sum_once(&parse_sums(committed_lines(&out)), &at, n);
+    r.end_after_the_faults(h, 2, &format!("{faults:?} in {place:?}"));
+}
+
+/// What an I/O-fault test runs: a running sum over 40,000 records, most of them trickling
+/// (so that records and checkpoints still flow when a fault is armed), into the exactly-once
+/// file sink, with the `FaultyFs` the faults are armed on.
+struct FaultRun {
+    _dir: tempfile::TempDir,
+    ckpt: std::path::PathBuf,
+    out: std::path::PathBuf,
+    n: u64,
+    data: Vec<(u64, i64, u64)>,
+    at: HashMap<u64, i64>,
+    hold: Hold,
+    fs: FaultyFs,
+}
+
+impl FaultRun {
+    fn new() -> FaultRun {
+        let dir = tempfile::tempdir().expect("tmp");
+        let n = 40_000u64;
+        let Sums { data, at, .. } = Sums::new(n);
+        FaultRun {
+            ckpt: dir.path().join("ckpt"),
+            out: dir.path().join("out"),
+            _dir: dir,
+            n,
+            data,
+            at,
+            hold: Hold::new(n, n - 2_000),
+            fs: FaultyFs::new(FaultConfig::default()),
+        }
+    }
+
+    /// A job on two shards checkpointing as `checkpointing` says, with the faulty file system
+    /// in the checkpoint storage or the state stores if `place` says so.
+    fn job(&self, mut checkpointing: CheckpointConfig, place: FaultIn) -> Job {
+        if let FaultIn::Storage = place {
+            checkpointing = checkpointing.with_fs(Arc::new(self.fs.clone()));
+        }
+        let mut config = JobConfig::new()
+            .with_shards(2)
+            .with_pinning(Pinning::Never)
+            .with_batch_records(HELD_BATCH_RECORDS)
+            .with_checkpointing(checkpointing);
+        if let FaultIn::State = place {
+            config = config.with_state_fs(Arc::new(self.fs.clone()));
+        }
+        Job::new(config)
+    }
+
+    /// The sums' sink into `out`, on the faulty file system if `place` is the sink.
+    fn sink(
+        &self,
+        place: FaultIn,
+    ) -> TransactionalFileSink<impl Fn(&(u64, i64, u64), &mut String) + Send + Sync + 'static> {
+        let sink = sum_sink(&self.out);
+        match place {
+            FaultIn::Sink => sink.with_fs(Arc::new(self.fs.clone())),
+            _ => sink,
+        }
+    }
+
+    /// [`end_after_the_faults`], then every record's sum committed exactly once.
+    fn end_after_the_faults(&self, h: weir_runtime::JobHandle, restarts: u64, what: &str) {
+        end_after_the_faults(h, &self.fs, &self.hold, restarts, what);
+        assert_every_sum_once(&parse_sums(committed_lines(&self.out)), &self.at, self.n);
+    }
 }
 
 /// Waits (30 s at most) until every fault armed on `fs` fired, lets the held input end, waits
@@ -1591,15 +1638,8 @@ enum FaultIn {
 /// every record's sum exactly once. No failed checkpoint is tolerated when a restart is
 /// expected, one when none is.
 fn run_with_an_io_fault(fault: Fault, name: &str, place: FaultIn, restarts: u64) {
-    let dir = tempfile::tempdir().expect("tmp");
-    let (ckpt, out) = (dir.path().join("ckpt"), dir.path().join("out"));
-    let n = 40_000u64;
-    let Sums { data, at, .. } = Sums::new(n);
-    // Most of the input trickles, so that records and checkpoints still flow when the fault
-    // is armed.
-    let hold = Hold::new(n, n - 2_000);
-    let fs = FaultyFs::new(FaultConfig::default());
-    let mut checkpointing = CheckpointConfig::new(&ckpt, "io-fault")
+    let r = FaultRun::new();
+    let checkpointing = CheckpointConfig::new(&r.ckpt, "io-fault")
         .with_mode(CheckpointMode::ExactlyOnce)
         .with_interval(Duration::from_millis(20))
         .with_tolerable_failures(u32::from(restarts == 0))
@@ -1607,31 +1647,14 @@ fn run_with_an_io_fault(fault: Fault, name: &str, place: FaultIn, restarts: u64)
             attempts: 1,
             delay: Duration::ZERO,
         });
-    if let FaultIn::Storage = place {
-        checkpointing = checkpointing.with_fs(Arc::new(fs.clone()));
-    }
-    let mut config = JobConfig::new()
-        .with_shards(2)
-        .with_pinning(Pinning::Never)
-        .with_batch_records(HELD_BATCH_RECORDS)
-        .with_checkpointing(checkpointing);
-    if let FaultIn::State = place {
-        config = config.with_state_fs(Arc::new(fs.clone()));
-    }
-    let job = Job::new(config);
-    let mut sink = sum_sink(&out);
-    if let FaultIn::Sink = place {
-        sink = sink.with_fs(Arc::new(fs.clone()));
-    }
-    running_sum_job(&job, &data, Some(hold.clone()), "sum")
-        .sink(sink)
+    let job = r.job(checkpointing, place);
+    running_sum_job(&job, &r.data, Some(r.hold.clone()), "sum")
+        .sink(r.sink(place))
         .uid("out");
     let h = job.start().expect("start");
     await_checkpoint_past_start(&h, "input");
-    fs.arm_for(fault, name);
-    let what = format!("{fault:?} {name:?} in {place:?}");
-    end_after_the_faults(h, &fs, &hold, restarts, &what);
-    assert_every_sum_once(&parse_sums(committed_lines(&out)), &at, n);
+    r.fs.arm_for(fault, name);
+    r.end_after_the_faults(h, restarts, &format!("{fault:?} {name:?} in {place:?}"));
 }
 
 /// Writes a running sum's `key,sum,index` lines to `out` through the exactly-once file sink
