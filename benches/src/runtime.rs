@@ -17,6 +17,12 @@
 //!   run with the median p99, beside the raw ring's run with the median p99 (`raw_spsc_*`),
 //!   and every run's p99, max, steal and startup are in `extra`.
 //!
+//! * `idle_nap_200us`: how an idle shard waits (`weir_runtime::platform::nap`: its thread
+//!   sleeps, timer slack 1 us, then the task yields) beside `glommio::timer::sleep`, each in a
+//!   one-task executor as a shard's is. `per_cpu_sec` is waits per CPU second of the
+//!   executor's thread (what an idle shard burns), `ratio` nap / timer; `extra` has each one's
+//!   mean wall time per wait, at 200 us and at 10 us (a shard's first nap).
+//!
 //! Every figure is the median of several runs; all runs are listed in `extra`.
 
 use std::sync::{Arc, Mutex};
@@ -27,7 +33,7 @@ use weir_runtime::sink::{Sink, SinkWriter};
 use weir_runtime::source::{splitmix64, GeneratorSource, ScheduleStart};
 use weir_runtime::{Job, JobConfig, JobStatus, StartError, Stream};
 
-use crate::{process_cpu_ns, BenchResult, Opts};
+use crate::{process_cpu_ns, thread_cpu_ns, BenchResult, Opts};
 
 /// Peak resident set size of the process, in bytes.
 pub fn peak_rss_bytes() -> u64 {
@@ -396,6 +402,90 @@ pub(crate) fn new_hist() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("constant bounds are valid")
 }
 
+/// `n` idle waits of `d` in a fresh one-task glommio executor, by `nap` or by glommio's timer;
+/// wall and CPU time of the executor's thread over them.
+fn idle_waits(d: Duration, n: u64, nap: bool) -> Measured {
+    glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+        .spawn(move || async move {
+            weir_runtime::platform::set_fine_timer_slack();
+            let (w0, c0) = (Instant::now(), thread_cpu_ns());
+            for _ in 0..n {
+                if nap {
+                    weir_runtime::platform::nap(d).await;
+                } else {
+                    glommio::timer::sleep(d).await;
+                }
+            }
+            Measured {
+                records: n,
+                wall_ns: w0.elapsed().as_nanos() as u64,
+                cpu_ns: thread_cpu_ns() - c0,
+            }
+        })
+        .expect("an executor")
+        .join()
+        .expect("the executor's thread")
+}
+
+/// The `idle_nap_200us` row (see the module docs).
+fn idle_row(reps: usize, quick: bool) -> BenchResult {
+    let total = Duration::from_millis(if quick { 100 } else { 1000 });
+    let runs = |d: Duration, nap: bool| -> Vec<Measured> {
+        let n = (total.as_nanos() / d.as_nanos()) as u64;
+        (0..reps).map(|_| idle_waits(d, n, nap)).collect()
+    };
+    let long = Duration::from_micros(200);
+    let short = Duration::from_micros(10);
+    // Interleaved per duration, so that both kinds see the same neighbours.
+    let (nap_long, timer_long) = (runs(long, true), runs(long, false));
+    let (nap_short, timer_short) = (runs(short, true), runs(short, false));
+    let wall_per_wait = |v: &[Measured]| {
+        let (m, _) = median(v.to_vec());
+        m.wall_ns as f64 / m.records.max(1) as f64
+    };
+    let cpu_per_wait = |v: &[Measured]| {
+        let (m, _) = median(v.to_vec());
+        m.cpu_ns as f64 / m.records.max(1) as f64
+    };
+    let mut extra = vec![
+        (
+            "nap_200us_wall_ns_per_wait".into(),
+            wall_per_wait(&nap_long),
+        ),
+        (
+            "timer_200us_wall_ns_per_wait".into(),
+            wall_per_wait(&timer_long),
+        ),
+        ("nap_200us_cpu_ns_per_wait".into(), cpu_per_wait(&nap_long)),
+        (
+            "timer_200us_cpu_ns_per_wait".into(),
+            cpu_per_wait(&timer_long),
+        ),
+        (
+            "nap_10us_wall_ns_per_wait".into(),
+            wall_per_wait(&nap_short),
+        ),
+        (
+            "timer_10us_wall_ns_per_wait".into(),
+            wall_per_wait(&timer_short),
+        ),
+        ("nap_10us_cpu_ns_per_wait".into(), cpu_per_wait(&nap_short)),
+        (
+            "timer_10us_cpu_ns_per_wait".into(),
+            cpu_per_wait(&timer_short),
+        ),
+    ];
+    let mut r = row(
+        "idle_nap_200us",
+        nap_long,
+        "glommio_timer_sleep_200us",
+        timer_long,
+    );
+    extra.append(&mut r.extra);
+    r.extra = extra;
+    r
+}
+
 pub fn run(opts: &Opts) -> Vec<BenchResult> {
     let reps = if opts.quick { 1 } else { 3 };
     let mut rows = if opts.wants("ring") {
@@ -403,6 +493,9 @@ pub fn run(opts: &Opts) -> Vec<BenchResult> {
     } else {
         Vec::new()
     };
+    if opts.wants("idle_nap") {
+        rows.push(idle_row(reps, opts.quick));
+    }
 
     if opts.wants("chain") {
         let n = if opts.quick { 2_000_000 } else { 50_000_000 };

@@ -1,7 +1,9 @@
 //! Startup checks for the facts in PLATFORM.md that would otherwise fail late and obscurely:
-//! RLIMIT_MEMLOCK, io_uring availability, and glommio's DMA read probe.
+//! RLIMIT_MEMLOCK, io_uring availability, and glommio's DMA read probe; and how an idle shard
+//! waits without glommio's timers ([`nap`]).
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use crate::StartError;
 
@@ -109,9 +111,57 @@ pub(crate) async fn dma_probe(sentinel: &Path, shard: usize) -> Result<(), Start
     Ok(())
 }
 
+/// An idle shard's wait: the thread sleeps for `d`, then the task yields to its executor.
+/// Must be awaited on a glommio executor, and blocks every other task of it: for an executor
+/// whose only task is the caller, as a shard's is.
+///
+/// Not `glommio::timer::sleep`: with no task runnable, that parks glommio's reactor in the
+/// main ring on a poll of the latency ring's fd, where the timer's completion is to wake it,
+/// and lost wake-ups on that path are reported upstream (glommio issues #326 and #547). A CI
+/// run here once stalled for 220 s with both shards parked there, until a debugger's attach
+/// interrupted the wait. A shard runs a single task, so blocking its thread starves nothing,
+/// and the task stays runnable, so the executor never parks. [`set_fine_timer_slack`] keeps
+/// short naps short. A nap also takes about a third of the CPU of a timer's sleep, and
+/// overshoots less (`weir-bench runtime --only idle_nap`).
+pub async fn nap(d: Duration) {
+    std::thread::sleep(d);
+    glommio::executor().yield_now().await;
+}
+
+/// Timer slack of the calling thread: 1 us instead of Linux's default 50 us, which would
+/// stretch a shard's 10-us naps fivefold (an io_uring timeout, as glommio's timers use, has
+/// none).
+pub fn set_fine_timer_slack() {
+    // SAFETY: PR_SET_TIMERSLACK takes one integer argument (nanoseconds) and touches only the
+    // calling thread's scheduling attributes; no pointers are passed.
+    let r = unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1_000 as libc::c_ulong, 0, 0, 0) };
+    if r != 0 {
+        tracing::debug!(
+            "PR_SET_TIMERSLACK: {}; idle naps keep the default slack",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The shard thread's timer slack is what `nap` relies on: 1 us, on that thread only.
+    #[test]
+    fn a_shard_thread_naps_with_a_fine_timer_slack() {
+        // SAFETY: PR_GET_TIMERSLACK takes no argument and returns the calling thread's slack.
+        let slack = || unsafe { libc::prctl(libc::PR_GET_TIMERSLACK, 0, 0, 0, 0) };
+        let here = slack();
+        let there = std::thread::spawn(move || {
+            set_fine_timer_slack();
+            slack()
+        })
+        .join()
+        .expect("thread");
+        assert_eq!(there, 1_000);
+        assert_eq!(slack(), here, "other threads keep theirs");
+    }
 
     #[test]
     fn memlock_and_io_uring_are_usable_here() {

@@ -28,6 +28,7 @@ use crate::config::{JobConfig, Pinning, RestoreFrom};
 use crate::error::{JobError, SavepointError, StartError};
 use crate::graph::{BuildCtx, FailCell, Gate, Graph, HeadStatus, Root};
 use crate::metrics::{JobMetrics, Registry};
+use crate::platform::nap;
 
 /// Rounds without progress before a shard starts sleeping.
 const IDLE_SPIN_ROUNDS: u32 = 64;
@@ -959,6 +960,7 @@ fn run_attempt(
                     running: running2,
                     supervisor,
                 };
+                crate::platform::set_fine_timer_slack();
                 let r = async {
                     crate::platform::dma_probe(&sentinel, shard).await?;
                     let mut ctx = BuildCtx {
@@ -1010,7 +1012,7 @@ fn run_attempt(
                         if cancel2.load(Ordering::Acquire) {
                             return Err(JobError::Cancelled);
                         }
-                        glommio::timer::sleep(Duration::from_micros(100)).await;
+                        nap(Duration::from_micros(100)).await;
                     }
                     run_loop(ctx, &cancel2).await
                 }
@@ -1182,7 +1184,7 @@ async fn run_loop(mut ctx: BuildCtx, cancel: &AtomicBool) -> Result<(), JobError
             if maintain(&ctx)? == Continue::Stop {
                 return Ok(());
             }
-            glommio::timer::sleep(Duration::from_micros(100)).await;
+            nap(Duration::from_micros(100)).await;
             let stall = stall.get_or_insert_with(|| ctx.metrics.head(STATE_STALL, ctx.shard));
             crate::metrics::bump(&stall.backpressured_ns, t0.elapsed().as_nanos() as u64);
             continue;
@@ -1231,7 +1233,7 @@ async fn run_loop(mut ctx: BuildCtx, cancel: &AtomicBool) -> Result<(), JobError
                 std::hint::spin_loop();
                 glommio::executor().yield_now().await;
             } else {
-                glommio::timer::sleep(sleep).await;
+                nap(sleep).await;
                 sleep = (sleep * 2).min(sleep_max);
             }
         }
