@@ -404,13 +404,13 @@ pub(crate) fn new_hist() -> Histogram<u64> {
 
 /// `n` idle waits of `d` in a fresh one-task glommio executor, by `nap` or by glommio's timer;
 /// wall and CPU time of the executor's thread over them.
-fn idle_waits(d: Duration, n: u64, nap: bool) -> Measured {
+fn idle_waits(d: Duration, n: u64, by_nap: bool) -> Measured {
     glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
         .spawn(move || async move {
             weir_runtime::platform::set_fine_timer_slack();
             let (w0, c0) = (Instant::now(), thread_cpu_ns());
             for _ in 0..n {
-                if nap {
+                if by_nap {
                     weir_runtime::platform::nap(d).await;
                 } else {
                     glommio::timer::sleep(d).await;
@@ -427,60 +427,35 @@ fn idle_waits(d: Duration, n: u64, nap: bool) -> Measured {
         .expect("the executor's thread")
 }
 
-/// The `idle_nap_200us` row (see the module docs).
+/// The `idle_nap_200us` row (see the module docs): the 200-us waits make the row; each kind's
+/// wall and CPU time per wait, from its run with the median CPU, at 200 and 10 us in `extra`.
 fn idle_row(reps: usize, quick: bool) -> BenchResult {
     let total = Duration::from_millis(if quick { 100 } else { 1000 });
-    let runs = |d: Duration, nap: bool| -> Vec<Measured> {
+    // Nap and timer alternate, so that both see the same neighbours.
+    let runs = |us: u64| -> (Vec<Measured>, Vec<Measured>) {
+        let d = Duration::from_micros(us);
         let n = (total.as_nanos() / d.as_nanos()) as u64;
-        (0..reps).map(|_| idle_waits(d, n, nap)).collect()
+        (0..reps)
+            .map(|_| (idle_waits(d, n, true), idle_waits(d, n, false)))
+            .unzip()
     };
-    let long = Duration::from_micros(200);
-    let short = Duration::from_micros(10);
-    // Interleaved per duration, so that both kinds see the same neighbours.
-    let (nap_long, timer_long) = (runs(long, true), runs(long, false));
-    let (nap_short, timer_short) = (runs(short, true), runs(short, false));
-    let wall_per_wait = |v: &[Measured]| {
-        let (m, _) = median(v.to_vec());
-        m.wall_ns as f64 / m.records.max(1) as f64
-    };
-    let cpu_per_wait = |v: &[Measured]| {
-        let (m, _) = median(v.to_vec());
-        m.cpu_ns as f64 / m.records.max(1) as f64
-    };
-    let mut extra = vec![
-        (
-            "nap_200us_wall_ns_per_wait".into(),
-            wall_per_wait(&nap_long),
-        ),
-        (
-            "timer_200us_wall_ns_per_wait".into(),
-            wall_per_wait(&timer_long),
-        ),
-        ("nap_200us_cpu_ns_per_wait".into(), cpu_per_wait(&nap_long)),
-        (
-            "timer_200us_cpu_ns_per_wait".into(),
-            cpu_per_wait(&timer_long),
-        ),
-        (
-            "nap_10us_wall_ns_per_wait".into(),
-            wall_per_wait(&nap_short),
-        ),
-        (
-            "timer_10us_wall_ns_per_wait".into(),
-            wall_per_wait(&timer_short),
-        ),
-        ("nap_10us_cpu_ns_per_wait".into(), cpu_per_wait(&nap_short)),
-        (
-            "timer_10us_cpu_ns_per_wait".into(),
-            cpu_per_wait(&timer_short),
-        ),
-    ];
-    let mut r = row(
-        "idle_nap_200us",
-        nap_long,
-        "glommio_timer_sleep_200us",
-        timer_long,
-    );
+    let mut extra = Vec::new();
+    let mut long = None;
+    for us in [200, 10] {
+        let (naps, timers) = runs(us);
+        for (kind, v) in [("nap", &naps), ("timer", &timers)] {
+            let (m, _) = median(v.clone());
+            let per_wait = |ns: u64| ns as f64 / m.records.max(1) as f64;
+            extra.push((
+                format!("{kind}_{us}us_wall_ns_per_wait"),
+                per_wait(m.wall_ns),
+            ));
+            extra.push((format!("{kind}_{us}us_cpu_ns_per_wait"), per_wait(m.cpu_ns)));
+        }
+        long.get_or_insert((naps, timers));
+    }
+    let (naps, timers) = long.expect("the 200-us runs");
+    let mut r = row("idle_nap_200us", naps, "glommio_timer_sleep_200us", timers);
     extra.append(&mut r.extra);
     r.extra = extra;
     r
