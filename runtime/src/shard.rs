@@ -1300,6 +1300,26 @@ mod tests {
         }
     }
 
+    /// Every shard thread runs with the 1-us timer slack that its naps rely on
+    /// (`platform::nap`): a map on each shard reads its thread's slack.
+    #[test]
+    fn shard_threads_run_with_a_fine_timer_slack() {
+        let job = crate::Job::new(JobConfig::new().with_shards(2).with_pinning(Pinning::Never));
+        let out = job
+            .from_iter(|shard, _| std::iter::once(shard as u64))
+            .map(|shard| {
+                // SAFETY: PR_GET_TIMERSLACK takes no argument and returns the calling thread's
+                // slack.
+                let slack = unsafe { libc::prctl(libc::PR_GET_TIMERSLACK, 0, 0, 0, 0) };
+                (shard, slack as u64)
+            })
+            .collect();
+        job.run().expect("job");
+        let mut got = out.take();
+        got.sort();
+        assert_eq!(got, vec![(0, 1_000), (1, 1_000)]);
+    }
+
     /// Restart delays of any strategy, validated or not, never panic: a delay grown past what
     /// a `Duration` holds is the strategy's max (`Duration::mul_f64` panicked at the second
     /// failure under `multiplier = inf` or `1e300`), jitter that is no number adds none, and
