@@ -21,7 +21,9 @@
 //!   sleeps, timer slack 1 us, then the task yields) beside `glommio::timer::sleep`, each in a
 //!   one-task executor as a shard's is. `per_cpu_sec` is waits per CPU second of the
 //!   executor's thread (what an idle shard burns), `ratio` nap / timer; `extra` has each one's
-//!   mean wall time per wait, at 200 us and at 10 us (a shard's first nap).
+//!   mean wall time per wait, at 200 us and at 10 us (a shard's first nap), and
+//!   `idle_job_2shards_core_share`: the CPU of a whole 2-shard job whose source has nothing
+//!   for a second, as a share of one core.
 //!
 //! Every figure is the median of several runs; all runs are listed in `extra`.
 
@@ -427,6 +429,32 @@ fn idle_waits(d: Duration, n: u64, by_nap: bool) -> Measured {
         .expect("the executor's thread")
 }
 
+/// CPU seconds per wall second of a 2-shard job (default idle waits) whose ingress source
+/// stays empty for `idle`, measured once every shard is running.
+fn idle_job_core_share(idle: Duration) -> f64 {
+    let (tx, src) = weir_runtime::source::ingress::<u64>(4);
+    let job = Job::new(
+        JobConfig::new()
+            .with_shards(2)
+            .with_pinning(weir_runtime::Pinning::Never),
+    );
+    let out = job.source(src).map(|x| x + 1).collect();
+    let handle = job.start().expect("the idle job starts");
+    while handle.status() != JobStatus::Running {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Past the shards' first rounds (spins, then naps growing to their longest).
+    std::thread::sleep(Duration::from_millis(100));
+    let (w0, c0) = (Instant::now(), process_cpu_ns());
+    std::thread::sleep(idle);
+    let share = (process_cpu_ns() - c0) as f64 / w0.elapsed().as_nanos().max(1) as f64;
+    tx.push_batch(vec![1]).expect("the job takes a record");
+    tx.close();
+    handle.wait().expect("the idle job");
+    assert_eq!(out.take(), vec![2], "the idle job's one record");
+    share
+}
+
 /// The `idle_nap_200us` row (see the module docs): the 200-us waits make the row; each kind's
 /// wall and CPU time per wait, from its run with the median CPU, at 200 and 10 us in `extra`.
 fn idle_row(reps: usize, quick: bool) -> BenchResult {
@@ -454,6 +482,12 @@ fn idle_row(reps: usize, quick: bool) -> BenchResult {
         }
         long.get_or_insert((naps, timers));
     }
+    let mut shares: Vec<f64> = (0..reps).map(|_| idle_job_core_share(total)).collect();
+    shares.sort_by(f64::total_cmp);
+    extra.push((
+        "idle_job_2shards_core_share".into(),
+        shares[shares.len() / 2],
+    ));
     let (naps, timers) = long.expect("the 200-us runs");
     let mut r = row("idle_nap_200us", naps, "glommio_timer_sleep_200us", timers);
     extra.append(&mut r.extra);
