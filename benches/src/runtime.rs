@@ -440,9 +440,10 @@ fn idle_job_core_share(idle: Duration) -> f64 {
     );
     let out = job.source(src).map(|x| x + 1).collect();
     let handle = job.start().expect("the idle job starts");
-    while handle.status() != JobStatus::Running {
+    while handle.status() == JobStatus::Initializing {
         std::thread::sleep(Duration::from_millis(1));
     }
+    assert_eq!(handle.status(), JobStatus::Running, "idle job");
     // Past the shards' first rounds (spins, then naps growing to their longest).
     std::thread::sleep(Duration::from_millis(100));
     let (w0, c0) = (Instant::now(), process_cpu_ns());
