@@ -488,6 +488,35 @@ fn expect_format<T: std::fmt::Debug>(r: Result<T, CheckpointError>) -> FormatErr
     }
 }
 
+/// A `_metadata` that is a directory damages its checkpoint, not the job's listing: it
+/// failed `list` (and with it every `weir checkpoints` command and `--restore latest`) with
+/// "Is a directory", and the intact checkpoints beside it were neither listed nor verified.
+#[test]
+fn a_metadata_directory_is_a_damaged_checkpoint_beside_intact_ones() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+    let st = open(Arc::new(StdFs), &root);
+    let job = st.job_dir().to_owned();
+    write_checkpoint(&st, 1, &local, None).unwrap();
+    write_checkpoint(&st, 2, &local, None).unwrap();
+    let meta_path = job.join("chk-1").join(METADATA_FILE);
+    std::fs::remove_file(&meta_path).unwrap();
+    std::fs::create_dir(&meta_path).unwrap();
+    let listed = st.list().unwrap();
+    let state: Vec<_> = listed
+        .iter()
+        .map(|i| (i.id, i.complete, i.metadata_corrupt))
+        .collect();
+    assert_eq!(state, [(1, false, true), (2, true, false)]);
+    let problem = listed[0].problem.as_deref().unwrap();
+    assert!(problem.contains("a directory"), "{problem}");
+    let e = expect_format(st.read_metadata(1));
+    assert_eq!((e.file(), e.offset()), (meta_path.as_path(), 0));
+    assert_eq!(st.latest_complete().unwrap().map(|i| i.id), Some(2));
+    st.verify(2).unwrap();
+    assert_eq!(expect_corrupt(st.verify(1)).file(), meta_path);
+}
+
 #[test]
 fn corruption_names_file_and_offset() {
     let tmp = tempfile::tempdir().unwrap();

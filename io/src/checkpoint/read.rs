@@ -38,12 +38,12 @@ pub(crate) fn read_metadata_file(
     let f = match fs.open(&path) {
         Ok(f) => f,
         Err(e) if is_not_found(&e) => return Ok(None),
-        Err(e) => return Err(e.into()),
+        Err(e) => return Err(not_a_file(&path, e)),
     };
     let len = f.len()?;
     let mut head = [0u8; METADATA_HEADER_LEN];
     let head = &mut head[..len.min(METADATA_HEADER_LEN as u64) as usize];
-    f.read_at(0, head)?;
+    f.read_at(0, head).map_err(|e| not_a_file(&path, e))?;
     CheckpointMetadata::check_header(&path, head, len)?;
     // At most METADATA_LEN_MAX (4 GiB + 19) now; where even that much memory is not to be
     // had, an error rather than the abort of a failed allocation.
@@ -61,6 +61,22 @@ pub(crate) fn read_metadata_file(
     bytes.resize(len as usize, 0);
     f.read_at(0, &mut bytes)?;
     Ok(Some(CheckpointMetadata::decode(&path, &bytes)?))
+}
+
+/// A `_metadata` that is a directory is a damaged checkpoint (what `list` shows as
+/// incomplete and `verify` reports as corrupt), not an I/O failure: taken for one, it failed
+/// the listing of every checkpoint of the job, the intact ones too.
+fn not_a_file(path: &Path, e: IoError) -> CheckpointError {
+    match &e {
+        IoError::Os { source, .. } if source.kind() == std::io::ErrorKind::IsADirectory => {
+            CheckpointError::Format(FormatError::Malformed {
+                file: path.to_path_buf(),
+                offset: 0,
+                reason: "a directory, not a file".into(),
+            })
+        }
+        _ => e.into(),
+    }
 }
 
 /// Which span of which data file to read.
