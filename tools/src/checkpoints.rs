@@ -274,32 +274,45 @@ pub fn verify(a: &VerifyArgs) -> Result<(), VerifyFailed> {
     }
     let jobs = jobs(&a.dir).map_err(VerifyFailed::Other)?;
     let mut checked = 0;
+    // Every corruption is reported, each on its own error line as it is found, and the exit
+    // code is 3 if there was any: stopping at the first left the other checkpoints (and
+    // jobs) unchecked, so a user could not tell which one to restore.
+    let mut corrupt = Corrupt::default();
     for (root, job) in jobs {
         let s = open(&root, &job).map_err(VerifyFailed::Other)?;
         if a.checkpoint.is_none() {
             if let Some(done) = completed_without_metadata(&s, None) {
-                return Err(completed_metadata_gone(&s, &job, done));
-            }
-            if let Some(e) = damaged_record_without_metadata(&s) {
-                return Err(VerifyFailed::Corrupt(format!(
+                corrupt.found(completed_metadata_gone(&s, &job, done))?;
+            } else if let Some(e) = damaged_record_without_metadata(&s) {
+                corrupt.found(VerifyFailed::Corrupt(format!(
                     "{job}: {e}: the record of the newest completed checkpoint does not \
                      decode, and no checkpoint has a {}: one completed and its metadata was \
                      removed since, so a restore stops rather than start from the beginning, \
                      which could commit output twice",
                     weir_io::METADATA_FILE
-                )));
+                )))?;
             }
         }
         // Every checkpoint listed may be dropped while it is verified: list again, so that a
         // job's newer checkpoint is verified instead (a few rounds; a job keeping up with
         // that is checkpointing faster than a verification takes).
         for _round in 0..VERIFY_ROUNDS {
-            let (ok, skipped) = verify_listed(a, &s, &job)?;
+            let (ok, skipped) = verify_listed(a, &s, &job, &mut corrupt)?;
             checked += ok;
             if ok > 0 || skipped == 0 {
                 break;
             }
         }
+    }
+    if corrupt.count > 0 {
+        return Err(VerifyFailed::Corrupt(format!(
+            "{}: {} corrupt (each named above); {checked} verified",
+            a.dir.display(),
+            match corrupt.count {
+                1 => "1 checkpoint is".to_string(),
+                n => format!("{n} checkpoints are"),
+            }
+        )));
     }
     if checked == 0 {
         return Err(VerifyFailed::Other(format!(
@@ -316,12 +329,37 @@ pub fn verify(a: &VerifyArgs) -> Result<(), VerifyFailed> {
 /// See [`verify`].
 const VERIFY_ROUNDS: usize = 5;
 
+/// The corrupt checkpoints `verify` found so far, each already reported.
+#[derive(Default)]
+struct Corrupt {
+    count: usize,
+    /// (job, checkpoint) of those found by [`verify_listed`], which lists again when a
+    /// checkpoint went while it was verified: each is reported once.
+    ids: std::collections::BTreeSet<(String, u64)>,
+}
+
+impl Corrupt {
+    /// Report a corrupt checkpoint (an error line naming it, its file and offset) and go on;
+    /// any other failure ends the verification.
+    fn found(&mut self, e: VerifyFailed) -> Result<(), VerifyFailed> {
+        match e {
+            VerifyFailed::Corrupt(msg) => {
+                eprintln!("error: {msg}");
+                self.count += 1;
+                Ok(())
+            }
+            other => Err(other),
+        }
+    }
+}
+
 /// Verifies the checkpoints of `job` that `a` designates, as listed now: how many verified,
 /// and how many were removed while they were verified.
 fn verify_listed(
     a: &VerifyArgs,
     s: &CheckpointStorage,
     job: &str,
+    corrupt: &mut Corrupt,
 ) -> Result<(usize, usize), VerifyFailed> {
     let (mut checked, mut skipped) = (0, 0);
     let ids: Vec<u64> = match a.checkpoint {
@@ -338,6 +376,9 @@ fn verify_listed(
         }
     };
     for id in ids {
+        if corrupt.ids.contains(&(job.to_string(), id)) {
+            continue;
+        }
         // The segments' own checks after the CRCs. If the metadata is gone by then, retention
         // removed the checkpoint meanwhile, and it counts as verified by its CRCs.
         let verified =
@@ -351,7 +392,9 @@ fn verify_listed(
                 });
         let verified = match verified {
             Err(e @ (SegmentsFailed::Scratch(_) | SegmentsFailed::Sections(_))) => {
-                return Err(e.into_failed(job))
+                corrupt.found(e.into_failed(job))?;
+                corrupt.ids.insert((job.to_string(), id));
+                continue;
             }
             Err(SegmentsFailed::Verify(e)) => Err(e),
             Ok(r) => Ok(r),
@@ -365,10 +408,10 @@ fn verify_listed(
                 );
             }
             Err(e @ VerifyError::NotFound { .. }) if a.checkpoint.is_some() => {
-                return Err(match completed_without_metadata(s, Some(id)) {
-                    Some(done) => completed_metadata_gone(s, job, done),
-                    None => VerifyFailed::Other(format!("{job}: {e}")),
-                });
+                match completed_without_metadata(s, Some(id)) {
+                    Some(done) => corrupt.found(completed_metadata_gone(s, job, done))?,
+                    None => return Err(VerifyFailed::Other(format!("{job}: {e}"))),
+                }
             }
             // A running job's retention may drop a checkpoint while it is verified (its
             // metadata first, then the files only it used): a file gone then is not
@@ -383,7 +426,10 @@ fn verify_listed(
                 eprintln!("weir: {job} checkpoint {id} was removed while it was verified; skipped");
                 skipped += 1;
             }
-            Err(e) => return Err(VerifyFailed::Corrupt(format!("{job}: {e}"))),
+            Err(e) => {
+                corrupt.found(VerifyFailed::Corrupt(format!("{job}: {e}")))?;
+                corrupt.ids.insert((job.to_string(), id));
+            }
         }
     }
     Ok((checked, skipped))

@@ -1394,6 +1394,86 @@ fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
     );
 }
 
+/// `verify` reports every corrupt checkpoint and verifies the others (it stopped at the first,
+/// so the intact ones went unchecked), and a `_metadata` that is a directory damages only its
+/// own checkpoint (it failed every command for the whole job with "Is a directory", exit 1).
+#[test]
+fn verify_reports_every_corrupt_checkpoint_and_checks_the_rest() {
+    let Inputs {
+        dir: _dir,
+        input,
+        out,
+        ck,
+        ..
+    } = Inputs::new(200_000, 41, "csv");
+    let ck_s = ck.to_str().expect("utf8");
+    let r = keyed_sum(
+        &input,
+        "csv",
+        &out,
+        &[
+            "--checkpoint-dir",
+            ck_s,
+            "--checkpoint-interval",
+            "5ms",
+            "--retained",
+            "4",
+        ],
+    );
+    assert!(r.status.success(), "{}", stderr(&r));
+    let job = ck.join("keyed-sum");
+    let mut ids: Vec<u64> = std::fs::read_dir(&job)
+        .expect("job dir")
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.strip_prefix("chk-")?.parse().ok())
+        .filter(|id| job.join(format!("chk-{id}/_metadata")).is_file())
+        .collect();
+    ids.sort_unstable();
+    assert!(ids.len() >= 3, "several retained checkpoints: {ids:?}");
+    let (first, second) = (ids[0], ids[1]);
+    let meta = |id: u64| job.join(format!("chk-{id}")).join("_metadata");
+    let mut bytes = std::fs::read(meta(first)).expect("read");
+    bytes[40] ^= 0x10;
+    std::fs::write(meta(first), bytes).expect("write");
+    std::fs::remove_file(meta(second)).expect("rm");
+    std::fs::create_dir(meta(second)).expect("mkdir");
+
+    let l = weir(&["checkpoints", "list", ck_s]);
+    assert!(l.status.success(), "{}", stderr(&l));
+    let listing = String::from_utf8_lossy(&l.stdout);
+    let row = |id: u64| {
+        listing
+            .lines()
+            .find(|r| r.split_whitespace().nth(1) == Some(&id.to_string()))
+            .unwrap_or_else(|| panic!("checkpoint {id} listed: {listing}"))
+            .to_string()
+    };
+    assert!(row(second).contains("incomplete") && row(second).contains("a directory"));
+    for &id in &ids[2..] {
+        assert!(row(id).contains(" complete"), "{listing}");
+    }
+
+    let v = weir(&["checkpoints", "verify", ck_s]);
+    assert_eq!(v.status.code(), Some(3), "{}", stderr(&v));
+    let (e, o) = (stderr(&v), String::from_utf8_lossy(&v.stdout).to_string());
+    for id in [first, second] {
+        let named = meta(id);
+        let line = e
+            .lines()
+            .find(|l| l.contains(named.to_str().expect("utf8")))
+            .unwrap_or_else(|| panic!("checkpoint {id} reported: {e}"));
+        assert!(
+            line.starts_with("error: ") && line.contains("offset"),
+            "{e}"
+        );
+    }
+    assert!(e.contains("2 checkpoints are corrupt"), "{e}");
+    for &id in &ids[2..] {
+        assert!(o.contains(&format!("ok keyed-sum checkpoint {id}:")), "{o}");
+    }
+    assert!(!e.contains("panicked"), "{e}");
+}
+
 /// A segment changed together with the metadata that describes it (here cut short by its
 /// footer, its size and CRC in `_metadata` written again) passes the CRC comparison, but not
 /// the segment's own checks, which `verify` makes after it, as a restore does: exit code 3,
