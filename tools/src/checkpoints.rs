@@ -224,6 +224,14 @@ fn verify_one(a: &VerifyArgs) -> Result<(), VerifyFailed> {
     let sp = Savepoint::open(Arc::new(StdFs), &a.dir)
         .map_err(|e| metadata_failed(&shown, e))?
         .with_raw_diagnose(weir_state::diagnose_segment);
+    // As for a `chk-<n>` directory (and `inspect`): a savepoint of another checkpoint than
+    // the one asked for is not verified, and not reported as that one.
+    let id = sp.metadata().checkpoint_id;
+    if let Some(n) = a.checkpoint.filter(|&n| n != id) {
+        return Err(VerifyFailed::Other(format!(
+            "{shown} is a savepoint of checkpoint {id}, not {n}"
+        )));
+    }
     let r = sp
         .verify()
         .map_err(|e| VerifyFailed::Corrupt(format!("{shown}: {e}")))?;

@@ -1396,7 +1396,8 @@ fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
 
 /// `verify` reports every corrupt checkpoint and verifies the others (it stopped at the first,
 /// so the intact ones went unchecked), and a `_metadata` that is a directory damages only its
-/// own checkpoint (it failed every command for the whole job with "Is a directory", exit 1).
+/// own checkpoint (it failed every command for the whole job with "Is a directory", exit 1),
+/// and a savepoint is verified only as the checkpoint it is.
 #[test]
 fn verify_reports_every_corrupt_checkpoint_and_checks_the_rest() {
     let Inputs {
@@ -1472,6 +1473,37 @@ fn verify_reports_every_corrupt_checkpoint_and_checks_the_rest() {
         assert!(o.contains(&format!("ok keyed-sum checkpoint {id}:")), "{o}");
     }
     assert!(!e.contains("panicked"), "{e}");
+
+    // A savepoint verified as another checkpoint is refused, as a `chk-<n>` directory is (it
+    // printed "ok savepoint ... (checkpoint <its own>)" and exited 0).
+    let newest = *ids.last().expect("one");
+    let sp = savepoint_of(
+        &ck,
+        &job.join(format!("chk-{newest}")),
+        &_dir.path().join("sp"),
+    );
+    let sp_s = sp.to_str().expect("utf8");
+    let v = weir(&[
+        "checkpoints",
+        "verify",
+        sp_s,
+        "--checkpoint",
+        &first.to_string(),
+    ]);
+    assert_eq!(v.status.code(), Some(1), "{}", stderr(&v));
+    assert!(
+        stderr(&v).contains(&format!("savepoint of checkpoint {newest}, not {first}")),
+        "{}",
+        stderr(&v)
+    );
+    let v = weir(&[
+        "checkpoints",
+        "verify",
+        sp_s,
+        "--checkpoint",
+        &newest.to_string(),
+    ]);
+    assert!(v.status.success(), "{}", stderr(&v));
 }
 
 /// A segment changed together with the metadata that describes it (here cut short by its
