@@ -488,6 +488,51 @@ fn expect_format<T: std::fmt::Debug>(r: Result<T, CheckpointError>) -> FormatErr
     }
 }
 
+/// Bytes appended to a file a checkpoint wrote are covered by no CRC, so `verify` refuses
+/// them: past a framed upload's last block, past the last logical file of a merged file the
+/// checkpoint created (shared or task-owned). Both passed, and savepoints copied them.
+#[test]
+fn bytes_past_the_last_block_or_logical_file_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+    let st = open(Arc::new(StdFs), &root);
+    let job = st.job_dir().to_owned();
+    let c1 = write_checkpoint(&st, 1, &local, None).unwrap();
+    write_checkpoint(&st, 2, &local, Some(&c1.metadata)).unwrap();
+    let of_2 = |dir: &str, hint: &str| -> PathBuf {
+        std::fs::read_dir(job.join(dir))
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| {
+                let n = p.file_name().unwrap().to_str().unwrap();
+                n.starts_with("2-") && n.ends_with(hint)
+            })
+            .unwrap_or_else(|| panic!("a {hint} file of checkpoint 2 in {dir}"))
+    };
+    for path in [
+        of_2("shared", "seg"),
+        of_2("shared", "merged"),
+        of_2("taskowned", "merged"),
+    ] {
+        let good = std::fs::read(&path).unwrap();
+        let mut bad = good.clone();
+        bad.extend_from_slice(b"garbage!");
+        std::fs::write(&path, &bad).unwrap();
+        let e = expect_corrupt(st.verify(2));
+        assert_eq!(
+            (e.file(), e.offset()),
+            (path.as_path(), good.len() as u64),
+            "{e}"
+        );
+        assert!(e.to_string().contains("8 bytes past the end"), "{e}");
+        // Checkpoint 1 reuses none of it.
+        st.verify(1).unwrap();
+        std::fs::write(&path, &good).unwrap();
+        st.verify(2).unwrap();
+    }
+}
+
 /// A `_metadata` that is a directory damages its checkpoint, not the job's listing: it
 /// failed `list` (and with it every `weir checkpoints` command and `--restore latest`) with
 /// "Is a directory", and the intact checkpoints beside it were neither listed nor verified.

@@ -173,6 +173,11 @@ fn stream_span(
         }
         .into());
     };
+    // An uploaded file is its blocks and nothing after them: bytes past the last one are
+    // covered by no CRC (a raw file is held to its length the same way).
+    if span.file_kind == FILE_KIND_UPLOAD && end < file_len {
+        return Err(past_the_end(&path, end, file_len, "the file's last block"));
+    }
     // Whole frames per read, so that no block straddles two reads.
     let frame_max = u64::from(block_max) + BLOCK_HEADER_LEN as u64;
     let per_read = (STREAM_CHUNK_BYTES / frame_max).max(1) * frame_max;
@@ -455,7 +460,84 @@ pub(crate) fn verify_files(
             report.logical_files += 1;
         }
     }
+    check_merged_coverage(fs, base, meta).map_err(wrap)?;
     Ok(report)
+}
+
+/// `FormatError::Malformed` at `end` for the bytes of a file of `file_len` past it.
+fn past_the_end(path: &Path, end: u64, file_len: u64, what: &str) -> CheckpointError {
+    FormatError::Malformed {
+        file: path.to_owned(),
+        offset: end,
+        reason: format!("{} bytes past the end of {what}", file_len - end),
+    }
+    .into()
+}
+
+/// Every byte of a merged physical file that checkpoint `meta` created is in one of its
+/// logical files: each writer appends only its own checkpoint's logical files to the files it
+/// creates, from the file header on, and the metadata lists every one it wrote. So those
+/// files, in offset order, follow each other from the header to the file's end. Bytes
+/// appended after the last one (or left between two) are covered by no CRC: they passed
+/// `verify` and were copied into savepoints. A merged file of an earlier checkpoint that
+/// this one reuses may hold logical files only that one lists: it is checked with it.
+/// Called after every span verified (each file's header and blocks are sound).
+fn check_merged_coverage(
+    fs: &dyn Fs,
+    base: &Path,
+    meta: &CheckpointMetadata,
+) -> Result<(), CheckpointError> {
+    let mut by_file: std::collections::BTreeMap<&Path, Vec<&LogicalFileRef>> =
+        std::collections::BTreeMap::new();
+    for r in &meta.logical_files {
+        let name = r
+            .physical
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("");
+        if parse_data_file_name(name).is_some_and(|(c, _)| c == meta.checkpoint_id) {
+            by_file.entry(&r.physical).or_default().push(r);
+        }
+    }
+    for (rel, mut refs) in by_file {
+        let path = base.join(rel);
+        let file = fs.open(&path)?;
+        let file_len = file.len()?;
+        let mut head = [0u8; DATA_HEADER_LEN];
+        file.read_at(0, &mut head)?;
+        let name = rel.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        let file_id = parse_data_file_name(name).map_or(0, |(_, f)| f);
+        let block_max =
+            DataHeader::decode(&path, &head, file_id, meta.checkpoint_id)?.block_payload_bytes_max;
+        refs.sort_by_key(|r| r.offset);
+        let mut end = DATA_HEADER_LEN as u64;
+        for r in refs {
+            if r.offset != end {
+                return Err(FormatError::Malformed {
+                    file: path,
+                    offset: end,
+                    reason: format!(
+                        "{} bytes before the logical file at offset {} are in none of checkpoint \
+                         {}'s logical files",
+                        r.offset.abs_diff(end),
+                        r.offset,
+                        meta.checkpoint_id
+                    ),
+                }
+                .into());
+            }
+            end = r.offset.saturating_add(framed_len(r.size_bytes, block_max));
+        }
+        if end < file_len {
+            return Err(past_the_end(
+                &path,
+                end,
+                file_len,
+                &format!("checkpoint {}'s last logical file", meta.checkpoint_id),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Most threads a verification uses.
