@@ -84,6 +84,20 @@ pub fn decode_block<'a>(
         });
     }
     let len = u32::from_le_bytes([bytes[16], bytes[17], bytes[18], bytes[19]]) as usize;
+    // A caller that knows the length (from an index, or metadata) learns of a damaged length
+    // field here, named as such: past the end of the file it read as a truncated file ("need
+    // 4278191176 bytes"), which it is not.
+    if expect.payload_len != u32::MAX && len as u64 != u64::from(expect.payload_len) {
+        return Err(FormatError::Malformed {
+            file: file.to_owned(),
+            offset: offset + 16,
+            reason: format!(
+                "the block's payload length field says {len} bytes where {} are expected (a \
+                 damaged header, or not the block that belongs here)",
+                expect.payload_len
+            ),
+        });
+    }
     let available = bytes.len() - BLOCK_HEADER_LEN;
     if len > available {
         return Err(FormatError::Truncated {
@@ -173,6 +187,36 @@ mod tests {
         for cut in 0..buf.len() {
             assert!(decode_block(f, &buf[..cut], 0, hdr(u32::MAX)).is_err());
         }
+    }
+
+    /// A damaged length field is named as one (at its offset), not as a truncated file.
+    #[test]
+    fn a_length_field_unlike_the_expected_is_named() {
+        let mut buf = Vec::new();
+        encode_block(&mut buf, hdr(5), b"hello");
+        buf[18] ^= 0xff;
+        let e = decode_block(Path::new("f"), &buf, 100, hdr(5)).unwrap_err();
+        assert!(
+            matches!(&e, FormatError::Malformed { offset: 116, reason, .. }
+                if reason.contains("payload length field says 16711685 bytes where 5")),
+            "{e}"
+        );
+        // A block cut short under an intact header is still a truncated one.
+        let mut buf = Vec::new();
+        encode_block(&mut buf, hdr(5), b"hello");
+        let e = decode_block(Path::new("f"), &buf[..26], 100, hdr(5)).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                FormatError::Truncated {
+                    offset: 124,
+                    needed: 5,
+                    available: 2,
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 
     #[test]
