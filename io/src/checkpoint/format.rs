@@ -248,7 +248,7 @@ impl CheckpointMetadata {
         let new_bytes = c.u64()?;
         let job_id = c.string()?;
         let n = c.count(8 + 4)?;
-        let mut files = Vec::with_capacity(n);
+        let mut files: Vec<FileRef> = Vec::with_capacity(n);
         for _ in 0..n {
             let at = c.pos;
             let f = FileRef {
@@ -263,18 +263,31 @@ impl CheckpointMetadata {
                     reason: format!("version {version} names the raw file {}", f.path.display()),
                 });
             }
+            if let Some(prev) = files.last() {
+                sorted_and_unique(file, at, (&prev.path, 0), (&f.path, 0))?;
+            }
             files.push(f);
         }
         let n = c.count(8 + 8 + 4 + 4)?;
-        let mut logical_files = Vec::with_capacity(n);
+        let mut logical_files: Vec<LogicalFileRef> = Vec::with_capacity(n);
         for _ in 0..n {
-            logical_files.push(LogicalFileRef {
+            let at = c.pos;
+            let l = LogicalFileRef {
                 physical: c.rel_path()?,
                 offset: c.u64()?,
                 size_bytes: c.u64()?,
                 first_block: c.u32()?,
                 crc32: c.u32()?,
-            });
+            };
+            if let Some(prev) = logical_files.last() {
+                sorted_and_unique(
+                    file,
+                    at,
+                    (&prev.physical, prev.offset),
+                    (&l.physical, l.offset),
+                )?;
+            }
+            logical_files.push(l);
         }
         let n = c.count(4)?;
         let mut sections = Vec::with_capacity(n);
@@ -607,6 +620,34 @@ pub(crate) fn framed_len(size_bytes: u64, block_payload_bytes_max: u32) -> u64 {
     size_bytes.saturating_add(headers)
 }
 
+/// File lists are sorted and unique, by path (logical files: by physical file, then offset),
+/// as the writer makes them: an entry at `at` that does not come after the previous one is
+/// `Malformed` there. A list that names a file twice, under a CRC written again, is a forged
+/// or foreign one, whatever its entries say.
+fn sorted_and_unique(
+    file: &Path,
+    at: usize,
+    prev: (&PathBuf, u64),
+    this: (&PathBuf, u64),
+) -> Result<(), FormatError> {
+    if prev < this {
+        return Ok(());
+    }
+    let shown = |(p, o): (&PathBuf, u64)| match o {
+        0 => p.display().to_string(),
+        o => format!("{} at {o}", p.display()),
+    };
+    Err(FormatError::Malformed {
+        file: file.to_owned(),
+        offset: at as u64,
+        reason: format!(
+            "file list not sorted and unique: {} after {}",
+            shown(this),
+            shown(prev)
+        ),
+    })
+}
+
 /// The name of a data file: `<checkpoint id>-<file id, 16 hex digits>-<hint>`. The name binds
 /// the file to its header, so a file renamed or copied to the wrong place is caught.
 pub(crate) fn data_file_name(checkpoint_id: u64, file_id: u64, hint: &str) -> String {
@@ -750,6 +791,63 @@ mod tests {
                 CheckpointMetadata::decode(f, &b[..cut]),
                 Err(FormatError::Truncated { .. })
             ));
+        }
+    }
+
+    /// File lists are sorted and unique as the writer makes them; a list written otherwise
+    /// under a valid CRC (a duplicate, or reversed) is refused where the entry is, not read.
+    #[test]
+    fn file_lists_out_of_order_or_twice_are_refused() {
+        let f = Path::new("m");
+        let file = |p: &str| FileRef {
+            path: p.into(),
+            size_bytes: 10,
+            crc32: 1,
+        };
+        let logical = |p: &str, offset| LogicalFileRef {
+            physical: p.into(),
+            offset,
+            size_bytes: 3,
+            first_block: 0,
+            crc32: 1,
+        };
+        let mut ok = sample();
+        ok.files = vec![
+            file("shared/5-0000000100000001-seg"),
+            file("shared/6-0000000100000001-seg"),
+        ];
+        ok.logical_files = vec![
+            logical("taskowned/7-0000000100000002-merged", 40),
+            logical("taskowned/7-0000000100000002-merged", 67),
+        ];
+        assert_eq!(CheckpointMetadata::decode(f, &ok.encode()).unwrap(), ok);
+        let mut twice = ok.clone();
+        twice.files[1] = twice.files[0].clone();
+        let mut reversed = ok.clone();
+        reversed.files.reverse();
+        let mut same_offset = ok.clone();
+        same_offset.logical_files[1].offset = 40;
+        let mut logical_reversed = ok.clone();
+        logical_reversed.logical_files.reverse();
+        for (bad, says) in [
+            (twice, "5-0000000100000001-seg after shared/5"),
+            (reversed, "5-0000000100000001-seg after shared/6"),
+            (
+                same_offset,
+                "merged at 40 after taskowned/7-0000000100000002-merged at 40",
+            ),
+            (
+                logical_reversed,
+                "merged at 40 after taskowned/7-0000000100000002-merged at 67",
+            ),
+        ] {
+            let e = CheckpointMetadata::decode(f, &bad.encode()).unwrap_err();
+            assert!(
+                matches!(&e, FormatError::Malformed { reason, offset, .. }
+                    if reason.contains("not sorted and unique") && reason.contains(says)
+                        && *offset > METADATA_HEADER_LEN as u64),
+                "{e}"
+            );
         }
     }
 
