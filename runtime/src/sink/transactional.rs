@@ -119,7 +119,7 @@ impl<T: 'static, F: Fn(&T, &mut String) + Send + Sync + 'static> Sink<T>
     fn create_writer(
         &self,
         shard: usize,
-        _shards: usize,
+        shards: usize,
     ) -> Result<Box<dyn SinkWriter<T>>, StartError> {
         let output_dir = |source| StartError::OutputDir {
             path: self.dir.clone(),
@@ -128,7 +128,8 @@ impl<T: 'static, F: Fn(&T, &mut String) + Send + Sync + 'static> Sink<T>
         // Before the writer lists the directory: what it finds there must be this job's.
         let lock = self.lock_dir().map_err(output_dir)?;
         let w = TransactionalFileWriter::open(self.fs.clone(), &self.dir, shard, self.part_size)
-            .map_err(output_dir)?;
+            .map_err(output_dir)?
+            .with_shards(shards);
         Ok(Box::new(FormattedWriter {
             w,
             format: self.format.clone(),
@@ -323,6 +324,12 @@ pub struct TransactionalFileWriter {
     /// shard index: only then may it delete its index's unlisted pending files of checkpoints
     /// up to the restored one (otherwise another shard may still have to publish them).
     own_state_restored: bool,
+    /// The job's shard count ([`Self::with_shards`]; `u32::MAX` when not told).
+    shards: u32,
+    /// Shard indices at or above `shards` (old shards of a job restored onto fewer) whose
+    /// descriptions a restore handed this writer, for the files in its directory: their
+    /// hidden files are this writer's to clean up, as its own are.
+    orphans: std::collections::BTreeSet<u32>,
 }
 
 impl TransactionalFileWriter {
@@ -350,6 +357,8 @@ impl TransactionalFileWriter {
             pending: Vec::new(),
             poisoned: None,
             own_state_restored: false,
+            shards: u32::MAX,
+            orphans: std::collections::BTreeSet::new(),
         };
         for (_, seq, _) in w.own_files()? {
             // Saturating: a part named with the largest number (a forged or foreign file)
@@ -426,16 +435,35 @@ impl TransactionalFileWriter {
         self.dir.join(name)
     }
 
+    /// The job runs `shards` shards. A restore onto fewer shards than the checkpoint's then
+    /// also cleans up the hidden files of the old shard indices whose descriptions it is
+    /// handed (each old description goes to one new shard): nobody else writes or publishes
+    /// those indices any more, so without this their after-checkpoint files stayed hidden in
+    /// the directory for good. [`TransactionalFileSink`] tells its writers.
+    pub fn with_shards(mut self, shards: usize) -> Self {
+        self.shards = u32::try_from(shards).unwrap_or(u32::MAX);
+        self
+    }
+
     /// This shard's files in the directory: `(path, seq, kind)`.
     fn own_files(&self) -> io::Result<Vec<(PathBuf, u64, Kind)>> {
+        Ok(self
+            .files_of(|s| s == self.shard)?
+            .into_iter()
+            .map(|(path, _, seq, kind)| (path, seq, kind))
+            .collect())
+    }
+
+    /// The files in the directory of the shard indices `which` takes: `(path, shard, seq, kind)`.
+    fn files_of(&self, which: impl Fn(u32) -> bool) -> io::Result<Vec<(PathBuf, u32, u64, Kind)>> {
         let mut out = Vec::new();
         for path in self.fs.list_dir(&self.dir).map_err(to_io)? {
             let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
                 continue;
             };
             if let Some((shard, seq, kind)) = parse_name(name) {
-                if shard == self.shard {
-                    out.push((path, seq, kind));
+                if which(shard) {
+                    out.push((path, shard, seq, kind));
                 }
             }
         }
@@ -577,18 +605,28 @@ impl TransactionalFileWriter {
                 self.own_state_restored = true;
                 self.next_seq = self.next_seq.max(state.next_seq);
             }
+            if state.shard >= self.shards && dir == self.dir {
+                self.orphans.insert(state.shard);
+            }
         }
-        // Cleanup: only this shard index's hidden files. In-progress files and files pending
-        // for a later checkpoint hold output from after the checkpoint, which will be produced
+        // Cleanup: only the hidden files of this shard index, and of old indices that no
+        // longer run whose descriptions came here. In-progress files and files pending for a
+        // later checkpoint hold output from after the checkpoint, which will be produced
         // again. Pending files of this or an earlier checkpoint that are still hidden were not
-        // listed (listed ones are published now): garbage, but only certain once this shard's
+        // listed (listed ones are published now): garbage, but only certain once the index's
         // own description was seen; before, another shard may still have to publish them.
-        for (path, seq, kind) in self.own_files()? {
-            self.next_seq = self.next_seq.max(seq.saturating_add(1));
+        let own = self.shard;
+        for (path, shard, seq, kind) in self.files_of(|s| s == own || self.orphans.contains(&s))? {
+            let described = if shard == own {
+                self.next_seq = self.next_seq.max(seq.saturating_add(1));
+                self.own_state_restored
+            } else {
+                true
+            };
             let delete = match kind {
                 Kind::Final => false,
                 Kind::InProgress => true,
-                Kind::Pending(n) => n > checkpoint || self.own_state_restored,
+                Kind::Pending(n) => n > checkpoint || described,
             };
             if delete {
                 self.fs.remove(&path).map_err(to_io)?;
@@ -909,7 +947,15 @@ mod tests {
     }
 
     fn writer(sink: &TransactionalFileSink<Fmt>, shard: usize) -> Box<dyn SinkWriter<String>> {
-        match Sink::<String>::create_writer(sink, shard, 2) {
+        writer_of(sink, shard, 2)
+    }
+
+    fn writer_of(
+        sink: &TransactionalFileSink<Fmt>,
+        shard: usize,
+        shards: usize,
+    ) -> Box<dyn SinkWriter<String>> {
+        match Sink::<String>::create_writer(sink, shard, shards) {
             Ok(w) => w,
             Err(e) => panic!("create writer: {e}"),
         }
@@ -1615,6 +1661,48 @@ mod tests {
             assert_eq!(want.len(), 36, "the clean run prepares everything");
         }
         (steps, failed)
+    }
+
+    /// Restored onto fewer shards, a writer handed the description of an old shard index
+    /// that no longer runs cleans up that index's hidden files as its own (before, they stayed
+    /// in the directory for good); another live shard's files stay that shard's.
+    #[test]
+    fn restored_onto_fewer_shards_the_old_indices_are_cleaned_by_their_heir() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let dir = tmp.path().to_owned();
+        let s = sink(&dir);
+        let mut ws: Vec<_> = (0..3).map(|i| writer_of(&s, i, 3)).collect();
+        let mut states = Vec::new();
+        for (i, w) in ws.iter_mut().enumerate() {
+            write_all(&mut **w, &lines(&format!("s{i}"), 0..4));
+            states.push(w.pre_commit(1).expect("pre-commit"));
+            write_all(&mut **w, &lines(&format!("late{i}"), 0..2));
+            w.pre_commit(2).expect("pre-commit 2");
+            write_all(&mut **w, &lines(&format!("later{i}"), 0..2));
+        }
+        drop(ws);
+        // Two shards now: shard 0 takes old shards 0 and 2, shard 1 takes old shard 1.
+        let mut w0 = writer_of(&s, 0, 2);
+        w0.restore(1, &states[0]).expect("restore");
+        w0.restore(1, &states[2]).expect("restore");
+        // Old shard 2's after-checkpoint files are gone; shard 1's wait for its own writer.
+        assert_eq!(
+            hidden(&dir),
+            [
+                ".part-1-0.pending-1",
+                ".part-1-1.pending-2",
+                ".part-1-2.inprogress"
+            ]
+            .map(String::from)
+        );
+        let mut w1 = writer_of(&s, 1, 2);
+        w1.restore(1, &states[1]).expect("restore");
+        assert!(hidden(&dir).is_empty(), "{:?}", hidden(&dir));
+        let mut want = [lines("s0", 0..4), lines("s1", 0..4), lines("s2", 0..4)].concat();
+        want.sort();
+        let mut got = visible_lines(&dir);
+        got.sort();
+        assert_eq!(got, want);
     }
 
     #[test]
