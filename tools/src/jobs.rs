@@ -91,6 +91,15 @@ fn check_paths(input: &InputArgs) -> Result<(), String> {
              or replaces; write the output to another directory"
         ));
     }
+    // The other way round too: output written into the input directory becomes input of the
+    // next run (today only files directly in it are read, but a run over `--input` must not
+    // depend on that to leave its input alone).
+    if o.starts_with(&i) {
+        return Err(format!(
+            "--output {o_shown} is inside --input {i_shown}: the job would write into its own \
+             input; write the output to another directory"
+        ));
+    }
     check_outside_job_dir("--input", &input.input, &input.checkpoint)?;
     check_outside_job_dir("--output", &input.output, &input.checkpoint)?;
     if let Policy::DeadLetter(d) = &input.on_error {
@@ -119,15 +128,34 @@ fn check_paths(input: &InputArgs) -> Result<(), String> {
 }
 
 /// Ends a stream of output lines: exactly once through the two-phase-commit file sink when the
-/// job checkpoints, else a plain file sink (after removing an earlier run's part files).
+/// job checkpoints, else a plain file sink. A job that starts from the beginning replaces the
+/// part files of earlier runs in --output, checkpointing or not (kept, they were counted
+/// twice: a second run of the same input left two copies of every line); a job that restores
+/// keeps them, and its sink publishes or discards what its checkpoint had pending.
+///
+/// Either way under the output directory's lock, so that a job never touches a directory
+/// another job writes: the plain sink's run deleted a running checkpointed job's published
+/// files. The plain sink takes no lock of its own, so the returned lock is the caller's to
+/// hold until the job ends; the exactly-once sink takes it itself (a second lock of this
+/// process on the same file would refuse it), so that one is released first.
+#[must_use = "the output directory's lock: hold it while the job runs"]
 fn write_output<T: weir_runtime::Data>(
     stream: weir_runtime::Stream<T>,
     input: &InputArgs,
+    default_job_id: &str,
     format: impl Fn(&T, &mut String) + Send + Sync + 'static,
-) -> Result<(), String> {
+) -> Result<Option<weir_io::DirLock>, String> {
+    let fresh = starts_from_the_beginning(input, default_job_id);
+    let lock = if fresh || input.checkpoint.checkpoint_dir.is_none() {
+        Some(lock_output(&input.output)?)
+    } else {
+        None
+    };
+    if fresh {
+        prepare_output(&input.output)?;
+    }
     if input.checkpoint.checkpoint_dir.is_some() {
-        // Committed output of earlier runs stays: restore publishes or discards what was
-        // pending, and the job continues where its checkpoint left off.
+        drop(lock);
         // A stable uid: a restore hands the checkpoint's transactions to the sink of that uid.
         stream
             .sink(weir_runtime::sink::TransactionalFileSink::new(
@@ -135,13 +163,62 @@ fn write_output<T: weir_runtime::Data>(
                 format,
             ))
             .uid("output");
-    } else {
-        prepare_output(&input.output)?;
-        stream
-            .write_lines(input.output.clone(), format)
-            .uid("output");
+        return Ok(None);
     }
-    Ok(())
+    stream
+        .write_lines(input.output.clone(), format)
+        .uid("output");
+    Ok(lock)
+}
+
+/// Whether the job will start from the beginning rather than restore: no `--restore`, or
+/// `--restore latest` over a job directory where the runtime finds nothing to restore (no
+/// checkpoint that completed or whose metadata exists, no record of one that completed: the
+/// runtime then starts from the beginning and says so). Where that is not certain (a listing
+/// that fails, say), false: earlier output is then kept, as before.
+fn starts_from_the_beginning(input: &InputArgs, default_job_id: &str) -> bool {
+    let ck = &input.checkpoint;
+    match ck.restore.as_deref() {
+        None => true,
+        Some("latest") => {
+            let Some(dir) = &ck.checkpoint_dir else {
+                return false;
+            };
+            let job = ck.job_id.as_deref().unwrap_or(default_job_id);
+            if !dir.join(job).exists() {
+                return true;
+            }
+            let options = weir_runtime::checkpoint::storage_options();
+            let Ok(s) = weir_io::CheckpointStorage::open_read_only_with(
+                std::sync::Arc::new(weir_io::StdFs),
+                dir,
+                job,
+                options,
+            ) else {
+                return false;
+            };
+            let none_listed = s
+                .list()
+                .is_ok_and(|l| l.iter().all(|i| !i.complete && !i.metadata_corrupt));
+            none_listed && matches!(s.completed_record(), Ok(None))
+        }
+        Some(_) => false,
+    }
+}
+
+/// The output directory's lock (the one the exactly-once sink takes), created with the
+/// directory: one job per output directory.
+fn lock_output(dir: &Path) -> Result<weir_io::DirLock, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    weir_io::DirLock::acquire_named(dir, weir_runtime::sink::SINK_LOCK_FILE).map_err(|e| match e {
+        weir_io::IoError::Locked { lock_file, .. } => format!(
+            "output directory {}: in use by another job ({} is locked); give each job its own \
+             output directory",
+            dir.display(),
+            lock_file.display()
+        ),
+        e => format!("output directory {}: {e}", dir.display()),
+    })
 }
 
 /// One line about the job's checkpoints, for the summary.
@@ -195,14 +272,18 @@ fn policy(p: &Policy) -> ErrorPolicy {
     }
 }
 
-/// Removes the part files of an earlier run so that the directory holds only this run's output.
+/// Removes the part files of earlier runs, visible (`part-*.csv`) and hidden (the exactly-once
+/// sink's `.part-*` in-progress and pending files), so that the directory holds only this
+/// run's output.
 fn prepare_output(dir: &Path) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let entries = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     for e in entries.flatten() {
         let name = e.file_name();
         let name = name.to_string_lossy();
-        if name.starts_with("part-") && name.ends_with(".csv") {
+        let part =
+            (name.starts_with("part-") && name.ends_with(".csv")) || name.starts_with(".part-");
+        if part && e.file_type().is_ok_and(|t| t.is_file()) {
             std::fs::remove_file(e.path())
                 .map_err(|err| format!("{}: {err}", e.path().display()))?;
         }
@@ -278,9 +359,10 @@ pub fn keyed_sum(a: &KeyedSumArgs) -> Result<(), String> {
         .key_by(|(k, _): &(String, i128)| k.clone())
         .reduce(|(k, a), (_, b)| (k, a + b))
         .uid("keyed-sum");
-    write_output(
+    let _output_lock = write_output(
         sums,
         &a.input,
+        "keyed-sum",
         |(k, s): &(String, i128), line: &mut String| {
             let _ = write!(line, "{},{}", csv_field(k), s);
         },
@@ -329,9 +411,10 @@ pub fn window_count(a: &WindowCountArgs) -> Result<(), String> {
         .window(WindowAssigner::tumbling(a.window))
         .count_with(|k, w, n| (w.start, k.clone(), n))
         .uid("window-count");
-    write_output(
+    let _output_lock = write_output(
         counts,
         &a.input,
+        "window-count",
         |(start, k, n): &(i64, String, u64), line: &mut String| {
             let _ = write!(line, "{start},{},{n}", csv_field(k));
         },

@@ -2437,6 +2437,100 @@ fn overlapping_input_output_and_dead_letter_paths_are_refused() {
     assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
     assert!(stderr(&r).contains("is a directory"), "{}", stderr(&r));
     assert!(!elsewhere.exists(), "nothing written");
+    // Output inside an input directory: written into the input (it exited 0).
+    let in_dir = dir.path().join("in-dir");
+    std::fs::create_dir(&in_dir).expect("mkdir");
+    std::fs::write(in_dir.join("a.csv"), text).expect("write");
+    let r = keyed_sum(&in_dir, "csv", &in_dir.join("out"), &[]);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    assert!(stderr(&r).contains("is inside --input"), "{}", stderr(&r));
+    assert!(!in_dir.join("out").exists(), "nothing written");
+}
+
+/// One job per output directory, with checkpoints or without: a run without checkpoints took
+/// no lock, and deleted the published part files of a checkpointed job running there.
+#[test]
+fn a_run_without_checkpoints_refuses_an_output_directory_in_use() {
+    let inputs = Inputs::new(3_000, 23, "csv");
+    let out = inputs.dir.path().join("busy");
+    std::fs::create_dir(&out).expect("mkdir");
+    std::fs::write(out.join("part-0-0.csv"), "a,1\n").expect("published");
+    // The lock as a running job holds it.
+    let held =
+        weir_io::DirLock::acquire_named(&out, weir_runtime::sink::SINK_LOCK_FILE).expect("lock");
+    let r = keyed_sum(&inputs.input, "csv", &out, &[]);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    assert!(
+        stderr(&r).contains("in use by another job"),
+        "{}",
+        stderr(&r)
+    );
+    assert_eq!(
+        std::fs::read_to_string(out.join("part-0-0.csv")).expect("still there"),
+        "a,1\n"
+    );
+    drop(held);
+    let r = keyed_sum(&inputs.input, "csv", &out, &[]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert_eq!(
+        parse_sums(&committed_lines(&out)),
+        running_sums(&inputs.recs)
+    );
+}
+
+/// A job that starts from the beginning replaces earlier runs' part files, with checkpoints
+/// too (they stayed, and a second run of the same input left every line twice); a job that
+/// restores keeps what its checkpoint committed.
+#[test]
+fn a_checkpointed_run_from_the_beginning_replaces_earlier_output() {
+    let Inputs {
+        dir: _dir,
+        recs,
+        input,
+        out,
+        ck,
+    } = Inputs::new(20_000, 29, "csv");
+    let ck_s = ck.to_str().expect("utf8");
+    let args = ["--checkpoint-dir", ck_s, "--checkpoint-interval", "20ms"];
+    // An earlier run without checkpoints, then one with, and the same again.
+    let r = keyed_sum(&input, "csv", &out, &[]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    for _ in 0..2 {
+        let r = keyed_sum(&input, "csv", &out, &args);
+        assert!(r.status.success(), "{}", stderr(&r));
+        assert_eq!(parse_sums(&committed_lines(&out)), running_sums(&recs));
+    }
+    // `--restore latest` over a finished job restores its final checkpoint: nothing is
+    // replayed and nothing replaced.
+    let r = keyed_sum(
+        &input,
+        "csv",
+        &out,
+        &[&args[..], &["--restore", "latest"]].concat(),
+    );
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert_eq!(parse_sums(&committed_lines(&out)), running_sums(&recs));
+    // Over a checkpoint directory without checkpoints it starts from the beginning, and
+    // replaces.
+    let empty = ck.with_file_name("empty-ck");
+    let r = keyed_sum(
+        &input,
+        "csv",
+        &out,
+        &[
+            "--checkpoint-dir",
+            empty.to_str().expect("utf8"),
+            "--restore",
+            "latest",
+        ],
+    );
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert!(
+        stderr(&r).contains("starting from the beginning"),
+        "{}",
+        stderr(&r)
+    );
+    assert_eq!(parse_sums(&committed_lines(&out)), running_sums(&recs));
 }
 
 /// A path the job uses in its checkpoint directory `DIR/<job-id>` is refused before anything
