@@ -410,19 +410,47 @@ impl ConfigError {
     }
 
     fn from_toml(e: &toml::de::Error, text: &str) -> Self {
-        // toml names unknown keys in its message; keep it whole, and the offending key if found.
+        // toml names an unknown or missing key in its message; a value of the wrong type or
+        // an unknown variant only by its place, which is the key's line (the message's
+        // first quoted word is then the value: "`sometimes` at line 2: unknown variant").
         let msg = e.message().to_string();
-        let key = msg
-            .split('`')
-            .nth(1)
-            .map(str::to_string)
-            .unwrap_or_else(|| "(toml)".to_string());
+        let quoted = msg.split('`').nth(1).map(str::to_string);
+        let named = msg.starts_with("unknown field") || msg.starts_with("missing field");
+        let at_span = || e.span().and_then(|s| key_at(text, s.start));
+        let key = if named {
+            quoted.or_else(at_span)
+        } else {
+            at_span().or(quoted)
+        }
+        .unwrap_or_else(|| "(toml)".to_string());
         Self {
             key,
             reason: msg,
             line: e.span().map(|s| line_of(text, s.start)),
         }
     }
+}
+
+/// The key set on the line of `pos` in TOML `text` (`key = value`), with the table it is in
+/// (`restart.delay`); `None` if that line sets no key.
+fn key_at(text: &str, pos: usize) -> Option<String> {
+    let start = text.get(..pos)?.rfind('\n').map_or(0, |i| i + 1);
+    let line = text[start..].lines().next()?;
+    let (key, _) = line.split_once('=')?;
+    let key = key.trim().trim_matches(|c| c == '"' || c == '\'');
+    if key.is_empty() || key.starts_with('[') {
+        return None;
+    }
+    let table = text[..start]
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with('[') && l.ends_with(']'))
+        .map(|l| l.trim_matches(|c| c == '[' || c == ']').trim());
+    Some(match table {
+        Some(t) if !t.is_empty() => format!("{t}.{key}"),
+        _ => key.to_string(),
+    })
 }
 
 // Every value keeps its place in the text, for the line an error names.
@@ -691,6 +719,31 @@ mod tests {
     }
 
     /// `with_toml` replaces only what the text sets, `dir` included, and checks the result.
+    #[test]
+    /// A value of the wrong type, or not one of the variants, is named by its key and line
+    /// (the message named the value, or "(toml)", where the key belongs).
+    #[test]
+    fn a_bad_value_is_named_by_its_key() {
+        let base = CheckpointConfig::new("/flags", "keyed-sum");
+        for (text, key, line) in [
+            ("dir = \"c\"\nmode = \"sometimes\"\n", "mode", 2),
+            ("dir = \"c\"\nunaligned = \"yes\"\n", "unaligned", 2),
+            ("max-concurrent = -1\n", "max-concurrent", 1),
+            ("incremental = 1\n", "incremental", 1),
+            ("dir = 5\n", "dir", 1),
+            (
+                "# a comment\n[restart]\nstrategy = \"fixed-delay\"\nattempts = \"3\"\n",
+                "restart.attempts",
+                4,
+            ),
+            ("restart.strategy = 7\n", "restart.strategy", 1),
+            ("bogus = 1\n", "bogus", 1),
+        ] {
+            let e = base.clone().with_toml(text).expect_err(text);
+            assert_eq!((e.key.as_str(), e.line), (key, Some(line)), "{text:?}: {e}");
+        }
+    }
+
     #[test]
     fn with_toml_loads_over_a_configuration() {
         let base =
