@@ -2478,6 +2478,70 @@ fn a_run_without_checkpoints_refuses_an_output_directory_in_use() {
     );
 }
 
+/// `--restore` of a checkpoint older than output the job committed since, into the same
+/// `--output`, stops before it changes anything (it exited 0 with that output's records in
+/// the directory twice); `--allow-fallback` accepts the duplicates.
+#[test]
+fn restoring_an_older_checkpoint_behind_committed_output_stops() {
+    let Inputs {
+        dir: _dir,
+        recs,
+        input,
+        out,
+        ck,
+    } = Inputs::new(200_000, 43, "csv");
+    let ck_s = ck.to_str().expect("utf8");
+    let args = [
+        "--checkpoint-dir",
+        ck_s,
+        "--checkpoint-interval",
+        "5ms",
+        "--retained",
+        "4",
+    ];
+    let r = keyed_sum(&input, "csv", &out, &args);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let job = ck.join("keyed-sum");
+    let mut ids: Vec<u64> = std::fs::read_dir(&job)
+        .expect("job dir")
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.strip_prefix("chk-")?.parse().ok())
+        .filter(|id| job.join(format!("chk-{id}/_metadata")).is_file())
+        .collect();
+    ids.sort_unstable();
+    assert!(ids.len() >= 3, "several retained checkpoints: {ids:?}");
+    // Not the oldest: the restore of the newest below adds a checkpoint, and retention may
+    // drop the oldest then.
+    let older_id = ids[1];
+    let older = job.join(format!("chk-{older_id}"));
+    let before = committed_lines(&out);
+    let restore = |extra: &[&str]| {
+        let older = older.to_str().expect("utf8");
+        let flags = [&args[..], &["--restore", older], extra].concat();
+        keyed_sum(&input, "csv", &out, &flags)
+    };
+    let r = restore(&[]);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    let e = stderr(&r);
+    assert!(
+        e.contains(&format!("after checkpoint {older_id}")) && e.contains("--allow-fallback"),
+        "{e}"
+    );
+    assert!(!e.contains("panicked"), "{e}");
+    assert_eq!(committed_lines(&out), before, "nothing changed");
+    assert_eq!(parse_sums(&before), running_sums(&recs));
+    // The newest one restores (a finished job: nothing to replay).
+    let newest = job.join(format!("chk-{}", ids.last().expect("one")));
+    let flags = [&args[..], &["--restore", newest.to_str().expect("utf8")]].concat();
+    let r = keyed_sum(&input, "csv", &out, &flags);
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert_eq!(committed_lines(&out), before);
+    // Allowed, the older one restores and replays what came after it.
+    let r = restore(&["--allow-fallback"]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert!(committed_lines(&out).len() > before.len());
+}
+
 /// A job that starts from the beginning replaces earlier runs' part files, with checkpoints
 /// too (they stayed, and a second run of the same input left every line twice); a job that
 /// restores keeps what its checkpoint committed.

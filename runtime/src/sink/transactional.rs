@@ -58,6 +58,7 @@ pub struct TransactionalFileSink<F> {
     /// held while any of them exists (an attempt's shards, and the next attempt's while the
     /// last one's are dropped), released when the job's writers are gone.
     lock: Mutex<Weak<DirLock>>,
+    rewind_allowed: bool,
 }
 
 impl<F> TransactionalFileSink<F> {
@@ -70,7 +71,16 @@ impl<F> TransactionalFileSink<F> {
             part_size: DEFAULT_PART_SIZE_BYTES,
             fs: Arc::new(StdFs),
             lock: Mutex::new(Weak::new()),
+            rewind_allowed: false,
         }
+    }
+
+    /// Let a restore of a checkpoint older than output already committed in the directory go
+    /// on, writing that output's records again (see
+    /// [`TransactionalFileWriter::with_rewind_allowed`]). Off by default: such a restore fails.
+    pub fn with_rewind_allowed(mut self, allowed: bool) -> Self {
+        self.rewind_allowed = allowed;
+        self
     }
 
     /// The output directory's lock, taken if no writer of this sink holds it yet. Another
@@ -129,7 +139,8 @@ impl<T: 'static, F: Fn(&T, &mut String) + Send + Sync + 'static> Sink<T>
         let lock = self.lock_dir().map_err(output_dir)?;
         let w = TransactionalFileWriter::open(self.fs.clone(), &self.dir, shard, self.part_size)
             .map_err(output_dir)?
-            .with_shards(shards);
+            .with_shards(shards)
+            .with_rewind_allowed(self.rewind_allowed);
         Ok(Box::new(FormattedWriter {
             w,
             format: self.format.clone(),
@@ -330,6 +341,8 @@ pub struct TransactionalFileWriter {
     /// descriptions a restore handed this writer, for the files in its directory: their
     /// hidden files are this writer's to clean up, as its own are.
     orphans: std::collections::BTreeSet<u32>,
+    /// See [`Self::with_rewind_allowed`].
+    rewind_allowed: bool,
 }
 
 impl TransactionalFileWriter {
@@ -359,6 +372,7 @@ impl TransactionalFileWriter {
             own_state_restored: false,
             shards: u32::MAX,
             orphans: std::collections::BTreeSet::new(),
+            rewind_allowed: false,
         };
         for (_, seq, _) in w.own_files()? {
             // Saturating: a part named with the largest number (a forged or foreign file)
@@ -442,6 +456,18 @@ impl TransactionalFileWriter {
     /// the directory for good. [`TransactionalFileSink`] tells its writers.
     pub fn with_shards(mut self, shards: usize) -> Self {
         self.shards = u32::try_from(shards).unwrap_or(u32::MAX);
+        self
+    }
+
+    /// Whether a restore may go back behind output already committed in the directory. A
+    /// checkpoint's description records the next part number of its shard; a visible part
+    /// file of that shard numbered from there on was committed after the checkpoint (a later
+    /// checkpoint's commit), and the records it holds are replayed after the restore, so
+    /// they would be in the directory twice. Such a restore (`--restore` of an older
+    /// checkpoint or a savepoint, into the directory the job went on writing) fails with
+    /// `InvalidData` naming the file, before it changes anything, unless allowed here.
+    pub fn with_rewind_allowed(mut self, allowed: bool) -> Self {
+        self.rewind_allowed = allowed;
         self
     }
 
@@ -592,6 +618,9 @@ impl TransactionalFileWriter {
                 Some(d) if *d != self.abs_dir => d.clone(),
                 _ => self.dir.clone(),
             };
+            if dir == self.dir && !self.rewind_allowed {
+                self.refuse_committed_after(checkpoint, &state)?;
+            }
             let mut published = false;
             for f in &state.files {
                 published |= self.publish_restored(&dir, state.shard, f, checkpoint)?;
@@ -637,6 +666,36 @@ impl TransactionalFileWriter {
             self.sync_dir()?;
         }
         Ok(())
+    }
+
+    /// See [`Self::with_rewind_allowed`]: the visible files of the description's shard
+    /// committed after its checkpoint.
+    fn refuse_committed_after(&self, checkpoint: u64, state: &State) -> io::Result<()> {
+        let mut later: Vec<(u64, PathBuf)> = self
+            .files_of(|s| s == state.shard)?
+            .into_iter()
+            .filter(|(_, _, seq, kind)| *kind == Kind::Final && *seq >= state.next_seq)
+            .map(|(path, _, seq, _)| (seq, path))
+            .collect();
+        later.sort();
+        let Some((_, first)) = later.first() else {
+            return Ok(());
+        };
+        Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "{} was committed after checkpoint {checkpoint} ({} such file{} of shard {}, \
+                 part numbers from {} on): restoring checkpoint {checkpoint} into this \
+                 directory would write their records a second time. Restore the newest \
+                 checkpoint, or move those files away, or accept the duplicates with \
+                 --allow-fallback (TransactionalFileSink::with_rewind_allowed)",
+                first.display(),
+                later.len(),
+                if later.len() == 1 { "" } else { "s" },
+                state.shard,
+                state.next_seq
+            ),
+        ))
     }
 
     /// Publishes one file listed by a restored description, in `dir`; `Ok(true)` if it
@@ -1661,6 +1720,49 @@ mod tests {
             assert_eq!(want.len(), 36, "the clean run prepares everything");
         }
         (steps, failed)
+    }
+
+    /// A restore of a checkpoint older than output committed since, into the same directory,
+    /// is refused before it changes anything (it published and replayed, leaving the later
+    /// output's records there twice); allowed, it goes on.
+    #[test]
+    fn restoring_behind_committed_output_is_refused_unless_allowed() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let dir = tmp.path().to_owned();
+        let s = sink(&dir);
+        let mut w = writer(&s, 0);
+        write_all(&mut *w, &lines("a", 0..3));
+        let at_1 = w.pre_commit(1).expect("pre-commit 1");
+        write_all(&mut *w, &lines("b", 0..3));
+        let at_2 = w.pre_commit(2).expect("pre-commit 2");
+        w.commit(2).expect("commit 2");
+        write_all(&mut *w, &lines("c", 0..3));
+        w.pre_commit(3).expect("pre-commit 3");
+        drop(w);
+        let before = names(&dir);
+
+        let mut w = writer(&s, 0);
+        let e = w.restore(1, &at_1).expect_err("behind part-0-1.csv");
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        let msg = e.to_string();
+        assert!(
+            msg.contains(&final_name(0, 1)) && msg.contains("after checkpoint 1"),
+            "{msg}"
+        );
+        assert_eq!(names(&dir), before, "nothing changed");
+        // The newest complete checkpoint is fine.
+        drop(w);
+        let mut w = writer(&s, 0);
+        w.restore(2, &at_2).expect("restore 2");
+        assert_eq!(
+            visible_lines(&dir),
+            [lines("a", 0..3), lines("b", 0..3)].concat()
+        );
+        drop(w);
+        // Allowed: the older one restores, and its replay will write b's records again.
+        let s = sink(&dir).with_rewind_allowed(true);
+        let mut w = writer(&s, 0);
+        w.restore(1, &at_1).expect("allowed");
     }
 
     /// Restored onto fewer shards, a writer handed the description of an old shard index
