@@ -127,8 +127,29 @@ pub fn run(a: &DemoArgs) -> Result<(), String> {
     let secs = m.elapsed.as_secs_f64();
     let read = m.records_out("bids");
     let n = counted.load(Ordering::Relaxed);
-    println!("bids generated         {read}");
-    println!("bids counted in windows {n}");
+    // Every bid lands in exactly one window, so the two counts agree for a run that started
+    // from the beginning. After a restore (`--restore`, or a restart) the windows this process
+    // fired also hold bids a process before it counted into the restored state, and bids of
+    // windows fired before the checkpoint are not counted here: no equation holds. Nor after
+    // a stop with a savepoint, which leaves the open windows unfired.
+    let stopped = stopper.as_ref().is_some_and(crate::stop::Stopper::stopped);
+    let restored = summary.restarts > 0
+        || summary
+            .checkpoints
+            .last_checkpoint_restore_timestamp
+            .is_some();
+    // Said on the lines, so that two counts that differ are not read as a loss.
+    let (gen_note, win_note) = match (restored, stopped) {
+        (true, _) => (
+            "  (by this process, after the restore)",
+            "  (in the windows this process fired, bids from before the restore included)",
+        ),
+        (false, true) => ("", "  (the stop left the open windows unfired)"),
+        (false, false) => ("", ""),
+    };
+    let restored = restored || stopped;
+    println!("bids generated         {read}{gen_note}");
+    println!("bids counted in windows {n}{win_note}");
     println!("windows emitted        {}", windows.load(Ordering::Relaxed));
     println!("elapsed                {secs:.2} s");
     println!(
@@ -146,18 +167,6 @@ pub fn run(a: &DemoArgs) -> Result<(), String> {
     if checkpointing {
         println!("{}", crate::jobs::checkpoint_summary(&summary.checkpoints));
     }
-    // Every bid lands in exactly one window, so the two counts agree for a run that started
-    // from the beginning. After a restore (`--restore`, or a restart) the windows this process
-    // fired also hold bids a process before it counted into the restored state, and bids of
-    // windows fired before the checkpoint are not counted here: no equation holds. Nor after
-    // a stop with a savepoint, which leaves the open windows unfired.
-    let stopped = stopper.as_ref().is_some_and(crate::stop::Stopper::stopped);
-    let restored = stopped
-        || summary.restarts > 0
-        || summary
-            .checkpoints
-            .last_checkpoint_restore_timestamp
-            .is_some();
     if n != read && !restored {
         return Err(format!(
             "counted {n} bids in windows but generated {read}: records were lost or duplicated"

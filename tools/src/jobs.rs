@@ -283,7 +283,9 @@ fn prepare_output(dir: &Path) -> Result<(), String> {
         let name = name.to_string_lossy();
         let part =
             (name.starts_with("part-") && name.ends_with(".csv")) || name.starts_with(".part-");
-        if part && e.file_type().is_ok_and(|t| t.is_file()) {
+        // A symbolic link goes too (the link, not its target): left in place, the plain sink
+        // would open it and write through it into the file it names.
+        if part && e.file_type().is_ok_and(|t| !t.is_dir()) {
             std::fs::remove_file(e.path())
                 .map_err(|err| format!("{}: {err}", e.path().display()))?;
         }
