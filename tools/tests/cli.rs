@@ -2470,12 +2470,18 @@ fn a_run_without_checkpoints_refuses_an_output_directory_in_use() {
         "a,1\n"
     );
     drop(held);
+    // A part file's name that is a link to a file elsewhere: the link goes, not the file, and
+    // nothing is written through it.
+    let elsewhere = inputs.dir.path().join("keep.csv");
+    std::fs::write(&elsewhere, "mine\n").expect("write");
+    std::os::unix::fs::symlink(&elsewhere, out.join("part-0.csv")).expect("symlink");
     let r = keyed_sum(&inputs.input, "csv", &out, &[]);
     assert!(r.status.success(), "{}", stderr(&r));
     assert_eq!(
         parse_sums(&committed_lines(&out)),
         running_sums(&inputs.recs)
     );
+    assert_eq!(std::fs::read_to_string(&elsewhere).expect("kept"), "mine\n");
 }
 
 /// `--restore` of a checkpoint older than output the job committed since, into the same
