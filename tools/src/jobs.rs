@@ -158,10 +158,10 @@ fn write_output<T: weir_runtime::Data>(
         drop(lock);
         // A stable uid: a restore hands the checkpoint's transactions to the sink of that uid.
         stream
-            .sink(
-                weir_runtime::sink::TransactionalFileSink::new(input.output.clone(), format)
-                    .with_rewind_allowed(input.checkpoint.allow_fallback),
-            )
+            .sink(weir_runtime::sink::TransactionalFileSink::new(
+                input.output.clone(),
+                format,
+            ))
             .uid("output");
         return Ok(None);
     }

@@ -718,8 +718,6 @@ mod tests {
         assert_eq!(built.validate().expect_err("zero").line, None);
     }
 
-    /// `with_toml` replaces only what the text sets, `dir` included, and checks the result.
-    #[test]
     /// A value of the wrong type, or not one of the variants, is named by its key and line
     /// (the message named the value, or "(toml)", where the key belongs).
     #[test]
@@ -744,6 +742,7 @@ mod tests {
         }
     }
 
+    /// `with_toml` replaces only what the text sets, `dir` included, and checks the result.
     #[test]
     fn with_toml_loads_over_a_configuration() {
         let base =

@@ -56,6 +56,14 @@ pub trait SinkWriter<T>: 'static {
         let _ = (checkpoint_id, state);
         Ok(())
     }
+    /// Told before any [`restore`](Self::restore): whether the job accepts a restore that
+    /// writes output committed since its checkpoint a second time
+    /// ([`JobConfig::with_allow_fallback`](crate::JobConfig::with_allow_fallback): a fallback
+    /// past a damaged checkpoint, or an older checkpoint or savepoint restored by path). A
+    /// sink that can tell such a restore (the transactional file sink) refuses it otherwise.
+    fn allow_rewind(&mut self, allowed: bool) {
+        let _ = allowed;
+    }
 }
 
 /// A sink description, shared by every shard.
@@ -117,6 +125,7 @@ impl<T: 'static> SinkOp<T> {
             source,
         };
         if let Some(r) = &ctx.restore {
+            writer.allow_rewind(ctx.config.allow_fallback);
             let parts = r.parts_for_shard(&name, PartKind::Sink, ctx.shard);
             if parts.is_empty() {
                 writer.restore(r.checkpoint_id, &[]).map_err(io)?;

@@ -58,7 +58,6 @@ pub struct TransactionalFileSink<F> {
     /// held while any of them exists (an attempt's shards, and the next attempt's while the
     /// last one's are dropped), released when the job's writers are gone.
     lock: Mutex<Weak<DirLock>>,
-    rewind_allowed: bool,
 }
 
 impl<F> TransactionalFileSink<F> {
@@ -71,16 +70,7 @@ impl<F> TransactionalFileSink<F> {
             part_size: DEFAULT_PART_SIZE_BYTES,
             fs: Arc::new(StdFs),
             lock: Mutex::new(Weak::new()),
-            rewind_allowed: false,
         }
-    }
-
-    /// Let a restore of a checkpoint older than output already committed in the directory go
-    /// on, writing that output's records again (see
-    /// [`TransactionalFileWriter::with_rewind_allowed`]). Off by default: such a restore fails.
-    pub fn with_rewind_allowed(mut self, allowed: bool) -> Self {
-        self.rewind_allowed = allowed;
-        self
     }
 
     /// The output directory's lock, taken if no writer of this sink holds it yet. Another
@@ -139,8 +129,7 @@ impl<T: 'static, F: Fn(&T, &mut String) + Send + Sync + 'static> Sink<T>
         let lock = self.lock_dir().map_err(output_dir)?;
         let w = TransactionalFileWriter::open(self.fs.clone(), &self.dir, shard, self.part_size)
             .map_err(output_dir)?
-            .with_shards(shards)
-            .with_rewind_allowed(self.rewind_allowed);
+            .with_shards(shards);
         Ok(Box::new(FormattedWriter {
             w,
             format: self.format.clone(),
@@ -182,6 +171,9 @@ impl<T: 'static, F: Fn(&T, &mut String) + Send + Sync + 'static> SinkWriter<T>
     }
     fn restore(&mut self, checkpoint_id: u64, state: &[u8]) -> io::Result<()> {
         self.w.restore(checkpoint_id, state)
+    }
+    fn allow_rewind(&mut self, allowed: bool) {
+        self.w.rewind_allowed = allowed;
     }
 }
 
@@ -465,7 +457,8 @@ impl TransactionalFileWriter {
     /// checkpoint's commit), and the records it holds are replayed after the restore, so
     /// they would be in the directory twice. Such a restore (`--restore` of an older
     /// checkpoint or a savepoint, into the directory the job went on writing) fails with
-    /// `InvalidData` naming the file, before it changes anything, unless allowed here.
+    /// `InvalidData` naming the file, before it changes anything, unless allowed here (as a
+    /// job's sink writer it is told the job's `JobConfig::with_allow_fallback`).
     pub fn with_rewind_allowed(mut self, allowed: bool) -> Self {
         self.rewind_allowed = allowed;
         self
@@ -688,7 +681,7 @@ impl TransactionalFileWriter {
                  part numbers from {} on): restoring checkpoint {checkpoint} into this \
                  directory would write their records a second time. Restore the newest \
                  checkpoint, or move those files away, or accept the duplicates with \
-                 --allow-fallback (TransactionalFileSink::with_rewind_allowed)",
+                 --allow-fallback (JobConfig::with_allow_fallback)",
                 first.display(),
                 later.len(),
                 if later.len() == 1 { "" } else { "s" },
@@ -1760,8 +1753,8 @@ mod tests {
         );
         drop(w);
         // Allowed: the older one restores, and its replay will write b's records again.
-        let s = sink(&dir).with_rewind_allowed(true);
         let mut w = writer(&s, 0);
+        w.allow_rewind(true);
         w.restore(1, &at_1).expect("allowed");
     }
 
