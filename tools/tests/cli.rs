@@ -1394,6 +1394,33 @@ fn checkpoints_list_and_verify_detect_corruption_with_exit_code_3() {
     );
 }
 
+/// Flags of a keyed-sum run into checkpoint directory `ck` that keeps several checkpoints.
+fn keeping_checkpoints(ck: &str) -> [&str; 6] {
+    [
+        "--checkpoint-dir",
+        ck,
+        "--checkpoint-interval",
+        "5ms",
+        "--retained",
+        "4",
+    ]
+}
+
+/// The keyed-sum job directory in `ck` and the ids of its checkpoints that have metadata,
+/// oldest first (at least three).
+fn kept_checkpoints(ck: &Path) -> (PathBuf, Vec<u64>) {
+    let job = ck.join("keyed-sum");
+    let mut ids: Vec<u64> = std::fs::read_dir(&job)
+        .expect("job dir")
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.strip_prefix("chk-")?.parse().ok())
+        .filter(|id| job.join(format!("chk-{id}/_metadata")).is_file())
+        .collect();
+    ids.sort_unstable();
+    assert!(ids.len() >= 3, "several retained checkpoints: {ids:?}");
+    (job, ids)
+}
+
 /// `verify` reports every corrupt checkpoint and verifies the others (it stopped at the first,
 /// so the intact ones went unchecked), and a `_metadata` that is a directory damages only its
 /// own checkpoint (it failed every command for the whole job with "Is a directory", exit 1),
@@ -1408,29 +1435,9 @@ fn verify_reports_every_corrupt_checkpoint_and_checks_the_rest() {
         ..
     } = Inputs::new(200_000, 41, "csv");
     let ck_s = ck.to_str().expect("utf8");
-    let r = keyed_sum(
-        &input,
-        "csv",
-        &out,
-        &[
-            "--checkpoint-dir",
-            ck_s,
-            "--checkpoint-interval",
-            "5ms",
-            "--retained",
-            "4",
-        ],
-    );
+    let r = keyed_sum(&input, "csv", &out, &keeping_checkpoints(ck_s));
     assert!(r.status.success(), "{}", stderr(&r));
-    let job = ck.join("keyed-sum");
-    let mut ids: Vec<u64> = std::fs::read_dir(&job)
-        .expect("job dir")
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.strip_prefix("chk-")?.parse().ok())
-        .filter(|id| job.join(format!("chk-{id}/_metadata")).is_file())
-        .collect();
-    ids.sort_unstable();
-    assert!(ids.len() >= 3, "several retained checkpoints: {ids:?}");
+    let (job, ids) = kept_checkpoints(&ck);
     let (first, second) = (ids[0], ids[1]);
     let meta = |id: u64| job.join(format!("chk-{id}")).join("_metadata");
     let mut bytes = std::fs::read(meta(first)).expect("read");
@@ -2497,25 +2504,10 @@ fn restoring_an_older_checkpoint_behind_committed_output_stops() {
         ck,
     } = Inputs::new(200_000, 43, "csv");
     let ck_s = ck.to_str().expect("utf8");
-    let args = [
-        "--checkpoint-dir",
-        ck_s,
-        "--checkpoint-interval",
-        "5ms",
-        "--retained",
-        "4",
-    ];
+    let args = keeping_checkpoints(ck_s);
     let r = keyed_sum(&input, "csv", &out, &args);
     assert!(r.status.success(), "{}", stderr(&r));
-    let job = ck.join("keyed-sum");
-    let mut ids: Vec<u64> = std::fs::read_dir(&job)
-        .expect("job dir")
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.strip_prefix("chk-")?.parse().ok())
-        .filter(|id| job.join(format!("chk-{id}/_metadata")).is_file())
-        .collect();
-    ids.sort_unstable();
-    assert!(ids.len() >= 3, "several retained checkpoints: {ids:?}");
+    let (job, ids) = kept_checkpoints(&ck);
     // Not the oldest: the restore of the newest below adds a checkpoint, and retention may
     // drop the oldest then.
     let older_id = ids[1];
