@@ -64,6 +64,14 @@ pub trait SinkWriter<T>: 'static {
     fn allow_rewind(&mut self, allowed: bool) {
         let _ = allowed;
     }
+    /// Before any [`restore`](Self::restore), on every shard: the descriptions of every old
+    /// shard (`states`, this sink's parts of checkpoint `checkpoint_id`), for checks that
+    /// must refuse the restore on every shard before any shard changes anything (one shard
+    /// refusing while another went on left its output half restored).
+    fn check_restore(&mut self, checkpoint_id: u64, states: &[&[u8]]) -> std::io::Result<()> {
+        let _ = (checkpoint_id, states);
+        Ok(())
+    }
 }
 
 /// A sink description, shared by every shard.
@@ -126,6 +134,11 @@ impl<T: 'static> SinkOp<T> {
         };
         if let Some(r) = &ctx.restore {
             writer.allow_rewind(ctx.config.allow_fallback);
+            let all: Vec<&[u8]> = r
+                .parts(&name, PartKind::Sink)
+                .map(|(_, p)| p.bytes.as_slice())
+                .collect();
+            writer.check_restore(r.checkpoint_id, &all).map_err(io)?;
             let parts = r.parts_for_shard(&name, PartKind::Sink, ctx.shard);
             if parts.is_empty() {
                 writer.restore(r.checkpoint_id, &[]).map_err(io)?;

@@ -55,9 +55,13 @@ pub struct TransactionalFileSink<F> {
     part_size: u64,
     fs: Arc<dyn Fs>,
     /// The output directory's lock ([`SINK_LOCK_FILE`]), shared by the writers this sink made:
-    /// held while any of them exists (an attempt's shards, and the next attempt's while the
-    /// last one's are dropped), released when the job's writers are gone.
+    /// held while any of them exists, and by the sink itself (`kept`) until it is dropped.
     lock: Mutex<Weak<DirLock>>,
+    /// The same lock, held by the sink itself from its first writer (or [`Self::with_lock`])
+    /// until the sink goes with its job: a restart's writers are made after the failed
+    /// attempt's are dropped, and without this the directory was unlocked in between (another
+    /// job took it during a restart's delay and deleted this one's output).
+    kept: Mutex<Option<Arc<DirLock>>>,
 }
 
 impl<F> TransactionalFileSink<F> {
@@ -70,7 +74,19 @@ impl<F> TransactionalFileSink<F> {
             part_size: DEFAULT_PART_SIZE_BYTES,
             fs: Arc::new(StdFs),
             lock: Mutex::new(Weak::new()),
+            kept: Mutex::new(None),
         }
+    }
+
+    /// Write under `lock`, the output directory's [`SINK_LOCK_FILE`] lock that the caller
+    /// already holds (taken, say, to clear the directory before the job starts: released
+    /// in between, another job could take the directory). It must be the lock of this
+    /// sink's directory.
+    pub fn with_lock(self, lock: DirLock) -> Self {
+        let lock = Arc::new(lock);
+        *self.lock.lock().unwrap_or_else(|e| e.into_inner()) = Arc::downgrade(&lock);
+        *self.kept.lock().unwrap_or_else(|e| e.into_inner()) = Some(lock);
+        self
     }
 
     /// The output directory's lock, taken if no writer of this sink holds it yet. Another
@@ -96,6 +112,7 @@ impl<F> TransactionalFileSink<F> {
             },
         )?);
         *held = Arc::downgrade(&lock);
+        *self.kept.lock().unwrap_or_else(|e| e.into_inner()) = Some(lock.clone());
         Ok(lock)
     }
 
@@ -174,6 +191,9 @@ impl<T: 'static, F: Fn(&T, &mut String) + Send + Sync + 'static> SinkWriter<T>
     }
     fn allow_rewind(&mut self, allowed: bool) {
         self.w.rewind_allowed = allowed;
+    }
+    fn check_restore(&mut self, checkpoint_id: u64, states: &[&[u8]]) -> io::Result<()> {
+        self.w.check_restore(checkpoint_id, states)
     }
 }
 
@@ -453,12 +473,15 @@ impl TransactionalFileWriter {
 
     /// Whether a restore may go back behind output already committed in the directory. A
     /// checkpoint's description records the next part number of its shard; a visible part
-    /// file of that shard numbered from there on was committed after the checkpoint (a later
-    /// checkpoint's commit), and the records it holds are replayed after the restore, so
-    /// they would be in the directory twice. Such a restore (`--restore` of an older
-    /// checkpoint or a savepoint, into the directory the job went on writing) fails with
-    /// `InvalidData` naming the file, before it changes anything, unless allowed here (as a
-    /// job's sink writer it is told the job's `JobConfig::with_allow_fallback`).
+    /// file of that shard numbered from there on in this writer's directory was committed
+    /// after the checkpoint (a later checkpoint's commit, or an earlier restore of the same
+    /// checkpoint into this directory), and the records it holds are replayed after the
+    /// restore, so they would be in the directory twice. Such a restore (`--restore` of an
+    /// older checkpoint or a savepoint, into the directory the job went on writing, or again)
+    /// fails with `InvalidData` naming the file, before it changes anything, unless allowed
+    /// here (as a job's sink writer it is told the job's `JobConfig::with_allow_fallback`).
+    /// Not seen: files of shard indices the checkpoint did not have (a job scaled up after
+    /// it), which cannot be told from those of an earlier run scaled down before it.
     pub fn with_rewind_allowed(mut self, allowed: bool) -> Self {
         self.rewind_allowed = allowed;
         self
@@ -611,7 +634,7 @@ impl TransactionalFileWriter {
                 Some(d) if *d != self.abs_dir => d.clone(),
                 _ => self.dir.clone(),
             };
-            if dir == self.dir && !self.rewind_allowed {
+            if !self.rewind_allowed {
                 self.refuse_committed_after(checkpoint, &state)?;
             }
             let mut published = false;
@@ -661,8 +684,25 @@ impl TransactionalFileWriter {
         Ok(())
     }
 
-    /// See [`Self::with_rewind_allowed`]: the visible files of the description's shard
-    /// committed after its checkpoint.
+    /// Checks a restore of checkpoint `checkpoint` from the descriptions `states` of all its
+    /// shards makes before any shard's restore changes anything: [`Self::with_rewind_allowed`]
+    /// for each of them, not only for the ones this writer is handed.
+    pub fn check_restore(&self, checkpoint: u64, states: &[&[u8]]) -> io::Result<()> {
+        if self.rewind_allowed {
+            return Ok(());
+        }
+        for bytes in states.iter().filter(|b| !b.is_empty()) {
+            let state = decode_state(bytes)?;
+            if state.checkpoint == checkpoint {
+                self.refuse_committed_after(checkpoint, &state)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// See [`Self::with_rewind_allowed`]: the visible files of the description's shard in
+    /// this writer's directory committed after its checkpoint (after a restore into another
+    /// directory, the output a restore of the same checkpoint wrote there before).
     fn refuse_committed_after(&self, checkpoint: u64, state: &State) -> io::Result<()> {
         let mut later: Vec<(u64, PathBuf)> = self
             .files_of(|s| s == state.shard)?
@@ -1120,7 +1160,9 @@ mod tests {
     /// One job per output directory: a restore deletes hidden files of its shard indices that
     /// its checkpoint does not list, which would be another job's. A second sink on the
     /// directory is refused, naming the lock file, while the first one's writers exist (its
-    /// shards share the lock); once they are dropped the directory is free again.
+    /// shards share the lock), and while the first sink itself does, its writers gone (between
+    /// a failed attempt and its restart: another job took the directory then); once it is
+    /// dropped with its job the directory is free again.
     #[test]
     fn a_second_sink_on_an_output_directory_is_refused_while_the_first_writes() {
         let tmp = tempfile::tempdir().expect("temp dir");
@@ -1143,10 +1185,12 @@ mod tests {
         let lock = dir.join(SINK_LOCK_FILE);
         assert!(e.to_string().contains(&lock.display().to_string()), "{e}");
         assert_eq!(hidden(&dir), [inprogress_name(0, 0)]);
-        // Still held while any writer of the first sink exists.
+        // Still held while any writer of the first sink exists, and then by the sink.
         drop(w0);
         refused(&other);
         drop(w1);
+        refused(&other);
+        drop(first);
         let mut w = writer(&other, 0);
         write_all(&mut *w, &lines("b", 0..2));
         w.finish().expect("finish");
@@ -1156,6 +1200,31 @@ mod tests {
             "{:?}",
             names(&dir)
         );
+    }
+
+    /// A sink handed the lock its caller took (to clear the directory first) writes under it,
+    /// with no moment in between where another job could take the directory.
+    #[test]
+    fn a_sink_writes_under_the_lock_it_is_handed() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let dir = tmp.path().join("out");
+        std::fs::create_dir(&dir).expect("mkdir");
+        let lock = DirLock::acquire_named(&dir, SINK_LOCK_FILE).expect("lock");
+        let first = sink(&dir).with_lock(lock);
+        assert!(
+            DirLock::acquire_named(&dir, SINK_LOCK_FILE).is_err(),
+            "held"
+        );
+        let mut w = writer(&first, 0);
+        write_all(&mut *w, &lines("a", 0..2));
+        w.finish().expect("finish");
+        drop(w);
+        assert!(
+            Sink::<String>::create_writer(&sink(&dir), 0, 1).is_err(),
+            "still held"
+        );
+        drop(first);
+        DirLock::acquire_named(&dir, SINK_LOCK_FILE).expect("free with the sink gone");
     }
 
     #[test]
@@ -1756,6 +1825,63 @@ mod tests {
         let mut w = writer(&s, 0);
         w.allow_rewind(true);
         w.restore(1, &at_1).expect("allowed");
+    }
+
+    /// Restored into another directory (a savepoint's into a new output), the same restore
+    /// again is refused once the first one's output is committed there: it was accepted, and
+    /// every restore of it added the records after the savepoint once more.
+    #[test]
+    fn restoring_the_same_checkpoint_into_another_directory_twice_is_refused() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let (x, y) = (tmp.path().join("x"), tmp.path().join("y"));
+        let sx = sink(&x);
+        let mut w = writer(&sx, 0);
+        write_all(&mut *w, &lines("a", 0..3));
+        let at_1 = w.pre_commit(1).expect("pre-commit");
+        drop((w, sx));
+        let sy = sink(&y);
+        let mut w = writer(&sy, 0);
+        w.restore(1, &at_1).expect("first restore into y");
+        write_all(&mut *w, &lines("b", 0..3));
+        w.pre_commit(2).expect("pre-commit 2");
+        w.commit(2).expect("commit 2");
+        drop(w);
+        let before = names(&y);
+        let mut w = writer(&sy, 0);
+        let e = w.restore(1, &at_1).expect_err("again");
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        assert!(e.to_string().contains(&final_name(0, 1)), "{e}");
+        assert_eq!(names(&y), before);
+    }
+
+    /// Every shard checks every old shard's description before any restores: one shard whose
+    /// own description passed went on (publishing and deleting) while another refused.
+    #[test]
+    fn a_refused_restore_is_refused_on_every_shard_first() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let dir = tmp.path().to_owned();
+        let s = sink(&dir);
+        let (mut w0, mut w1) = (writer(&s, 0), writer(&s, 1));
+        write_all(&mut *w0, &lines("a", 0..3));
+        write_all(&mut *w1, &lines("b", 0..3));
+        let states = [
+            w0.pre_commit(1).expect("pre-commit"),
+            w1.pre_commit(1).expect("pre-commit"),
+        ];
+        // Only shard 1 commits output after checkpoint 1.
+        write_all(&mut *w1, &lines("c", 0..3));
+        w0.pre_commit(2).expect("pre-commit 2");
+        w1.pre_commit(2).expect("pre-commit 2");
+        w1.commit(2).expect("commit 2");
+        drop((w0, w1));
+        let before = names(&dir);
+        let all: Vec<&[u8]> = states.iter().map(Vec::as_slice).collect();
+        let mut w0 = writer(&s, 0);
+        let e = w0.check_restore(1, &all).expect_err("shard 1's output");
+        assert!(e.to_string().contains(&final_name(1, 1)), "{e}");
+        assert_eq!(names(&dir), before, "nothing changed");
+        w0.allow_rewind(true);
+        w0.check_restore(1, &all).expect("allowed");
     }
 
     /// Restored onto fewer shards, a writer handed the description of an old shard index
