@@ -100,6 +100,22 @@ fn check_paths(input: &InputArgs) -> Result<(), String> {
              input; write the output to another directory"
         ));
     }
+    // A file of an input directory may be a link into --output: its part file, truncated or
+    // deleted before the job reads it (the run "succeeded" with 0 records in).
+    if i.is_dir() {
+        let entries = std::fs::read_dir(&input.input).map_err(|e| format!("{i_shown}: {e}"))?;
+        for e in entries.flatten() {
+            let target = weir_io::resolved_path(&e.path());
+            if target.starts_with(&o) {
+                return Err(format!(
+                    "--input {i_shown}: {} is {}, inside --output {o_shown}, whose part files \
+                     the job deletes or replaces; write the output to another directory",
+                    e.path().display(),
+                    target.display()
+                ));
+            }
+        }
+    }
     check_outside_job_dir("--input", &input.input, &input.checkpoint)?;
     check_outside_job_dir("--output", &input.output, &input.checkpoint)?;
     if let Policy::DeadLetter(d) = &input.on_error {
@@ -136,8 +152,8 @@ fn check_paths(input: &InputArgs) -> Result<(), String> {
 /// Either way under the output directory's lock, so that a job never touches a directory
 /// another job writes: the plain sink's run deleted a running checkpointed job's published
 /// files. The plain sink takes no lock of its own, so the returned lock is the caller's to
-/// hold until the job ends; the exactly-once sink takes it itself (a second lock of this
-/// process on the same file would refuse it), so that one is released first.
+/// hold until the job ends; the exactly-once sink is handed the lock the cleanup took (it
+/// takes one itself when the job restores).
 #[must_use = "the output directory's lock: hold it while the job runs"]
 fn write_output<T: weir_runtime::Data>(
     stream: weir_runtime::Stream<T>,
@@ -145,7 +161,7 @@ fn write_output<T: weir_runtime::Data>(
     default_job_id: &str,
     format: impl Fn(&T, &mut String) + Send + Sync + 'static,
 ) -> Result<Option<weir_io::DirLock>, String> {
-    let fresh = starts_from_the_beginning(input, default_job_id);
+    let fresh = starts_from_the_beginning(input, default_job_id)?;
     let lock = if fresh || input.checkpoint.checkpoint_dir.is_none() {
         Some(lock_output(&input.output)?)
     } else {
@@ -155,14 +171,14 @@ fn write_output<T: weir_runtime::Data>(
         prepare_output(&input.output)?;
     }
     if input.checkpoint.checkpoint_dir.is_some() {
-        drop(lock);
+        let mut sink = weir_runtime::sink::TransactionalFileSink::new(input.output.clone(), format);
+        if let Some(lock) = lock {
+            // Held on: released between the cleanup and the sink, another job could take the
+            // directory (a restore there found the output the cleanup had just removed).
+            sink = sink.with_lock(lock);
+        }
         // A stable uid: a restore hands the checkpoint's transactions to the sink of that uid.
-        stream
-            .sink(weir_runtime::sink::TransactionalFileSink::new(
-                input.output.clone(),
-                format,
-            ))
-            .uid("output");
+        stream.sink(sink).uid("output");
         return Ok(None);
     }
     stream
@@ -172,38 +188,75 @@ fn write_output<T: weir_runtime::Data>(
 }
 
 /// Whether the job will start from the beginning rather than restore: no `--restore`, or
-/// `--restore latest` over a job directory where the runtime finds nothing to restore (no
-/// checkpoint that completed or whose metadata exists, no record of one that completed: the
-/// runtime then starts from the beginning and says so). Where that is not certain (a listing
-/// that fails, say), false: earlier output is then kept, as before.
-fn starts_from_the_beginning(input: &InputArgs, default_job_id: &str) -> bool {
+/// `--restore latest` over a job directory where the runtime finds nothing to restore (it
+/// then starts from the beginning and says so). Where that is not certain (a listing that
+/// fails, say), false: earlier output is then kept, as before.
+///
+/// A run without `--restore` whose job directory holds checkpoints of an earlier run is
+/// refused: it would replace that run's output, and if it were killed before its own first
+/// checkpoint, `--restore latest` would take the earlier run's newest checkpoint, whose
+/// output is gone (the restore failed for good, or, from a finished run's last checkpoint,
+/// restored nothing and exited 0 with the output empty).
+fn starts_from_the_beginning(input: &InputArgs, default_job_id: &str) -> Result<bool, String> {
     let ck = &input.checkpoint;
-    match ck.restore.as_deref() {
-        None => true,
-        Some("latest") => {
-            let Some(dir) = &ck.checkpoint_dir else {
-                return false;
-            };
-            let job = ck.job_id.as_deref().unwrap_or(default_job_id);
-            if !dir.join(job).exists() {
-                return true;
-            }
-            let options = weir_runtime::checkpoint::storage_options();
-            let Ok(s) = weir_io::CheckpointStorage::open_read_only_with(
-                std::sync::Arc::new(weir_io::StdFs),
-                dir,
-                job,
-                options,
-            ) else {
-                return false;
-            };
-            let none_listed = s
-                .list()
-                .is_ok_and(|l| l.iter().all(|i| !i.complete && !i.metadata_corrupt));
-            none_listed && matches!(s.completed_record(), Ok(None))
-        }
-        Some(_) => false,
+    let Some(dir) = &ck.checkpoint_dir else {
+        return Ok(ck.restore.is_none());
+    };
+    let job = ck.job_id.as_deref().unwrap_or(default_job_id);
+    match (ck.restore.as_deref(), earlier_checkpoints(dir, job)) {
+        (None, Some(newest)) => Err(format!(
+            "{} holds checkpoints of an earlier run ({newest}): continue it with --restore \
+             latest, or start over after removing that directory (or with another --job-id)",
+            dir.join(job).display()
+        )),
+        (None, None) => Ok(true),
+        (Some("latest"), None) => Ok(!dir.join(job).exists() || listed_empty(dir, job)),
+        (Some(_), _) => Ok(false),
     }
+}
+
+/// What in job directory `dir/job` a `--restore latest` would restore or stop at: its newest
+/// checkpoint that completed or whose metadata exists (damaged), or the record of one that
+/// completed. `None` when there is none, or the directory cannot be read.
+fn earlier_checkpoints(dir: &Path, job: &str) -> Option<String> {
+    if !dir.join(job).exists() {
+        return None;
+    }
+    let s = open_storage(dir, job)?;
+    let newest = s
+        .list()
+        .ok()?
+        .into_iter()
+        .filter(|i| i.complete || i.metadata_corrupt)
+        .map(|i| i.id)
+        .max();
+    match (newest, s.completed_record()) {
+        (Some(id), _) => Some(format!("checkpoint {id}")),
+        (None, Ok(None)) => None,
+        (None, _) => Some(format!(
+            "a record of a completed one in {}",
+            weir_io::COMPLETED_FILE
+        )),
+    }
+}
+
+/// Whether job directory `dir/job` was read and holds nothing a restore would take.
+fn listed_empty(dir: &Path, job: &str) -> bool {
+    open_storage(dir, job).is_some_and(|s| {
+        s.list()
+            .is_ok_and(|l| l.iter().all(|i| !i.complete && !i.metadata_corrupt))
+            && matches!(s.completed_record(), Ok(None))
+    })
+}
+
+fn open_storage(dir: &Path, job: &str) -> Option<weir_io::CheckpointStorage> {
+    weir_io::CheckpointStorage::open_read_only_with(
+        std::sync::Arc::new(weir_io::StdFs),
+        dir,
+        job,
+        weir_runtime::checkpoint::storage_options(),
+    )
+    .ok()
 }
 
 /// The output directory's lock (the one the exactly-once sink takes), created with the

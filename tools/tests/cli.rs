@@ -2452,6 +2452,18 @@ fn overlapping_input_output_and_dead_letter_paths_are_refused() {
     assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
     assert!(stderr(&r).contains("is inside --input"), "{}", stderr(&r));
     assert!(!in_dir.join("out").exists(), "nothing written");
+    // A file of an input directory that links into --output (the run truncated it, and
+    // "succeeded" with 0 records in).
+    let part = out.join("part-0.csv");
+    std::os::unix::fs::symlink(&part, in_dir.join("b.csv")).expect("symlink");
+    let r = keyed_sum(&in_dir, "csv", &out, &[]);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    assert!(
+        stderr(&r).contains("b.csv") && stderr(&r).contains("inside --output"),
+        "{}",
+        stderr(&r)
+    );
+    assert_eq!(std::fs::read_to_string(&part).expect("input"), text);
 }
 
 /// One job per output directory, with checkpoints or without: a run without checkpoints took
@@ -2542,7 +2554,8 @@ fn restoring_an_older_checkpoint_behind_committed_output_stops() {
 
 /// A job that starts from the beginning replaces earlier runs' part files, with checkpoints
 /// too (they stayed, and a second run of the same input left every line twice); a job that
-/// restores keeps what its checkpoint committed.
+/// restores keeps what its checkpoint committed; a run from the beginning over an earlier
+/// run's checkpoints is refused.
 #[test]
 fn a_checkpointed_run_from_the_beginning_replaces_earlier_output() {
     let Inputs {
@@ -2554,21 +2567,33 @@ fn a_checkpointed_run_from_the_beginning_replaces_earlier_output() {
     } = Inputs::new(20_000, 29, "csv");
     let ck_s = ck.to_str().expect("utf8");
     let args = ["--checkpoint-dir", ck_s, "--checkpoint-interval", "20ms"];
-    // An earlier run without checkpoints, then one with, and the same again.
+    // An earlier run without checkpoints, then one with, and another with its own job id.
     let r = keyed_sum(&input, "csv", &out, &[]);
     assert!(r.status.success(), "{}", stderr(&r));
-    for _ in 0..2 {
-        let r = keyed_sum(&input, "csv", &out, &args);
+    for extra in [&[][..], &["--job-id", "again"]] {
+        let r = keyed_sum(&input, "csv", &out, &[&args[..], extra].concat());
         assert!(r.status.success(), "{}", stderr(&r));
         assert_eq!(parse_sums(&committed_lines(&out)), running_sums(&recs));
     }
-    // `--restore latest` over a finished job restores its final checkpoint: nothing is
-    // replayed and nothing replaced.
+    // A run from the beginning over a job directory with an earlier run's checkpoints is
+    // refused before it touches the output: killed before its own first checkpoint, a
+    // `--restore latest` would take the earlier run's, whose output it had replaced.
+    let before = committed_lines(&out);
+    let r = keyed_sum(&input, "csv", &out, &args);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    let e = stderr(&r);
+    assert!(
+        e.contains("checkpoints of an earlier run") && e.contains("--restore latest"),
+        "{e}"
+    );
+    assert_eq!(committed_lines(&out), before);
+    // `--restore latest` over the finished job that wrote the output restores its final
+    // checkpoint: nothing is replayed and nothing replaced.
     let r = keyed_sum(
         &input,
         "csv",
         &out,
-        &[&args[..], &["--restore", "latest"]].concat(),
+        &[&args[..], &["--job-id", "again", "--restore", "latest"]].concat(),
     );
     assert!(r.status.success(), "{}", stderr(&r));
     assert_eq!(parse_sums(&committed_lines(&out)), running_sums(&recs));
