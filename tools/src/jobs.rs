@@ -146,8 +146,9 @@ fn check_paths(input: &InputArgs) -> Result<(), String> {
 /// Ends a stream of output lines: exactly once through the two-phase-commit file sink when the
 /// job checkpoints, else a plain file sink. A job that starts from the beginning replaces the
 /// part files of earlier runs in --output, checkpointing or not (kept, they were counted
-/// twice: a second run of the same input left two copies of every line); a job that restores
-/// keeps them, and its sink publishes or discards what its checkpoint had pending.
+/// twice: a second run of the same input left two copies of every line): the exactly-once
+/// sink removes them at its first commit, the plain sink's run before it starts. A job that
+/// restores keeps them, and its sink publishes or discards what its checkpoint had pending.
 ///
 /// Either way under the output directory's lock, so that a job never touches a directory
 /// another job writes: the plain sink's run deleted a running checkpointed job's published
@@ -167,11 +168,13 @@ fn write_output<T: weir_runtime::Data>(
     } else {
         None
     };
-    if fresh {
-        prepare_output(&input.output)?;
-    }
     if input.checkpoint.checkpoint_dir.is_some() {
         let mut sink = weir_runtime::sink::TransactionalFileSink::new(input.output.clone(), format);
+        if fresh {
+            // Removed at the first commit, once the job runs: a run that fails as it sets up
+            // leaves the earlier output as it was.
+            sink = sink.replacing(part_files(&input.output)?);
+        }
         if let Some(lock) = lock {
             // Held on: released between the cleanup and the sink, another job could take the
             // directory (a restore there found the output the cleanup had just removed).
@@ -180,6 +183,10 @@ fn write_output<T: weir_runtime::Data>(
         // A stable uid: a restore hands the checkpoint's transactions to the sink of that uid.
         stream.sink(sink).uid("output");
         return Ok(None);
+    }
+    // The plain sink truncates its part files as the job starts, so they go now.
+    for f in part_files(&input.output)? {
+        std::fs::remove_file(&f).map_err(|e| format!("{}: {e}", f.display()))?;
     }
     stream
         .write_lines(input.output.clone(), format)
@@ -325,25 +332,25 @@ fn policy(p: &Policy) -> ErrorPolicy {
     }
 }
 
-/// Removes the part files of earlier runs, visible (`part-*.csv`) and hidden (the exactly-once
-/// sink's `.part-*` in-progress and pending files), so that the directory holds only this
-/// run's output.
-fn prepare_output(dir: &Path) -> Result<(), String> {
+/// The part files of earlier runs in `dir`, visible (`part-*.csv`) and hidden (the
+/// exactly-once sink's `.part-*` in-progress and pending files): what a run from the
+/// beginning replaces, so that the directory holds only its output. A symbolic link among
+/// them is listed itself (removing it leaves its target alone; left in place, the plain sink
+/// would write through it into the file it names); directories are not.
+fn part_files(dir: &Path) -> Result<Vec<std::path::PathBuf>, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let entries = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut out = Vec::new();
     for e in entries.flatten() {
         let name = e.file_name();
         let name = name.to_string_lossy();
         let part =
             (name.starts_with("part-") && name.ends_with(".csv")) || name.starts_with(".part-");
-        // A symbolic link goes too (the link, not its target): left in place, the plain sink
-        // would open it and write through it into the file it names.
         if part && e.file_type().is_ok_and(|t| !t.is_dir()) {
-            std::fs::remove_file(e.path())
-                .map_err(|err| format!("{}: {err}", e.path().display()))?;
+            out.push(e.path());
         }
     }
-    Ok(())
+    Ok(out)
 }
 
 fn parse_int(field: &str, column: &str) -> Result<i64, String> {

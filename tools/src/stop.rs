@@ -68,8 +68,12 @@ impl Stopper {
                     p.display()
                 )
             }
-            // It ended by itself meanwhile: nothing to stop.
-            Err(SavepointError::JobEnded) => {}
+            // It ended by itself meanwhile: nothing to stop, and said so (a script waiting
+            // for the savepoint's path got nothing and no reason).
+            Err(SavepointError::JobEnded) => eprintln!(
+                "weir: the job ended before the savepoint: its input was done, so it finished \
+                 (its output is complete) and there is no savepoint"
+            ),
             Err(e) => eprintln!("weir: the stop's savepoint failed ({e}); the job goes on"),
         }
     }

@@ -2575,6 +2575,18 @@ fn a_checkpointed_run_from_the_beginning_replaces_earlier_output() {
         assert!(r.status.success(), "{}", stderr(&r));
         assert_eq!(parse_sums(&committed_lines(&out)), running_sums(&recs));
     }
+    // A run from the beginning that fails as it sets up (an unknown column) leaves the
+    // earlier output as it was: it is replaced at the first commit (it was deleted at once).
+    let before = committed_lines(&out);
+    let other = ck.with_file_name("other-ck");
+    let mut bad_key = keyed_sum_args(&input, "csv", &out);
+    let k = bad_key.iter().position(|a| *a == "user").expect("--key");
+    bad_key[k] = "nope";
+    bad_key.extend(["--checkpoint-dir", other.to_str().expect("utf8")]);
+    let r = weir(&bad_key);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    assert!(stderr(&r).contains("nope"), "{}", stderr(&r));
+    assert_eq!(committed_lines(&out), before);
     // A run from the beginning over a job directory with an earlier run's checkpoints is
     // refused before it touches the output: killed before its own first checkpoint, a
     // `--restore latest` would take the earlier run's, whose output it had replaced.

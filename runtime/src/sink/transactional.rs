@@ -62,6 +62,9 @@ pub struct TransactionalFileSink<F> {
     /// attempt's are dropped, and without this the directory was unlocked in between (another
     /// job took it during a restart's delay and deleted this one's output).
     kept: Mutex<Option<Arc<DirLock>>>,
+    /// Files of earlier runs this job's output replaces ([`Self::replacing`]), removed at its
+    /// first commit; shared with the writers (whichever commits first removes them).
+    replaced: Arc<Mutex<Option<Vec<PathBuf>>>>,
 }
 
 impl<F> TransactionalFileSink<F> {
@@ -75,7 +78,19 @@ impl<F> TransactionalFileSink<F> {
             fs: Arc::new(StdFs),
             lock: Mutex::new(Weak::new()),
             kept: Mutex::new(None),
+            replaced: Arc::new(Mutex::new(None)),
         }
+    }
+
+    /// Replace `files` (earlier runs' output in the directory): they are removed at this
+    /// job's first commit, once a checkpoint is complete, rather than before the job starts.
+    /// Removed before, a run that failed while it set up (an unknown column, a checkpoint
+    /// directory it could not create) had deleted the earlier output and written none. The
+    /// writers number their part files past every file in the directory, so none of the
+    /// replaced names is one of theirs.
+    pub fn replacing(self, files: Vec<PathBuf>) -> Self {
+        *self.replaced.lock().unwrap_or_else(|e| e.into_inner()) = Some(files);
+        self
     }
 
     /// Write under `lock`, the output directory's [`SINK_LOCK_FILE`] lock that the caller
@@ -144,9 +159,11 @@ impl<T: 'static, F: Fn(&T, &mut String) + Send + Sync + 'static> Sink<T>
         };
         // Before the writer lists the directory: what it finds there must be this job's.
         let lock = self.lock_dir().map_err(output_dir)?;
-        let w = TransactionalFileWriter::open(self.fs.clone(), &self.dir, shard, self.part_size)
-            .map_err(output_dir)?
-            .with_shards(shards);
+        let mut w =
+            TransactionalFileWriter::open(self.fs.clone(), &self.dir, shard, self.part_size)
+                .map_err(output_dir)?
+                .with_shards(shards);
+        w.replaced = Some(self.replaced.clone());
         Ok(Box::new(FormattedWriter {
             w,
             format: self.format.clone(),
@@ -355,6 +372,8 @@ pub struct TransactionalFileWriter {
     orphans: std::collections::BTreeSet<u32>,
     /// See [`Self::with_rewind_allowed`].
     rewind_allowed: bool,
+    /// The sink's files to replace at the first commit ([`TransactionalFileSink::replacing`]).
+    replaced: Option<Arc<Mutex<Option<Vec<PathBuf>>>>>,
 }
 
 impl TransactionalFileWriter {
@@ -385,6 +404,7 @@ impl TransactionalFileWriter {
             shards: u32::MAX,
             orphans: std::collections::BTreeSet::new(),
             rewind_allowed: false,
+            replaced: None,
         };
         for (_, seq, _) in w.own_files()? {
             // Saturating: a part named with the largest number (a forged or foreign file)
@@ -603,6 +623,18 @@ impl TransactionalFileWriter {
 
     fn commit_inner(&mut self, checkpoint: u64) -> io::Result<()> {
         let mut renamed = false;
+        let earlier = self
+            .replaced
+            .as_ref()
+            .and_then(|r| r.lock().unwrap_or_else(|e| e.into_inner()).take());
+        for path in earlier.unwrap_or_default() {
+            match self.fs.remove(&path) {
+                Ok(()) => renamed = true,
+                // Gone already (removed by hand, say): replaced all the same.
+                Err(IoError::Os { source, .. }) if source.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(to_io(e)),
+            }
+        }
         while let Some(i) = self.pending.iter().position(|p| p.checkpoint <= checkpoint) {
             let p = &self.pending[i];
             let from = self.path(&pending_name(self.shard, p.seq, p.checkpoint));
@@ -1200,6 +1232,35 @@ mod tests {
             "{:?}",
             names(&dir)
         );
+    }
+
+    /// Files a sink replaces stay until its first commit (a run that failed as it set up had
+    /// deleted them and written nothing), and go then, whichever shard commits first.
+    #[test]
+    fn replaced_files_go_at_the_first_commit() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let dir = tmp.path().join("out");
+        std::fs::create_dir(&dir).expect("mkdir");
+        let old: Vec<PathBuf> = ["part-0.csv", "part-0-0.csv", ".part-3-1.inprogress"]
+            .iter()
+            .map(|n| dir.join(n))
+            .collect();
+        for f in &old {
+            std::fs::write(f, "old\n").expect("write");
+        }
+        let s = sink(&dir).replacing(old.clone());
+        let (mut w0, mut w1) = (writer(&s, 0), writer(&s, 1));
+        write_all(&mut *w0, &lines("a", 0..2));
+        w0.pre_commit(1).expect("pre-commit");
+        w1.pre_commit(1).expect("pre-commit");
+        assert!(
+            old.iter().all(|f| f.exists()),
+            "kept until the first commit"
+        );
+        w1.commit(1).expect("commit");
+        assert!(old.iter().all(|f| !f.exists()), "{:?}", names(&dir));
+        w0.commit(1).expect("commit");
+        assert_eq!(visible_lines(&dir), lines("a", 0..2));
     }
 
     /// A sink handed the lock its caller took (to clear the directory first) writes under it,
