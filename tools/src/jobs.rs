@@ -211,49 +211,51 @@ fn starts_from_the_beginning(input: &InputArgs, default_job_id: &str) -> Result<
     };
     let job = ck.job_id.as_deref().unwrap_or(default_job_id);
     match (ck.restore.as_deref(), earlier_checkpoints(dir, job)) {
-        (None, Some(newest)) => Err(format!(
+        (None, Earlier::Run(newest)) => Err(format!(
             "{} holds checkpoints of an earlier run ({newest}): continue it with --restore \
              latest, or start over after removing that directory (or with another --job-id)",
             dir.join(job).display()
         )),
-        (None, None) => Ok(true),
-        (Some("latest"), None) => Ok(!dir.join(job).exists() || listed_empty(dir, job)),
+        (None, _) => Ok(true),
+        (Some("latest"), Earlier::Nothing) => Ok(true),
         (Some(_), _) => Ok(false),
     }
 }
 
-/// What in job directory `dir/job` a `--restore latest` would restore or stop at: its newest
-/// checkpoint that completed or whose metadata exists (damaged), or the record of one that
-/// completed. `None` when there is none, or the directory cannot be read.
-fn earlier_checkpoints(dir: &Path, job: &str) -> Option<String> {
+/// What a job directory holds that a `--restore latest` would restore or stop at.
+enum Earlier {
+    /// Nothing: no such directory, or none of the below in it.
+    Nothing,
+    /// Its newest checkpoint that completed or whose metadata exists (damaged), or the
+    /// record of one that completed: described.
+    Run(String),
+    /// The directory could not be read.
+    Unknown,
+}
+
+fn earlier_checkpoints(dir: &Path, job: &str) -> Earlier {
     if !dir.join(job).exists() {
-        return None;
+        return Earlier::Nothing;
     }
-    let s = open_storage(dir, job)?;
-    let newest = s
-        .list()
-        .ok()?
+    let Some(s) = open_storage(dir, job) else {
+        return Earlier::Unknown;
+    };
+    let Ok(listed) = s.list() else {
+        return Earlier::Unknown;
+    };
+    let newest = listed
         .into_iter()
         .filter(|i| i.complete || i.metadata_corrupt)
         .map(|i| i.id)
         .max();
     match (newest, s.completed_record()) {
-        (Some(id), _) => Some(format!("checkpoint {id}")),
-        (None, Ok(None)) => None,
-        (None, _) => Some(format!(
+        (Some(id), _) => Earlier::Run(format!("checkpoint {id}")),
+        (None, Ok(None)) => Earlier::Nothing,
+        (None, _) => Earlier::Run(format!(
             "a record of a completed one in {}",
             weir_io::COMPLETED_FILE
         )),
     }
-}
-
-/// Whether job directory `dir/job` was read and holds nothing a restore would take.
-fn listed_empty(dir: &Path, job: &str) -> bool {
-    open_storage(dir, job).is_some_and(|s| {
-        s.list()
-            .is_ok_and(|l| l.iter().all(|i| !i.complete && !i.metadata_corrupt))
-            && matches!(s.completed_record(), Ok(None))
-    })
 }
 
 fn open_storage(dir: &Path, job: &str) -> Option<weir_io::CheckpointStorage> {
