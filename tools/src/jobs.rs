@@ -147,21 +147,23 @@ fn check_paths(input: &InputArgs) -> Result<(), String> {
 /// job checkpoints, else a plain file sink. A job that starts from the beginning replaces the
 /// part files of earlier runs in --output, checkpointing or not (kept, they were counted
 /// twice: a second run of the same input left two copies of every line): the exactly-once
-/// sink removes them at its first commit, the plain sink's run before it starts. A job that
-/// restores keeps them, and its sink publishes or discards what its checkpoint had pending.
+/// sink removes them at its first commit; the plain sink writes into a hidden staging
+/// directory, whose files replace them once the job has finished ([`Output::publish`]), so
+/// that a run that fails (as it sets up, or at a malformed line) leaves the earlier output as
+/// it was, as a failed Flink batch job commits nothing. A job that restores keeps them, and
+/// its sink publishes or discards what its checkpoint had pending.
 ///
 /// Either way under the output directory's lock, so that a job never touches a directory
 /// another job writes: the plain sink's run deleted a running checkpointed job's published
-/// files. The plain sink takes no lock of its own, so the returned lock is the caller's to
-/// hold until the job ends; the exactly-once sink is handed the lock the cleanup took (it
-/// takes one itself when the job restores).
-#[must_use = "the output directory's lock: hold it while the job runs"]
+/// files. The plain sink takes no lock of its own, so the returned [`Output`] holds it until
+/// the job ends; the exactly-once sink is handed the lock the cleanup took (it takes one
+/// itself when the job restores).
 fn write_output<T: weir_runtime::Data>(
     stream: weir_runtime::Stream<T>,
     input: &InputArgs,
     default_job_id: &str,
     format: impl Fn(&T, &mut String) + Send + Sync + 'static,
-) -> Result<Option<weir_io::DirLock>, String> {
+) -> Result<Output, String> {
     let fresh = starts_from_the_beginning(input, default_job_id)?;
     let lock = if fresh || input.checkpoint.checkpoint_dir.is_none() {
         Some(lock_output(&input.output)?)
@@ -182,16 +184,109 @@ fn write_output<T: weir_runtime::Data>(
         }
         // A stable uid: a restore hands the checkpoint's transactions to the sink of that uid.
         stream.sink(sink).uid("output");
-        return Ok(None);
+        return Ok(Output {
+            staged: None,
+            _lock: None,
+        });
     }
-    // The plain sink truncates its part files as the job starts, so they go now.
-    for f in part_files(&input.output)? {
-        std::fs::remove_file(&f).map_err(|e| format!("{}: {e}", f.display()))?;
-    }
+    let staged = Staged::new(&input.output)?;
     stream
-        .write_lines(input.output.clone(), format)
+        .write_lines(staged.staging.clone(), format)
         .uid("output");
-    Ok(lock)
+    Ok(Output {
+        staged: Some(staged),
+        _lock: lock,
+    })
+}
+
+/// The name of a plain run's staging directory in `--output`: hidden, as the exactly-once
+/// sink's files in progress are; one at a time, under the output directory's lock.
+const STAGING_DIR: &str = ".weir-staging";
+
+/// What a run's output needs when the job ends. Dropped without [`Output::publish`] (the job
+/// failed), a plain run's staged files go and the earlier output stays.
+#[must_use = "the output directory's lock: hold it while the job runs, then publish"]
+struct Output {
+    // Before the lock: fields drop in order, so the staging directory goes while it is held.
+    staged: Option<Staged>,
+    _lock: Option<weir_io::DirLock>,
+}
+
+impl Output {
+    /// After the job finished: a plain run's part files replace the earlier runs' (the
+    /// exactly-once sink has published its own at its last commit).
+    fn publish(mut self) -> Result<(), String> {
+        match self.staged.as_mut() {
+            Some(s) => s.publish(),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A plain run's part files, written into `output/.weir-staging` until the job finishes.
+struct Staged {
+    output: std::path::PathBuf,
+    staging: std::path::PathBuf,
+    published: bool,
+}
+
+impl Staged {
+    /// Clears what a killed run left in the staging directory (the caller holds the output
+    /// directory's lock, so no running job owns it). A link there is removed, not followed.
+    fn new(output: &Path) -> Result<Staged, String> {
+        let staging = output.join(STAGING_DIR);
+        let shown = |e: std::io::Error| format!("{}: {e}", staging.display());
+        match std::fs::symlink_metadata(&staging) {
+            Ok(m) if m.is_dir() => std::fs::remove_dir_all(&staging).map_err(shown)?,
+            Ok(_) => std::fs::remove_file(&staging).map_err(shown)?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(shown(e)),
+        }
+        Ok(Staged {
+            output: output.to_path_buf(),
+            staging,
+            published: false,
+        })
+    }
+
+    /// Renames each staged part file over its namesake (a link of that name is replaced,
+    /// not written through), removes the earlier runs' other part files, then makes the
+    /// directory durable. A crash in between leaves a mix of both runs' files, never a
+    /// partial file.
+    fn publish(&mut self) -> Result<(), String> {
+        let shown = |p: &Path, e: std::io::Error| format!("{}: {e}", p.display());
+        let earlier = part_files(&self.output)?;
+        let mut new = Vec::new();
+        // A job whose shards wrote nothing may not have created the directory.
+        if self.staging.is_dir() {
+            for e in std::fs::read_dir(&self.staging).map_err(|e| shown(&self.staging, e))? {
+                let e = e.map_err(|e| shown(&self.staging, e))?;
+                let to = self.output.join(e.file_name());
+                std::fs::rename(e.path(), &to).map_err(|err| shown(&to, err))?;
+                new.push(to);
+            }
+        }
+        for f in earlier.iter().filter(|f| !new.contains(f)) {
+            std::fs::remove_file(f).map_err(|e| shown(f, e))?;
+        }
+        std::fs::File::open(&self.output)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| shown(&self.output, e))?;
+        self.published = true;
+        match std::fs::remove_dir(&self.staging) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(shown(&self.staging, e)),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if !self.published {
+            // Best effort: what is left is hidden, and the next run clears it.
+            let _ = std::fs::remove_dir_all(&self.staging);
+        }
+    }
 }
 
 /// Whether the job will start from the beginning rather than restore: no `--restore`, or
@@ -423,7 +518,7 @@ pub fn keyed_sum(a: &KeyedSumArgs) -> Result<(), String> {
         .key_by(|(k, _): &(String, i128)| k.clone())
         .reduce(|(k, a), (_, b)| (k, a + b))
         .uid("keyed-sum");
-    let _output_lock = write_output(
+    let output = write_output(
         sums,
         &a.input,
         "keyed-sum",
@@ -432,6 +527,7 @@ pub fn keyed_sum(a: &KeyedSumArgs) -> Result<(), String> {
         },
     )?;
     let summary = crate::stop::run(job, &a.input.checkpoint)?;
+    output.publish()?;
     eprintln!(
         "keyed-sum: {} records in, {} skipped, {} shards, {:.2}s",
         summary.metrics.records_in("keyed-sum"),
@@ -475,7 +571,7 @@ pub fn window_count(a: &WindowCountArgs) -> Result<(), String> {
         .window(WindowAssigner::tumbling(a.window))
         .count_with(|k, w, n| (w.start, k.clone(), n))
         .uid("window-count");
-    let _output_lock = write_output(
+    let output = write_output(
         counts,
         &a.input,
         "window-count",
@@ -484,6 +580,7 @@ pub fn window_count(a: &WindowCountArgs) -> Result<(), String> {
         },
     )?;
     let summary = crate::stop::run(job, &a.input.checkpoint)?;
+    output.publish()?;
     let m = &summary.metrics;
     eprintln!(
         "window-count: {} records in, {} late, {} skipped, {} windows out, {:.2}s",

@@ -2503,6 +2503,58 @@ fn a_run_without_checkpoints_refuses_an_output_directory_in_use() {
     assert_eq!(std::fs::read_to_string(&elsewhere).expect("kept"), "mine\n");
 }
 
+/// A run without checkpoints writes into a hidden staging directory and replaces the earlier
+/// output only when it has finished: one that failed as it set up (an unknown column) had
+/// already truncated the earlier part files, and one that failed at a malformed line left
+/// half its output in their place.
+#[test]
+fn a_run_without_checkpoints_that_fails_leaves_the_earlier_output() {
+    let Inputs {
+        dir,
+        recs,
+        input,
+        out,
+        ..
+    } = Inputs::new(20_000, 31, "csv");
+    let r = keyed_sum(&input, "csv", &out, &["--shards", "3"]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let before = committed_lines(&out);
+    assert_eq!(parse_sums(&before), running_sums(&recs));
+    // Fails as it sets up.
+    let mut bad_key = keyed_sum_args(&input, "csv", &out);
+    let k = bad_key.iter().position(|a| *a == "user").expect("--key");
+    bad_key[k] = "nope";
+    let r = weir(&bad_key);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    assert_eq!(committed_lines(&out), before);
+    // Fails at a malformed line near the end, after most records went out.
+    let bad = dir.path().join("bad.csv");
+    let mut text = std::fs::read_to_string(&input).expect("input");
+    text.push_str("u1,not-a-number,1\n");
+    std::fs::write(&bad, text).expect("write");
+    let r = keyed_sum(&bad, "csv", &out, &[]);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    assert!(stderr(&r).contains("not-a-number"), "{}", stderr(&r));
+    assert_eq!(committed_lines(&out), before);
+    // What a killed run left in the staging directory is cleared; a run on fewer shards
+    // leaves no part file of the earlier run's third shard.
+    let staging = out.join(".weir-staging");
+    std::fs::create_dir_all(&staging).expect("mkdir");
+    std::fs::write(staging.join("part-7.csv"), "stale,1\n").expect("write");
+    let r = keyed_sum(&input, "csv", &out, &["--shards", "2"]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert!(!staging.exists(), "staging directory removed");
+    let mut names: Vec<String> = std::fs::read_dir(&out)
+        .expect("out")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.starts_with('.'))
+        .collect();
+    names.sort();
+    assert_eq!(names, ["part-0.csv", "part-1.csv"]);
+    assert_eq!(parse_sums(&committed_lines(&out)), running_sums(&recs));
+}
+
 /// `--restore` of a checkpoint older than output the job committed since, into the same
 /// `--output`, stops before it changes anything (it exited 0 with that output's records in
 /// the directory twice); `--allow-fallback` accepts the duplicates.
