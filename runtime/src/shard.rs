@@ -252,8 +252,9 @@ impl JobHandle {
     /// move a job without duplicating output: as [`Self::trigger_savepoint`], but no
     /// checkpoint is triggered after the savepoint's, so sinks commit exactly up to its
     /// barrier; once it completed and every shard's sinks committed it, the shards end and
-    /// [`Self::wait`] returns `Ok` (status `Finished`). Records read past the barrier are
-    /// not committed: a job restored from the savepoint reads them again. If the savepoint
+    /// [`Self::wait`] returns `Ok` (status `Finished`). Sources read nothing past the
+    /// barrier while the stop stands (Flink's synchronous savepoint), so no sink gets a
+    /// record that a job restored from the savepoint reads again. If the savepoint
     /// fails (its checkpoint, or copying it out), the job keeps running, checkpointing again,
     /// and this returns the error: the shards end only once the savepoint is out.
     pub fn stop_with_savepoint(&self, dir: &Path) -> Result<PathBuf, SavepointError> {

@@ -461,6 +461,20 @@ impl<T: 'static> SourceHead<T> {
             .report(requested, part, t0.elapsed().as_nanos() as u64);
         self.down.event(Event::Barrier(requested));
     }
+
+    /// Whether the newest barrier this source injected is a stop-with-savepoint's that still
+    /// stands: it then reads nothing more (see `Shared::stop_at`); withdrawn (the savepoint
+    /// failed), it reads on.
+    fn stopped_at_barrier(&self) -> bool {
+        self.checkpoint.as_ref().is_some_and(|c| {
+            let at = c
+                .borrow()
+                .shared
+                .stop_at
+                .load(std::sync::atomic::Ordering::Acquire);
+            at != 0 && at == self.last_barrier
+        })
+    }
 }
 
 impl<T: 'static> Head for SourceHead<T> {
@@ -491,6 +505,9 @@ impl<T: 'static> Head for SourceHead<T> {
                 return Ok(HeadStatus::Progress);
             }
             SourceState::Running => {}
+        }
+        if self.stopped_at_barrier() {
+            return Ok(HeadStatus::Idle);
         }
         if now_ms != self.last_ms {
             self.last_ms = now_ms;

@@ -273,13 +273,13 @@ impl Coordinator {
         );
         if !waiting.is_empty() {
             // A savepoint ignores the minimum pause, as a manual checkpoint does.
-            match self.trigger(now) {
+            // Stop-with-savepoint: no checkpoint after this one, so no output past its
+            // barrier is committed; the shards end once it completed.
+            let stop = waiting.iter().any(|r| r.stop);
+            match self.trigger_with(now, stop) {
                 Some(id) => {
-                    if waiting.iter().any(|r| r.stop) {
-                        // Stop-with-savepoint: no checkpoint after this one, so no output
-                        // past its barrier is committed; the shards end once it completed.
+                    if stop {
                         self.stop_id = Some(id);
-                        self.shared.stop_at.store(id, Ordering::Release);
                     }
                     self.savepoint_waiters
                         .extend(waiting.into_iter().map(|r| (id, r.waiter, r.stop)));
@@ -305,6 +305,13 @@ impl Coordinator {
     }
 
     fn trigger(&mut self, now: Instant) -> Option<u64> {
+        self.trigger_with(now, false)
+    }
+
+    /// Triggers a checkpoint; `stop`: the checkpoint of a stop-with-savepoint, marked as such
+    /// (`Shared::stop_at`) before its barriers are requested, so that every source that
+    /// injects its barrier sees the mark and reads nothing past it.
+    fn trigger_with(&mut self, now: Instant, stop: bool) -> Option<u64> {
         let Some(id) = self.next_id else {
             self.ids_exhausted();
             return None;
@@ -334,6 +341,9 @@ impl Coordinator {
         );
         self.update_in_progress();
         tracing::debug!("ckpt {id} triggered");
+        if stop {
+            self.shared.stop_at.store(id, Ordering::Release);
+        }
         self.shared.requested.fetch_max(id, Ordering::AcqRel);
         Some(id)
     }

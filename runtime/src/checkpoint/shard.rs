@@ -58,7 +58,10 @@ pub(crate) struct Shared {
     /// The job is ending (stop triggering).
     pub stopping: AtomicBool,
     /// The checkpoint of a stop-with-savepoint (0: none, or withdrawn): nothing is triggered
-    /// after it.
+    /// after it, and a source that injected its barrier reads nothing more while it stands
+    /// (Flink's synchronous savepoint), so that no record past it reaches a sink, not even
+    /// one that does not commit with checkpoints (a collecting sink held records that the
+    /// restored job read again). Set before the checkpoint's barriers are requested.
     pub stop_at: AtomicU64,
     /// The stop-with-savepoint checkpoint whose savepoint was copied out (0: none): the shards
     /// end once it completed and their sinks committed it (see `StopGate`).

@@ -251,8 +251,9 @@ pub struct CollectSink<T> {
     out: Arc<Mutex<Vec<T>>>,
 }
 
-/// The records a [`CollectSink`] gathered. Shards hand over their records when their input
-/// ends, so a finished job's collection is complete.
+/// The records a [`CollectSink`] gathered. Shards hand over their records in chunks, and the
+/// rest when their input ends or their writer goes (a stop with a savepoint, a cancel, a
+/// failure), so a finished or stopped job's collection holds every record its sinks got.
 #[derive(Clone)]
 pub struct Collected<T> {
     out: Arc<Mutex<Vec<T>>>,
@@ -299,11 +300,28 @@ impl<T: Send + 'static> SinkWriter<T> for CollectWriter<T> {
         Ok(())
     }
     fn finish(&mut self) -> std::io::Result<()> {
-        self.out
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .append(&mut self.local);
+        self.hand_over();
         Ok(())
+    }
+}
+
+impl<T> CollectWriter<T> {
+    fn hand_over(&mut self) {
+        if !self.local.is_empty() {
+            self.out
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .append(&mut self.local);
+        }
+    }
+}
+
+/// A writer that goes without `finish` (a job stopped with a savepoint ends its shards
+/// without finishing its sinks) still hands over what it holds: up to a chunk a shard was
+/// lost.
+impl<T> Drop for CollectWriter<T> {
+    fn drop(&mut self) {
+        self.hand_over();
     }
 }
 
