@@ -152,10 +152,14 @@ pub fn list(a: &ListArgs) -> Result<(), String> {
     }
     for (root, job) in jobs {
         let s = open(&root, &job)?;
-        // The record before the listing (see `completed_without_metadata`).
-        let marker = s.completed_marker();
-        let mut infos = s.list().map_err(|e| e.to_string())?;
-        let gone = marker.filter(|&done| !kept_since(&infos, done));
+        // See `listing`: a running job's retention made a checkpoint that completed look
+        // gone.
+        let Listing {
+            mut infos,
+            marker,
+            stable,
+        } = listing(&s).map_err(|e| e.to_string())?;
+        let gone = marker.filter(|&done| stable && !kept_since(&infos, done));
         infos.sort_by_key(|i| i.id);
         for mut i in infos {
             let status = if i.complete { "complete" } else { "incomplete" };
@@ -281,7 +285,7 @@ pub fn verify(a: &VerifyArgs) -> Result<(), VerifyFailed> {
         return verify_one(a);
     }
     let jobs = jobs(&a.dir).map_err(VerifyFailed::Other)?;
-    let mut checked = 0;
+    let (mut checked, mut removed) = (0, 0);
     // Every corruption is reported, each on its own error line as it is found, and the exit
     // code is 3 if there was any: stopping at the first left the other checkpoints (and
     // jobs) unchecked, so a user could not tell which one to restore.
@@ -291,7 +295,7 @@ pub fn verify(a: &VerifyArgs) -> Result<(), VerifyFailed> {
         if a.checkpoint.is_none() {
             if let Some(done) = completed_without_metadata(&s, None) {
                 corrupt.found(completed_metadata_gone(&s, &job, done))?;
-            } else if let Some(e) = damaged_record_without_metadata(&s) {
+            } else if let Some(e) = settled(|| damaged_record_without_metadata(&s)) {
                 corrupt.found(VerifyFailed::Corrupt(format!(
                     "{job}: {e}: the record of the newest completed checkpoint does not \
                      decode, and no checkpoint has a {}: one completed and its metadata was \
@@ -307,6 +311,7 @@ pub fn verify(a: &VerifyArgs) -> Result<(), VerifyFailed> {
         for _round in 0..VERIFY_ROUNDS {
             let (ok, skipped) = verify_listed(a, &s, &job, &mut corrupt)?;
             checked += ok;
+            removed += skipped;
             if ok > 0 || skipped == 0 {
                 break;
             }
@@ -320,6 +325,14 @@ pub fn verify(a: &VerifyArgs) -> Result<(), VerifyFailed> {
                 1 => "1 checkpoint is".to_string(),
                 n => format!("{n} checkpoints are"),
             }
+        )));
+    }
+    if checked == 0 && removed > 0 {
+        return Err(VerifyFailed::Other(format!(
+            "{}: every checkpoint listed ({removed} in {VERIFY_ROUNDS} listings) was removed \
+             by its job's retention while it was verified: the job completes checkpoints \
+             faster than they verify; keep more of them (--retained) or verify when it stops",
+            a.dir.display()
         )));
     }
     if checked == 0 {
@@ -336,6 +349,68 @@ pub fn verify(a: &VerifyArgs) -> Result<(), VerifyFailed> {
 
 /// See [`verify`].
 const VERIFY_ROUNDS: usize = 5;
+
+/// How many times `savepoint` copies the newest checkpoint of a job whose retention drops
+/// the one it copies. A failed try costs little (the hard links come first, and fail at the
+/// first file gone), and beside a job checkpointing every 10 ms on a loaded machine five
+/// tries all failed about once in twelve.
+const SAVEPOINT_ROUNDS: usize = 20;
+
+/// A job directory's checkpoints, listed between two readings of its `COMPLETED` record.
+struct Listing {
+    infos: Vec<weir_io::CheckpointInfo>,
+    /// The checkpoint the record names (the second reading).
+    marker: Option<u64>,
+    /// Whether both readings agreed.
+    stable: bool,
+}
+
+/// How many times [`listing`] lists a job directory whose `COMPLETED` record changes.
+const LISTING_TRIES: usize = 50;
+
+/// The job's checkpoints, listed until the `COMPLETED` record reads the same before and
+/// after (at most [`LISTING_TRIES`] times). A listing reads the job directory, then each
+/// checkpoint's metadata: beside a running job, a checkpoint can complete after the first
+/// read and retention drop the one before it before the second, so one listing could lack
+/// both, and a checkpoint that completed looked gone (`verify` exited 3, `savepoint` found no
+/// complete checkpoint). Retention drops a checkpoint only after a newer one completed, and
+/// the record names the newer one before retention runs: with the record unchanged across
+/// the listing, the checkpoint it names was in the directory when it was read, and is never
+/// the one retention drops.
+fn listing(s: &CheckpointStorage) -> Result<Listing, CheckpointError> {
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let before = s.completed_marker();
+        let infos = s.list()?;
+        let marker = s.completed_marker();
+        let stable = before == marker;
+        if stable || tries == LISTING_TRIES {
+            return Ok(Listing {
+                infos,
+                marker,
+                stable,
+            });
+        }
+    }
+}
+
+/// How many times, and how far apart, a damaged `COMPLETED` record must be found with no
+/// checkpoint metadata beside it before it is reported: see [`settled`].
+const SETTLE_ROUNDS: usize = 3;
+const SETTLE_PAUSE: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// What `probe` finds, if it finds it in each of [`SETTLE_ROUNDS`] tries a little apart: for
+/// the check [`listing`] cannot bracket (a record that does not decode reads the same
+/// whatever completes). What is really there is found every time.
+fn settled<T>(mut probe: impl FnMut() -> Option<T>) -> Option<T> {
+    let mut found = probe()?;
+    for _ in 1..SETTLE_ROUNDS {
+        std::thread::sleep(SETTLE_PAUSE);
+        found = probe()?;
+    }
+    Some(found)
+}
 
 /// The corrupt checkpoints `verify` found so far, each already reported.
 #[derive(Default)]
@@ -373,7 +448,9 @@ fn verify_listed(
     let ids: Vec<u64> = match a.checkpoint {
         Some(n) => vec![n],
         None => {
-            let infos = s.list().map_err(|e| VerifyFailed::Other(e.to_string()))?;
+            let infos = listing(s)
+                .map_err(|e| VerifyFailed::Other(e.to_string()))?
+                .infos;
             // A checkpoint whose metadata exists but does not decode is corrupt, not
             // merely incomplete: verify reports it.
             infos
@@ -559,14 +636,12 @@ fn still_there(s: &CheckpointStorage, id: u64) -> bool {
 /// checkpoint at least as new has a `_metadata`: one that completed, its sinks' output
 /// perhaps committed, and whose metadata was removed since (retention never drops the newest
 /// complete checkpoint, and a crash never leaves that record naming one that did not
-/// complete). A restore refuses to start then, so `verify` reports it as corruption. The
-/// record is read before the listing: a checkpoint that completes in between is listed.
+/// complete). A restore refuses to start then, so `verify` reports it as corruption.
 fn completed_without_metadata(s: &CheckpointStorage, only: Option<u64>) -> Option<u64> {
-    let done = s
-        .completed_marker()
-        .filter(|&d| only.is_none_or(|n| n == d))?;
-    let listed = s.list().ok()?;
-    (!kept_since(&listed, done)).then_some(done)
+    // Only from a listing the record did not change across (see `listing`).
+    let l = listing(s).ok().filter(|l| l.stable)?;
+    let done = l.marker.filter(|&d| only.is_none_or(|n| n == d))?;
+    (!kept_since(&l.infos, done)).then_some(done)
 }
 
 /// The error of the job's `COMPLETED` record when it does not decode and no checkpoint has a
@@ -787,14 +862,14 @@ fn chosen(job: &str, s: &CheckpointStorage, n: Option<u64>) -> Result<u64, Verif
     if let Some(id) = n {
         return Ok(id);
     }
-    let infos = s
-        .list()
-        .map_err(|e| VerifyFailed::Other(format!("{job}: {e}")))?;
-    match infos
-        .iter()
+    // See `listing`: beside a running job a listing found no complete checkpoint.
+    let found = listing(s)
+        .map_err(|e| VerifyFailed::Other(format!("{job}: {e}")))?
+        .infos
+        .into_iter()
         .filter(|i| i.complete || i.metadata_corrupt)
-        .max_by_key(|i| i.id)
-    {
+        .max_by_key(|i| i.id);
+    match found {
         Some(i) if i.complete => Ok(i.id),
         Some(i) => Err(VerifyFailed::Corrupt(format!(
             "{job}: checkpoint {}: {}",
@@ -833,7 +908,7 @@ pub fn savepoint(a: &SavepointArgs) -> Result<(), VerifyFailed> {
     std::fs::create_dir_all(&a.to)
         .map_err(|e| VerifyFailed::Other(format!("{}: {e}", a.to.display())))?;
     // The newest checkpoint of a running job may be dropped by its retention while it is
-    // copied (there is no pin across processes): copy the newest again, a few rounds, as
+    // copied (there is no pin across processes): copy the newest again (`SAVEPOINT_ROUNDS`), as
     // `verify` does. Before, such a run failed with "checkpoint N not found".
     let mut round = 0;
     loop {
@@ -844,7 +919,16 @@ pub fn savepoint(a: &SavepointArgs) -> Result<(), VerifyFailed> {
                 println!("{}", path.display());
                 return Ok(());
             }
-            Err(_) if a.checkpoint.is_none() && round < VERIFY_ROUNDS && !still_there(&s, id) => {}
+            Err(_)
+                if a.checkpoint.is_none() && round < SAVEPOINT_ROUNDS && !still_there(&s, id) => {}
+            Err(e) if a.checkpoint.is_none() && !still_there(&s, id) => {
+                return Err(VerifyFailed::Other(format!(
+                    "{job}: the newest checkpoint was removed by the job's retention while \
+                     it was copied, {SAVEPOINT_ROUNDS} times (last: checkpoint {id}: {e}): the \
+                     job completes checkpoints faster than they copy; keep more of them \
+                     (--retained), or stop the job with a savepoint (SIGTERM)"
+                )));
+            }
             Err(e) => {
                 // As `verify` classifies them: a file that is there but wrong is corruption.
                 let corrupt = match &e {
