@@ -567,8 +567,13 @@ where
             // A timer per window and key, registered with its first record: one per record
             // was a timer-key allocation and a tree insert for every window of every record.
             // A merged session window got its contents by the merge, so it always registers.
+            // Not the firing timer of a window the watermark passed (it fires at once below,
+            // as Flink's event-time trigger does): a merged late session registered it, and
+            // the next watermark fired the same window a second time.
             if fresh || session {
-                ctx.register_event_timer(w.max_timestamp());
+                if w.max_timestamp() > watermark {
+                    ctx.register_event_timer(w.max_timestamp());
+                }
                 if lateness > 0 {
                     ctx.register_event_timer(w.max_timestamp().saturating_add(lateness));
                 }

@@ -308,6 +308,53 @@ fn event_time_timers_in_the_driver_match_sequential() {
     assert_eq!(got, quiet_oracle(&events));
 }
 
+/// A late record within the allowed lateness that merges two fired session windows fires
+/// the merged window once, at once; the next watermark and the end fire nothing again (each
+/// merged result was emitted twice: its firing timer was registered behind the watermark).
+#[test]
+fn a_late_record_merging_fired_sessions_fires_the_merged_window_once() {
+    let mut d = TestDriver::new(|s| {
+        s.key_by(|e: &(u32, i64)| e.0)
+            .window(weir_runtime::WindowAssigner::session(5))
+            .allowed_lateness(100)
+            .count_with(|k, w, n| (*k, w.start, w.end, n))
+    })
+    .expect("driver");
+    let mut got = Vec::new();
+    let mut step = |d: &mut TestDriver<_, _>, rec: Option<(u32, i64)>, watermark: Option<i64>| {
+        if let Some(r) = rec {
+            d.push_at(r, r.1);
+        }
+        if let Some(w) = watermark {
+            d.watermark(w);
+        }
+        d.run_until_idle().expect("run");
+        let out = d.drain().expect("drain");
+        got.push(out);
+    };
+    step(&mut d, Some((1, 1)), None);
+    step(&mut d, Some((1, 10)), Some(20));
+    step(&mut d, Some((1, 5)), None);
+    step(&mut d, None, Some(25));
+    step(&mut d, Some((1, 12)), None);
+    let end = d.finish().expect("finish");
+    assert_eq!(
+        got,
+        vec![
+            vec![],
+            // Two sessions, [1, 6) and [10, 15), fired by watermark 20.
+            vec![(1, 1, 6, 1), (1, 10, 15, 1)],
+            // 5 joins them into [1, 15): fired at once.
+            vec![(1, 1, 15, 3)],
+            // Nothing again at watermark 25.
+            vec![],
+            // 12 widens it to [1, 17).
+            vec![(1, 1, 17, 4)],
+        ]
+    );
+    assert_eq!(end, vec![], "the end fires nothing again");
+}
+
 /// Allowed lateness: a window fires at the watermark, again for each late record within the
 /// lateness (with everything so far), and drops records after it; the firings are those of a
 /// sequential reading of the same input.
