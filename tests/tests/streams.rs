@@ -408,3 +408,44 @@ fn no_shard_runs_before_every_shard_is_built() {
         built - first
     );
 }
+
+/// A host thread pushing into an ingress whose job ended is refused, also one already blocked
+/// on the full queue: pushes returned `Ok` after the job was cancelled, and blocked for good
+/// once the queue filled.
+#[test]
+fn pushes_into_the_ingress_of_an_ended_job_are_refused() {
+    let (tx, src) = weir_runtime::source::ingress::<u64>(2);
+    let job = Job::new(config(2));
+    let seen = Arc::new(AtomicU64::new(0));
+    let s2 = seen.clone();
+    job.source(src).for_each(move |_| {
+        s2.fetch_add(1, Ordering::Relaxed);
+    });
+    let h = job.start().expect("start");
+    tx.push_batch(vec![1, 2, 3]).expect("the job reads");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while seen.load(Ordering::Relaxed) < 3 {
+        assert!(std::time::Instant::now() < deadline, "the job read nothing");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    // A host thread fills the queue and blocks while the job is cancelled.
+    let host = {
+        let tx = tx.clone();
+        std::thread::spawn(move || loop {
+            if let Err(e) = tx.push_batch(vec![0; 1000]) {
+                return e;
+            }
+        })
+    };
+    h.cancel();
+    let _ = h.wait();
+    while !host.is_finished() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the blocked host thread was never woken"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert_eq!(host.join().expect("host"), weir_runtime::source::Closed);
+    assert_eq!(tx.push_batch(vec![4]), Err(weir_runtime::source::Closed));
+}

@@ -11,6 +11,9 @@ use super::{Source, SourceError, SourcePoll, SourceReader};
 
 struct Queue<T> {
     batches: VecDeque<Vec<T>>,
+    /// Closed by the host ([`Ingress::close`]), or no job reads the queue any more (its
+    /// [`IngressSource`] went with the job): pushes are refused, and a host thread blocked
+    /// on a full queue wakes (it waited for good once the job had ended).
     closed: bool,
 }
 
@@ -40,7 +43,7 @@ pub struct IngressSource<T> {
     shared: Arc<Shared<T>>,
 }
 
-/// The queue was closed.
+/// The queue was closed, or the job that read it ended.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("the ingress is closed")]
 pub struct Closed;
@@ -148,6 +151,16 @@ impl<T: Send + 'static> SourceReader<T> for IngressReader<T> {
 
     fn seek(&mut self, _position: &[u8]) -> Result<(), SourceError> {
         Ok(())
+    }
+}
+
+/// The job that read the queue ended (or it was never given to one): nothing will take the
+/// batches, so pushes are refused from now on.
+impl<T> Drop for IngressSource<T> {
+    fn drop(&mut self) {
+        let mut q = self.shared.q.lock().unwrap_or_else(|p| p.into_inner());
+        q.closed = true;
+        self.shared.not_full.notify_all();
     }
 }
 
