@@ -244,6 +244,17 @@ impl JobConfig {
         if self.batch_records == 0 {
             return bad("batch_records", "must be at least 1".into());
         }
+        // Below that a memtable holds next to nothing, and a budget of 0 stalled the keyed
+        // operators for good (the store waited for room that never came).
+        if self.memtable_budget_bytes < MIN_MEMTABLE_BUDGET_BYTES {
+            return bad(
+                "memtable_budget_bytes",
+                format!(
+                    "{} must be at least {MIN_MEMTABLE_BUDGET_BYTES} bytes",
+                    self.memtable_budget_bytes
+                ),
+            );
+        }
         if let Some(c) = &self.checkpoint {
             // The rules `CheckpointConfig::from_toml` applies, so that a configuration built in
             // code cannot panic inside the job either; keys as the fields are spelled here.
@@ -260,10 +271,24 @@ impl JobConfig {
     }
 }
 
+/// The smallest `memtable_budget_bytes` a job takes: 16 KiB.
+pub const MIN_MEMTABLE_BUDGET_BYTES: usize = 16 << 10;
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::checkpoint::CheckpointConfig;
+
+    /// A memtable budget too small to hold anything is refused by name (0 stalled the job).
+    #[test]
+    fn a_memtable_budget_below_the_minimum_is_refused() {
+        for bytes in [0, 1, MIN_MEMTABLE_BUDGET_BYTES - 1] {
+            let c = JobConfig::new().with_memtable_budget_bytes(bytes);
+            assert_eq!(key_of(c).as_deref(), Some("memtable_budget_bytes"));
+        }
+        let c = JobConfig::new().with_memtable_budget_bytes(MIN_MEMTABLE_BUDGET_BYTES);
+        assert_eq!(key_of(c), None);
+    }
     use std::time::Duration;
 
     fn key_of(c: JobConfig) -> Option<String> {

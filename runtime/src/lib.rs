@@ -38,7 +38,7 @@ mod time;
 mod unaligned;
 mod window;
 
-pub use config::{JobConfig, Pinning, RestoreFrom};
+pub use config::{JobConfig, Pinning, RestoreFrom, MIN_MEMTABLE_BUDGET_BYTES};
 pub use data::Data;
 pub use error::{JobError, SavepointError, StartError};
 pub use join::{CoProcessFunction, ConnectedStreams, Either};

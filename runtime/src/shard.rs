@@ -226,12 +226,22 @@ impl JobHandle {
 
     /// Triggers a checkpoint now (it starts as soon as no other is in progress; requests made
     /// before the job's coordinator runs, or during a restart, are served once it does, and
-    /// requests made before a trigger is served share its checkpoint).
+    /// requests made before a trigger is served share its checkpoint). A job that has ended
+    /// takes none: an error, as [`Self::trigger_savepoint`] gives (it returned `Ok` and
+    /// nothing came of it).
     pub fn trigger_checkpoint(&self) -> Result<(), StartError> {
         if !self.ctl.checkpointing {
             return Err(StartError::Config {
                 key: "checkpoint".into(),
                 reason: "the job has no checkpoint directory".into(),
+            });
+        }
+        if self.is_finished() {
+            return Err(StartError::Checkpoint {
+                reason: format!(
+                    "the job has ended ({:?}): it takes no checkpoint",
+                    self.status()
+                ),
             });
         }
         self.ctl.requests.manual.fetch_add(1, Ordering::AcqRel);

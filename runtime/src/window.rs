@@ -73,24 +73,44 @@ pub enum WindowAssigner {
 }
 
 impl WindowAssigner {
+    /// Windows of `size_ms` (more than 0: a job with another size does not start, as in
+    /// Flink, where it was made 1 ms without a word).
     pub fn tumbling(size_ms: i64) -> Self {
         WindowAssigner::Tumbling {
-            size_ms: size_ms.max(1),
+            size_ms,
             offset_ms: 0,
         }
     }
 
+    /// Windows of `size_ms` every `slide_ms` (both more than 0).
     pub fn sliding(size_ms: i64, slide_ms: i64) -> Self {
         WindowAssigner::Sliding {
-            size_ms: size_ms.max(1),
-            slide_ms: slide_ms.max(1),
+            size_ms,
+            slide_ms,
             offset_ms: 0,
         }
     }
 
+    /// Sessions closed by a gap of `gap_ms` (more than 0).
     pub fn session(gap_ms: i64) -> Self {
-        WindowAssigner::Session {
-            gap_ms: gap_ms.max(1),
+        WindowAssigner::Session { gap_ms }
+    }
+
+    /// Why the assigner's sizes make no windows, if they do not: the job does not start.
+    pub fn check(&self) -> Result<(), String> {
+        let positive = |what: &str, v: i64| {
+            if v > 0 {
+                Ok(())
+            } else {
+                Err(format!("a window's {what} must be more than 0 ms, not {v}"))
+            }
+        };
+        match *self {
+            WindowAssigner::Tumbling { size_ms, .. } => positive("size", size_ms),
+            WindowAssigner::Sliding {
+                size_ms, slide_ms, ..
+            } => positive("size", size_ms).and(positive("slide", slide_ms)),
+            WindowAssigner::Session { gap_ms } => positive("session gap", gap_ms),
         }
     }
 
@@ -99,6 +119,13 @@ impl WindowAssigner {
     /// end outside it has no windows: an error, never a window cut short or wrapped around.
     pub fn assign(&self, ts: i64, out: &mut Vec<Window>) -> Result<(), WindowRangeError> {
         out.clear();
+        // Sizes of 0 or less make no window (a job refuses them before it starts).
+        if self.check().is_err() {
+            return Err(WindowRangeError {
+                ts,
+                assigner: *self,
+            });
+        }
         // In i128, where no step overflows; each window is checked into i64 at the end.
         let window = |start: i128, size: i64| {
             let end = start + i128::from(size);
@@ -158,9 +185,10 @@ fn start_in(ts: i64, offset: i64, size: i64) -> i128 {
     ts - (ts - i128::from(offset)).rem_euclid(i128::from(size))
 }
 
-/// A record's timestamp whose windows do not fit in the i64 millisecond range.
+/// A record's timestamp whose windows do not fit in the i64 millisecond range (or an
+/// assigner whose sizes make no windows).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("timestamp {ts}: a window of {assigner:?} holding it falls outside the 64-bit millisecond range")]
+#[error("timestamp {ts}: {assigner:?} gives it no window within the 64-bit millisecond range")]
 pub struct WindowRangeError {
     pub ts: i64,
     pub assigner: WindowAssigner,
@@ -293,9 +321,10 @@ impl<T: Data, K: Key> WindowedStream<T, K> {
         }
     }
 
-    /// Keeps windows for `ms` after they fired, so that late records update them.
+    /// Keeps windows for `ms` after they fired, so that late records update them (0 or more:
+    /// a job with a negative lateness does not start, as in Flink).
     pub fn allowed_lateness(mut self, ms: i64) -> Self {
-        self.lateness_ms = ms.max(0);
+        self.lateness_ms = ms;
         self
     }
 
@@ -368,6 +397,18 @@ impl<T: Data, K: Key> WindowedStream<T, K> {
     fn build<R: Data, C: Contents<K, T, R>>(self, kind: &str, contents: C) -> Stream<R> {
         let up = self.keyed.up;
         let key = self.keyed.key;
+        let checked = self.assigner.check().and(if self.lateness_ms < 0 {
+            Err(format!(
+                "allowed lateness must be 0 or more ms, not {}",
+                self.lateness_ms
+            ))
+        } else {
+            Ok(())
+        });
+        if let Err(e) = checked {
+            // The job does not start (`Job::start`, `TestDriver::new` report it).
+            up.errors.borrow_mut().push(format!("{kind}: {e}"));
+        }
         let name = up.new_name(kind);
         let slot = name.clone();
         let (assigner, lateness) = (self.assigner, self.lateness_ms);

@@ -894,6 +894,32 @@ fn a_checkpoint_triggered_right_after_the_start_completes() {
     assert!(got.iter().all(|(_, sum, i)| at.get(i) == Some(sum)));
 }
 
+/// A job that has ended takes no checkpoint and no savepoint: both are errors (a trigger
+/// returned `Ok` and nothing came of it).
+#[test]
+fn an_ended_job_refuses_triggers() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let job = Job::new(exactly_once(dir.path(), 2));
+    let _ = job.from_vec((0..1000u64).collect()).collect();
+    let h = job.start().expect("start");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !h.is_finished() {
+        assert!(std::time::Instant::now() < deadline, "the job did not end");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    match h.trigger_checkpoint() {
+        Err(weir_runtime::StartError::Checkpoint { reason }) => {
+            assert!(reason.contains("ended"), "{reason}")
+        }
+        other => panic!("a checkpoint of an ended job: {other:?}"),
+    }
+    assert!(matches!(
+        h.trigger_savepoint(&dir.path().join("sp")),
+        Err(weir_runtime::SavepointError::JobEnded)
+    ));
+    h.wait().expect("job");
+}
+
 /// `c` restoring from `restore`, if any, and with the small batches of a held job (`held`:
 /// see [`HELD_BATCH_RECORDS`]).
 /// An exactly-once job on `shards` unpinned shards checkpointing into `dir` ([`ck`]).

@@ -449,3 +449,49 @@ fn pushes_into_the_ingress_of_an_ended_job_are_refused() {
     assert_eq!(host.join().expect("host"), weir_runtime::source::Closed);
     assert_eq!(tx.push_batch(vec![4]), Err(weir_runtime::source::Closed));
 }
+
+/// Window sizes, slides, session gaps of 0 ms or less and a negative allowed lateness stop
+/// the job before it starts, naming what is wrong, in a real job and in the test driver
+/// (they were made 1 ms and 0 without a word).
+#[test]
+fn windows_of_no_size_or_a_negative_lateness_are_refused() {
+    let cases: Vec<(WindowAssigner, i64, &str)> = vec![
+        (WindowAssigner::tumbling(0), 0, "size"),
+        (WindowAssigner::tumbling(-10), 0, "size"),
+        (WindowAssigner::sliding(10, 0), 0, "slide"),
+        (WindowAssigner::sliding(-1, 5), 0, "size"),
+        (WindowAssigner::session(0), 0, "session gap"),
+        (WindowAssigner::tumbling(10), -1, "allowed lateness"),
+    ];
+    for (assigner, lateness, named) in cases {
+        let job = Job::new(config(2));
+        let _ = job
+            .from_vec(vec![(1u32, 5i64)])
+            .assign_timestamps(WatermarkStrategy::bounded_out_of_orderness(
+                0,
+                |r: &(u32, i64)| r.1,
+            ))
+            .key_by(|r| r.0)
+            .window(assigner)
+            .allowed_lateness(lateness)
+            .count_with(|k, w, n| (*k, w.start, n))
+            .collect();
+        match job.start() {
+            Err(weir_runtime::StartError::Config { key, reason }) => {
+                assert_eq!(key, "graph");
+                assert!(reason.contains(named), "{assigner:?}: {reason}");
+            }
+            other => panic!("{assigner:?}, lateness {lateness}: {:?}", other.map(|_| ())),
+        }
+        let driver = weir_runtime::testing::TestDriver::new(move |s| {
+            s.key_by(|r: &(u32, i64)| r.0)
+                .window(assigner)
+                .allowed_lateness(lateness)
+                .count_with(|k, w, n| (*k, w.start, n))
+        });
+        assert!(driver.is_err(), "{assigner:?}: the test driver took it");
+    }
+    let mut out = Vec::new();
+    assert!(WindowAssigner::tumbling(0).assign(5, &mut out).is_err());
+    assert!(out.is_empty());
+}

@@ -146,8 +146,10 @@ impl CheckpointConfig {
         self.tolerable_failures = n;
         self
     }
+    /// At least 1: [`Self::validate`] refuses 0, as `from_toml` does (it was made 1 without
+    /// a word).
     pub fn with_retained(mut self, n: usize) -> Self {
-        self.retained = n.max(1);
+        self.retained = n;
         self
     }
     pub fn with_max_concurrent(mut self, n: usize) -> Self {
@@ -202,6 +204,14 @@ impl CheckpointConfig {
         }
         if self.retained == 0 {
             return Err(ConfigError::new("retained", "must be at least 1"));
+        }
+        // At-least-once does not align barriers, so it has nothing to make unaligned: the
+        // setting was ignored without a word (`weir run` refused it already).
+        if self.unaligned && self.mode == CheckpointMode::AtLeastOnce {
+            return Err(ConfigError::new(
+                "unaligned",
+                "needs mode exactly-once: at-least-once does not align barriers",
+            ));
         }
         let restart = |key: &str, d: Duration| check_duration(&format!("restart.{key}"), d, false);
         match &self.restart {
@@ -615,13 +625,13 @@ mod tests {
     #[test]
     fn toml_loads_over_defaults() {
         let c = CheckpointConfig::from_toml(
-            "dir = \"/d\"\njob-id = \"orders\"\ninterval = \"1s\"\nmode = \"at-least-once\"\nunaligned = true\n\
+            "dir = \"/d\"\njob-id = \"orders\"\ninterval = \"1s\"\nmode = \"exactly-once\"\nunaligned = true\n\
              aligned-timeout = \"100ms\"\nretained = 3\n[restart]\nstrategy = \"fixed-delay\"\nattempts = 4\ndelay = \"2s\"\n",
         )
         .expect("valid");
         assert_eq!(c.job_id, "orders");
         assert_eq!(c.interval, Some(Duration::from_secs(1)));
-        assert_eq!(c.mode, CheckpointMode::AtLeastOnce);
+        assert_eq!(c.mode, CheckpointMode::ExactlyOnce);
         assert!(c.unaligned);
         assert_eq!(c.aligned_timeout, Duration::from_millis(100));
         assert_eq!(c.retained, 3);
@@ -644,6 +654,13 @@ mod tests {
         assert_eq!(e.key, "interval");
         let e = CheckpointConfig::from_toml("dir = \"/d\"\nretained = 0\n").expect_err("zero");
         assert_eq!(e.key, "retained");
+        let e = CheckpointConfig::from_toml(
+            "dir = \"/d\"\nmode = \"at-least-once\"\nunaligned = true\n",
+        )
+        .expect_err("nothing to make unaligned");
+        assert_eq!(e.key, "unaligned");
+        let e = CheckpointConfig::new("/d", "j").with_retained(0).validate();
+        assert_eq!(e.expect_err("zero").key, "retained");
         let e = CheckpointConfig::from_toml("dir = \"/d\"\n[restart]\nstrategy = \"sometimes\"\n")
             .expect_err("bad strategy");
         assert_eq!(e.key, "restart.strategy");
