@@ -150,3 +150,20 @@ fn only_selects_rows_by_their_full_name_or_a_part_of_it() {
         ["state_snapshot_sync_part", "state_updates_under_snapshot"]
     );
 }
+
+/// `--only` with a text no benchmark of the suite has in its name is a usage error naming it
+/// (it printed an empty table, or no JSON, and exited 0), and so is an empty text (it ran the
+/// whole suite).
+#[test]
+fn only_with_a_text_no_benchmark_has_is_a_usage_error() {
+    for only in ["no_such_bench", ""] {
+        let out = Command::new(env!("CARGO_BIN_EXE_weir-bench"))
+            .args(["runtime", "--quick", "--json", "--only", only])
+            .output()
+            .expect("run weir-bench");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{only:?}: {stderr}");
+        assert!(stderr.contains("--only"), "{stderr}");
+        assert!(out.stdout.is_empty());
+    }
+}

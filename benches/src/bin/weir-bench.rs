@@ -33,8 +33,9 @@ struct Cli {
     /// Small inputs: a smoke run, not a measurement.
     #[arg(long)]
     quick: bool,
-    /// Run only the benchmarks whose name contains this text.
-    #[arg(long)]
+    /// Run only the benchmarks whose name contains this text (a text no benchmark of the
+    /// suite has is a usage error, exit 2).
+    #[arg(long, value_parser = clap::builder::NonEmptyStringValueParser::new())]
     only: Option<String>,
 }
 
@@ -59,6 +60,15 @@ fn main() {
         rows.extend(weir_benches::nexmark::run(&opts));
     }
     rows.retain(|r| opts.shows(&r.bench));
+    if let (Some(only), true) = (&opts.only, rows.is_empty()) {
+        // It printed an empty table, or nothing, and exited 0: a misspelt name looked like a
+        // benchmark that measured nothing.
+        eprintln!(
+            "error: --only {only:?}: no benchmark of the {:?} suite has it in its name",
+            cli.suite
+        );
+        std::process::exit(2);
+    }
     if opts.json {
         print_json(&rows);
     } else {
