@@ -32,6 +32,9 @@ pub struct TestDriver<I, O> {
     heads: Vec<Box<dyn Head>>,
     done: Vec<bool>,
     fail: FailCell,
+    /// The message of the panic in user code that failed the driver: every later run
+    /// returns it, as a failed job stays failed.
+    failed: Option<String>,
     now_ms: i64,
     states: Vec<crate::keyed::ShardState>,
     _ctx: BuildCtx,
@@ -121,6 +124,7 @@ impl<I: Data, O: Data> TestDriver<I, O> {
             done: vec![false; heads.len()],
             heads,
             fail: ctx.fail.clone(),
+            failed: None,
             now_ms: 0,
             states,
             _ctx: ctx,
@@ -155,8 +159,25 @@ impl<I: Data, O: Data> TestDriver<I, O> {
         self.now_ms = now_ms;
     }
 
-    /// Runs every operator until nothing moves.
+    /// Runs every operator until nothing moves. A panic in user code is an error
+    /// ([`JobError::Panic`]), as in a real job, not a panic of the caller; the driver is
+    /// failed from then on.
     pub fn run_until_idle(&mut self) -> Result<(), JobError> {
+        if let Some(message) = &self.failed {
+            return Err(JobError::Panic {
+                shard: 0,
+                message: message.clone(),
+            });
+        }
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_steps()));
+        run.unwrap_or_else(|p| {
+            let message = crate::shard::panic_message(&*p);
+            self.failed = Some(message.clone());
+            Err(JobError::Panic { shard: 0, message })
+        })
+    }
+
+    fn run_steps(&mut self) -> Result<(), JobError> {
         loop {
             let mut progress = false;
             for (h, d) in self.heads.iter_mut().zip(self.done.iter_mut()) {

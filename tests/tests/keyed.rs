@@ -282,3 +282,27 @@ fn wait_returns_once_the_job_let_go_of_its_checkpoint_directory_and_state() {
         }
     }
 }
+
+/// A panic in user code under the test driver is an error, as in a real job
+/// (`JobError::Panic`), not a panic of the test that drives it; the driver stays failed.
+#[test]
+fn a_panic_in_the_test_driver_is_a_job_error() {
+    let mut d = TestDriver::new(|s| {
+        s.key_by(|r: &(u32, i64)| r.0).reduce(|a, b| {
+            assert!(b.1 != 13, "unlucky value");
+            (a.0, a.1 + b.1)
+        })
+    })
+    .expect("driver");
+    d.push((1, 1));
+    assert_eq!(d.drain().expect("fine so far"), vec![(1, 1)]);
+    d.push((1, 13));
+    for _ in 0..2 {
+        match d.drain() {
+            Err(weir_runtime::JobError::Panic { message, .. }) => {
+                assert!(message.contains("unlucky value"), "{message}")
+            }
+            other => panic!("a panic's error: {other:?}"),
+        }
+    }
+}
