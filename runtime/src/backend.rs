@@ -214,6 +214,20 @@ fn store_config(config: &crate::config::JobConfig) -> StoreConfig {
     }
 }
 
+/// Whether a restore that failed to take a checkpoint file may pass on a restart: an I/O
+/// fault may, a file gone may not. Every restart met a missing file again (a `weir
+/// checkpoints clean` beside a `--restore` of its checkpoint restarted the job forever): the
+/// checkpoint is damaged, as when a file is missing before the restore begins.
+fn may_pass(e: &weir_io::CheckpointError) -> bool {
+    match e {
+        weir_io::CheckpointError::Io(weir_io::IoError::Os { source, .. }) => {
+            source.kind() != std::io::ErrorKind::NotFound
+        }
+        weir_io::CheckpointError::Io(_) => true,
+        _ => false,
+    }
+}
+
 impl ShardState {
     /// Opens (or restores) the store of operator `name` on the shard `ctx` builds.
     pub(crate) fn open_for(ctx: &BuildCtx, name: &str) -> Result<Self, StartError> {
@@ -325,7 +339,7 @@ impl ShardState {
                             )));
                         }
                         r.reader.link_file_to(f, &path).map_err(|e| {
-                            let io = matches!(e, weir_io::CheckpointError::Io(_));
+                            let io = may_pass(&e);
                             let reason = format!(
                                 "checkpoint {}: segment {} of `{name}`: {e}",
                                 r.checkpoint_id, seg.segment_id
@@ -874,6 +888,29 @@ mod tests {
     use crate::config::JobConfig;
     use crate::graph::{BuildCtx, FailCell};
     use weir_io::{CheckpointStorage, CommitInfo, FaultyFs, StdFs};
+
+    /// A checkpoint file gone fails the restore for good; another I/O fault lets a restart
+    /// try again.
+    #[test]
+    fn a_restore_missing_a_file_is_not_retried() {
+        let os = |kind: std::io::ErrorKind| {
+            weir_io::CheckpointError::Io(weir_io::IoError::Os {
+                op: "link",
+                path: "shared/1.wseg".into(),
+                source: std::io::Error::from(kind),
+            })
+        };
+        assert!(!may_pass(&os(std::io::ErrorKind::NotFound)));
+        assert!(may_pass(&os(std::io::ErrorKind::Other)));
+        assert!(may_pass(&weir_io::CheckpointError::Io(
+            weir_io::IoError::Injected {
+                seed: 1,
+                step: 2,
+                what: "link",
+                path: "shared/1.wseg".into(),
+            }
+        )));
+    }
 
     const MP: u16 = 8;
     const OP: &str = "op";
