@@ -586,8 +586,9 @@ impl ShardState {
             inner.uploaded.retain(|_, (_, by)| ids.contains(by));
             c.shared.config.incremental
         };
-        // A full (not incremental) checkpoint reuses nothing: it writes every segment of the
-        // state again, so that it shares no file with another checkpoint.
+        // A full (not incremental) checkpoint reuses nothing: it copies every segment of the
+        // state again (a link would be the same bytes under another name), so that it shares
+        // no file with another checkpoint.
         let known: HashMap<u64, FileRefData> = if incremental {
             inner
                 .uploaded
@@ -619,6 +620,7 @@ impl ShardState {
                                 &seg.path,
                                 seg.size_bytes,
                                 seg.crc32,
+                                !incremental,
                             )?;
                             new.push((seg.segment_id, f.clone()));
                             f

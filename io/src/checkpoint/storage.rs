@@ -1141,7 +1141,7 @@ impl CheckpointWriter {
         src: &Path,
         name_hint: &str,
     ) -> Result<FileRef, CheckpointError> {
-        let r = self.upload_inner(src, name_hint, None);
+        let r = self.upload_inner(src, name_hint, None, true);
         r.map_err(|e| self.inner.fail(e))
     }
 
@@ -1159,7 +1159,22 @@ impl CheckpointWriter {
         size_bytes: u64,
         crc32: u32,
     ) -> Result<FileRef, CheckpointError> {
-        let r = self.upload_inner(src, name_hint, Some((size_bytes, crc32)));
+        let r = self.upload_inner(src, name_hint, Some((size_bytes, crc32)), true);
+        r.map_err(|e| self.inner.fail(e))
+    }
+
+    /// [`upload_shared_known`](Self::upload_shared_known), always as a copy (framed), never a
+    /// link: for a full checkpoint, which must share no bytes with another. A link of the
+    /// same local segment in two checkpoints is one inode under two names, so damage to one
+    /// was damage to both.
+    pub fn copy_shared_known(
+        &mut self,
+        src: &Path,
+        name_hint: &str,
+        size_bytes: u64,
+        crc32: u32,
+    ) -> Result<FileRef, CheckpointError> {
+        let r = self.upload_inner(src, name_hint, Some((size_bytes, crc32)), false);
         r.map_err(|e| self.inner.fail(e))
     }
 
@@ -1168,9 +1183,10 @@ impl CheckpointWriter {
         src: &Path,
         name_hint: &str,
         known: Option<(u64, u32)>,
+        link: bool,
     ) -> Result<FileRef, CheckpointError> {
         let sh = self.inner.storage.clone();
-        if sh.options.link_uploads {
+        if link && sh.options.link_uploads {
             if let Some(r) = self.link_raw(&sh, src, &sanitize_hint(name_hint), known)? {
                 return Ok(r);
             }

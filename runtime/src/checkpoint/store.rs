@@ -22,7 +22,8 @@ pub(crate) struct CommitInfo {
 pub(crate) trait CheckpointStore: Send + Sync {
     fn begin(&self, id: u64) -> Result<(), String>;
     /// Puts an immutable local file into shared storage for checkpoint `id`; `size_bytes` and
-    /// `crc32` are its writer's (see `CheckpointWriter::upload_shared_known`).
+    /// `crc32` are its writer's (see `CheckpointWriter::upload_shared_known`). `copy`: never
+    /// as a link (a full checkpoint's, which shares nothing with another).
     fn upload_shared(
         &self,
         id: u64,
@@ -30,6 +31,7 @@ pub(crate) trait CheckpointStore: Send + Sync {
         src: &Path,
         size_bytes: u64,
         crc32: u32,
+        copy: bool,
     ) -> Result<FileRefData, String>;
     /// Checkpoint `id` references a shared file an earlier checkpoint uploaded.
     fn reuse_shared(&self, id: u64, shard: usize, f: &FileRefData) -> Result<(), String>;
@@ -138,6 +140,7 @@ impl CheckpointStore for IoCheckpointStore {
         src: &Path,
         size_bytes: u64,
         crc32: u32,
+        copy: bool,
     ) -> Result<FileRefData, String> {
         let mut w = self.writer(id)?;
         let hint = format!(
@@ -146,9 +149,12 @@ impl CheckpointStore for IoCheckpointStore {
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default()
         );
-        let r = w
-            .upload_shared_known(src, &hint, size_bytes, crc32)
-            .map_err(|e| e.to_string())?;
+        let r = if copy {
+            w.copy_shared_known(src, &hint, size_bytes, crc32)
+        } else {
+            w.upload_shared_known(src, &hint, size_bytes, crc32)
+        }
+        .map_err(|e| e.to_string())?;
         w.finish().map_err(|e| e.to_string())?;
         Ok(from_ref(&r))
     }
