@@ -134,6 +134,10 @@ pub(crate) struct InputMerger {
     idle: Vec<bool>,
     ended: Vec<bool>,
     emitted: i64,
+    /// Every input is idle, and downstream was told so (`Event::Idle(true)`), as Flink's
+    /// valve marks its output idle: without it a consumer of several shards held its
+    /// watermark back for a shard whose sources were all quiet.
+    idle_out: bool,
     /// The barrier being aligned and the inputs that delivered it.
     barrier: Option<(u64, Vec<bool>)>,
     /// Per input: delivered the barrier being aligned and must not deliver more records until
@@ -152,6 +156,7 @@ impl InputMerger {
             idle: vec![false; inputs],
             ended: vec![false; inputs],
             emitted: i64::MIN,
+            idle_out: false,
             barrier: None,
             blocked: (0..inputs)
                 .map(|_| std::rc::Rc::new(std::cell::Cell::new(false)))
@@ -266,6 +271,21 @@ impl InputMerger {
     }
 
     fn advance(&mut self, out: &mut dyn FnMut(Event)) {
+        let all_idle = self.idle.iter().all(|i| *i);
+        if !all_idle && self.idle_out {
+            // Active again before any watermark it sends.
+            self.idle_out = false;
+            out(Event::Idle(false));
+        }
+        self.advance_watermark(out);
+        if all_idle && !self.idle_out {
+            // After the flushed watermark, as Flink's valve.
+            self.idle_out = true;
+            out(Event::Idle(true));
+        }
+    }
+
+    fn advance_watermark(&mut self, out: &mut dyn FnMut(Event)) {
         let active = self
             .watermarks
             .iter()
@@ -273,8 +293,12 @@ impl InputMerger {
             .filter(|(_, idle)| !**idle)
             .map(|(w, _)| *w)
             .min();
-        // Every input idle: hold the watermark where it is (Flink does the same).
-        if let Some(w) = active {
+        // Every input idle: no input will advance, so the largest watermark among them goes
+        // out, as Flink's watermark valve flushes it (held, the windows that watermark closes
+        // never fired while every source was quiet). An input that turns active again holds
+        // the watermark back from there; it never goes back.
+        let w = active.or_else(|| self.watermarks.iter().copied().max());
+        if let Some(w) = w {
             if w > self.emitted {
                 self.emitted = w;
                 out(Event::Watermark(w));
@@ -338,6 +362,39 @@ mod tests {
         m.on_event(1, Event::EndOfInput, &mut |e| got.push(e));
         assert_eq!(got.last(), Some(&Event::EndOfInput));
         assert!(got.contains(&Event::Watermark(i64::MAX)));
+    }
+
+    /// Every input idle: the largest of their watermarks goes out (Flink's valve flushes it;
+    /// it was held, and windows that it closes never fired while every source was quiet).
+    #[test]
+    fn merger_flushes_the_largest_watermark_when_every_input_is_idle() {
+        let mut m = InputMerger::new(3);
+        let mut got = Vec::new();
+        m.on_event(0, Event::Watermark(99), &mut |e| got.push(e));
+        m.on_event(1, Event::Watermark(40), &mut |e| got.push(e));
+        m.on_event(1, Event::Idle(true), &mut |e| got.push(e));
+        assert!(got.is_empty(), "input 2 holds the watermark back");
+        m.on_event(2, Event::Idle(true), &mut |e| got.push(e));
+        assert_eq!(got, vec![Event::Watermark(99)], "input 1 is the one active");
+        m.on_event(0, Event::Idle(true), &mut |e| got.push(e));
+        assert_eq!(got[1..], [Event::Idle(true)], "99 is out already; idle now");
+        // Input 2 never had a watermark, input 1 stays behind: nothing goes back.
+        m.on_event(1, Event::Watermark(60), &mut |e| got.push(e));
+        assert_eq!(got[2..], [Event::Idle(false)], "active again");
+        m.on_event(0, Event::Watermark(120), &mut |e| got.push(e));
+        assert_eq!(got.len(), 3, "input 1 is active again and at 60");
+
+        let mut m = InputMerger::new(2);
+        let mut got = Vec::new();
+        m.on_event(0, Event::Watermark(99), &mut |e| got.push(e));
+        m.on_event(0, Event::Idle(true), &mut |e| got.push(e));
+        assert!(got.is_empty(), "input 1 is active, with no watermark");
+        m.on_event(1, Event::Idle(true), &mut |e| got.push(e));
+        assert_eq!(
+            got,
+            vec![Event::Watermark(99), Event::Idle(true)],
+            "every input idle: flushed, then idle"
+        );
     }
 
     #[test]

@@ -495,3 +495,49 @@ fn windows_of_no_size_or_a_negative_lateness_are_refused() {
     assert!(WindowAssigner::tumbling(0).assign(5, &mut out).is_err());
     assert!(out.is_empty());
 }
+
+/// Two sources with idleness, one quiet after its first records and one that never sends:
+/// once both are idle the largest watermark goes out (Flink's valve flushes it) and the
+/// windows it closes fire while the sources stay open (none fired until they closed).
+#[test]
+fn windows_fire_when_every_source_is_idle() {
+    let (tx1, s1) = weir_runtime::source::ingress::<(u64, i64)>(4);
+    let (tx2, s2) = weir_runtime::source::ingress::<(u64, i64)>(4);
+    let job = Job::new(config(2));
+    let idle = |s| {
+        job.source(s).assign_timestamps(
+            WatermarkStrategy::bounded_out_of_orderness(0, |r: &(u64, i64)| r.1).with_idleness(100),
+        )
+    };
+    let (a, b) = (idle(s1), idle(s2));
+    let fired = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let f2 = fired.clone();
+    a.union(b)
+        .key_by(|r| r.0)
+        .window(WindowAssigner::tumbling(10))
+        .count_with(|k, w, n| (*k, w.start, n))
+        .for_each(move |r| f2.lock().expect("lock").push(r));
+    let h = job.start().expect("start");
+    tx1.push_batch((1..=100).map(|t| (7, t)).collect())
+        .expect("push");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    // [0, 10) holds 1..=9; the flushed watermark (99) closes every window up to [80, 90).
+    while !fired.lock().expect("lock").contains(&(7, 80, 10)) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no window fired with every source idle: {:?}",
+            fired.lock().expect("lock")
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(!h.is_finished());
+    tx1.close();
+    tx2.close();
+    h.wait().expect("job");
+    let mut got = fired.lock().expect("lock").clone();
+    got.sort_unstable();
+    let mut want: Vec<(u64, i64, u64)> = (0..=10).map(|w| (7, w * 10, 10)).collect();
+    want[0].2 = 9;
+    want[10].2 = 1;
+    assert_eq!(got, want);
+}
