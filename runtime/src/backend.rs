@@ -778,6 +778,67 @@ impl ShardState {
             weir_state::ListState::<V>::from_id(id.0).get(be)
         })
     }
+
+    /// The map state's entry `mk` of the current key (see `KeyedContext::map_get`).
+    pub(crate) fn map_get<M: weir_state::KeyCodec + ?Sized, V: Data>(
+        &self,
+        id: &StateId,
+        at: (u16, &[u8], &[u8]),
+        mk: &M,
+    ) -> Result<Option<V>, StateError> {
+        let (kg, key, ns) = at;
+        self.with(kg, key, ns, |be| {
+            weir_state::MapState::<M, V>::from_id(id.0).value(be, mk)
+        })
+    }
+
+    pub(crate) fn map_put<M: weir_state::KeyCodec + ?Sized, V: Data>(
+        &self,
+        id: &StateId,
+        at: (u16, &[u8], &[u8]),
+        mk: &M,
+        v: &V,
+    ) -> Result<(), StateError> {
+        let (kg, key, ns) = at;
+        self.with(kg, key, ns, |be| {
+            weir_state::MapState::<M, V>::from_id(id.0).put(be, mk, v)
+        })
+    }
+
+    pub(crate) fn map_remove<M: weir_state::KeyCodec + ?Sized>(
+        &self,
+        id: &StateId,
+        at: (u16, &[u8], &[u8]),
+        mk: &M,
+    ) -> Result<(), StateError> {
+        let (kg, key, ns) = at;
+        self.with(kg, key, ns, |be| {
+            weir_state::MapState::<M, u8>::from_id(id.0).remove(be, mk)
+        })
+    }
+
+    pub(crate) fn map_entries<M: weir_state::KeyCodec + ?Sized, V: Data>(
+        &self,
+        id: &StateId,
+        at: (u16, &[u8], &[u8]),
+    ) -> Result<Vec<(M::Owned, V)>, StateError> {
+        let (kg, key, ns) = at;
+        self.with(kg, key, ns, |be| {
+            weir_state::MapState::<M, V>::from_id(id.0).entries(be)
+        })
+    }
+
+    pub(crate) fn map_clear(
+        &self,
+        id: &StateId,
+        kg: u16,
+        key: &[u8],
+        ns: &[u8],
+    ) -> Result<(), StateError> {
+        self.with(kg, key, ns, |be| {
+            weir_state::MapState::<[u8], u8>::from_id(id.0).clear(be)
+        })
+    }
 }
 
 /// A maintenance thread's loop: runs `jobs` in order, a flush or snapshot that arrives during

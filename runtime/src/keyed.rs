@@ -554,6 +554,56 @@ impl<K: Clone, O: 'static> KeyedContext<'_, K, O> {
         .unwrap_or_default()
     }
 
+    /// The current key's entry `mk` of map state `name` (Flink's `MapState::get`).
+    pub fn map_get<M: weir_state::KeyCodec + ?Sized, V: Data>(
+        &mut self,
+        name: &'static str,
+        mk: &M,
+    ) -> Option<V> {
+        self.access(name, "reading", |s, id, kg, k, ns| {
+            s.map_get::<M, V>(id, (kg, k, ns), mk)
+        })
+        .flatten()
+    }
+
+    /// Sets the current key's entry `mk` of map state `name`.
+    pub fn map_put<M: weir_state::KeyCodec + ?Sized, V: Data>(
+        &mut self,
+        name: &'static str,
+        mk: &M,
+        v: &V,
+    ) {
+        self.access(name, "writing", |s, id, kg, k, ns| {
+            s.map_put(id, (kg, k, ns), mk, v)
+        });
+    }
+
+    /// Removes the current key's entry `mk` of map state `name`.
+    pub fn map_remove<M: weir_state::KeyCodec + ?Sized>(&mut self, name: &'static str, mk: &M) {
+        self.access(name, "removing from", |s, id, kg, k, ns| {
+            s.map_remove(id, (kg, k, ns), mk)
+        });
+    }
+
+    /// The current key's entries of map state `name`, in map-key order (the order of their
+    /// encoded keys: numbers ascending, strings by their bytes).
+    pub fn map_entries<M: weir_state::KeyCodec + ?Sized, V: Data>(
+        &mut self,
+        name: &'static str,
+    ) -> Vec<(M::Owned, V)> {
+        self.access(name, "reading", |s, id, kg, k, ns| {
+            s.map_entries::<M, V>(id, (kg, k, ns))
+        })
+        .unwrap_or_default()
+    }
+
+    /// Clears the current key's map state `name`.
+    pub fn clear_map(&mut self, name: &'static str) {
+        self.access(name, "clearing", |s, id, kg, k, ns| {
+            s.map_clear(id, kg, k, ns)
+        });
+    }
+
     /// Registers a timer for the current key at `ts` on `domain`'s clock. Registering the same
     /// time twice for a key keeps one timer.
     pub fn register_timer(&mut self, domain: TimeDomain, ts: i64) {

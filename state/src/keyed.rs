@@ -737,6 +737,14 @@ impl<K: KeyCodec + ?Sized, V: StateValue> MapState<K, V> {
         }
     }
 
+    /// The entry `mk`, deserialized (see [`Self::get`] for the archived view).
+    pub fn value(&self, be: &mut KeyedBackend, mk: &K) -> Result<Option<V>, StateError> {
+        match self.get(be, mk)? {
+            Some(a) => deser::<V>(a, self.id).map(Some),
+            None => Ok(None),
+        }
+    }
+
     pub fn contains(&self, be: &mut KeyedBackend, mk: &K) -> Result<bool, StateError> {
         self.build(be, mk)?;
         Ok(be.store.get(&be.kbuf)?.is_some())

@@ -398,3 +398,80 @@ fn late_records_within_the_allowed_lateness_fire_their_window_again() {
         ]
     );
 }
+
+/// Map state in a keyed process function (Flink's `MapState`): per key, how often each value
+/// came, with entries removed at a count of 3 and the whole map cleared by value 0; every
+/// record emits the key's map as it then is. A 2-shard job and the test driver give what a
+/// sequential reading gives.
+struct ValueCounts;
+
+impl KeyedProcessFunction<u32, (u32, u64), (u32, Vec<(u64, u32)>)> for ValueCounts {
+    fn process_element(
+        &self,
+        rec: (u32, u64),
+        ctx: &mut KeyedContext<'_, u32, (u32, Vec<(u64, u32)>)>,
+    ) {
+        if rec.1 == 0 {
+            ctx.clear_map("counts");
+        } else {
+            let n = ctx.map_get::<u64, u32>("counts", &rec.1).unwrap_or(0) + 1;
+            if n == 3 {
+                ctx.map_remove("counts", &rec.1);
+            } else {
+                ctx.map_put("counts", &rec.1, &n);
+            }
+        }
+        let entries = ctx.map_entries::<u64, u32>("counts");
+        ctx.emit((rec.0, entries));
+    }
+}
+
+#[test]
+fn map_state_in_a_process_function_matches_a_sequential_reading() {
+    let recs: Vec<(u32, u64)> = (0..20_000u64)
+        .map(|i| {
+            let r = weir_runtime::source::splitmix64(5, i);
+            ((r % 17) as u32, (r >> 20) % 9)
+        })
+        .collect();
+    let mut maps: HashMap<u32, BTreeMap<u64, u32>> = HashMap::new();
+    let mut want: Vec<(u32, Vec<(u64, u32)>)> = Vec::new();
+    for &(k, v) in &recs {
+        let m = maps.entry(k).or_default();
+        if v == 0 {
+            m.clear();
+        } else {
+            let n = m.get(&v).copied().unwrap_or(0) + 1;
+            if n == 3 {
+                m.remove(&v);
+            } else {
+                m.insert(v, n);
+            }
+        }
+        want.push((k, m.iter().map(|(a, b)| (*a, *b)).collect()));
+    }
+    // Per key in input order (shards interleave keys, never one key's records).
+    let per_key = |v: &[(u32, Vec<(u64, u32)>)]| {
+        let mut by: BTreeMap<u32, Vec<Vec<(u64, u32)>>> = BTreeMap::new();
+        for (k, m) in v {
+            by.entry(*k).or_default().push(m.clone());
+        }
+        by
+    };
+    let job = Job::new(config(2));
+    let out = job
+        .from_vec(recs.clone())
+        .key_by(|r: &(u32, u64)| r.0)
+        .process(ValueCounts)
+        .uid("counts")
+        .collect();
+    job.run().expect("job");
+    assert_eq!(per_key(&out.take()), per_key(&want));
+
+    let mut d = TestDriver::new(|s| s.key_by(|r: &(u32, u64)| r.0).process(ValueCounts).stream())
+        .expect("driver");
+    for r in &recs {
+        d.push(*r);
+    }
+    assert_eq!(d.finish().expect("finish"), want);
+}
