@@ -1179,6 +1179,32 @@ fn sigterm_stops_with_a_savepoint_that_continues_exactly() {
     sigterm_savepoint_then_restore_onto(2);
 }
 
+/// Stops the running `weir` `child` with SIGTERM once `job_dir` holds a complete checkpoint
+/// (so that the savepoint is past the start): its output, which must be a success, and the
+/// savepoint it names.
+fn stopped_after_a_checkpoint(child: std::process::Child, job_dir: &Path) -> (Output, String) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !has_complete_checkpoint(job_dir) {
+        assert!(std::time::Instant::now() < deadline, "no checkpoint");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let k = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(k.success());
+    let o = child.wait_with_output().expect("wait");
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    let sp = err
+        .split("stopped with savepoint ")
+        .nth(1)
+        .and_then(|r| r.split(';').next())
+        .unwrap_or_else(|| panic!("stopped mid-way, with a savepoint named: {err}"))
+        .to_string();
+    (o, sp)
+}
+
 /// `demo` stopped by SIGTERM with a savepoint, then restored from it: together the two runs
 /// generate every bid once and emit the windows an uninterrupted run does. The stopped run's
 /// generator went on past the savepoint's barrier and fired windows that the restored run
@@ -1208,27 +1234,8 @@ fn demo_stopped_with_a_savepoint_and_restored_emits_each_window_once() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("spawn");
-    let job_dir = ck.join("demo");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while !has_complete_checkpoint(&job_dir) {
-        assert!(std::time::Instant::now() < deadline, "no checkpoint");
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    let k = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .expect("kill");
-    assert!(k.success());
-    let o = child.wait_with_output().expect("wait");
-    let err = stderr(&o);
-    assert!(o.status.success(), "{err}");
+    let (o, sp) = stopped_after_a_checkpoint(child, &ck.join("demo"));
     let first = stdout(&o);
-    let sp = err
-        .split("stopped with savepoint ")
-        .nth(1)
-        .and_then(|r| r.split(';').next())
-        .unwrap_or_else(|| panic!("stopped mid-way, with a savepoint: {err}"))
-        .to_string();
     let ck2 = dir.path().join("ck2");
     let mut args = base.to_vec();
     args.extend([
@@ -1289,28 +1296,7 @@ fn sigterm_savepoint_then_restore_onto(shards: usize) {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("spawn");
-    // Once a checkpoint completed, so that the savepoint is past the start.
-    let job_dir = ck.join("keyed-sum");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while !has_complete_checkpoint(&job_dir) {
-        assert!(std::time::Instant::now() < deadline, "no checkpoint");
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    let pid = child.id().to_string();
-    let k = Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .expect("kill");
-    assert!(k.success());
-    let o = child.wait_with_output().expect("wait");
-    let err = stderr(&o);
-    assert!(o.status.success(), "{err}");
-    let sp = err
-        .split("stopped with savepoint ")
-        .nth(1)
-        .and_then(|r| r.split(';').next())
-        .unwrap_or_else(|| panic!("no savepoint named: {err}"))
-        .to_string();
+    let (_, sp) = stopped_after_a_checkpoint(child, &ck.join("keyed-sum"));
     assert!(
         sp.starts_with(ck.join("savepoints").to_str().expect("utf8")),
         "{sp}"
