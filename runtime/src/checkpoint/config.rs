@@ -428,7 +428,12 @@ impl ConfigError {
         let named = msg.starts_with("unknown field") || msg.starts_with("missing field");
         let at_span = || e.span().and_then(|s| key_at(text, s.start));
         let key = if named {
-            quoted.or_else(at_span)
+            // Named without its table: `[restart]` with no `strategy` said `strategy`.
+            let table = e.span().and_then(|s| table_at(text, s.start));
+            match (quoted, table) {
+                (Some(q), Some(t)) => Some(format!("{t}.{q}")),
+                (q, _) => q.or_else(at_span),
+            }
         } else {
             at_span().or(quoted)
         }
@@ -439,6 +444,19 @@ impl ConfigError {
             line: e.span().map(|s| line_of(text, s.start)),
         }
     }
+}
+
+/// The table that the line of `pos` in TOML `text` is in, or heads (`[restart]`); `None` at
+/// the top level.
+fn table_at(text: &str, pos: usize) -> Option<String> {
+    let end = text.get(pos..)?.find('\n').map_or(text.len(), |i| pos + i);
+    text[..end]
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with('[') && l.ends_with(']'))
+        .map(|l| l.trim_matches(|c| c == '[' || c == ']').trim().to_string())
+        .filter(|t| !t.is_empty())
 }
 
 /// The key set on the line of `pos` in TOML `text` (`key = value`), with the table it is in
@@ -841,6 +859,15 @@ mod tests {
         }
         let e = load("strategy = \"sometimes\"").expect_err("unknown");
         assert_eq!((e.key.as_str(), e.line), ("restart.strategy", Some(3)));
+        // Keys a table lacks or does not know are named with their table.
+        let e = CheckpointConfig::from_toml("dir = \"/d\"\n[restart]\nattempts = 3\n")
+            .expect_err("no strategy");
+        assert_eq!((e.key.as_str(), e.line), ("restart.strategy", Some(2)));
+        let e = CheckpointConfig::from_toml(
+            "dir = \"/d\"\n[restart]\nstrategy = \"none\"\nattempt = 3\n",
+        )
+        .expect_err("unknown key");
+        assert_eq!(e.key, "restart.attempt");
     }
 
     /// Durations too long to add to an `Instant` and multipliers that are no finite number
