@@ -73,8 +73,8 @@ pub enum WindowAssigner {
 }
 
 impl WindowAssigner {
-    /// Windows of `size_ms` (more than 0: a job with another size does not start, as in
-    /// Flink, where it was made 1 ms without a word).
+    /// Windows of `size_ms`, more than 0: as in Flink, a job with another size does not
+    /// start (it was made 1 ms without a word).
     pub fn tumbling(size_ms: i64) -> Self {
         WindowAssigner::Tumbling {
             size_ms,
