@@ -692,6 +692,21 @@ impl ShardState {
         StateId(self.inner.borrow_mut().be.state_id(name))
     }
 
+    /// Processing time for state TTL (milliseconds since the epoch): entries of states with
+    /// a TTL expire relative to it, and compactions started from now on drop the expired.
+    pub(crate) fn set_now_ms(&self, now_ms: i64) {
+        self.inner
+            .borrow_mut()
+            .be
+            .set_now_ms(u64::try_from(now_ms).unwrap_or(0));
+    }
+
+    /// Entries of state `id` expire `ttl_ms` after their last write (Flink's `StateTtlConfig`
+    /// with `OnCreateAndWrite` and `NeverReturnExpired`).
+    pub(crate) fn set_ttl(&self, id: &StateId, ttl_ms: u64) {
+        self.inner.borrow_mut().be.set_ttl(id.0, Some(ttl_ms));
+    }
+
     /// See [`weir_state::KeyedBackend::prefetch_value`].
     #[inline]
     pub(crate) fn prefetch_value(&self, id: &StateId, kg: u16, key: &[u8], ns: &[u8]) -> u64 {
@@ -726,6 +741,23 @@ impl ShardState {
     ) -> Result<(), StateError> {
         self.with(kg, key, ns, |be| {
             weir_state::ValueState::<V>::from_id(id.0).update(be, v)
+        })
+    }
+
+    /// Read-modify-write of a value state with one lookup: `f` gets the current value and
+    /// returns the new one, which is stored and returned.
+    pub(crate) fn value_update<V: Data>(
+        &self,
+        id: &StateId,
+        at: (u16, &[u8], &[u8]),
+        f: impl FnOnce(Option<V>) -> V,
+    ) -> Result<V, StateError> {
+        let (kg, key, ns) = at;
+        self.with(kg, key, ns, |be| {
+            let state = weir_state::ValueState::<V>::from_id(id.0);
+            let next = f(state.value(be)?);
+            state.update(be, &next)?;
+            Ok(next)
         })
     }
 

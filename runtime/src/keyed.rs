@@ -72,12 +72,9 @@ impl<T: Data, K: Key> KeyedStream<T, K> {
         let f = Arc::new(f);
         self.process(FnProcess::new(
             move |rec: T, ctx: &mut KeyedContext<'_, K, T>| {
-                let next = match ctx.value::<T>("reduce") {
-                    Some(acc) => f(acc, rec),
-                    None => rec,
-                };
-                ctx.set_value("reduce", &next);
-                ctx.emit(next);
+                if let Some(next) = ctx.reducing_add("reduce", rec, |a, b| f(a, b)) {
+                    ctx.emit(next);
+                }
             },
         ))
         .with_kind("reduce")
@@ -89,10 +86,9 @@ impl<T: Data, K: Key> KeyedStream<T, K> {
         let agg = Arc::new(agg);
         self.process(FnProcess::new(
             move |rec: T, ctx: &mut KeyedContext<'_, K, O>| {
-                let acc = ctx.value::<A>("aggregate").unwrap_or_else(|| agg.create());
-                let acc = agg.add(acc, rec);
-                ctx.set_value("aggregate", &acc);
-                ctx.emit(agg.result(&acc));
+                if let Some(out) = ctx.aggregating_add("aggregate", &*agg, rec) {
+                    ctx.emit(out);
+                }
             },
         ))
         .with_kind("aggregate")
@@ -105,6 +101,8 @@ impl<T: Data, K: Key> KeyedStream<T, K> {
         let name = self.up.new_name("process");
         let slot = name.clone();
         let f = Arc::new(f);
+        let ttls = StateTtls::default();
+        let op_ttls = ttls.clone();
         // The exchange is built lazily at shard build time from the config's max parallelism.
         let up = self.up;
         let key = self.key;
@@ -112,7 +110,10 @@ impl<T: Data, K: Key> KeyedStream<T, K> {
         let upf = exchanged.factory.clone();
         let factory: Factory<O> = Arc::new(move |ctx: &mut BuildCtx, down: Out<O>| {
             let name = name_of(&slot);
-            let ops = OpState::new(&name, ctx)?;
+            let mut ops = OpState::new(&name, ctx)?;
+            for (state, ttl_ms) in op_ttls.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+                ops.set_ttl(state, *ttl_ms);
+            }
             let op = KeyedOp {
                 f: f.clone(),
                 key: key.clone(),
@@ -125,12 +126,15 @@ impl<T: Data, K: Key> KeyedStream<T, K> {
             };
             upf(ctx, Box::new(op))
         });
-        ProcessStream(Stream {
-            graph,
-            errors,
-            factory,
-            name,
-        })
+        ProcessStream {
+            stream: Stream {
+                graph,
+                errors,
+                factory,
+                name,
+            },
+            ttls,
+        }
     }
 
     /// Groups records into windows per key (event time).
@@ -151,39 +155,65 @@ impl<T: Data, K: Key> KeyedStream<T, K> {
     }
 }
 
+/// The TTLs a keyed operator's states were given ([`ProcessStream::state_ttl`]), by state
+/// name, in milliseconds; read when the operator is built on each shard.
+type StateTtls = Arc<std::sync::Mutex<Vec<(String, u64)>>>;
+
 /// A stream produced by a keyed operator; derefs to [`Stream`].
-pub struct ProcessStream<O>(pub(crate) Stream<O>);
+pub struct ProcessStream<O> {
+    pub(crate) stream: Stream<O>,
+    ttls: StateTtls,
+}
 
 impl<O: Data> ProcessStream<O> {
     fn with_kind(self, kind: &str) -> Stream<O> {
         // Default names say what the operator is; a user `uid` replaces them.
-        let mut n = self.0.name.lock().unwrap_or_else(|p| p.into_inner());
+        let mut n = self.stream.name.lock().unwrap_or_else(|p| p.into_inner());
         *n = n.replacen("process", kind, 1);
         drop(n);
-        self.0
+        self.stream
+    }
+
+    /// Gives the operator's state `state` a time to live, as Flink's `StateTtlConfig` does
+    /// with its defaults: an entry (a value; each element of a list; each entry of a map)
+    /// expires `ttl` of processing time after it was last written, reads never return it once
+    /// expired, and compaction drops it. The expiry is written with the entry, so it holds
+    /// across checkpoints and restores. A TTL under one millisecond stops the job before start.
+    pub fn state_ttl(self, state: &str, ttl: std::time::Duration) -> ProcessStream<O> {
+        let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
+        if ms == 0 {
+            self.stream.errors.borrow_mut().push(format!(
+                "state `{state}`: a TTL must be at least 1 ms, got {ttl:?}"
+            ));
+        }
+        let mut t = self.ttls.lock().unwrap_or_else(|p| p.into_inner());
+        t.retain(|(n, _)| n != state);
+        t.push((state.to_owned(), ms));
+        drop(t);
+        self
     }
 
     /// Gives the operator a stable uid (see [`Stream::uid`]).
     pub fn uid(self, uid: &str) -> Stream<O> {
-        self.0.uid(uid)
+        self.stream.uid(uid)
     }
 
     /// The stream itself.
     pub fn stream(self) -> Stream<O> {
-        self.0
+        self.stream
     }
 }
 
 impl<O> std::ops::Deref for ProcessStream<O> {
     type Target = Stream<O>;
     fn deref(&self) -> &Stream<O> {
-        &self.0
+        &self.stream
     }
 }
 
 impl<O: Data> From<ProcessStream<O>> for Stream<O> {
     fn from(p: ProcessStream<O>) -> Self {
-        p.0
+        p.stream
     }
 }
 
@@ -363,6 +393,9 @@ impl OpState {
             c.register();
             c.register();
         }
+        // State TTL counts from processing time; until the first tick arrives, from the wall
+        // clock (not 0, against which a TTL'd write would already be expired once time ran).
+        state.set_now_ms(crate::shard::now_ms());
         Ok(Self {
             name: name.to_string(),
             shard: ctx.shard,
@@ -383,6 +416,19 @@ impl OpState {
     pub fn snapshot(&mut self, id: u64, timers: Vec<u8>) {
         self.state.snapshot(id, timers);
         crate::time::report_watermark(self.checkpoint.as_ref(), id, &self.name, self.watermark);
+    }
+
+    /// Processing time advanced to `now_ms`: timers compare against it, and so do the
+    /// expiries of states with a TTL.
+    pub fn set_processing_time(&mut self, now_ms: i64) {
+        self.now_ms = now_ms;
+        self.state.set_now_ms(now_ms);
+    }
+
+    /// State `name` of this operator expires `ttl_ms` after each write.
+    pub fn set_ttl(&mut self, name: &str, ttl_ms: u64) {
+        let id = self.state.state_id(&format!("{}/{}", self.name, name));
+        self.state.set_ttl(&id, ttl_ms);
     }
 
     /// A watermark from upstream. Watermarks only advance: after a restore the operator's
@@ -604,6 +650,52 @@ impl<K: Clone, O: 'static> KeyedContext<'_, K, O> {
         });
     }
 
+    /// Adds `v` to the current key's reducing state `name` (Flink's `ReducingState::add`):
+    /// the state becomes `reduce(old, v)`, or `v` when it is empty. Returns the new value
+    /// (`None` only when the state could not be read or written: the job then fails). Read it
+    /// with [`Self::value`], clear it with [`Self::clear_value`].
+    pub fn reducing_add<V: Data>(
+        &mut self,
+        name: &'static str,
+        v: V,
+        reduce: impl FnOnce(V, V) -> V,
+    ) -> Option<V> {
+        self.access(name, "reducing into", |s, id, kg, k, ns| {
+            s.value_update(id, (kg, k, ns), |old: Option<V>| match old {
+                Some(old) => reduce(old, v),
+                None => v,
+            })
+        })
+    }
+
+    /// Adds `v` to the current key's aggregating state `name` (Flink's
+    /// `AggregatingState::add`): `agg.add` into its accumulator, created by `agg.create` when
+    /// the state is empty. Returns `agg.result` of the new accumulator (`None` only when the
+    /// state could not be read or written: the job then fails).
+    pub fn aggregating_add<I, A: Data, R>(
+        &mut self,
+        name: &'static str,
+        agg: &impl AggregateFunction<I, A, R>,
+        v: I,
+    ) -> Option<R> {
+        self.access(name, "aggregating into", |s, id, kg, k, ns| {
+            s.value_update(id, (kg, k, ns), |acc: Option<A>| {
+                agg.add(acc.unwrap_or_else(|| agg.create()), v)
+            })
+        })
+        .map(|acc| agg.result(&acc))
+    }
+
+    /// `agg.result` of the current key's aggregating state `name` (Flink's
+    /// `AggregatingState::get`); `None` when it is empty. Clear it with [`Self::clear_value`].
+    pub fn aggregating_get<I, A: Data, R>(
+        &mut self,
+        name: &'static str,
+        agg: &impl AggregateFunction<I, A, R>,
+    ) -> Option<R> {
+        self.value::<A>(name).map(|acc| agg.result(&acc))
+    }
+
     /// Registers a timer for the current key at `ts` on `domain`'s clock. Registering the same
     /// time twice for a key keeps one timer.
     pub fn register_timer(&mut self, domain: TimeDomain, ts: i64) {
@@ -781,7 +873,7 @@ where
 
     fn processing_time(&mut self, now_ms: i64) {
         if now_ms != self.ops.now_ms {
-            self.ops.now_ms = now_ms;
+            self.ops.set_processing_time(now_ms);
             if !self.timers.processing.is_empty() {
                 let f = &self.f;
                 let n = fire_timers(

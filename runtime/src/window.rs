@@ -681,7 +681,7 @@ where
     }
 
     fn processing_time(&mut self, now_ms: i64) {
-        self.ops.now_ms = now_ms;
+        self.ops.set_processing_time(now_ms);
         self.down.processing_time(now_ms);
     }
 }

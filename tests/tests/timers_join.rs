@@ -475,3 +475,197 @@ fn map_state_in_a_process_function_matches_a_sequential_reading() {
     }
     assert_eq!(d.finish().expect("finish"), want);
 }
+
+/// The mean of the values added (Flink's `AggregatingState` with an `AggregateFunction`).
+struct Mean;
+
+impl weir_runtime::AggregateFunction<u64, (u64, u64), f64> for Mean {
+    fn create(&self) -> (u64, u64) {
+        (0, 0)
+    }
+    fn add(&self, acc: (u64, u64), v: u64) -> (u64, u64) {
+        (acc.0 + v, acc.1 + 1)
+    }
+    fn result(&self, acc: &(u64, u64)) -> f64 {
+        acc.0 as f64 / acc.1 as f64
+    }
+    fn merge(&self, a: (u64, u64), b: (u64, u64)) -> (u64, u64) {
+        (a.0 + b.0, a.1 + b.1)
+    }
+}
+
+/// Reducing and aggregating state in a keyed process function: per key, the largest value
+/// (reducing) and the mean (aggregating) since the last 0, which clears both. Every record
+/// emits (key, largest, mean, mean read back with `aggregating_get`).
+struct MaxAndMean;
+
+type MaxMean = (u32, u64, f64, f64);
+
+impl KeyedProcessFunction<u32, (u32, u64), MaxMean> for MaxAndMean {
+    fn process_element(&self, rec: (u32, u64), ctx: &mut KeyedContext<'_, u32, MaxMean>) {
+        if rec.1 == 0 {
+            ctx.clear_value("max");
+            ctx.clear_value("mean");
+            return;
+        }
+        let max = ctx.reducing_add("max", rec.1, u64::max).expect("max");
+        let mean = ctx.aggregating_add("mean", &Mean, rec.1).expect("mean");
+        let read = ctx.aggregating_get("mean", &Mean).expect("read back");
+        ctx.emit((rec.0, max, mean, read));
+    }
+}
+
+#[test]
+fn reducing_and_aggregating_state_match_a_sequential_reading() {
+    let recs: Vec<(u32, u64)> = (0..20_000u64)
+        .map(|i| {
+            let r = weir_runtime::source::splitmix64(11, i);
+            ((r % 13) as u32, (r >> 20) % 50)
+        })
+        .collect();
+    let mut by_key: HashMap<u32, Vec<u64>> = HashMap::new();
+    let mut want: Vec<MaxMean> = Vec::new();
+    for &(k, v) in &recs {
+        let seen = by_key.entry(k).or_default();
+        if v == 0 {
+            seen.clear();
+            continue;
+        }
+        seen.push(v);
+        let max = *seen.iter().max().expect("a value");
+        let mean = seen.iter().sum::<u64>() as f64 / seen.len() as f64;
+        want.push((k, max, mean, mean));
+    }
+    let per_key = |v: &[MaxMean]| {
+        let mut by: BTreeMap<u32, Vec<(u64, u64, u64)>> = BTreeMap::new();
+        for &(k, max, mean, read) in v {
+            by.entry(k)
+                .or_default()
+                .push((max, mean.to_bits(), read.to_bits()));
+        }
+        by
+    };
+    let job = Job::new(config(2));
+    let out = job
+        .from_vec(recs.clone())
+        .key_by(|r: &(u32, u64)| r.0)
+        .process(MaxAndMean)
+        .uid("max-mean")
+        .collect();
+    job.run().expect("job");
+    assert_eq!(per_key(&out.take()), per_key(&want));
+
+    let mut d = TestDriver::new(|s| s.key_by(|r: &(u32, u64)| r.0).process(MaxAndMean).stream())
+        .expect("driver");
+    for r in &recs {
+        d.push(*r);
+    }
+    assert_eq!(d.finish().expect("finish"), want);
+}
+
+/// Per key: on (key, 1) writes a value, appends to a list and puts a map entry, all of states
+/// with a TTL, and a value of a state without one; on (key, 0) emits what it reads of each.
+struct TtlProbe;
+
+/// (key, value, list, map entries, value without TTL)
+type Probe = (u32, Option<u64>, Vec<u64>, Vec<(u32, u64)>, Option<u64>);
+
+impl KeyedProcessFunction<u32, (u32, u64), Probe> for TtlProbe {
+    fn process_element(&self, rec: (u32, u64), ctx: &mut KeyedContext<'_, u32, Probe>) {
+        if rec.1 == 0 {
+            let out = (
+                rec.0,
+                ctx.value::<u64>("v"),
+                ctx.list::<u64>("l"),
+                ctx.map_entries::<u32, u64>("m"),
+                ctx.value::<u64>("kept"),
+            );
+            ctx.emit(out);
+            return;
+        }
+        let now = ctx.current_processing_time() as u64;
+        ctx.set_value("v", &now);
+        ctx.append("l", &now);
+        ctx.map_put("m", &(now as u32), &now);
+        ctx.set_value("kept", &now);
+    }
+}
+
+fn ttl_driver() -> TestDriver<(u32, u64), Probe> {
+    TestDriver::new(|s| {
+        s.key_by(|r: &(u32, u64)| r.0)
+            .process(TtlProbe)
+            .state_ttl("v", std::time::Duration::from_millis(100))
+            .state_ttl("l", std::time::Duration::from_millis(100))
+            .state_ttl("m", std::time::Duration::from_millis(100))
+            .stream()
+    })
+    .expect("driver")
+}
+
+#[test]
+fn state_ttl_expires_entries_in_processing_time() {
+    let mut d = ttl_driver();
+    let step = |d: &mut TestDriver<(u32, u64), Probe>, now: i64, rec: (u32, u64)| {
+        d.set_processing_time(now);
+        d.push(rec);
+        d.drain().expect("run")
+    };
+    assert!(step(&mut d, 1_000, (7, 1)).is_empty());
+    // 99 ms after the write: everything is there.
+    assert_eq!(
+        step(&mut d, 1_099, (7, 0)),
+        vec![(
+            7,
+            Some(1_000),
+            vec![1_000],
+            vec![(1_000, 1_000)],
+            Some(1_000)
+        )]
+    );
+    // A second write refreshes the value and the map entry it overwrites, and adds a list
+    // element and a map entry of its own, each with its own expiry.
+    assert!(step(&mut d, 1_050, (7, 1)).is_empty());
+    assert_eq!(
+        step(&mut d, 1_100, (7, 0)),
+        vec![(
+            7,
+            Some(1_050),
+            vec![1_050],
+            vec![(1_050, 1_050)],
+            Some(1_050)
+        )]
+    );
+    // 100 ms after the last write: the TTL'd states are gone, the state without TTL stays.
+    assert_eq!(
+        step(&mut d, 1_150, (7, 0)),
+        vec![(7, None, vec![], vec![], Some(1_050))]
+    );
+    // Another key is untouched by the first's expiry, and expires on its own clock.
+    assert!(step(&mut d, 1_200, (8, 1)).is_empty());
+    assert_eq!(
+        step(&mut d, 1_250, (8, 0)),
+        vec![(
+            8,
+            Some(1_200),
+            vec![1_200],
+            vec![(1_200, 1_200)],
+            Some(1_200)
+        )]
+    );
+}
+
+#[test]
+fn a_state_ttl_under_a_millisecond_is_refused() {
+    let r = TestDriver::<(u32, u64), Probe>::new(|s| {
+        s.key_by(|r: &(u32, u64)| r.0)
+            .process(TtlProbe)
+            .state_ttl("v", std::time::Duration::from_micros(500))
+            .stream()
+    });
+    let e = r.err().expect("refused").to_string();
+    assert!(
+        e.contains("state `v`") && e.contains("at least 1 ms"),
+        "{e}"
+    );
+}
