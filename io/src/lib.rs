@@ -24,10 +24,10 @@ pub use checkpoint::{
     checkpoint_dir_name, is_valid_name, parse_checkpoint_dir_name, savepoint_dir_name,
     CheckpointError, CheckpointInfo, CheckpointKind, CheckpointMetadata, CheckpointPin,
     CheckpointStorage, CheckpointWriter, CommitInfo, CompletedCheckpoint, FileRef, GcReport,
-    LogicalFileRef, PendingCheckpoint, RawDiagnose, Savepoint, SmallFileKind, StorageOptions,
-    VerifyError, VerifyReport, WriterStats, COMPLETED_FILE, DATA_HEADER_LEN, DATA_MAGIC,
-    DATA_VERSION, METADATA_FILE, METADATA_HEADER_LEN, METADATA_MAGIC, METADATA_TRAILER_LEN,
-    METADATA_VERSION, SHARED_DIR, TASKOWNED_DIR, VALID_NAME,
+    LogicalFileRef, PendingCheckpoint, RawDiagnose, RunOrigin, Savepoint, SmallFileKind,
+    StorageOptions, VerifyError, VerifyReport, WriterStats, COMPLETED_FILE, DATA_HEADER_LEN,
+    DATA_MAGIC, DATA_VERSION, METADATA_FILE, METADATA_HEADER_LEN, METADATA_MAGIC,
+    METADATA_TRAILER_LEN, METADATA_VERSION, RUN_ORIGIN_FILE, SHARED_DIR, TASKOWNED_DIR, VALID_NAME,
 };
 pub use error::{FormatError, IoError};
 pub use faulty::{Fault, FaultConfig, FaultyFs};

@@ -1925,3 +1925,79 @@ fn raw_uploads_fall_back_to_copies_without_links() {
     assert_eq!(st.read_file(&framed).unwrap(), content);
     assert_eq!(st.verify(2).unwrap().files, 2);
 }
+
+/// `RUN_ORIGIN` round-trips both kinds of origin, survives a reopen, and any damage to it
+/// (each byte flipped, cut short, extended, fields spelt otherwise) is an error naming the
+/// file, never another origin.
+#[test]
+fn the_run_origin_round_trips_and_any_damage_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("ck");
+    let st = open(Arc::new(StdFs), &root);
+    assert_eq!(st.run_origin().unwrap(), None, "no run recorded yet");
+    let from_savepoint = weir_io::RunOrigin {
+        first_id: 42,
+        restored: Some((17, tmp.path().join("sp dir/savepoint-17"))),
+    };
+    let from_nothing = weir_io::RunOrigin {
+        first_id: 1,
+        restored: None,
+    };
+    for o in [&from_nothing, &from_savepoint] {
+        st.record_run_origin(o).unwrap();
+        assert_eq!(st.run_origin().unwrap().as_ref(), Some(o));
+        let reader = CheckpointStorage::open_read_only_with(Arc::new(StdFs), &root, "job", OPTS);
+        assert_eq!(reader.unwrap().run_origin().unwrap().as_ref(), Some(o));
+    }
+    let relative = weir_io::RunOrigin {
+        first_id: 2,
+        restored: Some((1, PathBuf::from("relative/chk-1"))),
+    };
+    assert!(matches!(
+        st.record_run_origin(&relative),
+        Err(CheckpointError::InvalidArgument { .. })
+    ));
+    let file = root.join("job").join(weir_io::RUN_ORIGIN_FILE);
+    let good = std::fs::read(&file).unwrap();
+    let damaged = |bytes: &[u8]| {
+        std::fs::write(&file, bytes).unwrap();
+        match st.run_origin() {
+            Err(CheckpointError::Format(f)) => assert_eq!(f.file(), file, "{bytes:?}"),
+            other => panic!("{:?}: {other:?}", String::from_utf8_lossy(bytes)),
+        }
+    };
+    for i in 0..good.len() {
+        for bit in [0, 3, 7] {
+            let mut b = good.clone();
+            b[i] ^= 1 << bit;
+            damaged(&b);
+        }
+    }
+    for cut in 0..good.len() {
+        damaged(&good[..cut]);
+    }
+    let mut longer = good.clone();
+    longer.push(b'x');
+    damaged(&longer);
+    damaged(&vec![b'1'; 9000]);
+    // Fields spelt otherwise, each under its own valid CRC.
+    let with_crc = |head: &str, path: &[u8]| {
+        let crc = weir_io::crc32(&[head.as_bytes(), b"\n", path]);
+        let mut b = format!("{head} {crc:08x}\n").into_bytes();
+        b.extend_from_slice(path);
+        b
+    };
+    for (head, path) in [
+        ("042 17", &b"/sp"[..]),
+        ("42 +17", b"/sp"),
+        ("42 17", b"sp"),
+        ("42 17", b""),
+        ("42 -", b"/sp"),
+        ("x 17", b"/sp"),
+        ("42 17 9", b"/sp"),
+    ] {
+        damaged(&with_crc(head, path));
+    }
+    std::fs::write(&file, &good).unwrap();
+    assert_eq!(st.run_origin().unwrap().as_ref(), Some(&from_savepoint));
+}

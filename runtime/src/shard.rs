@@ -432,12 +432,28 @@ pub(crate) fn start(config: JobConfig, graph: Graph) -> Result<JobHandle, StartE
         }
         None => None,
     };
-    let restore = initial_restore(&config, store.as_deref())?;
+    let (restore, restored_from) = initial_restore(&config, store.as_deref())?;
     // Without checkpointing no id is ever taken, so none can run out.
     let first_id = match &store {
         Some(s) => first_checkpoint_id(s, restore.as_deref())?,
         None => 1,
     };
+    if let Some(s) = &store {
+        // Before any checkpoint of this run: a later `latest` continues this run, from its
+        // checkpoints or else from where it started, as its own failovers do.
+        let origin = weir_io::RunOrigin {
+            first_id,
+            restored: restore
+                .as_ref()
+                .zip(restored_from)
+                .map(|(r, p)| (r.checkpoint_id, p)),
+        };
+        s.storage
+            .record_run_origin(&origin)
+            .map_err(|e| StartError::Checkpoint {
+                reason: format!("{}: {e}", s.storage.job_dir().display()),
+            })?;
+    }
     let ctl = Arc::new(Control {
         cancel: AtomicBool::new(false),
         finished: AtomicBool::new(false),
@@ -487,33 +503,106 @@ pub(crate) fn start(config: JobConfig, graph: Graph) -> Result<JobHandle, StartE
     })
 }
 
-/// The restore state the job starts from, as its configuration asks.
+/// The restore state the job starts from, as its configuration asks, and the absolute path
+/// of the checkpoint or savepoint it is read from.
 fn initial_restore(
     config: &JobConfig,
     store: Option<&IoCheckpointStore>,
-) -> Result<Option<Arc<RestoreState>>, StartError> {
+) -> Result<(Option<Arc<RestoreState>>, Option<PathBuf>), StartError> {
     let err = |reason: String| StartError::Restore { reason };
     match &config.restore {
-        None => Ok(None),
+        None => Ok((None, None)),
         Some(RestoreFrom::Latest) => {
             let Some(store) = store else {
                 return Err(err("`latest` needs a checkpoint directory".into()));
             };
-            match latest_restore(config, store, 0)? {
-                Some(r) => {
-                    eprintln!("weir: restoring from checkpoint {}", r.checkpoint_id);
-                    Ok(Some(r))
+            let job_dir = store.storage.job_dir();
+            // Where the directory's newest run started: `latest` continues that run, from a
+            // checkpoint it took, or else from what it restored. Without the record (a
+            // directory of an older version), from any checkpoint.
+            let origin = store.storage.run_origin().map_err(|e| {
+                err(format!(
+                    "{e}: the record of where the last run started does not decode, so which \
+                     checkpoint continues it is unknown; restore one by its path"
+                ))
+            })?;
+            let min_id = origin.as_ref().map_or(0, |o| o.first_id);
+            if let Some(r) = latest_restore(config, store, min_id)? {
+                eprintln!("weir: restoring from checkpoint {}", r.checkpoint_id);
+                let path = job_dir.join(weir_io::checkpoint_dir_name(r.checkpoint_id));
+                return Ok((Some(r), Some(path)));
+            }
+            let restored = origin.and_then(|o| o.restored);
+            if min_id > 0 {
+                // `latest_restore` passed over a damaged record, as a failover does; a run
+                // continued in another process may not have been the last to commit.
+                if let Err(e) = store.storage.completed_record() {
+                    let then = match restored {
+                        Some(_) => "going back to what the last run restored",
+                        None => "starting from the beginning",
+                    };
+                    damaged_record(config, store, &e, then)?;
+                }
+            }
+            match restored {
+                Some((id, path)) => {
+                    eprintln!(
+                        "weir: no checkpoint in {} since the last run started; restoring from {}, \
+                         which it restored",
+                        job_dir.display(),
+                        path.display()
+                    );
+                    let r = restore_from_path(config, &path).and_then(|r| {
+                        if r.checkpoint_id == id {
+                            return Ok(r);
+                        }
+                        Err(err(format!(
+                            "{}: holds checkpoint {}, but the last run restored checkpoint {id} \
+                             from there",
+                            path.display(),
+                            r.checkpoint_id
+                        )))
+                    });
+                    let r = r.map_err(|e| match e {
+                        StartError::Restore { reason } => reason,
+                        e => e.to_string(),
+                    });
+                    match r {
+                        Ok(r) => Ok((Some(r), Some(path))),
+                        Err(e) if config.allow_fallback => {
+                            eprintln!("weir: {e}; starting from the beginning (fallback allowed)");
+                            Ok((None, None))
+                        }
+                        Err(e) => Err(err(format!(
+                            "{e}. The last run started from it and took no checkpoint since; \
+                             starting from the beginning could duplicate output that a sink \
+                             committed. Restore stops here; restore a checkpoint by its path, \
+                             or allow starting over with --allow-fallback \
+                             (JobConfig::with_allow_fallback)"
+                        ))),
+                    }
+                }
+                None if min_id > 0 => {
+                    eprintln!(
+                        "weir: no checkpoint in {} since the last run started from the \
+                         beginning; starting from the beginning",
+                        job_dir.display()
+                    );
+                    Ok((None, None))
                 }
                 None => {
                     eprintln!(
                         "weir: no complete checkpoint in {}; starting from the beginning",
-                        store.storage.job_dir().display()
+                        job_dir.display()
                     );
-                    Ok(None)
+                    Ok((None, None))
                 }
             }
         }
-        Some(RestoreFrom::Path(p)) => restore_from_path(config, p).map(Some),
+        Some(RestoreFrom::Path(p)) => {
+            let r = restore_from_path(config, p)?;
+            Ok((Some(r), Some(weir_io::resolved_path(p))))
+        }
     }
 }
 
@@ -629,22 +718,37 @@ fn latest_restore(
     // since, and its sinks may have committed. Starting from the beginning could commit
     // that output twice. (A failover, `min_id` > 0, goes back to where its run started.)
     if let (Err(e), 0) = (&record, min_id) {
-        let why = format!(
-            "{e}: the record of the newest completed checkpoint does not decode, and no \
-             checkpoint in {} has a {}: one completed and its metadata was removed since",
-            store.storage.job_dir().display(),
-            weir_io::METADATA_FILE
-        );
-        if !config.allow_fallback {
-            return Err(err(format!(
-                "{why}; starting from the beginning could duplicate output that a sink \
-                 committed for it. Restore stops here; allow starting over with \
-                 --allow-fallback (JobConfig::with_allow_fallback)"
-            )));
-        }
-        eprintln!("weir: {why}; starting from the beginning (fallback allowed)");
+        damaged_record(config, store, e, "starting from the beginning")?;
     }
     Ok(None)
+}
+
+/// A `COMPLETED` record that does not decode while no checkpoint it could name has a
+/// `_metadata`: one completed and its metadata was removed since, and its sinks may have
+/// committed. Going back (`then`: to the beginning, or to what the run restored) could commit
+/// that output twice, so the restore stops unless the fallback is allowed.
+fn damaged_record(
+    config: &JobConfig,
+    store: &IoCheckpointStore,
+    e: &weir_io::CheckpointError,
+    then: &str,
+) -> Result<(), StartError> {
+    let why = format!(
+        "{e}: the record of the newest completed checkpoint does not decode, and no \
+         checkpoint in {} has a {}: one completed and its metadata was removed since",
+        store.storage.job_dir().display(),
+        weir_io::METADATA_FILE
+    );
+    if !config.allow_fallback {
+        return Err(StartError::Restore {
+            reason: format!(
+                "{why}; {then} could duplicate output that a sink committed for it. Restore \
+                 stops here; allow it with --allow-fallback (JobConfig::with_allow_fallback)"
+            ),
+        });
+    }
+    eprintln!("weir: {why}; {then} (fallback allowed)");
+    Ok(())
 }
 
 fn restore_from_path(config: &JobConfig, path: &Path) -> Result<Arc<RestoreState>, StartError> {

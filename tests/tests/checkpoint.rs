@@ -1841,6 +1841,98 @@ fn stop_with_savepoint_commits_up_to_the_savepoint_and_ends_the_job() {
     assert_every_sum_once(&parse_sums(committed_lines(&out)), &at, n);
 }
 
+/// A run restored from a savepoint and killed before its first checkpoint is continued by
+/// `latest` from that savepoint, as its own failover would be: the directory holds no
+/// checkpoint, and starting from the beginning committed the records before the savepoint a
+/// second time. The run's `RUN_ORIGIN` says where it started.
+#[test]
+fn latest_after_a_restored_run_without_checkpoints_restores_what_that_run_restored() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (out, sps) = (dir.path().join("out"), dir.path().join("savepoints"));
+    let n = 200_000u64;
+    let Sums { data, at, .. } = Sums::new(n);
+    let run = |ckpt: &str, restore: Option<RestoreFrom>, hold: Option<Hold>, every: Duration| {
+        let mut c = restoring(
+            exactly_once(&dir.path().join(ckpt), 2),
+            restore,
+            hold.is_some(),
+        );
+        c.checkpoint = c.checkpoint.map(|k| k.with_interval(every));
+        let job = Job::new(c);
+        sums_to_files(running_sum_job(&job, &data, hold, "sum"), &out);
+        job.start().expect("start")
+    };
+    let hold = Hold::new(n, n / 10);
+    let h = run("ckpt", None, Some(hold.clone()), Duration::from_millis(20));
+    await_checkpoints(&h, 1);
+    let sp = h.stop_with_savepoint(&sps).expect("stop with savepoint");
+    hold.release();
+    h.wait().expect("a stopped job ends well");
+    let sp_id = weir_io::Savepoint::open(std::sync::Arc::new(weir_io::StdFs), &sp)
+        .expect("savepoint")
+        .metadata()
+        .checkpoint_id;
+
+    // Restored, every record slow, no checkpoint for an hour: cancelled, as a kill would.
+    let slow = Hold::new(n, n);
+    let h = run(
+        "ckpt2",
+        Some(RestoreFrom::Path(sp.clone())),
+        Some(slow.clone()),
+        Duration::from_secs(3600),
+    );
+    std::thread::sleep(Duration::from_millis(100));
+    h.cancel();
+    slow.release();
+    assert!(h.wait().is_err(), "a cancelled job");
+    let job_dir = dir.path().join("ckpt2").join("verify");
+    let origin = weir_io::CheckpointStorage::open_read_only_with(
+        std::sync::Arc::new(weir_io::StdFs),
+        &dir.path().join("ckpt2"),
+        "verify",
+        weir_runtime::checkpoint::storage_options(),
+    )
+    .expect("storage")
+    .run_origin()
+    .expect("record")
+    .expect("the run recorded its origin");
+    assert_eq!(origin.restored, Some((sp_id, weir_io::resolved_path(&sp))));
+    assert!(
+        std::fs::read_dir(&job_dir)
+            .expect("job dir")
+            .flatten()
+            .all(|e| !e.file_name().to_string_lossy().starts_with("chk-")),
+        "no checkpoint was begun"
+    );
+
+    // Without the savepoint the run cannot be continued: the start stops, naming it.
+    let moved = dir.path().join("moved");
+    std::fs::rename(&sp, &moved).expect("move the savepoint away");
+    let c = exactly_once(&dir.path().join("ckpt2"), 2).with_restore(RestoreFrom::Latest);
+    let job = Job::new(c);
+    sums_to_files(running_sum_job(&job, &data, None, "sum"), &out);
+    let e = job
+        .start()
+        .err()
+        .expect("no savepoint to continue from")
+        .to_string();
+    assert!(
+        e.contains(sp.to_str().expect("utf8")) && e.contains("--allow-fallback"),
+        "{e}"
+    );
+    std::fs::rename(&moved, &sp).expect("move it back");
+
+    let h = run(
+        "ckpt2",
+        Some(RestoreFrom::Latest),
+        None,
+        Duration::from_millis(20),
+    );
+    let summary = h.wait().expect("continued");
+    assert_eq!(summary.checkpoints.last_restored_checkpoint_id, Some(sp_id));
+    assert_every_sum_once(&parse_sums(committed_lines(&out)), &at, n);
+}
+
 /// A collecting sink hands over what it holds when its job stops with a savepoint, as when
 /// the job finishes: it kept up to 4095 records a shard back, so the stopped job's
 /// collection and the restored job's together missed records. Together they hold every

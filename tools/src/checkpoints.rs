@@ -293,6 +293,13 @@ pub fn verify(a: &VerifyArgs) -> Result<(), VerifyFailed> {
     for (root, job) in jobs {
         let s = open(&root, &job).map_err(VerifyFailed::Other)?;
         if a.checkpoint.is_none() {
+            // Replaced by a rename only, so a running job never shows it torn.
+            if let Err(e) = s.run_origin() {
+                corrupt.found(VerifyFailed::Corrupt(format!(
+                    "{job}: {e}: the record of where the last run started does not decode, \
+                     so a restore from latest stops (restore a checkpoint by its path)"
+                )))?;
+            }
             if let Some(done) = completed_without_metadata(&s, None) {
                 corrupt.found(completed_metadata_gone(&s, &job, done))?;
             } else if let Some(e) = settled(|| damaged_record_without_metadata(&s)) {

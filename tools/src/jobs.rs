@@ -305,7 +305,8 @@ fn starts_from_the_beginning(input: &InputArgs, default_job_id: &str) -> Result<
         return Ok(ck.restore.is_none());
     };
     let job = ck.job_id.as_deref().unwrap_or(default_job_id);
-    match (ck.restore.as_deref(), earlier_checkpoints(dir, job)) {
+    let resume = ck.restore.as_deref() == Some("latest");
+    match (ck.restore.as_deref(), earlier_checkpoints(dir, job, resume)) {
         (None, Earlier::Run(newest)) => Err(format!(
             "{} holds checkpoints of an earlier run ({newest}): continue it with --restore \
              latest, or start over after removing that directory (or with another --job-id)",
@@ -328,7 +329,10 @@ enum Earlier {
     Unknown,
 }
 
-fn earlier_checkpoints(dir: &Path, job: &str) -> Earlier {
+/// With `resume`, only what `--restore latest` would take (see the runtime's restore): the
+/// checkpoints of the directory's newest run, else what that run restored, as its
+/// `RUN_ORIGIN` records.
+fn earlier_checkpoints(dir: &Path, job: &str, resume: bool) -> Earlier {
     if !dir.join(job).exists() {
         return Earlier::Nothing;
     }
@@ -338,14 +342,29 @@ fn earlier_checkpoints(dir: &Path, job: &str) -> Earlier {
     let Ok(listed) = s.list() else {
         return Earlier::Unknown;
     };
+    let origin = match resume.then(|| s.run_origin()).transpose() {
+        Ok(o) => o.flatten(),
+        Err(_) => return Earlier::Unknown,
+    };
+    let min_id = origin.as_ref().map_or(0, |o| o.first_id);
     let newest = listed
         .into_iter()
-        .filter(|i| i.complete || i.metadata_corrupt)
+        .filter(|i| (i.complete || i.metadata_corrupt) && i.id >= min_id)
         .map(|i| i.id)
         .max();
+    if let (None, Some((_, restored))) = (newest, origin.and_then(|o| o.restored)) {
+        return Earlier::Run(format!(
+            "{}, which the last run restored",
+            restored.display()
+        ));
+    }
     match (newest, s.completed_record()) {
         (Some(id), _) => Earlier::Run(format!("checkpoint {id}")),
         (None, Ok(None)) => Earlier::Nothing,
+        // Records older than the last run, or damaged ones, are what the runtime's failover
+        // passes over too: the run started over from the beginning.
+        (None, Ok(Some(n))) if n < min_id => Earlier::Nothing,
+        (None, Err(_)) if min_id > 0 => Earlier::Nothing,
         (None, _) => Earlier::Run(format!(
             "a record of a completed one in {}",
             weir_io::COMPLETED_FILE

@@ -1176,7 +1176,15 @@ fn newest_complete_id(job_dir: &Path) -> Option<u64> {
 /// restored from the savepoint commits the rest: every running sum exactly once.
 #[test]
 fn sigterm_stops_with_a_savepoint_that_continues_exactly() {
-    sigterm_savepoint_then_restore_onto(2);
+    sigterm_savepoint_then_restore_onto(2, false);
+}
+
+/// The run restored from the savepoint is killed before its first checkpoint; `--restore
+/// latest` then continues from the savepoint that run restored (its `RUN_ORIGIN`), not from
+/// the beginning, which committed the sums before the savepoint twice.
+#[test]
+fn restore_latest_after_a_restored_run_killed_before_a_checkpoint_takes_its_savepoint() {
+    sigterm_savepoint_then_restore_onto(2, true);
 }
 
 /// Stops the running `weir` `child` with SIGTERM once `job_dir` holds a complete checkpoint
@@ -1263,18 +1271,19 @@ fn demo_stopped_with_a_savepoint_and_restored_emits_each_window_once() {
 /// files the restored run commits hold each key's remaining running sums, exactly once.
 #[test]
 fn a_savepoint_taken_mid_run_restores_onto_three_shards_exactly() {
-    sigterm_savepoint_then_restore_onto(3);
+    sigterm_savepoint_then_restore_onto(3, false);
 }
 
 /// A run on 2 shards stopped by SIGTERM with a savepoint, then restored from it onto
-/// `shards` shards.
-fn sigterm_savepoint_then_restore_onto(shards: usize) {
+/// `shards` shards; with `killed_first`, a first restored run is killed before it takes a
+/// checkpoint, and a second one continues with `--restore latest`.
+fn sigterm_savepoint_then_restore_onto(shards: usize, killed_first: bool) {
     let run = CheckpointedRun::new(2_000_000, 997, "2", "50ms");
     let (recs, out) = (&run.recs, &run.out);
     let input = run.dir.path().join("in.csv");
     let ck = run.dir.path().join("ckpt-stop");
     // keyed-sum on `shards` shards into `out`, checkpointing into `dir`, with `extra` flags.
-    let args_with = |shards: usize, dir: &Path, extra: [&str; 2]| -> Vec<String> {
+    let args_with = |shards: usize, dir: &Path, extra: &[&str]| -> Vec<String> {
         let mut a: Vec<String> = keyed_sum_args(&input, "csv", out)
             .into_iter()
             .map(str::to_owned)
@@ -1286,10 +1295,10 @@ fn sigterm_savepoint_then_restore_onto(shards: usize) {
             "--checkpoint-dir".into(),
             dir,
         ]);
-        a.extend(extra.map(str::to_owned));
+        a.extend(extra.iter().map(|s| (*s).to_owned()));
         a
     };
-    let args = args_with(2, &ck, ["--checkpoint-interval", "50ms"]);
+    let args = args_with(2, &ck, &["--checkpoint-interval", "50ms"]);
     let child = Command::new(env!("CARGO_BIN_EXE_weir"))
         .args(&args)
         .stdout(std::process::Stdio::null())
@@ -1317,8 +1326,43 @@ fn sigterm_savepoint_then_restore_onto(shards: usize) {
 
     let stopped = part_files(out);
     let restored = run.dir.path().join("ckpt-restored");
-    let args = args_with(shards, &restored, ["--restore", &sp]);
-    let o = weir(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let o = if killed_first {
+        let args = args_with(
+            shards,
+            &restored,
+            &["--restore", &sp, "--checkpoint-interval", "1h"],
+        );
+        let mut child = Command::new(env!("CARGO_BIN_EXE_weir"))
+            .args(&args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn");
+        // Killed once the run recorded where it started, which it does before it runs.
+        let origin = restored.join("keyed-sum").join(weir_io::RUN_ORIGIN_FILE);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !origin.exists() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no {}",
+                origin.display()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        child.kill().expect("kill");
+        child.wait().expect("wait");
+        assert!(
+            !has_complete_checkpoint(&restored.join("keyed-sum")),
+            "killed before a checkpoint"
+        );
+        let args = args_with(shards, &restored, &["--restore", "latest"]);
+        let o = weir(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(stderr(&o).contains("which it restored"), "{}", stderr(&o));
+        o
+    } else {
+        let args = args_with(shards, &restored, &["--restore", &sp]);
+        weir(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    };
     assert!(o.status.success(), "{}", stderr(&o));
     // What the stopped run committed stays, and the restored run's own files hold the rest.
     let all = part_files(out);

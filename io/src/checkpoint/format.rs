@@ -54,6 +54,10 @@ pub const METADATA_FILE: &str = "_metadata";
 /// have completed: the id in decimal, a space, the CRC-32 of those digits in 8 lowercase hex
 /// digits, `\n`. See `CheckpointStorage::completed_marker`.
 pub const COMPLETED_FILE: &str = "COMPLETED";
+/// Name of the file in a job directory that records where the newest run of the job started:
+/// its first checkpoint id, and the checkpoint or savepoint it restored, if any. See
+/// `CheckpointStorage::run_origin` and docs/checkpoint-format.md.
+pub const RUN_ORIGIN_FILE: &str = "RUN_ORIGIN";
 
 /// Whether a checkpoint is a periodic checkpoint or a self-contained savepoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -26,11 +26,11 @@ pub use format::{
     checkpoint_dir_name, parse_checkpoint_dir_name, CheckpointKind, CheckpointMetadata, FileRef,
     LogicalFileRef, SmallFileKind, COMPLETED_FILE, DATA_HEADER_LEN, DATA_MAGIC, DATA_VERSION,
     METADATA_FILE, METADATA_HEADER_LEN, METADATA_MAGIC, METADATA_TRAILER_LEN, METADATA_VERSION,
-    SHARED_DIR, TASKOWNED_DIR,
+    RUN_ORIGIN_FILE, SHARED_DIR, TASKOWNED_DIR,
 };
 pub use read::{RawDiagnose, Savepoint, VerifyReport};
 pub use storage::{
     is_valid_name, savepoint_dir_name, CheckpointInfo, CheckpointPin, CheckpointStorage,
-    CheckpointWriter, CommitInfo, CompletedCheckpoint, GcReport, PendingCheckpoint, StorageOptions,
-    WriterStats, VALID_NAME,
+    CheckpointWriter, CommitInfo, CompletedCheckpoint, GcReport, PendingCheckpoint, RunOrigin,
+    StorageOptions, WriterStats, VALID_NAME,
 };

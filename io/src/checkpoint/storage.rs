@@ -21,7 +21,7 @@ use crate::checkpoint::format::{
     parse_data_file_name, parse_id, raw_file_name, sanitize_hint, CheckpointKind,
     CheckpointMetadata, DataHeader, FileRef, LogicalFileRef, SmallFileKind, COMPLETED_FILE,
     DATA_BLOCK_KIND, DATA_HEADER_LEN, FILE_KIND_MERGED_SHARED, FILE_KIND_MERGED_TASKOWNED,
-    FILE_KIND_UPLOAD, METADATA_FILE, SHARED_DIR, TASKOWNED_DIR,
+    FILE_KIND_UPLOAD, METADATA_FILE, RUN_ORIGIN_FILE, SHARED_DIR, TASKOWNED_DIR,
 };
 use crate::checkpoint::read::{
     copy_span_to, link_span_to, read_metadata_file, read_span, verify_files, RawDiagnose, Span,
@@ -30,6 +30,7 @@ use crate::checkpoint::read::{
 use crate::error::{FormatError, IoError};
 use crate::frame::{crc32, encode_block, BlockHeader};
 use crate::fs::{create_dir_all_durable, publish_file, DirLock, Fs, FsFile};
+use std::os::unix::ffi::OsStrExt;
 
 /// Tunables of checkpoint storage.
 #[derive(Debug, Clone, Copy)]
@@ -171,6 +172,99 @@ fn write_completed_marker(fs: &dyn Fs, job_dir: &Path, id: u64) -> Result<(), Io
     f.write_at(0, format!("{id} {crc:08x}\n").as_bytes())?;
     drop(f);
     fs.rename(&tmp, &path)
+}
+
+/// Where the newest run of a job directory started ([`CheckpointStorage::run_origin`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunOrigin {
+    /// The run's first checkpoint id: every checkpoint it took has this id or a higher one.
+    pub first_id: u64,
+    /// The checkpoint or savepoint the run restored: its id and absolute path. `None`: the
+    /// run started from the beginning.
+    pub restored: Option<(u64, PathBuf)>,
+}
+
+/// The longest `RUN_ORIGIN` file read: a path is at most 4096 bytes on Linux.
+const RUN_ORIGIN_MAX_BYTES: usize = 8192;
+
+impl RunOrigin {
+    /// `<first id> <restored id or -> <crc>\n<restored path>`, the CRC (CRC-32/IEEE, 8
+    /// lowercase hex digits) over everything but itself and the space before it.
+    fn encode(&self) -> Vec<u8> {
+        let (id, path): (String, &[u8]) = match &self.restored {
+            Some((id, p)) => (id.to_string(), p.as_os_str().as_bytes()),
+            None => ("-".into(), &[]),
+        };
+        let head = format!("{} {id}", self.first_id);
+        let crc = crc32(&[head.as_bytes(), b"\n", path]);
+        let mut out = format!("{head} {crc:08x}\n").into_bytes();
+        out.extend_from_slice(path);
+        out
+    }
+
+    /// The record `bytes` of `file` spell, or why not with the offset.
+    fn decode(file: &Path, bytes: &[u8]) -> Result<RunOrigin, CheckpointError> {
+        let malformed = |offset: usize, reason: &str| {
+            CheckpointError::Format(FormatError::Malformed {
+                file: file.to_path_buf(),
+                offset: offset as u64,
+                reason: reason.to_string(),
+            })
+        };
+        let Some(nl) = bytes.iter().position(|&b| b == b'\n') else {
+            return Err(malformed(
+                0,
+                "no newline after `<first id> <restored id> <crc>`",
+            ));
+        };
+        let Ok(line) = std::str::from_utf8(&bytes[..nl]) else {
+            return Err(malformed(0, "the first line is not UTF-8"));
+        };
+        let path = &bytes[nl + 1..];
+        let fields: Vec<&str> = line.split(' ').collect();
+        let [first, restored, crc] = fields[..] else {
+            return Err(malformed(0, "not `<first id> <restored id or -> <crc>`"));
+        };
+        let crc_at = first.len() + restored.len() + 2;
+        if !is_lower_hex(crc, 8) {
+            return Err(malformed(crc_at, "the CRC is not 8 lowercase hex digits"));
+        }
+        let head = &line[..crc_at - 1];
+        let (stored, computed) = (
+            u32::from_str_radix(crc, 16).unwrap_or(0),
+            crc32(&[head.as_bytes(), b"\n", path]),
+        );
+        if stored != computed {
+            return Err(CheckpointError::Format(FormatError::ChecksumMismatch {
+                file: file.to_path_buf(),
+                offset: crc_at as u64,
+                expected: stored,
+                actual: computed,
+            }));
+        }
+        let Some(first_id) = parse_id(first) else {
+            return Err(malformed(
+                0,
+                "the first id is not a checkpoint id in decimal",
+            ));
+        };
+        let restored = match restored {
+            "-" if path.is_empty() => None,
+            "-" => return Err(malformed(nl + 1, "a path after `-` (nothing restored)")),
+            id => {
+                let at = first.len() + 1;
+                let id = parse_id(id).ok_or_else(|| {
+                    malformed(at, "the restored id is not a checkpoint id in decimal")
+                })?;
+                let p = PathBuf::from(std::ffi::OsStr::from_bytes(path));
+                if !p.is_absolute() {
+                    return Err(malformed(nl + 1, "the restored path is not absolute"));
+                }
+                Some((id, p))
+            }
+        };
+        Ok(RunOrigin { first_id, restored })
+    }
 }
 
 /// One `chk-<n>` directory as [`CheckpointStorage::list`] sees it.
@@ -566,6 +660,48 @@ impl CheckpointStorage {
         parse_id(id)
             .map(Some)
             .ok_or_else(|| malformed(0, "the id is not a checkpoint id in decimal"))
+    }
+
+    /// Durably record where a run starts (`RUN_ORIGIN`, replaced whole: temporary file,
+    /// fsync, rename, directory fsync), before it takes any checkpoint. A later `latest`
+    /// restore then continues that run: from a checkpoint it took, or else from where it
+    /// started, never from a checkpoint of an earlier run it did not continue.
+    pub fn record_run_origin(&self, origin: &RunOrigin) -> Result<(), CheckpointError> {
+        if let Some((_, p)) = &origin.restored {
+            if !p.is_absolute() || p.as_os_str().len() > RUN_ORIGIN_MAX_BYTES / 2 {
+                return Err(CheckpointError::InvalidArgument {
+                    what: "restored path",
+                    reason: format!("{}: must be absolute and at most 4096 bytes", p.display()),
+                });
+            }
+        }
+        let path = self.shared.job_dir.join(RUN_ORIGIN_FILE);
+        publish_file(&*self.shared.fs, &path, &origin.encode())?;
+        Ok(())
+    }
+
+    /// Where the newest run of this job directory started ([`Self::record_run_origin`]):
+    /// `Ok(None)` when no run recorded it (a directory of an older version, or none ran); an
+    /// error naming the file and offset when the record does not decode. It is synced before
+    /// the run begins, so a crash does not tear it.
+    pub fn run_origin(&self) -> Result<Option<RunOrigin>, CheckpointError> {
+        let path = self.shared.job_dir.join(RUN_ORIGIN_FILE);
+        let f = match self.shared.fs.open(&path) {
+            Ok(f) => f,
+            Err(e) if is_not_found(&e) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let len = f.len()?;
+        if len > RUN_ORIGIN_MAX_BYTES as u64 {
+            return Err(CheckpointError::Format(FormatError::Malformed {
+                file: path,
+                offset: RUN_ORIGIN_MAX_BYTES as u64,
+                reason: format!("{len} bytes; a record is at most {RUN_ORIGIN_MAX_BYTES}"),
+            }));
+        }
+        let mut buf = vec![0u8; len as usize];
+        f.read_at(0, &mut buf)?;
+        RunOrigin::decode(&path, &buf).map(Some)
     }
 
     /// The newest complete checkpoint.
