@@ -2161,6 +2161,30 @@ fn a_corrupt_metadata_file_stops_restore_latest_instead_of_starting_over() {
 /// and offset, rather than start from the beginning and commit the output twice (before, the
 /// damaged record said nothing and the run started over); `verify` exits 3 the same way, and
 /// `--allow-fallback` starts over.
+/// A `RUN_ORIGIN` that does not decode: `verify` reports it as corruption (exit 3) and a
+/// restore from `latest` stops (exit 1), each naming the file and the offset, rather than
+/// guess which checkpoint continues the last run.
+#[test]
+fn a_damaged_run_origin_is_reported_and_stops_restore_latest() {
+    let run = CheckpointedRun::new(30_000, 500, "2", "20ms");
+    let (out, ck, args) = (&run.out, &run.ck, run.args());
+    let r = weir(&args);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let committed = committed_lines(out);
+    let origin = ck.join("keyed-sum").join(weir_io::RUN_ORIGIN_FILE);
+    let mut bytes = std::fs::read(&origin).expect("the run recorded where it started");
+    bytes[0] ^= 0x01;
+    std::fs::write(&origin, &bytes).expect("write");
+    let r = weir(&["checkpoints", "verify", ck.to_str().expect("utf8")]);
+    assert_eq!(r.status.code(), Some(3), "{}", stderr(&r));
+    let named = |e: &str| e.contains(origin.to_str().expect("utf8")) && e.contains("offset");
+    assert!(named(&stderr(&r)), "{}", stderr(&r));
+    let r = weir(&args);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    assert!(named(&stderr(&r)), "{}", stderr(&r));
+    assert_eq!(committed_lines(out), committed, "the output is left alone");
+}
+
 #[test]
 fn a_damaged_completed_record_with_no_metadata_left_stops_restore_latest() {
     let run = CheckpointedRun::new(30_000, 500, "2", "20ms");
