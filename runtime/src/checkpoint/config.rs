@@ -592,7 +592,8 @@ impl RawRestart {
         let count = |v: Option<Spanned<u32>>, default: u32| v.map_or(default, Spanned::into_inner);
         let strategy = match self.strategy.get_ref().as_str() {
             "fixed-delay" => RestartStrategy::FixedDelay {
-                attempts: count(self.attempts, u32::MAX),
+                // Flink's `restart-strategy.fixed-delay.attempts` default.
+                attempts: count(self.attempts, 1),
                 delay: d("restart.delay", self.delay, Duration::from_secs(1))?,
             },
             // The multiplier and jitter are checked with the rest, in `validate`.
@@ -659,6 +660,36 @@ mod tests {
                 attempts: 4,
                 delay: Duration::from_secs(2)
             }
+        );
+    }
+
+    /// Keys a strategy's table leaves out take Flink's defaults: one fixed-delay attempt
+    /// after 1 s (not unlimited), one failure per minute.
+    #[test]
+    fn restart_keys_left_out_take_flinks_defaults() {
+        let restart = |t: &str| {
+            CheckpointConfig::from_toml(&format!("dir = \"/d\"\n[restart]\n{t}"))
+                .expect("valid")
+                .restart
+        };
+        assert_eq!(
+            restart("strategy = \"fixed-delay\"\n"),
+            RestartStrategy::FixedDelay {
+                attempts: 1,
+                delay: Duration::from_secs(1)
+            }
+        );
+        assert_eq!(
+            restart("strategy = \"failure-rate\"\n"),
+            RestartStrategy::FailureRate {
+                max_failures: 1,
+                interval: Duration::from_secs(60),
+                delay: Duration::from_secs(1)
+            }
+        );
+        assert_eq!(
+            restart("strategy = \"exponential-delay\"\n"),
+            RestartStrategy::default()
         );
     }
 
