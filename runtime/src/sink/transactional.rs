@@ -525,6 +525,21 @@ impl TransactionalFileWriter {
             };
             if let Some((shard, seq, kind)) = parse_name(name) {
                 if which(shard) {
+                    if seq == u64::MAX {
+                        // The sink never writes it (no number would be left for the next
+                        // part), so it is forged or foreign. Refused as the writer opens:
+                        // invalid data fails the job without a restart, which would meet it
+                        // again (writing then failed on every attempt, restarting forever).
+                        return Err(io::Error::new(
+                            io::ErrorKind::InvalidData,
+                            format!(
+                                "{}: part number {seq} is one this sink never writes (it would \
+                                 leave none for the next part): a file of another program; \
+                                 move it away",
+                                path.display()
+                            ),
+                        ));
+                    }
                     out.push((path, shard, seq, kind));
                 }
             }
@@ -1163,24 +1178,40 @@ mod tests {
         }
     }
 
-    /// A part named with the largest sequence number (forged, or foreign) neither panics nor
-    /// wraps the count back to 0: writing then fails, naming the directory, and the file stays.
+    /// A part named with the largest sequence number (forged, or foreign; the sink never
+    /// writes it) neither panics nor wraps the count back to 0: the shard's writer does not
+    /// open, with invalid data naming the file (a job then fails without restarting: writing
+    /// failed on every attempt, forever), and the file stays. Whatever its kind.
     #[test]
     fn a_part_numbered_u64_max_stops_the_writer_without_wrapping() {
         let tmp = tempfile::tempdir().expect("temp dir");
         let dir = tmp.path().join("out");
         std::fs::create_dir_all(&dir).expect("mkdir");
+        let s = sink(&dir);
+        for last in [
+            final_name(0, u64::MAX),
+            inprogress_name(0, u64::MAX),
+            pending_name(0, u64::MAX, 3),
+        ] {
+            std::fs::write(dir.join(&last), "x\n").expect("write");
+            let e = match Sink::<String>::create_writer(&s, 0, 2) {
+                Ok(_) => panic!("{last}: opened"),
+                Err(e) => e,
+            };
+            let msg = e.to_string();
+            assert!(msg.contains(&last), "{msg}");
+            assert!(
+                matches!(&e, crate::StartError::OutputDir { source, .. }
+                    if source.kind() == io::ErrorKind::InvalidData),
+                "{msg}"
+            );
+            // Not recoverable: a restart would meet it again.
+            assert!(!crate::JobError::Start(e).is_recoverable(), "{msg}");
+            assert!(dir.join(&last).exists(), "{last} stays");
+            std::fs::remove_file(dir.join(&last)).expect("rm");
+        }
         let last = final_name(0, u64::MAX);
         std::fs::write(dir.join(&last), "x\n").expect("write");
-        let s = sink(&dir);
-        let mut w = writer(&s, 0);
-        let e = w.write("a".into(), 0).expect_err("no part number left");
-        assert!(
-            e.to_string()
-                .contains("part numbers of shard 0 are used up"),
-            "{e}"
-        );
-        assert_eq!(names(&dir), [SINK_LOCK_FILE.to_string(), last]);
         // Another shard's numbers are its own.
         let mut w1 = writer(&s, 1);
         write_all(&mut *w1, &lines("b", 0..3));
