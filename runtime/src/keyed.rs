@@ -202,6 +202,94 @@ impl<O: Data> ProcessStream<O> {
     pub fn stream(self) -> Stream<O> {
         self.stream
     }
+
+    // [`Stream`]'s operations, so that a keyed operator's output chains on as Flink's
+    // `SingleOutputStreamOperator` does: `Deref` hands out only a borrowed stream, and they
+    // consume theirs.
+
+    /// See [`Stream::map`].
+    pub fn map<U: Data>(self, f: impl Fn(O) -> U + Send + Sync + 'static) -> Stream<U> {
+        self.stream.map(f)
+    }
+
+    /// See [`Stream::filter`].
+    pub fn filter(self, f: impl Fn(&O) -> bool + Send + Sync + 'static) -> Stream<O> {
+        self.stream.filter(f)
+    }
+
+    /// See [`Stream::flat_map`].
+    pub fn flat_map<U: Data, I: IntoIterator<Item = U>>(
+        self,
+        f: impl Fn(O) -> I + Send + Sync + 'static,
+    ) -> Stream<U> {
+        self.stream.flat_map(f)
+    }
+
+    /// See [`Stream::filter_map`].
+    pub fn filter_map<U: Data>(
+        self,
+        f: impl Fn(O) -> Option<U> + Send + Sync + 'static,
+    ) -> Stream<U> {
+        self.stream.filter_map(f)
+    }
+
+    /// See [`Stream::inspect`].
+    pub fn inspect(self, f: impl Fn(&O) + Send + Sync + 'static) -> Stream<O> {
+        self.stream.inspect(f)
+    }
+
+    /// See [`Stream::union`].
+    pub fn union(self, other: Stream<O>) -> Stream<O> {
+        self.stream.union(other)
+    }
+
+    /// See [`Stream::rebalance`].
+    pub fn rebalance(self) -> Stream<O> {
+        self.stream.rebalance()
+    }
+
+    /// See [`Stream::broadcast`].
+    pub fn broadcast(self) -> Stream<O> {
+        self.stream.broadcast()
+    }
+
+    /// See [`Stream::key_by`].
+    pub fn key_by<K2, F>(self, key: F) -> KeyedStream<O, K2>
+    where
+        K2: Key,
+        F: Fn(&O) -> K2 + Send + Sync + 'static,
+    {
+        self.stream.key_by(key)
+    }
+
+    /// See [`Stream::assign_timestamps`].
+    pub fn assign_timestamps(self, strategy: crate::time::WatermarkStrategy<O>) -> Stream<O> {
+        self.stream.assign_timestamps(strategy)
+    }
+
+    /// See [`Stream::sink`].
+    pub fn sink(self, sink: impl crate::sink::Sink<O>) -> crate::stream::StreamSink {
+        self.stream.sink(sink)
+    }
+
+    /// See [`Stream::collect`].
+    pub fn collect(self) -> crate::sink::Collected<O> {
+        self.stream.collect()
+    }
+
+    /// See [`Stream::for_each`].
+    pub fn for_each(self, f: impl Fn(O) + Send + Sync + 'static) {
+        self.stream.for_each(f)
+    }
+
+    /// See [`Stream::write_lines`].
+    pub fn write_lines(
+        self,
+        dir: impl Into<std::path::PathBuf>,
+        format: impl Fn(&O, &mut String) + Send + Sync + 'static,
+    ) -> crate::stream::StreamSink {
+        self.stream.write_lines(dir, format)
+    }
 }
 
 impl<O> std::ops::Deref for ProcessStream<O> {

@@ -669,3 +669,38 @@ fn a_state_ttl_under_a_millisecond_is_refused() {
         "{e}"
     );
 }
+
+/// A keyed operator's output chains on without `.stream()`, as Flink's
+/// `SingleOutputStreamOperator` does: filter, map and a second key_by after `process`.
+#[test]
+fn a_process_functions_output_chains_on() {
+    let recs: Vec<(u32, u64)> = (0..5_000u64)
+        .map(|i| ((i % 7) as u32, 1 + i % 40))
+        .collect();
+    let job = Job::new(config(2));
+    let out = job
+        .from_vec(recs.clone())
+        .key_by(|r: &(u32, u64)| r.0)
+        .process(MaxAndMean)
+        .filter(|r: &MaxMean| r.1 >= 20)
+        .map(|r: MaxMean| (r.0 % 2, 1u64))
+        .key_by(|r: &(u32, u64)| r.0)
+        .reduce(|a, b| (a.0, a.1 + b.1))
+        .collect();
+    job.run().expect("job");
+    let mut max: HashMap<u32, u64> = HashMap::new();
+    let mut want: BTreeMap<u32, u64> = BTreeMap::new();
+    for &(k, v) in &recs {
+        let m = max.entry(k).or_default();
+        *m = (*m).max(v);
+        if *m >= 20 {
+            *want.entry(k % 2).or_default() += 1;
+        }
+    }
+    let mut got: BTreeMap<u32, u64> = BTreeMap::new();
+    for (k, n) in out.take() {
+        let e = got.entry(k).or_default();
+        *e = (*e).max(n);
+    }
+    assert_eq!(got, want);
+}
