@@ -2001,3 +2001,48 @@ fn the_run_origin_round_trips_and_any_damage_is_named() {
     std::fs::write(&file, &good).unwrap();
     assert_eq!(st.run_origin().unwrap().as_ref(), Some(&from_savepoint));
 }
+
+/// Retention keeps the checkpoint of its own directory that the last run restored while
+/// that run has no complete checkpoint of its own (a restore from `latest` goes back to it),
+/// and drops it once the run has one.
+#[test]
+fn retention_keeps_the_checkpoint_the_last_run_restored_until_it_has_its_own() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("c");
+    let local = tmp.path().join("local");
+    let st = open(Arc::new(StdFs), &root);
+    let mut prev = None;
+    for id in 1..=3 {
+        prev = Some(
+            write_checkpoint(&st, id, &local, prev.as_ref())
+                .unwrap()
+                .metadata,
+        );
+    }
+    let chk1 = weir_io::resolved_path(&root.join("job").join("chk-1"));
+    st.record_run_origin(&weir_io::RunOrigin {
+        first_id: 4,
+        restored: Some((1, chk1.clone())),
+    })
+    .unwrap();
+    let report = st.retain(1).unwrap();
+    assert_eq!(report.dropped_checkpoints, vec![2]);
+    st.verify(1).expect("checkpoint 1 and its files are kept");
+    st.verify(3).unwrap();
+    // The run completes a checkpoint of its own: checkpoint 1 is no longer needed.
+    write_checkpoint(&st, 4, &local, prev.as_ref()).unwrap();
+    let report = st.retain(1).unwrap();
+    assert_eq!(report.dropped_checkpoints, vec![1, 3]);
+    st.verify(4).unwrap();
+    // A savepoint elsewhere pins nothing here, nor does a record that does not decode.
+    st.record_run_origin(&weir_io::RunOrigin {
+        first_id: 9,
+        restored: Some((4, tmp.path().join("savepoint-4"))),
+    })
+    .unwrap();
+    let m5 = write_checkpoint(&st, 5, &local, None).unwrap().metadata;
+    assert_eq!(st.retain(1).unwrap().dropped_checkpoints, vec![4]);
+    std::fs::write(root.join("job").join(weir_io::RUN_ORIGIN_FILE), b"5 5 0\n").unwrap();
+    write_checkpoint(&st, 6, &local, Some(&m5)).unwrap();
+    assert_eq!(st.retain(1).unwrap().dropped_checkpoints, vec![5]);
+}

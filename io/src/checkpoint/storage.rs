@@ -854,7 +854,7 @@ impl CheckpointStorage {
             });
         }
         let _gc = lock(&sh.gc);
-        let (in_progress_ids, mut referenced, pinned) = {
+        let (in_progress_ids, mut referenced, mut pinned) = {
             let reg = lock(&sh.registry);
             let ids: BTreeSet<u64> = reg.in_progress.keys().copied().collect();
             let paths: BTreeSet<PathBuf> = reg.in_progress.values().flatten().cloned().collect();
@@ -862,6 +862,24 @@ impl CheckpointStorage {
             (ids, paths, pinned)
         };
         let scan = self.scan()?;
+        // The checkpoint of this directory that its last run restored, while that run has no
+        // complete checkpoint of its own: a restore from `latest` goes back to it (see
+        // `record_run_origin`), so retention (`weir checkpoints clean` between a kill and the
+        // restart) keeps it.
+        if let Ok(Some(RunOrigin {
+            first_id,
+            restored: Some((id, path)),
+        })) = self.run_origin()
+        {
+            let own = path.parent() == Some(crate::fs::resolved_path(&sh.job_dir).as_path())
+                && path.file_name().and_then(|n| n.to_str()) == Some(&checkpoint_dir_name(id));
+            let continued = scan
+                .iter()
+                .any(|(n, _, s)| *n >= first_id && matches!(s, Status::Complete(_)));
+            if own && !continued {
+                pinned.insert(id);
+            }
+        }
         let complete: Vec<(u64, &PathBuf, &CheckpointMetadata)> = scan
             .iter()
             .filter_map(|(id, p, s)| match s {
