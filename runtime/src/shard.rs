@@ -529,7 +529,8 @@ fn initial_restore(
             let min_id = origin.as_ref().map_or(0, |o| o.first_id);
             if let Some(r) = latest_restore(config, store, min_id)? {
                 eprintln!("weir: restoring from checkpoint {}", r.checkpoint_id);
-                let path = job_dir.join(weir_io::checkpoint_dir_name(r.checkpoint_id));
+                let chk = job_dir.join(weir_io::checkpoint_dir_name(r.checkpoint_id));
+                let path = weir_io::resolved_path(&chk);
                 return Ok((Some(r), Some(path)));
             }
             let restored = origin.and_then(|o| o.restored);

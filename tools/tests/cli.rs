@@ -3561,3 +3561,43 @@ fn a_restart_refuses_an_input_changed_before_the_checkpointed_offset() {
         );
     }
 }
+
+/// Relative paths throughout (from the working directory): the run records the absolute
+/// path of the checkpoint it restored, and `--restore latest` continues from it.
+#[test]
+fn restore_latest_with_relative_directories() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let recs: Vec<(String, i64, i64)> = (0..20_000i64)
+        .map(|i| (format!("u{}", i % 37), i % 11, i))
+        .collect();
+    write_csv(&dir.path().join("in.csv"), &recs);
+    let args = keyed_sum_args(Path::new("in.csv"), "csv", Path::new("out"));
+    let run = |extra: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_weir"))
+            .args(&args)
+            .args(["--checkpoint-dir", "ck", "--checkpoint-interval", "10ms"])
+            .args(extra)
+            .current_dir(dir.path())
+            .output()
+            .expect("weir runs");
+        assert!(o.status.success(), "{}", stderr(&o));
+        o
+    };
+    run(&[]);
+    let o = run(&["--restore", "latest"]);
+    assert!(
+        stderr(&o).contains("restoring from checkpoint"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(&["--restore", "latest"]);
+    assert!(
+        stderr(&o).contains("restoring from checkpoint"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(
+        parse_sums(&committed_lines(&dir.path().join("out"))),
+        running_sums(&recs)
+    );
+}
