@@ -91,8 +91,9 @@ pub struct CheckpointArgs {
     /// stay aligned and this has no effect, as in Flink; `weir run` says so on stderr).
     #[arg(long, value_parser = parse_timeout_ms)]
     pub aligned_timeout: Option<i64>,
-    /// Restore from `latest` (the newest complete checkpoint in --checkpoint-dir; none: start
-    /// from the beginning) or from a checkpoint or savepoint directory.
+    /// Restore from `latest` (the newest complete checkpoint of the last run in
+    /// --checkpoint-dir, else what that run restored; neither: start from the beginning) or
+    /// from a checkpoint or savepoint directory.
     // Empty, it was taken for a directory: "restore: : checkpoint 0 not found".
     #[arg(long, value_parser = clap::builder::NonEmptyStringValueParser::new())]
     pub restore: Option<String>,

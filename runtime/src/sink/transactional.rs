@@ -7,7 +7,7 @@
 //! still hidden `.part-<s>-<seq>.pending-<n>`; when checkpoint `n` is complete it renames it to
 //! the visible `part-<s>-<seq>.csv`. Readers only ever see complete files, renamed atomically.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::fmt::Display;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -33,7 +33,7 @@ const WRITE_BUFFER_BYTES: usize = 64 * 1024;
 /// Magic of a pre-commit description ("weir transactional sink").
 const STATE_MAGIC: [u8; 4] = *b"WTXS";
 /// Version of the pre-commit description format written (version 1 is still read).
-const STATE_VERSION: u8 = 2;
+const STATE_VERSION: u8 = 3;
 /// Bytes of the fixed header (version 2 follows it with the directory).
 const STATE_HEADER_LEN: usize = 32;
 /// Bytes of the trailing CRC.
@@ -255,6 +255,10 @@ struct State {
     /// writer's own).
     dir: Option<PathBuf>,
     files: Vec<PendingFile>,
+    /// Version 3, in shard 0's description: the shard indices at or above the job's shard
+    /// count that had visible part files in the directory, each with the number after its
+    /// last one (empty in other shards'). `None` before version 3: not recorded.
+    others: Option<Vec<(u32, u64)>>,
 }
 
 /// What a file name in the output directory says about the file.
@@ -372,6 +376,10 @@ pub struct TransactionalFileWriter {
     orphans: std::collections::BTreeSet<u32>,
     /// See [`Self::with_rewind_allowed`].
     rewind_allowed: bool,
+    /// Shard 0's record of the other indices' part files ([`State::others`]), taken at its
+    /// first pre-commit: every restore of the attempt is done by then, and nothing else
+    /// writes those indices while the job runs.
+    others: Option<Vec<(u32, u64)>>,
     /// The sink's files to replace at the first commit ([`TransactionalFileSink::replacing`]).
     replaced: Option<Arc<Mutex<Option<Vec<PathBuf>>>>>,
 }
@@ -404,6 +412,7 @@ impl TransactionalFileWriter {
             shards: u32::MAX,
             orphans: std::collections::BTreeSet::new(),
             rewind_allowed: false,
+            others: None,
             replaced: None,
         };
         for (_, seq, _) in w.own_files()? {
@@ -500,8 +509,8 @@ impl TransactionalFileWriter {
     /// older checkpoint or a savepoint, into the directory the job went on writing, or again)
     /// fails with `InvalidData` naming the file, before it changes anything, unless allowed
     /// here (as a job's sink writer it is told the job's `JobConfig::with_allow_fallback`).
-    /// Not seen: files of shard indices the checkpoint did not have (a job scaled up after
-    /// it), which cannot be told from those of an earlier run scaled down before it.
+    /// Files of shard indices the checkpoint did not have (a job scaled up after it) are
+    /// checked against shard 0's record of them (description version 3).
     pub fn with_rewind_allowed(mut self, allowed: bool) -> Self {
         self.rewind_allowed = allowed;
         self
@@ -627,12 +636,29 @@ impl TransactionalFileWriter {
             }
             self.sync_dir()?;
         }
+        let others = match (&self.others, self.shard) {
+            (Some(o), _) => o.clone(),
+            (None, 0) => {
+                let mut next: BTreeMap<u32, u64> = BTreeMap::new();
+                for (_, shard, seq, kind) in self.files_of(|s| s >= self.shards)? {
+                    if kind == Kind::Final {
+                        let n = next.entry(shard).or_default();
+                        *n = (*n).max(seq.saturating_add(1));
+                    }
+                }
+                let o: Vec<(u32, u64)> = next.into_iter().collect();
+                self.others = Some(o.clone());
+                o
+            }
+            (None, _) => Vec::new(),
+        };
         Ok(encode_state(&State {
             checkpoint,
             shard: self.shard,
             next_seq: self.next_seq,
             dir: Some(self.abs_dir.clone()),
             files: self.pending.clone(),
+            others: Some(others),
         }))
     }
 
@@ -738,13 +764,51 @@ impl TransactionalFileWriter {
         if self.rewind_allowed {
             return Ok(());
         }
+        let mut described = HashSet::new();
+        let mut others = None;
         for bytes in states.iter().filter(|b| !b.is_empty()) {
             let state = decode_state(bytes)?;
             if state.checkpoint == checkpoint {
                 self.refuse_committed_after(checkpoint, &state)?;
+                described.insert(state.shard);
+                if state.shard == 0 {
+                    others = state.others;
+                }
             }
         }
-        Ok(())
+        // Shard indices the checkpoint did not have: their part files at or past the number
+        // shard 0 recorded were committed after it (by the job scaled up since). Without
+        // the record (a description before version 3) they cannot be told from an earlier
+        // run's, scaled down before the checkpoint, and are not checked.
+        let Some(others) = others else {
+            return Ok(());
+        };
+        let recorded: BTreeMap<u32, u64> = others.into_iter().collect();
+        let mut later: Vec<(u32, u64, PathBuf)> = self
+            .files_of(|s| !described.contains(&s))?
+            .into_iter()
+            .filter(|(_, s, seq, kind)| {
+                *kind == Kind::Final && *seq >= recorded.get(s).copied().unwrap_or(0)
+            })
+            .map(|(path, s, seq, _)| (s, seq, path))
+            .collect();
+        later.sort();
+        let Some((shard, _, first)) = later.first() else {
+            return Ok(());
+        };
+        Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "{} was committed after checkpoint {checkpoint} ({} such file{} of shard indices \
+                 the checkpoint did not have, from {shard} on): restoring checkpoint \
+                 {checkpoint} into this directory would write their records a second time. \
+                 Restore the newest checkpoint, or move those files away, or accept the \
+                 duplicates with --allow-fallback (JobConfig::with_allow_fallback)",
+                first.display(),
+                later.len(),
+                if later.len() == 1 { "" } else { "s" },
+            ),
+        ))
     }
 
     /// See [`Self::with_rewind_allowed`]: the visible files of the description's shard in
@@ -885,6 +949,13 @@ fn encode_state(s: &State) -> Vec<u8> {
             out.extend_from_slice(name.as_bytes());
         }
     }
+    let others = s.others.as_deref().unwrap_or_default();
+    // At most one per shard index: fits a u32.
+    out.extend_from_slice(&(others.len() as u32).to_le_bytes());
+    for &(shard, next) in others {
+        out.extend_from_slice(&shard.to_le_bytes());
+        out.extend_from_slice(&next.to_le_bytes());
+    }
     let crc = crc32(&[&out]);
     out.extend_from_slice(&crc.to_le_bytes());
     out
@@ -953,9 +1024,9 @@ fn decode_state(bytes: &[u8]) -> io::Result<State> {
         )));
     }
     let [version, algo, _, _] = r.array::<4>("version")?;
-    if version != 1 && version != STATE_VERSION {
+    if !(1..=STATE_VERSION).contains(&version) {
         return Err(invalid_state(format!(
-            "unsupported version {version} (supported: 1, {STATE_VERSION})"
+            "unsupported version {version} (supported: 1 to {STATE_VERSION})"
         )));
     }
     if algo != CHECKSUM_CRC32_IEEE {
@@ -1046,6 +1117,32 @@ fn decode_state(bytes: &[u8]) -> io::Result<State> {
         }
         files.push(f);
     }
+    let others = if version >= 3 {
+        let at = r.pos;
+        let count = r.u32("other shard count")? as usize;
+        if count > (body_len - r.pos) / 12 {
+            return Err(invalid_state(format!(
+                "other shard count {count} at offset {at} cannot fit in {} bytes",
+                body_len - r.pos
+            )));
+        }
+        let mut o: Vec<(u32, u64)> = Vec::with_capacity(count);
+        for i in 0..count {
+            let at = r.pos;
+            let e = (r.u32("other shard")?, r.u64("other shard's next number")?);
+            if shard != 0 || e.0 == 0 || o.last().is_some_and(|l| l.0 >= e.0) {
+                return Err(invalid_state(format!(
+                    "other shard {i} at offset {at} (index {}): only shard 0's description \
+                     lists other indices, each once, ascending, none 0",
+                    e.0
+                )));
+            }
+            o.push(e);
+        }
+        Some(o)
+    } else {
+        None
+    };
     if r.pos != body_len {
         return Err(invalid_state(format!(
             "{} unexpected bytes after the last file at offset {}",
@@ -1059,6 +1156,7 @@ fn decode_state(bytes: &[u8]) -> io::Result<State> {
         next_seq,
         dir,
         files,
+        others,
     })
 }
 
@@ -1581,10 +1679,35 @@ mod tests {
                 next_seq: good.next_seq,
                 dir: good.dir.clone(),
                 files: good.files.clone(),
+                others: good.others.clone(),
             };
             f(&mut s2);
             encode_state(&s2)
         };
+        assert_eq!(
+            good.others,
+            Some(vec![]),
+            "shard 0 of 2, no other index's files"
+        );
+        check(
+            &reencode(&|s| s.others = Some(vec![(0, 1)])),
+            "shard 0 among the others",
+        );
+        check(
+            &reencode(&|s| s.others = Some(vec![(3, 1), (2, 1)])),
+            "others not ascending",
+        );
+        check(
+            &reencode(&|s| s.others = Some(vec![(2, 1), (2, 4)])),
+            "an other index twice",
+        );
+        check(
+            &reencode(&|s| {
+                s.shard = 1;
+                s.others = Some(vec![(2, 1)]);
+            }),
+            "others in another shard's description",
+        );
         check(&reencode(&|s| s.next_seq = 2), "seq not below next_seq");
         check(
             &reencode(&|s| s.files[1].seq = s.files[0].seq),
@@ -1656,25 +1779,33 @@ mod tests {
         let s = sink(tmp.path()).with_part_size_bytes(1);
         let mut w = writer(&s, 0);
         write_all(&mut *w, &lines("a", 0..2));
-        let v2 = w.pre_commit(1).expect("pre-commit");
+        let v3 = w.pre_commit(1).expect("pre-commit");
         drop(w);
-        // The same description as version 1 wrote it: no directory field.
+        let resealed = |mut body: Vec<u8>, version: u8| {
+            body[4] = version;
+            let crc = crc32(&[&body]);
+            body.extend_from_slice(&crc.to_le_bytes());
+            body
+        };
+        // The same description as version 2 wrote it: no list of other shard indices (here
+        // an empty one, its count the 4 bytes before the CRC).
+        let v2 = resealed(v3[..v3.len() - STATE_TRAILER_LEN - 4].to_vec(), 2);
+        let d2 = decode_state(&v2).expect("v2");
+        assert_eq!((d2.others, d2.files.len()), (None, 2));
+        // And as version 1 wrote it: no directory field either.
         let dir_len = usize::from(u16::from_le_bytes([
             v2[STATE_HEADER_LEN],
             v2[STATE_HEADER_LEN + 1],
         ]));
         let mut v1 = v2[..STATE_HEADER_LEN].to_vec();
-        v1[4] = 1;
         v1.extend_from_slice(&v2[STATE_HEADER_LEN + 2 + dir_len..v2.len() - STATE_TRAILER_LEN]);
-        let crc = crc32(&[&v1]);
-        v1.extend_from_slice(&crc.to_le_bytes());
+        let v1 = resealed(v1, 1);
         assert_eq!(decode_state(&v1).expect("v1").dir, None);
         writer(&s, 0).restore(1, &v1).expect("restore v1");
         assert_eq!(visible_lines(tmp.path()), lines("a", 0..2));
-        let mut v3 = v1.clone();
-        v3[4] = 3;
-        let err = decode_state(&v3).expect_err("unknown version");
-        assert!(err.to_string().contains("unsupported version 3"), "{err}");
+        let v4 = resealed(v3[..v3.len() - STATE_TRAILER_LEN].to_vec(), 4);
+        let err = decode_state(&v4).expect_err("unknown version");
+        assert!(err.to_string().contains("unsupported version 4"), "{err}");
     }
 
     #[test]
@@ -1917,6 +2048,59 @@ mod tests {
         let mut w = writer(&s, 0);
         w.allow_rewind(true);
         w.restore(1, &at_1).expect("allowed");
+    }
+
+    /// A checkpoint of 2 shards, then the job scaled up to 3, which committed part files of
+    /// index 2: restoring the checkpoint again would write their records twice, and is
+    /// refused before anything changes (shard 0's description records the other indices'
+    /// files, none here). Files of an index from an earlier run scaled down before the
+    /// checkpoint are recorded, and pass.
+    #[test]
+    fn restoring_behind_output_of_shard_indices_added_since_is_refused() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let dir = tmp.path().to_owned();
+        let s = sink(&dir);
+        // An earlier run on 3 shards: index 2 commits part-2-0.csv.
+        let mut w2 = writer_of(&s, 2, 3);
+        write_all(&mut *w2, &lines("old", 0..2));
+        w2.pre_commit(1).expect("pre-commit");
+        w2.commit(1).expect("commit");
+        drop(w2);
+        // Scaled down to 2 shards: checkpoint 2.
+        let (mut w0, mut w1) = (writer(&s, 0), writer(&s, 1));
+        write_all(&mut *w0, &lines("a", 0..2));
+        let d0 = w0.pre_commit(2).expect("pre-commit");
+        let d1 = w1.pre_commit(2).expect("pre-commit");
+        w0.commit(2).expect("commit");
+        w1.commit(2).expect("commit");
+        drop((w0, w1));
+        assert_eq!(decode_state(&d0).expect("d0").others, Some(vec![(2, 1)]));
+        // Restorable: part-2-0.csv was there before the checkpoint.
+        writer(&s, 0)
+            .check_restore(2, &[&d0, &d1])
+            .expect("the earlier run's files pass");
+        // Scaled up again to 3 shards after checkpoint 2: index 2 commits part-2-1.csv.
+        let mut w2 = writer_of(&s, 2, 3);
+        write_all(&mut *w2, &lines("new", 0..2));
+        w2.pre_commit(3).expect("pre-commit");
+        w2.commit(3).expect("commit");
+        drop(w2);
+        let before = names(&dir);
+        for shards in [2, 3] {
+            let e = writer_of(&s, 0, shards)
+                .check_restore(2, &[&d0, &d1])
+                .expect_err("behind part-2-1.csv");
+            assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+            let msg = e.to_string();
+            assert!(
+                msg.contains(&final_name(2, 1)) && msg.contains("after checkpoint 2"),
+                "{msg}"
+            );
+        }
+        assert_eq!(names(&dir), before, "nothing changed");
+        let mut w = writer(&s, 0);
+        w.allow_rewind(true);
+        w.check_restore(2, &[&d0, &d1]).expect("allowed");
     }
 
     /// Restored into another directory (a savepoint's into a new output), the same restore
