@@ -1949,6 +1949,27 @@ fn the_run_origin_round_trips_and_any_damage_is_named() {
         let reader = CheckpointStorage::open_read_only_with(Arc::new(StdFs), &root, "job", OPTS);
         assert_eq!(reader.unwrap().run_origin().unwrap().as_ref(), Some(o));
     }
+    // A checkpoint of the directory itself is recorded by name, and read back under the
+    // directory where it is now.
+    let own = weir_io::RunOrigin {
+        first_id: 4,
+        restored: Some((3, root.join("job").join("chk-3"))),
+    };
+    st.record_run_origin(&own).unwrap();
+    let file = root.join("job").join(weir_io::RUN_ORIGIN_FILE);
+    assert!(std::fs::read(&file).unwrap().ends_with(b"\nchk-3"));
+    assert_eq!(st.run_origin().unwrap(), Some(own));
+    drop(st);
+    let moved = tmp.path().join("moved");
+    std::fs::rename(&root, &moved).unwrap();
+    let st = open(Arc::new(StdFs), &moved);
+    assert_eq!(
+        st.run_origin().unwrap().and_then(|o| o.restored),
+        Some((3, moved.join("job").join("chk-3")))
+    );
+    std::fs::remove_dir_all(&moved).unwrap();
+    let st = open(Arc::new(StdFs), &root);
+    st.record_run_origin(&from_savepoint).unwrap();
     let relative = weir_io::RunOrigin {
         first_id: 2,
         restored: Some((1, PathBuf::from("relative/chk-1"))),
@@ -1957,7 +1978,6 @@ fn the_run_origin_round_trips_and_any_damage_is_named() {
         st.record_run_origin(&relative),
         Err(CheckpointError::InvalidArgument { .. })
     ));
-    let file = root.join("job").join(weir_io::RUN_ORIGIN_FILE);
     let good = std::fs::read(&file).unwrap();
     let damaged = |bytes: &[u8]| {
         std::fs::write(&file, bytes).unwrap();
@@ -1991,6 +2011,8 @@ fn the_run_origin_round_trips_and_any_damage_is_named() {
         ("042 17", &b"/sp"[..]),
         ("42 +17", b"/sp"),
         ("42 17", b"sp"),
+        ("42 17", b"chk-18"),
+        ("42 17", b"./chk-17"),
         ("42 17", b""),
         ("42 -", b"/sp"),
         ("x 17", b"/sp"),

@@ -380,6 +380,10 @@ struct Plan {
     placements: Vec<Placement>,
     store: Option<Arc<IoCheckpointStore>>,
     maintenance: Arc<MaintenanceThreads>,
+    /// Where the run started, for its job directory's `RUN_ORIGIN`: recorded once the first
+    /// attempt's shards are built (every operator took its restored state, every sink accepted
+    /// it), before any record moves, and taken from here then.
+    origin: Arc<Mutex<Option<weir_io::RunOrigin>>>,
 }
 
 /// Starts `graph` on `config.shards` shards.
@@ -438,22 +442,16 @@ pub(crate) fn start(config: JobConfig, graph: Graph) -> Result<JobHandle, StartE
         Some(s) => first_checkpoint_id(s, restore.as_deref())?,
         None => 1,
     };
-    if let Some(s) = &store {
-        // Before any checkpoint of this run: a later `latest` continues this run, from its
-        // checkpoints or else from where it started, as its own failovers do.
-        let origin = weir_io::RunOrigin {
-            first_id,
-            restored: restore
-                .as_ref()
-                .zip(restored_from)
-                .map(|(r, p)| (r.checkpoint_id, p)),
-        };
-        s.storage
-            .record_run_origin(&origin)
-            .map_err(|e| StartError::Checkpoint {
-                reason: format!("{}: {e}", s.storage.job_dir().display()),
-            })?;
-    }
+    // A later `latest` continues this run, from its checkpoints or else from where it
+    // started, as its own failovers do. Recorded only once its start took (a restore that a
+    // sink refuses leaves the record of the run before).
+    let origin = store.as_ref().map(|_| weir_io::RunOrigin {
+        first_id,
+        restored: restore
+            .as_ref()
+            .zip(restored_from)
+            .map(|(r, p)| (r.checkpoint_id, p)),
+    });
     let ctl = Arc::new(Control {
         cancel: AtomicBool::new(false),
         finished: AtomicBool::new(false),
@@ -475,6 +473,7 @@ pub(crate) fn start(config: JobConfig, graph: Graph) -> Result<JobHandle, StartE
         placements,
         store,
         maintenance: maintenance.clone(),
+        origin: Arc::new(Mutex::new(origin)),
     };
     let ctl2 = ctl.clone();
     let supervisor = std::thread::Builder::new()
@@ -521,9 +520,16 @@ fn initial_restore(
             // checkpoint it took, or else from what it restored. Without the record (a
             // directory of an older version), from any checkpoint.
             let origin = store.storage.run_origin().map_err(|e| {
+                let what = match e {
+                    weir_io::CheckpointError::Format(_) => "does not decode",
+                    _ => "cannot be read",
+                };
                 err(format!(
-                    "{e}: the record of where the last run started does not decode, so which \
-                     checkpoint continues it is unknown; restore one by its path"
+                    "{e}: the record of where the last run started {what}, so which checkpoint \
+                     continues it is unknown. Restore a checkpoint or savepoint by its path, or \
+                     remove {} to restore the newest checkpoint (from the beginning if there \
+                     is none)",
+                    job_dir.join(weir_io::RUN_ORIGIN_FILE).display()
                 ))
             })?;
             let min_id = origin.as_ref().map_or(0, |o| o.first_id);
@@ -536,8 +542,12 @@ fn initial_restore(
             let restored = origin.and_then(|o| o.restored);
             if min_id > 0 {
                 // `latest_restore` passed over a damaged record, as a failover does; a run
-                // continued in another process may not have been the last to commit.
-                if let Err(e) = store.storage.completed_record() {
+                // continued in another process may not have been the last to commit. As
+                // there: only where no checkpoint has a `_metadata` (beside one, a torn
+                // record is a power cut's, and says nothing).
+                let listed = store.storage.list().map_err(|e| err(e.to_string()))?;
+                let metadata = listed.iter().any(|i| i.complete || i.metadata_corrupt);
+                if let (Err(e), false) = (store.storage.completed_record(), metadata) {
                     let then = match restored {
                         Some(_) => "going back to what the last run restored",
                         None => "starting from the beginning",
@@ -1056,6 +1066,7 @@ fn run_attempt(
             ctl.status.clone(),
         );
         let maintenance = plan.maintenance.clone();
+        let origin = (plan.origin.clone(), plan.store.clone());
         let (config, roots, registry, cancel2, running2, sentinel, state_dir, shared, restore) = (
             plan.config.clone(),
             plan.roots.clone(),
@@ -1115,6 +1126,10 @@ fn run_attempt(
                                 verdict.store(VERDICT_REFUSED, Ordering::Release);
                                 return Err(JobError::Start(e));
                             }
+                        }
+                        if let Err(e) = record_origin(&origin.0, origin.1.as_deref()) {
+                            verdict.store(VERDICT_REFUSED, Ordering::Release);
+                            return Err(JobError::Start(e));
                         }
                         verdict.store(VERDICT_OK, Ordering::Release);
                         status.set(JobStatus::Running, attempt);
@@ -1199,6 +1214,25 @@ fn run_attempt(
         Some(e) => Err(e),
         None => Ok(()),
     }
+}
+
+/// Writes the run's `RUN_ORIGIN` if no attempt did yet (see [`Plan::origin`]); a failure to
+/// write it fails the job: a later `latest` would not know where this run started.
+fn record_origin(
+    origin: &Mutex<Option<weir_io::RunOrigin>>,
+    store: Option<&IoCheckpointStore>,
+) -> Result<(), StartError> {
+    let mut pending = lock(origin);
+    let (Some(o), Some(s)) = (pending.as_ref(), store) else {
+        return Ok(());
+    };
+    s.storage
+        .record_run_origin(o)
+        .map_err(|e| StartError::Checkpoint {
+            reason: format!("{}: {e}", s.storage.job_dir().display()),
+        })?;
+    *pending = None;
+    Ok(())
 }
 
 /// [`run_attempt`]'s verdict on the built shards: not yet given, run, or refused.

@@ -1847,6 +1847,20 @@ fn stop_with_savepoint_commits_up_to_the_savepoint_and_ends_the_job() {
 /// second time. The run's `RUN_ORIGIN` says where it started.
 #[test]
 fn latest_after_a_restored_run_without_checkpoints_restores_what_that_run_restored() {
+    latest_after_a_restored_run("ckpt2", false);
+}
+
+/// The same, the restored run checkpointing into the directory the savepoint's job used, and
+/// its `COMPLETED` record torn: beside checkpoints with their `_metadata` that says nothing,
+/// and `latest` still continues from the savepoint.
+#[test]
+fn latest_after_a_restored_run_in_the_same_directory_passes_a_torn_completed_record() {
+    latest_after_a_restored_run("ckpt", true);
+}
+
+/// See the tests above: the restored run checkpoints into `second`, with `COMPLETED` torn
+/// after it was cancelled if `tear`.
+fn latest_after_a_restored_run(second: &str, tear: bool) {
     let dir = tempfile::tempdir().expect("tmp");
     let (out, sps) = (dir.path().join("out"), dir.path().join("savepoints"));
     let n = 200_000u64;
@@ -1876,39 +1890,61 @@ fn latest_after_a_restored_run_without_checkpoints_restores_what_that_run_restor
     // Restored, every record slow, no checkpoint for an hour: cancelled, as a kill would.
     let slow = Hold::new(n, n);
     let h = run(
-        "ckpt2",
+        second,
         Some(RestoreFrom::Path(sp.clone())),
         Some(slow.clone()),
         Duration::from_secs(3600),
     );
-    std::thread::sleep(Duration::from_millis(100));
+    // Running: its shards are built, and it recorded where it started.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while h.status() != weir_runtime::JobStatus::Running {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the job did not start"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
     h.cancel();
     slow.release();
     assert!(h.wait().is_err(), "a cancelled job");
-    let job_dir = dir.path().join("ckpt2").join("verify");
-    let origin = weir_io::CheckpointStorage::open_read_only_with(
-        std::sync::Arc::new(weir_io::StdFs),
-        &dir.path().join("ckpt2"),
-        "verify",
-        weir_runtime::checkpoint::storage_options(),
-    )
-    .expect("storage")
-    .run_origin()
-    .expect("record")
-    .expect("the run recorded its origin");
+    let job_dir = dir.path().join(second).join("verify");
+    let run_origin = || {
+        weir_io::CheckpointStorage::open_read_only_with(
+            std::sync::Arc::new(weir_io::StdFs),
+            &dir.path().join(second),
+            "verify",
+            weir_runtime::checkpoint::storage_options(),
+        )
+        .expect("storage")
+        .run_origin()
+        .expect("record")
+        .expect("the run recorded its origin")
+    };
+    let origin = run_origin();
     assert_eq!(origin.restored, Some((sp_id, weir_io::resolved_path(&sp))));
     assert!(
         std::fs::read_dir(&job_dir)
             .expect("job dir")
             .flatten()
-            .all(|e| !e.file_name().to_string_lossy().starts_with("chk-")),
-        "no checkpoint was begun"
+            .all(|e| e
+                .file_name()
+                .to_str()
+                .and_then(|n| n.strip_prefix("chk-"))
+                .and_then(|id| id.parse::<u64>().ok())
+                .is_none_or(|id| id < origin.first_id)),
+        "the restored run began no checkpoint"
     );
+    if tear {
+        let record = job_dir.join(weir_io::COMPLETED_FILE);
+        let mut b = std::fs::read(&record).expect("a completed checkpoint's record");
+        b[0] ^= 0x01;
+        std::fs::write(&record, b).expect("tear");
+    }
 
     // Without the savepoint the run cannot be continued: the start stops, naming it.
     let moved = dir.path().join("moved");
     std::fs::rename(&sp, &moved).expect("move the savepoint away");
-    let c = exactly_once(&dir.path().join("ckpt2"), 2).with_restore(RestoreFrom::Latest);
+    let c = exactly_once(&dir.path().join(second), 2).with_restore(RestoreFrom::Latest);
     let job = Job::new(c);
     sums_to_files(running_sum_job(&job, &data, None, "sum"), &out);
     let e = job
@@ -1923,13 +1959,38 @@ fn latest_after_a_restored_run_without_checkpoints_restores_what_that_run_restor
     std::fs::rename(&moved, &sp).expect("move it back");
 
     let h = run(
-        "ckpt2",
+        second,
         Some(RestoreFrom::Latest),
         None,
         Duration::from_millis(20),
     );
     let summary = h.wait().expect("continued");
     assert_eq!(summary.checkpoints.last_restored_checkpoint_id, Some(sp_id));
+    assert_every_sum_once(&parse_sums(committed_lines(&out)), &at, n);
+
+    // The savepoint again: the sink refuses it (its output is committed since), and the
+    // refused run leaves the record of the run before, which `latest` still continues.
+    let before = run_origin();
+    assert!(before.first_id > sp_id, "{before:?}");
+    let h = run(
+        second,
+        Some(RestoreFrom::Path(sp.clone())),
+        None,
+        Duration::from_millis(20),
+    );
+    assert!(
+        h.wait().is_err(),
+        "restoring behind committed output is refused"
+    );
+    assert_eq!(run_origin(), before);
+    let h = run(
+        second,
+        Some(RestoreFrom::Latest),
+        None,
+        Duration::from_millis(20),
+    );
+    let summary = h.wait().expect("continued");
+    assert!(summary.checkpoints.last_restored_checkpoint_id > Some(sp_id));
     assert_every_sum_once(&parse_sums(committed_lines(&out)), &at, n);
 }
 

@@ -294,11 +294,21 @@ pub fn verify(a: &VerifyArgs) -> Result<(), VerifyFailed> {
         let s = open(&root, &job).map_err(VerifyFailed::Other)?;
         if a.checkpoint.is_none() {
             // Replaced by a rename only, so a running job never shows it torn.
-            if let Err(e) = s.run_origin() {
-                corrupt.found(VerifyFailed::Corrupt(format!(
-                    "{job}: {e}: the record of where the last run started does not decode, \
-                     so a restore from latest stops (restore a checkpoint by its path)"
-                )))?;
+            match s.run_origin() {
+                Err(e @ CheckpointError::Format(_)) => {
+                    corrupt.found(VerifyFailed::Corrupt(format!(
+                        "{job}: {e}: the record of where the last run started does not \
+                         decode, so a restore from latest stops (restore a checkpoint or \
+                         savepoint by its path, or remove the record to restore the newest \
+                         checkpoint)"
+                    )))?;
+                }
+                Err(e) => {
+                    return Err(VerifyFailed::Other(format!(
+                        "{job}: the record of where the last run started cannot be read: {e}"
+                    )))
+                }
+                Ok(_) => {}
             }
             if let Some(done) = completed_without_metadata(&s, None) {
                 corrupt.found(completed_metadata_gone(&s, &job, done))?;

@@ -179,8 +179,10 @@ fn write_completed_marker(fs: &dyn Fs, job_dir: &Path, id: u64) -> Result<(), Io
 pub struct RunOrigin {
     /// The run's first checkpoint id: every checkpoint it took has this id or a higher one.
     pub first_id: u64,
-    /// The checkpoint or savepoint the run restored: its id and absolute path. `None`: the
-    /// run started from the beginning.
+    /// The checkpoint or savepoint the run restored: its id and absolute path (a checkpoint
+    /// of the same job directory is recorded by its name, and read back under the directory
+    /// as it is now, so the record survives a move). `None`: the run started from the
+    /// beginning.
     pub restored: Option<(u64, PathBuf)>,
 }
 
@@ -190,11 +192,22 @@ const RUN_ORIGIN_MAX_BYTES: usize = 8192;
 impl RunOrigin {
     /// `<first id> <restored id or -> <crc>\n<restored path>`, the CRC (CRC-32/IEEE, 8
     /// lowercase hex digits) over everything but itself and the space before it.
-    fn encode(&self) -> Vec<u8> {
-        let (id, path): (String, &[u8]) = match &self.restored {
-            Some((id, p)) => (id.to_string(), p.as_os_str().as_bytes()),
-            None => ("-".into(), &[]),
+    fn encode(&self, job_dir: &Path) -> Vec<u8> {
+        let own = |id: u64, p: &Path| {
+            let name = checkpoint_dir_name(id);
+            (p.file_name().and_then(|n| n.to_str()) == Some(&name)
+                && p.parent().map(crate::fs::resolved_path)
+                    == Some(crate::fs::resolved_path(job_dir)))
+            .then_some(name)
         };
+        let (id, path): (String, Vec<u8>) = match &self.restored {
+            Some((id, p)) => (
+                id.to_string(),
+                own(*id, p).map_or_else(|| p.as_os_str().as_bytes().to_vec(), String::into_bytes),
+            ),
+            None => ("-".into(), Vec::new()),
+        };
+        let path = &path[..];
         let head = format!("{} {id}", self.first_id);
         let crc = crc32(&[head.as_bytes(), b"\n", path]);
         let mut out = format!("{head} {crc:08x}\n").into_bytes();
@@ -202,8 +215,9 @@ impl RunOrigin {
         out
     }
 
-    /// The record `bytes` of `file` spell, or why not with the offset.
-    fn decode(file: &Path, bytes: &[u8]) -> Result<RunOrigin, CheckpointError> {
+    /// The record `bytes` of `file` spell, or why not with the offset; a checkpoint recorded
+    /// by its name is under `job_dir`.
+    fn decode(file: &Path, job_dir: &Path, bytes: &[u8]) -> Result<RunOrigin, CheckpointError> {
         let malformed = |offset: usize, reason: &str| {
             CheckpointError::Format(FormatError::Malformed {
                 file: file.to_path_buf(),
@@ -257,10 +271,16 @@ impl RunOrigin {
                     malformed(at, "the restored id is not a checkpoint id in decimal")
                 })?;
                 let p = PathBuf::from(std::ffi::OsStr::from_bytes(path));
-                if !p.is_absolute() {
-                    return Err(malformed(nl + 1, "the restored path is not absolute"));
+                if p.as_os_str() == checkpoint_dir_name(id).as_str() {
+                    Some((id, job_dir.join(p)))
+                } else if p.is_absolute() {
+                    Some((id, p))
+                } else {
+                    return Err(malformed(
+                        nl + 1,
+                        "the restored path is neither absolute nor this directory's chk-<id>",
+                    ));
                 }
-                Some((id, p))
             }
         };
         Ok(RunOrigin { first_id, restored })
@@ -676,7 +696,11 @@ impl CheckpointStorage {
             }
         }
         let path = self.shared.job_dir.join(RUN_ORIGIN_FILE);
-        publish_file(&*self.shared.fs, &path, &origin.encode())?;
+        publish_file(
+            &*self.shared.fs,
+            &path,
+            &origin.encode(&self.shared.job_dir),
+        )?;
         Ok(())
     }
 
@@ -701,7 +725,7 @@ impl CheckpointStorage {
         }
         let mut buf = vec![0u8; len as usize];
         f.read_at(0, &mut buf)?;
-        RunOrigin::decode(&path, &buf).map(Some)
+        RunOrigin::decode(&path, &self.shared.job_dir, &buf).map(Some)
     }
 
     /// The newest complete checkpoint.
@@ -871,7 +895,8 @@ impl CheckpointStorage {
             restored: Some((id, path)),
         })) = self.run_origin()
         {
-            let own = path.parent() == Some(crate::fs::resolved_path(&sh.job_dir).as_path())
+            let own = path.parent().map(crate::fs::resolved_path)
+                == Some(crate::fs::resolved_path(&sh.job_dir))
                 && path.file_name().and_then(|n| n.to_str()) == Some(&checkpoint_dir_name(id));
             let continued = scan
                 .iter()
