@@ -687,9 +687,9 @@ impl ShardState {
     }
 
     /// The id of state `name` (an operator's uid and the state's name).
-    pub(crate) fn state_id(&self, name: &str) -> StateId {
+    pub(crate) fn state_id(&self, name: &str) -> Result<StateId, StateError> {
         // Registering checks that no two names share an id.
-        StateId(self.inner.borrow_mut().be.state_id(name))
+        self.inner.borrow_mut().be.try_state_id(name).map(StateId)
     }
 
     /// Processing time for state TTL (milliseconds since the epoch): entries of states with
@@ -812,7 +812,7 @@ impl ShardState {
     }
 
     /// The map state's entry `mk` of the current key (see `KeyedContext::map_get`).
-    pub(crate) fn map_get<M: weir_state::KeyCodec + ?Sized, V: Data>(
+    pub(crate) fn map_get<M: weir_state::KeyCodec + ?Sized + 'static, V: Data>(
         &self,
         id: &StateId,
         at: (u16, &[u8], &[u8]),
@@ -824,7 +824,7 @@ impl ShardState {
         })
     }
 
-    pub(crate) fn map_put<M: weir_state::KeyCodec + ?Sized, V: Data>(
+    pub(crate) fn map_put<M: weir_state::KeyCodec + ?Sized + 'static, V: Data>(
         &self,
         id: &StateId,
         at: (u16, &[u8], &[u8]),
@@ -837,7 +837,7 @@ impl ShardState {
         })
     }
 
-    pub(crate) fn map_remove<M: weir_state::KeyCodec + ?Sized>(
+    pub(crate) fn map_remove<M: weir_state::KeyCodec + ?Sized + 'static>(
         &self,
         id: &StateId,
         at: (u16, &[u8], &[u8]),
@@ -849,7 +849,7 @@ impl ShardState {
         })
     }
 
-    pub(crate) fn map_entries<M: weir_state::KeyCodec + ?Sized, V: Data>(
+    pub(crate) fn map_entries<M: weir_state::KeyCodec + ?Sized + 'static, V: Data>(
         &self,
         id: &StateId,
         at: (u16, &[u8], &[u8]),

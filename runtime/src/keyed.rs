@@ -112,7 +112,7 @@ impl<T: Data, K: Key> KeyedStream<T, K> {
             let name = name_of(&slot);
             let mut ops = OpState::new(&name, ctx)?;
             for (state, ttl_ms) in op_ttls.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-                ops.set_ttl(state, *ttl_ms);
+                ops.set_ttl(state, *ttl_ms)?;
             }
             let op = KeyedOp {
                 f: f.clone(),
@@ -176,9 +176,14 @@ impl<O: Data> ProcessStream<O> {
 
     /// Gives the operator's state `state` a time to live, as Flink's `StateTtlConfig` does
     /// with its defaults: an entry (a value; each element of a list; each entry of a map)
-    /// expires `ttl` of processing time after it was last written, reads never return it once
-    /// expired, and compaction drops it. The expiry is written with the entry, so it holds
-    /// across checkpoints and restores. A TTL under one millisecond stops the job before start.
+    /// expires `ttl` of processing time (whole milliseconds, rounded down) after it was last
+    /// written, reads never return it once expired, and compaction drops it. The expiry is
+    /// written with the entry, so it holds across checkpoints and restores: a TTL added,
+    /// changed or removed for a restored job applies to entries from their next write, while
+    /// the entries restored keep the expiry they were written with (Flink refuses such a
+    /// restore instead). A TTL under one millisecond stops the job before start; a name the
+    /// function never uses is not detected. Call it before [`Self::uid`], which returns the
+    /// plain [`Stream`].
     pub fn state_ttl(self, state: &str, ttl: std::time::Duration) -> ProcessStream<O> {
         let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
         if ms == 0 {
@@ -239,7 +244,7 @@ impl<O: Data> ProcessStream<O> {
     }
 
     /// See [`Stream::union`].
-    pub fn union(self, other: Stream<O>) -> Stream<O> {
+    pub fn union(self, other: impl Into<Stream<O>>) -> Stream<O> {
         self.stream.union(other)
     }
 
@@ -514,9 +519,16 @@ impl OpState {
     }
 
     /// State `name` of this operator expires `ttl_ms` after each write.
-    pub fn set_ttl(&mut self, name: &str, ttl_ms: u64) {
-        let id = self.state.state_id(&format!("{}/{}", self.name, name));
+    pub fn set_ttl(&mut self, name: &str, ttl_ms: u64) -> Result<(), crate::StartError> {
+        let id = self
+            .state
+            .state_id(&format!("{}/{}", self.name, name))
+            .map_err(|e| crate::StartError::State {
+                shard: self.shard,
+                reason: format!("operator `{}`: {e}", self.name),
+            })?;
         self.state.set_ttl(&id, ttl_ms);
+        Ok(())
     }
 
     /// A watermark from upstream. Watermarks only advance: after a restore the operator's
@@ -558,17 +570,17 @@ impl OpState {
     }
 
     #[inline]
-    pub fn id(&mut self, name: &'static str) -> StateId {
+    pub fn id(&mut self, name: &'static str) -> Result<StateId, crate::backend::StateError> {
         if let Some((_, id)) = self
             .ids
             .iter()
             .find(|(n, _)| std::ptr::eq(*n, name) || *n == name)
         {
-            return *id;
+            return Ok(*id);
         }
-        let id = self.state.state_id(&format!("{}/{}", self.name, name));
+        let id = self.state.state_id(&format!("{}/{}", self.name, name))?;
         self.ids.push((name, id));
-        id
+        Ok(id)
     }
 }
 
@@ -631,9 +643,11 @@ impl<K: Clone, O: 'static> KeyedContext<'_, K, O> {
             &[u8],
         ) -> Result<R, crate::backend::StateError>,
     ) -> Option<R> {
-        let id = self.op.id(name);
         let op = &mut *self.op;
-        match f(&op.state, &id, op.key_group, &op.key_bytes, self.namespace) {
+        let r = op
+            .id(name)
+            .and_then(|id| f(&op.state, &id, op.key_group, &op.key_bytes, self.namespace));
+        match r {
             Ok(r) => Some(r),
             Err(e) => {
                 op.fail.fail(crate::JobError::Operator {
@@ -689,7 +703,7 @@ impl<K: Clone, O: 'static> KeyedContext<'_, K, O> {
     }
 
     /// The current key's entry `mk` of map state `name` (Flink's `MapState::get`).
-    pub fn map_get<M: weir_state::KeyCodec + ?Sized, V: Data>(
+    pub fn map_get<M: weir_state::KeyCodec + ?Sized + 'static, V: Data>(
         &mut self,
         name: &'static str,
         mk: &M,
@@ -701,7 +715,7 @@ impl<K: Clone, O: 'static> KeyedContext<'_, K, O> {
     }
 
     /// Sets the current key's entry `mk` of map state `name`.
-    pub fn map_put<M: weir_state::KeyCodec + ?Sized, V: Data>(
+    pub fn map_put<M: weir_state::KeyCodec + ?Sized + 'static, V: Data>(
         &mut self,
         name: &'static str,
         mk: &M,
@@ -713,7 +727,11 @@ impl<K: Clone, O: 'static> KeyedContext<'_, K, O> {
     }
 
     /// Removes the current key's entry `mk` of map state `name`.
-    pub fn map_remove<M: weir_state::KeyCodec + ?Sized>(&mut self, name: &'static str, mk: &M) {
+    pub fn map_remove<M: weir_state::KeyCodec + ?Sized + 'static>(
+        &mut self,
+        name: &'static str,
+        mk: &M,
+    ) {
         self.access(name, "removing from", |s, id, kg, k, ns| {
             s.map_remove(id, (kg, k, ns), mk)
         });
@@ -721,7 +739,7 @@ impl<K: Clone, O: 'static> KeyedContext<'_, K, O> {
 
     /// The current key's entries of map state `name`, in map-key order (the order of their
     /// encoded keys: numbers ascending, strings by their bytes).
-    pub fn map_entries<M: weir_state::KeyCodec + ?Sized, V: Data>(
+    pub fn map_entries<M: weir_state::KeyCodec + ?Sized + 'static, V: Data>(
         &mut self,
         name: &'static str,
     ) -> Vec<(M::Owned, V)> {

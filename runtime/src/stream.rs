@@ -280,7 +280,8 @@ impl<T: Data> Stream<T> {
     }
 
     /// Merges two streams of the same type.
-    pub fn union(self, other: Stream<T>) -> Stream<T> {
+    pub fn union(self, other: impl Into<Stream<T>>) -> Stream<T> {
+        let other: Stream<T> = other.into();
         let name = self.new_name("union");
         let a = self.factory.clone();
         let b = other.factory.clone();

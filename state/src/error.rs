@@ -19,6 +19,20 @@ pub enum StateError {
         source_desc: String,
         reason: String,
     },
+    /// A state read or written with another kind or value type than its first use in this
+    /// process (its in-memory values are read unchecked, as that type).
+    #[error(
+        "state `{state}` is used as {now}, but it was used as {first}: a state keeps one kind \
+         and one value type (give the other use its own name)"
+    )]
+    TypeMismatch {
+        state: String,
+        first: &'static str,
+        now: &'static str,
+    },
+    /// Two state names whose ids (a hash of the name) are equal.
+    #[error("state names `{first}` and `{second}` hash to one id; rename one")]
+    NameCollision { first: String, second: String },
     /// Serializing a value failed.
     #[error("serializing a value for state {state_id}: {reason}")]
     Serialize { state_id: u16, reason: String },

@@ -55,6 +55,7 @@ pub trait StateValue:
                       + Deserialize<Self, HighDeserializer<rancor::Error>>,
     > + for<'a> Serialize<HighSerializer<AlignedVec, ArenaHandle<'a>, rancor::Error>>
     + Sized
+    + 'static
 {
 }
 
@@ -63,6 +64,7 @@ impl<T> StateValue for T where
             Archived: for<'a> CheckBytes<HighValidator<'a, rancor::BoxedError>>
                           + Deserialize<T, HighDeserializer<rancor::Error>>,
         > + for<'a> Serialize<HighSerializer<AlignedVec, ArenaHandle<'a>, rancor::Error>>
+        + 'static
 {
 }
 
@@ -105,6 +107,12 @@ pub struct KeyedBackend {
     /// Scratch space of the rkyv serializer, reused (no thread-local lookup per value).
     ser_arena: SerArena,
     names: std::collections::HashMap<u16, String>,
+    /// The handle type (kind and value type) each state id was first read or written with in
+    /// this process: `access` reads in-memory values unchecked as that type, so another type
+    /// must not reach them (see [`Self::check_type`]).
+    types: std::collections::HashMap<u16, (std::any::TypeId, &'static str)>,
+    /// The last check that passed: accesses mostly repeat it.
+    last_type: Option<(u16, std::any::TypeId)>,
     timers: [BTreeSet<Timer>; 2],
 }
 
@@ -130,9 +138,10 @@ fn access<'a, V: StateValue>(state_id: u16, f: Found<'a>) -> Result<&'a V::Archi
     let aligned = (f.value.as_ptr() as usize) & 15 == 0;
     if f.in_memory && aligned {
         // SAFETY: `in_memory` bytes were produced by rkyv's high-level serializer
-        // (`KeyedBackend::serialize`) for this state's value type in this process (a state id
-        // maps to one type: it is derived from the name and a name is registered with one
-        // type), and they sit 16-aligned in the memtable arena, unchanged since.
+        // (`KeyedBackend::serialize`) for this state's value type in this process: every
+        // read and write of a state id first passes `KeyedBackend::check_type`, which holds
+        // it to the one handle type (kind and value type) of its first use. They sit
+        // 16-aligned in the memtable arena, unchanged since.
         return Ok(unsafe { rkyv::access_unchecked::<V::Archived>(f.value) });
     }
     rkyv::access::<V::Archived, rancor::BoxedError>(f.value).map_err(|e| StateError::BadValue {
@@ -183,8 +192,36 @@ impl KeyedBackend {
             vbuf: AlignedVec::new(),
             ser_arena: SerArena::default(),
             names: Default::default(),
+            types: Default::default(),
+            last_type: None,
             timers,
         })
+    }
+
+    /// That state `id` is read or written through handle type `H` (its kind and value
+    /// type), as at its first use in this process: values written as one type and read as
+    /// another would be read out of bounds (in-memory values are accessed unchecked).
+    #[inline]
+    fn check_type<H: 'static>(&mut self, id: u16) -> Result<(), StateError> {
+        let t = std::any::TypeId::of::<H>();
+        if self.last_type == Some((id, t)) {
+            return Ok(());
+        }
+        let now = std::any::type_name::<H>();
+        let (first_t, first) = *self.types.entry(id).or_insert((t, now));
+        if first_t != t {
+            return Err(StateError::TypeMismatch {
+                state: self
+                    .names
+                    .get(&id)
+                    .cloned()
+                    .unwrap_or_else(|| format!("id {id}")),
+                first,
+                now,
+            });
+        }
+        self.last_type = Some((id, t));
+        Ok(())
     }
 
     pub fn store(&self) -> &Store {
@@ -259,20 +296,31 @@ impl KeyedBackend {
     }
 
     fn register(&mut self, name: &str) -> u16 {
-        let id = 1 + (xxh3_64(name.as_bytes()) % 0xFFFE) as u16;
-        if let Some(prev) = self.names.get(&id) {
-            assert_eq!(
-                prev, name,
-                "state names {prev:?} and {name:?} hash to one id; rename one"
-            );
-        } else {
-            self.names.insert(id, name.to_owned());
+        match self.try_state_id(name) {
+            Ok(id) => id,
+            Err(e) => panic!("{e}"),
         }
-        id
+    }
+
+    /// [`Self::state_id`], with two names that hash to one id an error rather than a panic.
+    pub fn try_state_id(&mut self, name: &str) -> Result<u16, StateError> {
+        let id = 1 + (xxh3_64(name.as_bytes()) % 0xFFFE) as u16;
+        match self.names.get(&id) {
+            Some(prev) if prev != name => Err(StateError::NameCollision {
+                first: prev.clone(),
+                second: name.to_owned(),
+            }),
+            Some(_) => Ok(id),
+            None => {
+                self.names.insert(id, name.to_owned());
+                Ok(id)
+            }
+        }
     }
 
     /// Register `name` (as the typed constructors do) and return its state id, for the
-    /// `from_id` constructors of the handles.
+    /// `from_id` constructors of the handles. Panics when another registered name hashes to
+    /// the same id ([`Self::try_state_id`] returns that as an error).
     pub fn state_id(&mut self, name: &str) -> u16 {
         self.register(name)
     }
@@ -586,6 +634,7 @@ impl<V: StateValue> ValueState<V> {
     /// The archived value of the current key, if any.
     #[inline]
     pub fn get<'a>(&self, be: &'a mut KeyedBackend) -> Result<Option<&'a V::Archived>, StateError> {
+        be.check_type::<Self>(self.id)?;
         be.value_key(self.id);
         match be.get_value()? {
             Some(f) => access::<V>(self.id, f).map(Some),
@@ -605,6 +654,7 @@ impl<V: StateValue> ValueState<V> {
     /// key and namespace, the key is neither rebuilt nor hashed nor looked up again: a value
     /// of the same archived size is overwritten in place.
     pub fn update(&self, be: &mut KeyedBackend, v: &V) -> Result<(), StateError> {
+        be.check_type::<Self>(self.id)?;
         be.value_key(self.id);
         be.put_value_hinted(self.id, v)
     }
@@ -639,6 +689,7 @@ state_handle!(ListState[V][V]);
 
 impl<V: StateValue> ListState<V> {
     pub fn add(&self, be: &mut KeyedBackend, v: &V) -> Result<(), StateError> {
+        be.check_type::<Self>(self.id)?;
         be.build_key(self.id);
         let seq = be.store.next_seq();
         be.kbuf.extend_from_slice(&seq.to_be_bytes());
@@ -651,6 +702,7 @@ impl<V: StateValue> ListState<V> {
         be: &mut KeyedBackend,
         mut f: impl FnMut(&V::Archived),
     ) -> Result<(), StateError> {
+        be.check_type::<Self>(self.id)?;
         be.build_key(self.id);
         let prefix = std::mem::take(&mut be.kbuf);
         let mut res = Ok(());
@@ -710,7 +762,7 @@ pub struct MapState<K: ?Sized, V> {
 
 state_handle!(MapState[K: ?Sized, V][K, V]);
 
-impl<K: KeyCodec + ?Sized, V: StateValue> MapState<K, V> {
+impl<K: KeyCodec + ?Sized + 'static, V: StateValue> MapState<K, V> {
     fn build(&self, be: &mut KeyedBackend, mk: &K) -> Result<(), StateError> {
         let len = mk.encoded_len();
         if len > MAX_KEY_BYTES {
@@ -730,6 +782,7 @@ impl<K: KeyCodec + ?Sized, V: StateValue> MapState<K, V> {
         be: &'a mut KeyedBackend,
         mk: &K,
     ) -> Result<Option<&'a V::Archived>, StateError> {
+        be.check_type::<Self>(self.id)?;
         self.build(be, mk)?;
         match be.store.get(&be.kbuf)? {
             Some(f) => access::<V>(self.id, f).map(Some),
@@ -751,6 +804,7 @@ impl<K: KeyCodec + ?Sized, V: StateValue> MapState<K, V> {
     }
 
     pub fn put(&self, be: &mut KeyedBackend, mk: &K, v: &V) -> Result<(), StateError> {
+        be.check_type::<Self>(self.id)?;
         self.build(be, mk)?;
         be.put_value(self.id, v)
     }
@@ -767,6 +821,7 @@ impl<K: KeyCodec + ?Sized, V: StateValue> MapState<K, V> {
         be: &mut KeyedBackend,
         mut f: impl FnMut(K::Owned, &V::Archived),
     ) -> Result<(), StateError> {
+        be.check_type::<Self>(self.id)?;
         be.build_key(self.id);
         let prefix = std::mem::take(&mut be.kbuf);
         let mut res = Ok(());

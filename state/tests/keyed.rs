@@ -473,3 +473,62 @@ fn update_with_is_the_allocation_free_keyed_count() {
     be.set_current_key_bytes(42, &42u64.to_be_bytes());
     assert_eq!(count.value(&mut be).unwrap(), Some(100));
 }
+
+/// A state is held to the kind and value type of its first use in the process: in-memory
+/// values are read unchecked as that type, so another type (here a u32 read as a String or
+/// a (u64, u64), a value read as a list) is a typed error naming the state, not a read past
+/// the value's bytes. Clearing takes any type.
+#[test]
+fn a_state_used_with_another_type_or_kind_is_a_typed_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut be = backend(dir.path(), 128);
+    be.set_current_key(&1u32);
+    let z = be.value_state::<u32>("z");
+    z.update(&mut be, &7).unwrap();
+    let mismatch = |r: Result<(), StateError>, now: &str| match r {
+        Err(e @ StateError::TypeMismatch { .. }) => {
+            let m = e.to_string();
+            assert!(m.contains("state `z`") && m.contains(now), "{m}");
+        }
+        other => panic!("{now}: {other:?}"),
+    };
+    let as_string = be.value_state::<String>("z");
+    mismatch(as_string.value(&mut be).map(drop), "String");
+    mismatch(as_string.update(&mut be, &"x".to_owned()), "String");
+    let as_pair = be.value_state::<(u64, u64)>("z");
+    mismatch(as_pair.value(&mut be).map(drop), "(u64, u64)");
+    let as_list = be.list_state::<u32>("z");
+    mismatch(as_list.add(&mut be, &1), "ListState");
+    mismatch(as_list.get(&mut be).map(drop), "ListState");
+    let as_map = be.map_state::<u32, u32>("z");
+    mismatch(as_map.put(&mut be, &1, &1), "MapState");
+    // The first type still reads its value.
+    assert_eq!(z.value(&mut be).unwrap(), Some(7));
+    as_string.clear(&mut be);
+    assert_eq!(z.value(&mut be).unwrap(), None);
+}
+
+/// Two names whose ids collide: `try_state_id` says so, naming both, instead of panicking.
+#[test]
+fn colliding_state_names_are_a_typed_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut be = backend(dir.path(), 128);
+    // Names registered one after another until one collides (among 2^16 ids, within a few
+    // hundred), found by the error itself.
+    let mut probe = backend(&dir.path().join("probe"), 128);
+    let (first, second) = (0u32..)
+        .find_map(|i| match probe.try_state_id(&format!("n{i}")) {
+            Err(StateError::NameCollision { first, second }) => Some((first, second)),
+            _ => None,
+        })
+        .expect("a collision");
+    assert_ne!(first, second);
+    assert_eq!(be.try_state_id(&first).unwrap(), be.state_id(&first));
+    match be.try_state_id(&second) {
+        Err(e @ StateError::NameCollision { .. }) => {
+            let m = e.to_string();
+            assert!(m.contains(&first) && m.contains(&second), "{m}");
+        }
+        other => panic!("{other:?}"),
+    }
+}

@@ -704,3 +704,54 @@ fn a_process_functions_output_chains_on() {
     }
     assert_eq!(got, want);
 }
+
+/// A state name used with another value type, or as another kind, fails the job with an
+/// error naming the state (in-memory values are read as the type of the first use).
+#[test]
+fn a_state_name_used_with_another_type_fails_the_job_naming_it() {
+    for case in 0..2 {
+        let mut d = TestDriver::new(move |s| {
+            s.key_by(|r: &(u32, u64)| r.0)
+                .process(weir_runtime::FnProcess::new(
+                    move |r: (u32, u64), ctx: &mut KeyedContext<'_, u32, u64>| {
+                        ctx.set_value("z", &(r.1 as u32));
+                        match case {
+                            0 => {
+                                let _ = ctx.value::<String>("z");
+                            }
+                            _ => ctx.append("z", &r.1),
+                        }
+                        ctx.emit(r.1);
+                    },
+                ))
+                .stream()
+        })
+        .expect("driver");
+        d.push((1, 7));
+        let e = d.finish().expect_err("a type mismatch").to_string();
+        assert!(e.contains("state `") && e.contains("/z`"), "{e}");
+    }
+}
+
+/// Two keyed operators' outputs union without conversions, either way round.
+#[test]
+fn process_functions_outputs_union() {
+    let recs: Vec<(u32, u64)> = (0..2_000u64).map(|i| ((i % 5) as u32, 1 + i % 9)).collect();
+    let job = Job::new(config(2));
+    let a = job
+        .from_vec(recs.clone())
+        .key_by(|r: &(u32, u64)| r.0)
+        .process(MaxAndMean);
+    let keyed = || {
+        job.from_vec(recs.clone())
+            .key_by(|r: &(u32, u64)| r.0)
+            .process(MaxAndMean)
+    };
+    let (b, d) = (keyed(), keyed());
+    let c = job
+        .from_vec(recs.clone())
+        .map(|r: (u32, u64)| (r.0, r.1, 0.0, 0.0));
+    let out = c.union(a.union(b)).union(d).collect();
+    job.run().expect("job");
+    assert_eq!(out.take().len(), 4 * recs.len());
+}
