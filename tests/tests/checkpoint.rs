@@ -1958,15 +1958,19 @@ fn latest_after_a_restored_run(second: &str, tear: bool) {
     );
     std::fs::rename(&moved, &sp).expect("move it back");
 
-    let h = run(
-        second,
-        Some(RestoreFrom::Latest),
-        None,
-        Duration::from_millis(20),
-    );
-    let summary = h.wait().expect("continued");
-    assert_eq!(summary.checkpoints.last_restored_checkpoint_id, Some(sp_id));
-    assert_every_sum_once(&parse_sums(committed_lines(&out)), &at, n);
+    // `latest` runs to the end: the checkpoint it restored; every sum is committed once.
+    let latest = || {
+        let h = run(
+            second,
+            Some(RestoreFrom::Latest),
+            None,
+            Duration::from_millis(20),
+        );
+        let summary = h.wait().expect("continued");
+        assert_every_sum_once(&parse_sums(committed_lines(&out)), &at, n);
+        summary.checkpoints.last_restored_checkpoint_id
+    };
+    assert_eq!(latest(), Some(sp_id));
 
     // The savepoint again: the sink refuses it (its output is committed since), and the
     // refused run leaves the record of the run before, which `latest` still continues.
@@ -1983,15 +1987,7 @@ fn latest_after_a_restored_run(second: &str, tear: bool) {
         "restoring behind committed output is refused"
     );
     assert_eq!(run_origin(), before);
-    let h = run(
-        second,
-        Some(RestoreFrom::Latest),
-        None,
-        Duration::from_millis(20),
-    );
-    let summary = h.wait().expect("continued");
-    assert!(summary.checkpoints.last_restored_checkpoint_id > Some(sp_id));
-    assert_every_sum_once(&parse_sums(committed_lines(&out)), &at, n);
+    assert!(latest() > Some(sp_id));
 }
 
 /// A collecting sink hands over what it holds when its job stops with a savepoint, as when
