@@ -639,8 +639,21 @@ impl TransactionalFileWriter {
         let others = match (&self.others, self.shard) {
             (Some(o), _) => o.clone(),
             (None, 0) => {
+                // Not the earlier runs' files that the first commit removes: they are not in
+                // the directory as the checkpoint leaves it.
+                let going: HashSet<std::ffi::OsString> = self
+                    .replaced
+                    .as_ref()
+                    .and_then(|r| r.lock().unwrap_or_else(|e| e.into_inner()).clone())
+                    .unwrap_or_default()
+                    .iter()
+                    .filter_map(|p| p.file_name().map(ToOwned::to_owned))
+                    .collect();
                 let mut next: BTreeMap<u32, u64> = BTreeMap::new();
-                for (_, shard, seq, kind) in self.files_of(|s| s >= self.shards)? {
+                for (path, shard, seq, kind) in self.files_of(|s| s >= self.shards)? {
+                    if path.file_name().is_some_and(|n| going.contains(n)) {
+                        continue;
+                    }
                     if kind == Kind::Final {
                         let n = next.entry(shard).or_default();
                         *n = (*n).max(seq.saturating_add(1));
@@ -772,7 +785,7 @@ impl TransactionalFileWriter {
                 self.refuse_committed_after(checkpoint, &state)?;
                 described.insert(state.shard);
                 if state.shard == 0 {
-                    others = state.others;
+                    others = state.others.map(|o| (o, state.dir));
                 }
             }
         }
@@ -780,10 +793,16 @@ impl TransactionalFileWriter {
         // shard 0 recorded were committed after it (by the job scaled up since). Without
         // the record (a description before version 3) they cannot be told from an earlier
         // run's, scaled down before the checkpoint, and are not checked.
-        let Some(others) = others else {
+        let Some((others, dir)) = others else {
             return Ok(());
         };
-        let recorded: BTreeMap<u32, u64> = others.into_iter().collect();
+        // A record of another directory says nothing of this one: there, as for the indices
+        // described, every such file is output of an earlier restore of this checkpoint.
+        let recorded: BTreeMap<u32, u64> = if dir.as_deref() == Some(self.abs_dir.as_path()) {
+            others.into_iter().collect()
+        } else {
+            BTreeMap::new()
+        };
         let mut later: Vec<(u32, u64, PathBuf)> = self
             .files_of(|s| !described.contains(&s))?
             .into_iter()
@@ -800,7 +819,7 @@ impl TransactionalFileWriter {
             io::ErrorKind::InvalidData,
             format!(
                 "{} was committed after checkpoint {checkpoint} ({} such file{} of shard indices \
-                 the checkpoint did not have, from {shard} on): restoring checkpoint \
+                 the checkpoint did not have, the first of index {shard}): restoring checkpoint \
                  {checkpoint} into this directory would write their records a second time. \
                  Restore the newest checkpoint, or move those files away, or accept the \
                  duplicates with --allow-fallback (JobConfig::with_allow_fallback)",
@@ -2101,6 +2120,52 @@ mod tests {
         let mut w = writer(&s, 0);
         w.allow_rewind(true);
         w.check_restore(2, &[&d0, &d1]).expect("allowed");
+    }
+
+    /// Shard 0's record leaves out the earlier runs' files that its first commit removes (a
+    /// run from the beginning replaces them), and a record taken in another directory says
+    /// nothing of the restoring writer's: there, a file of an index the checkpoint did not
+    /// have is output of an earlier restore of the same checkpoint.
+    #[test]
+    fn the_other_indices_record_leaves_out_replaced_files_and_other_directories() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let (x, y) = (tmp.path().join("x"), tmp.path().join("y"));
+        std::fs::create_dir_all(&x).expect("mkdir");
+        // Index 3 of earlier runs: part-3-5.csv stays, part-3-21.csv is replaced.
+        let (kept, old) = (x.join(final_name(3, 5)), x.join(final_name(3, 21)));
+        for f in [&kept, &old] {
+            std::fs::write(f, "old\n").expect("write");
+        }
+        let sx = sink(&x).replacing(vec![old.clone()]);
+        let (mut w0, mut w1) = (writer(&sx, 0), writer(&sx, 1));
+        write_all(&mut *w0, &lines("a", 0..2));
+        let d0 = w0.pre_commit(1).expect("pre-commit");
+        let d1 = w1.pre_commit(1).expect("pre-commit");
+        assert_eq!(decode_state(&d0).expect("d0").others, Some(vec![(3, 6)]));
+        w0.commit(1).expect("commit");
+        w1.commit(1).expect("commit");
+        assert!(!old.exists(), "replaced at the first commit");
+        drop((w0, w1, sx));
+        // Restored into y on 4 shards: index 3 commits part-3-0.csv there.
+        let sy = sink(&y);
+        let mut w3 = writer_of(&sy, 3, 4);
+        writer_of(&sy, 0, 4)
+            .check_restore(1, &[&d0, &d1])
+            .expect("y is empty");
+        write_all(&mut *w3, &lines("b", 0..2));
+        w3.pre_commit(2).expect("pre-commit");
+        w3.commit(2).expect("commit");
+        drop(w3);
+        // The same checkpoint again, into y: part-3-0.csv would be written twice (x's record
+        // would let it pass: 0 < 6).
+        let e = writer_of(&sy, 0, 2)
+            .check_restore(1, &[&d0, &d1])
+            .expect_err("behind part-3-0.csv");
+        assert!(e.to_string().contains(&final_name(3, 0)), "{e}");
+        // And into x, where index 3 has nothing past the record (part-3-5.csv is older).
+        writer_of(&sink(&x), 0, 2)
+            .check_restore(1, &[&d0, &d1])
+            .expect("x has nothing of index 3");
     }
 
     /// Restored into another directory (a savepoint's into a new output), the same restore
