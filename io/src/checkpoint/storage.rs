@@ -11,6 +11,7 @@
 //!   between the check that it exists and the publication of the metadata naming it.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -30,7 +31,6 @@ use crate::checkpoint::read::{
 use crate::error::{FormatError, IoError};
 use crate::frame::{crc32, encode_block, BlockHeader};
 use crate::fs::{create_dir_all_durable, publish_file, DirLock, Fs, FsFile};
-use std::os::unix::ffi::OsStrExt;
 
 /// Tunables of checkpoint storage.
 #[derive(Debug, Clone, Copy)]
