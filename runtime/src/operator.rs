@@ -127,11 +127,17 @@ impl<T: 'static, U: 'static, F: FnMut(T, &mut Emit<'_, U>) + 'static> Collector<
     }
 }
 
-/// Combines several inputs on one shard: forwards the minimum watermark of the active inputs,
-/// and end of input once every input ended.
+/// Combines several inputs on one shard: forwards the minimum watermark of the active,
+/// aligned inputs, and end of input once every input ended. This is Flink's
+/// `StatusWatermarkValve`.
 pub(crate) struct InputMerger {
     watermarks: Vec<i64>,
     idle: Vec<bool>,
+    /// Per input: its watermark counts towards the minimum. An input that goes idle stops
+    /// counting; one that turns active again counts only once its watermark has caught up with
+    /// the one forwarded, so that a source resuming behind does not hold back the inputs that
+    /// went on (the records it sends meanwhile are late, as in Flink).
+    aligned: Vec<bool>,
     ended: Vec<bool>,
     emitted: i64,
     /// Every input is idle, and downstream was told so (`Event::Idle(true)`), as Flink's
@@ -154,6 +160,7 @@ impl InputMerger {
         Self {
             watermarks: vec![i64::MIN; inputs],
             idle: vec![false; inputs],
+            aligned: vec![true; inputs],
             ended: vec![false; inputs],
             emitted: i64::MIN,
             idle_out: false,
@@ -244,14 +251,19 @@ impl InputMerger {
     pub fn on_event(&mut self, i: usize, ev: Event, out: &mut dyn FnMut(Event)) {
         match ev {
             Event::Watermark(w) => {
+                // A watermark from an idle input is its return to activity (what a source
+                // sends when it resumes).
+                self.set_idle(i, false);
                 if w > self.watermarks[i] {
                     self.watermarks[i] = w;
                 }
-                self.idle[i] = false;
+                if w >= self.emitted {
+                    self.aligned[i] = true;
+                }
                 self.advance(out);
             }
             Event::Idle(idle) => {
-                self.idle[i] = idle;
+                self.set_idle(i, idle);
                 self.advance(out);
             }
             Event::LatencyMarker { .. } => out(ev),
@@ -260,6 +272,7 @@ impl InputMerger {
                 self.ended[i] = true;
                 self.watermarks[i] = i64::MAX;
                 self.idle[i] = false;
+                self.aligned[i] = true;
                 self.advance(out);
                 // An ended input no longer holds back a barrier.
                 self.maybe_forward(out);
@@ -268,6 +281,16 @@ impl InputMerger {
                 }
             }
         }
+    }
+
+    /// Input `i` turns idle (and stops counting towards the watermark) or active (counting
+    /// again at once only if its watermark is not behind the one forwarded).
+    fn set_idle(&mut self, i: usize, idle: bool) {
+        if idle == self.idle[i] {
+            return;
+        }
+        self.idle[i] = idle;
+        self.aligned[i] = !idle && self.watermarks[i] >= self.emitted;
     }
 
     fn advance(&mut self, out: &mut dyn FnMut(Event)) {
@@ -286,18 +309,24 @@ impl InputMerger {
     }
 
     fn advance_watermark(&mut self, out: &mut dyn FnMut(Event)) {
-        let active = self
+        let all_idle = self.idle.iter().all(|i| *i);
+        // Idle inputs are never aligned.
+        let aligned = self
             .watermarks
             .iter()
-            .zip(&self.idle)
-            .filter(|(_, idle)| !**idle)
+            .zip(&self.aligned)
+            .filter(|(_, a)| **a)
             .map(|(w, _)| *w)
             .min();
         // Every input idle: no input will advance, so the largest watermark among them goes
         // out, as Flink's watermark valve flushes it (held, the windows that watermark closes
-        // never fired while every source was quiet). An input that turns active again holds
-        // the watermark back from there; it never goes back.
-        let w = active.or_else(|| self.watermarks.iter().copied().max());
+        // never fired while every source was quiet). Active inputs none of which is aligned
+        // yet hold it where it is; it never goes back.
+        let w = if all_idle {
+            self.watermarks.iter().copied().max()
+        } else {
+            aligned
+        };
         if let Some(w) = w {
             if w > self.emitted {
                 self.emitted = w;
@@ -378,11 +407,12 @@ mod tests {
         assert_eq!(got, vec![Event::Watermark(99)], "input 1 is the one active");
         m.on_event(0, Event::Idle(true), &mut |e| got.push(e));
         assert_eq!(got[1..], [Event::Idle(true)], "99 is out already; idle now");
-        // Input 2 never had a watermark, input 1 stays behind: nothing goes back.
+        // Input 1 resumes behind what went out: nothing goes back, and it does not hold
+        // input 0 back until it catches up.
         m.on_event(1, Event::Watermark(60), &mut |e| got.push(e));
         assert_eq!(got[2..], [Event::Idle(false)], "active again");
         m.on_event(0, Event::Watermark(120), &mut |e| got.push(e));
-        assert_eq!(got.len(), 3, "input 1 is active again and at 60");
+        assert_eq!(got[3..], [Event::Watermark(120)], "input 1 at 60 is not aligned");
 
         let mut m = InputMerger::new(2);
         let mut got = Vec::new();
@@ -394,6 +424,54 @@ mod tests {
             got,
             vec![Event::Watermark(99), Event::Idle(true)],
             "every input idle: flushed, then idle"
+        );
+    }
+
+    /// An input that turns active again behind the watermark that went out counts again only
+    /// once it caught up (Flink's `StatusWatermarkValve`): it held the others back, so that
+    /// records it let through were on time here and late in Flink.
+    #[test]
+    fn a_resumed_input_behind_the_watermark_counts_once_it_caught_up() {
+        let mut m = InputMerger::new(2);
+        let mut got = Vec::new();
+        let mut feed = |m: &mut InputMerger, i: usize, ev: Event| {
+            let mut out = Vec::new();
+            m.on_event(i, ev, &mut |e| out.push(e));
+            got.push(out);
+        };
+        feed(&mut m, 0, Event::Watermark(50));
+        feed(&mut m, 1, Event::Watermark(40));
+        feed(&mut m, 1, Event::Idle(true));
+        feed(&mut m, 0, Event::Watermark(100));
+        feed(&mut m, 1, Event::Idle(false));
+        feed(&mut m, 0, Event::Watermark(150));
+        feed(&mut m, 1, Event::Watermark(120));
+        feed(&mut m, 0, Event::Watermark(200));
+        feed(&mut m, 1, Event::Watermark(210));
+        feed(&mut m, 0, Event::Watermark(300));
+        feed(&mut m, 1, Event::Idle(true));
+        // Resumes with a watermark, without an `Idle(false)` first: aligned at once, as it
+        // is not behind.
+        feed(&mut m, 1, Event::Watermark(400));
+        feed(&mut m, 0, Event::Watermark(500));
+        let w = Event::Watermark;
+        assert_eq!(
+            got,
+            vec![
+                vec![],
+                vec![w(40)],
+                vec![w(50)],
+                vec![w(100)],
+                vec![],
+                vec![w(150)],
+                vec![],
+                vec![w(200)],
+                vec![],
+                vec![w(210)],
+                vec![w(300)],
+                vec![],
+                vec![w(400)],
+            ]
         );
     }
 
