@@ -37,7 +37,8 @@ pub struct TestDriver<I, O> {
     failed: Option<String>,
     now_ms: i64,
     states: Vec<crate::keyed::ShardState>,
-    _ctx: BuildCtx,
+    /// Keeps what the operators were built with alive; its registry holds their counters.
+    ctx: BuildCtx,
     _state_dir: tempfile::TempDir,
 }
 
@@ -127,9 +128,15 @@ impl<I: Data, O: Data> TestDriver<I, O> {
             failed: None,
             now_ms: 0,
             states,
-            _ctx: ctx,
+            ctx,
             _state_dir: state_dir,
         })
+    }
+
+    /// The operators' metrics so far, as [`crate::JobHandle::metrics`] gives a job's (every
+    /// operator on shard 0): records in, out and dropped (late records, skipped input).
+    pub fn metrics(&self) -> crate::metrics::JobMetrics {
+        self.ctx.metrics.snapshot()
     }
 
     fn push_item(&mut self, item: Item<I>) {

@@ -460,8 +460,11 @@ where
         w.max_timestamp().saturating_add(self.lateness) <= self.ops.watermark
     }
 
-    /// Merges `w` with the key's overlapping session windows; returns the merged window.
-    fn merge_session(&mut self, key: &K, w: Window) -> Window {
+    /// Merges `w` with the key's overlapping session windows; returns the merged window, or
+    /// `None`, changing nothing, if that merged window is late. As Flink's `WindowOperator`
+    /// (`addWindow`, then `isWindowLate` of the result): a record whose own session is late
+    /// still joins a live session that its window touches, and widens it.
+    fn merge_session(&mut self, key: &K, w: Window) -> Option<Window> {
         let mut sessions: Vec<(i64, i64)> = {
             let mut ctx = self.context(key, &[]);
             ctx.value::<Vec<(i64, i64)>>("sessions").unwrap_or_default()
@@ -486,6 +489,11 @@ where
             if absorbed.len() == before {
                 break;
             }
+        }
+        if self.is_late(&merged) {
+            // Every absorbed session ends no later, so it was late too: its cleanup timer
+            // fired already and nothing of it is left to merge.
+            return None;
         }
         let into = merged.encode();
         // Borrowed, not cloned (see `collect`).
@@ -517,7 +525,7 @@ where
         sessions.push((merged.start, merged.end));
         let mut ctx = self.context(key, &[]);
         ctx.set_value("sessions", &sessions);
-        merged
+        Some(merged)
     }
 
     fn context<'a>(&'a mut self, key: &'a K, ns: &'a [u8]) -> KeyedContext<'a, K, R> {
@@ -568,21 +576,22 @@ where
             return;
         }
         if self.assigner.is_session() {
-            let w = windows[0];
-            if self.is_late(&w) {
-                bump(&self.counters.records_dropped, 1);
-                self.windows = windows;
-                return;
+            match self.merge_session(&key, windows[0]) {
+                Some(merged) => windows[0] = merged,
+                None => windows.clear(),
             }
-            windows[0] = self.merge_session(&key, w);
+        } else {
+            // Late windows drop out in place: no list allocated per record.
+            windows.retain(|w| !self.is_late(w));
         }
-        // Late windows drop out in place: no list allocated per record.
-        let assigned = windows.len();
-        windows.retain(|w| !self.is_late(w));
-        bump(
-            &self.counters.records_dropped,
-            (assigned - windows.len()) as u64,
-        );
+        if windows.is_empty() {
+            // A record counts as dropped once, and only when no window took it (Flink's
+            // `numLateRecordsDropped`): a sliding window's record that some of its windows
+            // still take is not dropped.
+            bump(&self.counters.records_dropped, 1);
+            self.windows = windows;
+            return;
+        }
         let n = windows.len();
         let mut emitted = 0;
         let session = self.assigner.is_session();

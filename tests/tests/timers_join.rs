@@ -355,6 +355,63 @@ fn a_late_record_merging_fired_sessions_fires_the_merged_window_once() {
     assert_eq!(end, vec![], "the end fires nothing again");
 }
 
+/// The records a driver's operators dropped.
+fn dropped<I: weir_runtime::Data, O: weir_runtime::Data>(d: &TestDriver<I, O>) -> u64 {
+    d.metrics()
+        .operators
+        .iter()
+        .map(|o| o.records_dropped)
+        .sum()
+}
+
+/// A record whose own session is late joins a live session that its window touches, as in
+/// Flink (`WindowOperator` merges first, then asks whether the merged window is late): it
+/// was dropped as late. A record whose merged window is late is still dropped, once.
+#[test]
+fn a_late_record_joins_a_live_session_it_touches() {
+    let mut d = TestDriver::new(|s| {
+        s.key_by(|e: &(u32, i64)| e.0)
+            .window(weir_runtime::WindowAssigner::session(10))
+            .count_with(|k, w, n| (*k, w.start, w.end, n))
+    })
+    .expect("driver");
+    d.push_at((1, 10), 10);
+    d.watermark(15);
+    // Its own session, [5, 15), is late; merged with [10, 20) it is not.
+    d.push_at((1, 5), 5);
+    d.run_until_idle().expect("run");
+    assert_eq!(dropped(&d), 0, "5 joined the live session");
+    d.watermark(30);
+    d.run_until_idle().expect("run");
+    assert_eq!(d.drain().expect("drain"), vec![(1, 5, 20, 2)]);
+    // [2, 12) touches no live session: late, dropped.
+    d.push_at((1, 2), 2);
+    assert_eq!(d.finish().expect("finish"), vec![]);
+    assert_eq!(dropped(&d), 1);
+}
+
+/// A record counts as dropped once, and only when none of its windows takes it (Flink's
+/// `numLateRecordsDropped`): a sliding window's record counted once per late window.
+#[test]
+fn a_sliding_window_record_is_dropped_once_and_only_when_every_window_is_late() {
+    let mut d = TestDriver::new(|s| {
+        s.key_by(|e: &(u32, i64)| e.0)
+            .window(weir_runtime::WindowAssigner::sliding(30, 10))
+            .count_with(|k, w, n| (*k, w.start, w.end, n))
+    })
+    .expect("driver");
+    d.push_at((1, 100), 100);
+    d.watermark(99);
+    // [50, 80), [60, 90) and [70, 100): every window late.
+    d.push_at((1, 75), 75);
+    // [70, 100) late; [80, 110) and [90, 120) take it.
+    d.push_at((1, 95), 95);
+    let mut got = d.finish().expect("finish");
+    got.sort();
+    assert_eq!(got, vec![(1, 80, 110, 2), (1, 90, 120, 2), (1, 100, 130, 1)]);
+    assert_eq!(dropped(&d), 1);
+}
+
 /// Allowed lateness: a window fires at the watermark, again for each late record within the
 /// lateness (with everything so far), and drops records after it; the firings are those of a
 /// sequential reading of the same input.
