@@ -883,7 +883,7 @@ fn supervise(
 struct Backoff {
     /// When failures happened (failure rate).
     failures: Vec<Instant>,
-    /// The exponential delay's last base delay, and when the failure that set it happened.
+    /// The exponential delay's last base delay, and when the restart it delayed was due.
     delay: Option<(Duration, Instant)>,
 }
 
@@ -921,14 +921,20 @@ impl Backoff {
                 jitter,
                 reset_after,
             } => {
+                // The delay resets once the job ran `reset_after` since its last restart, as
+                // Flink's: counted from the failure, a delay grown past `reset_after` reset
+                // itself every time, and the backoff cycled instead of growing.
                 let base = match self.delay {
-                    Some((d, at)) if now.duration_since(at) < *reset_after => {
+                    Some((d, restarted))
+                        if now.saturating_duration_since(restarted) < *reset_after =>
+                    {
                         scale(d, *multiplier).map_or(*max, |g| g.min(*max))
                     }
                     _ => *initial,
                 };
-                self.delay = Some((base, now));
-                Some(scale(base, (1.0 + jitter * noise).max(0.0)).unwrap_or(base))
+                let delay = scale(base, (1.0 + jitter * noise).max(0.0)).unwrap_or(base);
+                self.delay = Some((base, now.checked_add(delay).unwrap_or(now)));
+                Some(delay)
             }
         }
     }
@@ -1470,6 +1476,34 @@ mod tests {
         assert_eq!(got, vec![(0, 1_000), (1, 1_000)]);
     }
 
+    /// The exponential delay resets only once the job ran `reset_after` since its restart,
+    /// as Flink's: the audit's attempts, each failing 30 ms after it started, got 200, 400,
+    /// 800, then 200 ms again under a 500 ms reset, because the delay itself counted as
+    /// quiet time.
+    #[test]
+    fn the_exponential_delay_grows_while_attempts_fail_soon_after_they_start() {
+        let ms = Duration::from_millis;
+        let s = RestartStrategy::ExponentialDelay {
+            initial: ms(200),
+            max: ms(3200),
+            multiplier: 2.0,
+            jitter: 0.0,
+            reset_after: ms(500),
+        };
+        let mut b = Backoff::default();
+        let mut now = Instant::now();
+        let mut waits = Vec::new();
+        for i in 0..6 {
+            now += ms(30);
+            let d = b.next(&s, i, now, 0.0).expect("restarts");
+            waits.push(d);
+            now += d;
+        }
+        assert_eq!(waits, [200, 400, 800, 1600, 3200, 3200].map(ms));
+        // An attempt that ran 500 ms resets it.
+        assert_eq!(b.next(&s, 6, now + ms(500), 0.0), Some(ms(200)));
+    }
+
     /// Restart delays of any strategy, validated or not, never panic: a delay grown past what
     /// a `Duration` holds is the strategy's max (`Duration::mul_f64` panicked at the second
     /// failure under `multiplier = inf` or `1e300`), jitter that is no number adds none, and
@@ -1494,8 +1528,13 @@ mod tests {
             .map(|i| b.next(&s, i, t0 + ms(i), 0.0).expect("restarts"))
             .collect();
         assert_eq!(waits, [1, 2, 4, 8, 16, 32, 50, 50].map(ms));
-        // Reset after a quiet `reset_after`.
-        assert_eq!(b.next(&s, 8, t0 + ms(8) + hour, 0.0), Some(ms(1)));
+        // Reset after running `reset_after` since the last restart (due at 7 + 50 ms).
+        assert_eq!(b.next(&s, 8, t0 + ms(56) + hour, 0.0), Some(ms(50)));
+        let mut b = Backoff::default();
+        for i in 0..8 {
+            b.next(&s, i, t0 + ms(i), 0.0);
+        }
+        assert_eq!(b.next(&s, 8, t0 + ms(57) + hour, 0.0), Some(ms(1)));
         for m in [f64::MAX, 1e300, f64::INFINITY, f64::NAN] {
             let s = exp(ms(1), ms(50), m, 0.1);
             let mut b = Backoff::default();
