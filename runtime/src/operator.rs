@@ -412,7 +412,11 @@ mod tests {
         m.on_event(1, Event::Watermark(60), &mut |e| got.push(e));
         assert_eq!(got[2..], [Event::Idle(false)], "active again");
         m.on_event(0, Event::Watermark(120), &mut |e| got.push(e));
-        assert_eq!(got[3..], [Event::Watermark(120)], "input 1 at 60 is not aligned");
+        assert_eq!(
+            got[3..],
+            [Event::Watermark(120)],
+            "input 1 at 60 is not aligned"
+        );
 
         let mut m = InputMerger::new(2);
         let mut got = Vec::new();

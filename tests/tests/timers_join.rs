@@ -408,7 +408,10 @@ fn a_sliding_window_record_is_dropped_once_and_only_when_every_window_is_late() 
     d.push_at((1, 95), 95);
     let mut got = d.finish().expect("finish");
     got.sort();
-    assert_eq!(got, vec![(1, 80, 110, 2), (1, 90, 120, 2), (1, 100, 130, 1)]);
+    assert_eq!(
+        got,
+        vec![(1, 80, 110, 2), (1, 90, 120, 2), (1, 100, 130, 1)]
+    );
     assert_eq!(dropped(&d), 1);
 }
 
