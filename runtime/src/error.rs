@@ -72,6 +72,12 @@ pub enum SavepointError {
     CheckpointFailed { reason: String },
     #[error("the job ended before its savepoint's checkpoint completed")]
     JobEnded,
+    /// The job was restarting after a failure (waiting out its restart delay) before a
+    /// checkpoint was triggered for the savepoint, as Flink refuses a savepoint while its
+    /// tasks are not running: the request is withdrawn, not served whenever the next
+    /// attempt runs.
+    #[error("the job is restarting after a failure: trigger the savepoint again once it runs")]
+    Restarting,
     #[error("copying checkpoint {checkpoint_id} to {dir}: {reason}")]
     Export {
         checkpoint_id: u64,

@@ -275,8 +275,14 @@ impl JobHandle {
         if !self.ctl.checkpointing {
             return Err(SavepointError::NoCheckpointing);
         }
+        static TOKENS: AtomicU64 = AtomicU64::new(0);
+        let token = TOKENS.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel();
-        lock(&self.ctl.requests.savepoints).push(SavepointRequest { waiter: tx, stop });
+        lock(&self.ctl.requests.savepoints).push(SavepointRequest {
+            waiter: tx,
+            token,
+            stop,
+        });
         // `gate`: a stop's; dropped before `stop` (any error below), the job goes on.
         let (pin, gate) = loop {
             match rx.recv_timeout(Duration::from_millis(20)) {
@@ -286,6 +292,17 @@ impl JobHandle {
                     // A request no coordinator took before the job ended is never served.
                     if self.is_finished() {
                         return Err(SavepointError::JobEnded);
+                    }
+                    // Nor, as in Flink, one made or left waiting while the job restarts: it
+                    // would wait out the whole restart delay. Withdrawn only if no coordinator
+                    // took it yet (one that did answers or drops it); a stop left queued
+                    // would stop the job after its caller was told it failed.
+                    if self.status() == JobStatus::Restarting {
+                        let mut queued = lock(&self.ctl.requests.savepoints);
+                        if let Some(i) = queued.iter().position(|r| r.token == token) {
+                            queued.remove(i);
+                            return Err(SavepointError::Restarting);
+                        }
                     }
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => {

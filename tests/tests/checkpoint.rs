@@ -941,6 +941,63 @@ fn an_ended_job_refuses_triggers() {
     h.wait().expect("job");
 }
 
+/// A savepoint requested while the job waits out its restart delay fails at once, as Flink
+/// refuses one while its tasks are not running (it waited for the next attempt: here an
+/// hour), and is withdrawn: the job then runs on without stopping.
+#[test]
+fn a_savepoint_during_a_restart_fails_at_once() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let config = JobConfig::new()
+        .with_shards(1)
+        .with_pinning(Pinning::Never)
+        .with_checkpointing(ck(dir.path(), CheckpointMode::ExactlyOnce).with_restart(
+            RestartStrategy::FixedDelay {
+                attempts: 1,
+                delay: Duration::from_secs(3600),
+            },
+        ));
+    let job = Job::new(config);
+    let _ = job
+        .from_iter(|_, _| 0..u64::MAX)
+        .map(|x| {
+            assert!(x != 1000, "fails once, at 1000");
+            x
+        })
+        .collect();
+    let h = job.start().expect("start");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while h.status() != weir_runtime::JobStatus::Restarting {
+        assert!(std::time::Instant::now() < deadline, "no restart");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    for stop in [false, true] {
+        let sp = dir.path().join("sp");
+        // On a thread: before, the call waited out the restart delay; the cancel ends that.
+        let r = std::thread::scope(|scope| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let (h, sp) = (&h, &sp);
+            scope.spawn(move || {
+                let _ = tx.send(if stop {
+                    h.stop_with_savepoint(sp)
+                } else {
+                    h.trigger_savepoint(sp)
+                });
+            });
+            let r = rx.recv_timeout(Duration::from_secs(30));
+            if r.is_err() {
+                h.cancel();
+            }
+            r
+        });
+        assert!(
+            matches!(r, Ok(Err(weir_runtime::SavepointError::Restarting))),
+            "stop {stop}: {r:?}"
+        );
+    }
+    assert_eq!(h.status(), weir_runtime::JobStatus::Restarting);
+    h.cancel();
+}
+
 /// `c` restoring from `restore`, if any, and with the small batches of a held job (`held`:
 /// see [`HELD_BATCH_RECORDS`]).
 /// An exactly-once job on `shards` unpinned shards checkpointing into `dir` ([`ck`]).

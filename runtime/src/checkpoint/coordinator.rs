@@ -120,12 +120,15 @@ fn withdraw_stop(shared: &Shared, id: u64) {
 /// A savepoint request from the job handle.
 pub(crate) struct SavepointRequest {
     pub waiter: SavepointWaiter,
+    /// Tells the request apart from others, so that its caller can withdraw it.
+    pub token: u64,
     /// Stop the job with this savepoint (Flink's stop-with-savepoint).
     pub stop: bool,
 }
 
 /// Requests to the coordinator from the job handle. They outlive an attempt: a request the
-/// coordinator of a failed attempt did not take is served after the restart.
+/// coordinator of a failed attempt did not take is served after the restart (a savepoint's
+/// caller withdraws its request once the job is restarting, see `JobHandle::savepoint`).
 #[derive(Default)]
 pub(crate) struct Requests {
     pub manual: std::sync::atomic::AtomicU64,
