@@ -1101,15 +1101,20 @@ fn run_attempt(
             shared.clone(),
             restore.clone(),
         );
+        // Moved into the closure, not made inside the future: glommio builds the executor on
+        // the new thread before it calls the closure, and a panic there (io_uring setup, say)
+        // then drops the closure, and the guard with it. Made in the future, it never
+        // existed, the count never dropped, and the job waited for good in Initializing.
+        let exit = ShardExit {
+            cancel: cancel2.clone(),
+            running: running2,
+            supervisor,
+        };
         let spawned = LocalExecutorBuilder::new(plan.placements[shard].clone())
             .name(&format!("weir-shard-{shard}"))
             .io_memory(config.io_memory_bytes)
             .spawn(move || async move {
-                let _exit = ShardExit {
-                    cancel: cancel2.clone(),
-                    running: running2,
-                    supervisor,
-                };
+                let _exit = exit;
                 crate::platform::set_fine_timer_slack();
                 let r = async {
                     crate::platform::dma_probe(&sentinel, shard).await?;

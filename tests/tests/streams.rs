@@ -541,3 +541,30 @@ fn windows_fire_when_every_source_is_idle() {
     want[10].2 = 1;
     assert_eq!(got, want);
 }
+
+/// A shard whose executor cannot be built (glommio panicked setting up an io_uring buffer of
+/// a TiB) ends the job with an error: the panic came before the shard's guard existed, so
+/// the job waited in Initializing for good. Whether it is refused up front or fails in the
+/// shard, it must end.
+#[test]
+fn a_shard_whose_executor_cannot_be_built_ends_the_job() {
+    let job = Job::new(config(2).with_io_memory_bytes(1 << 40));
+    let _ = job.from_vec((0..10u64).collect()).collect();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let h = job.start();
+    let h = match h {
+        Ok(h) => h,
+        Err(e) => {
+            assert!(e.to_string().contains("io_memory_bytes"), "{e}");
+            return;
+        }
+    };
+    let waiter = std::thread::spawn(move || {
+        let _ = tx.send(h.wait().map(|_| ()).map_err(|e| e.to_string()));
+    });
+    let r = rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the job did not end");
+    assert!(r.is_err(), "{r:?}");
+    waiter.join().expect("waiter");
+}
