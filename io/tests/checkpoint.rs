@@ -1161,6 +1161,46 @@ fn commit_fails_when_a_reused_file_is_gone() {
     assert_eq!(st.latest_complete().unwrap().unwrap().id, 1);
 }
 
+/// A reuse checks that the file is there and holds it against retention from then on, under
+/// the GC lock: with concurrent checkpoints, retention after one of them completed dropped a
+/// file that another had decided to reuse, and that one failed at its commit. A file already
+/// gone is `MissingReusedFile` at the reuse (the caller uploads instead), and a file reused
+/// by an in-progress checkpoint survives a retention that drops every checkpoint holding it.
+#[test]
+fn a_reuse_holds_its_file_against_retention_and_refuses_a_file_gone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (root, local) = (tmp.path().join("c"), tmp.path().join("l"));
+    let st = open(Arc::new(StdFs), &root);
+    let c1 = write_checkpoint(&st, 1, &local, None).unwrap();
+    let kept = &c1.metadata.files[0];
+    let p3 = st.begin(3).unwrap();
+    let mut w = p3.writer();
+    w.reuse_shared(kept).unwrap();
+    w.finish().unwrap();
+    // Checkpoint 2 (complete, sharing nothing with 1) makes retention drop 1.
+    write_checkpoint(&st, 2, &local, None).unwrap();
+    let r = st.retain(1).unwrap();
+    assert_eq!(r.dropped_checkpoints, vec![1]);
+    assert!(
+        st.job_dir().join(&kept.path).exists(),
+        "held by checkpoint 3"
+    );
+    st.commit(p3, info(3)).unwrap();
+    // Gone before the reuse: refused there, not at the commit.
+    std::fs::remove_file(st.job_dir().join(&kept.path)).unwrap();
+    let p4 = st.begin(4).unwrap();
+    let mut w = p4.writer();
+    assert!(matches!(
+        w.reuse_shared(kept),
+        Err(CheckpointError::MissingReusedFile {
+            checkpoint_id: 4,
+            ..
+        })
+    ));
+    w.finish().unwrap();
+    st.commit(p4, info(4)).unwrap();
+}
+
 /// A savepoint export that fails part way (a directory's fsync, the metadata's write or
 /// fsync) leaves no directory behind: before, the partial copy stayed in the savepoint root
 /// beside real savepoints. One that succeeds verifies, also where a hard link failed and the

@@ -608,11 +608,15 @@ impl ShardState {
                 let mut files = Vec::new();
                 let mut new = Vec::new();
                 for seg in &handle.segments {
-                    let f = match known.get(&seg.segment_id) {
-                        Some(f) => {
-                            store.reuse_shared(id, shard, f)?;
-                            f.clone()
-                        }
+                    // A known file can be gone when checkpoints run concurrently: another one
+                    // completed since this one's barrier, and retention dropped what only
+                    // older checkpoints held. Then the segment is uploaded again.
+                    let reused = match known.get(&seg.segment_id) {
+                        Some(f) => store.reuse_shared(id, shard, f)?.then(|| f.clone()),
+                        None => None,
+                    };
+                    let f = match reused {
+                        Some(f) => f,
                         None => {
                             let f = store.upload_shared(
                                 id,

@@ -1447,10 +1447,25 @@ impl CheckpointWriter {
     }
 
     /// Reference a whole file uploaded by an earlier, still retained checkpoint instead of
-    /// uploading it again (incremental checkpoints). Reuse only references of the latest
-    /// complete checkpoint; commit fails if the file is gone.
+    /// uploading it again (incremental checkpoints). A file already gone is
+    /// [`CheckpointError::MissingReusedFile`] (upload it instead); one that exists is held
+    /// against retention from here on. Checked and registered under the GC lock: a retention
+    /// between the check and the registration (checkpoints running concurrently, one
+    /// completing while another decides what to reuse) deleted the file, and the commit failed.
     pub fn reuse_shared(&mut self, r: &FileRef) -> Result<(), CheckpointError> {
         self.check_reuse(&r.path)?;
+        let sh = &self.inner.storage;
+        let _gc = lock(&sh.gc);
+        match sh.fs.open(&sh.job_dir.join(&r.path)) {
+            Ok(_) => {}
+            Err(e) if is_not_found(&e) => {
+                return Err(CheckpointError::MissingReusedFile {
+                    checkpoint_id: self.inner.checkpoint_id,
+                    path: r.path.clone(),
+                })
+            }
+            Err(e) => return Err(self.inner.fail(e).into()),
+        }
         self.inner.register(&r.path, false)?;
         lock(&self.inner.state).files.push(r.clone());
         Ok(())

@@ -33,8 +33,9 @@ pub(crate) trait CheckpointStore: Send + Sync {
         crc32: u32,
         copy: bool,
     ) -> Result<FileRefData, String>;
-    /// Checkpoint `id` references a shared file an earlier checkpoint uploaded.
-    fn reuse_shared(&self, id: u64, shard: usize, f: &FileRefData) -> Result<(), String>;
+    /// Checkpoint `id` references a shared file an earlier checkpoint uploaded; `false`: that
+    /// file is gone (retention dropped the checkpoints that held it), upload the segment.
+    fn reuse_shared(&self, id: u64, shard: usize, f: &FileRefData) -> Result<bool, String>;
     /// Appends a small file to the shard's merged task-owned file of checkpoint `id`.
     fn write_small(&self, id: u64, shard: usize, bytes: &[u8]) -> Result<LogicalRefData, String>;
     /// Makes checkpoint `id` complete: every file synced, then the metadata durable.
@@ -159,11 +160,15 @@ impl CheckpointStore for IoCheckpointStore {
         Ok(from_ref(&r))
     }
 
-    fn reuse_shared(&self, id: u64, _shard: usize, f: &FileRefData) -> Result<(), String> {
+    fn reuse_shared(&self, id: u64, _shard: usize, f: &FileRefData) -> Result<bool, String> {
         let mut w = self.writer(id)?;
-        w.reuse_shared(&to_ref(f)).map_err(|e| e.to_string())?;
+        let reused = match w.reuse_shared(&to_ref(f)) {
+            Ok(()) => true,
+            Err(weir_io::CheckpointError::MissingReusedFile { .. }) => false,
+            Err(e) => return Err(e.to_string()),
+        };
         w.finish().map_err(|e| e.to_string())?;
-        Ok(())
+        Ok(reused)
     }
 
     fn write_small(&self, id: u64, shard: usize, bytes: &[u8]) -> Result<LogicalRefData, String> {
