@@ -212,6 +212,8 @@ impl Coordinator {
                 for (id, _) in std::mem::take(&mut self.pending) {
                     self.shared.store.abort(id);
                 }
+                // The job is going: nothing is in progress any more.
+                self.update_in_progress();
                 return;
             }
             match self.rx.recv_timeout(Duration::from_millis(5)) {
@@ -247,10 +249,14 @@ impl Coordinator {
             let total = self.shared.sources_total.load(Ordering::Acquire);
             total > 0 && self.shared.sources_finished.load(Ordering::Acquire) >= total
         };
-        if sources_done
-            && self.shared.final_id.load(Ordering::Acquire) == 0
-            && self.pending.is_empty()
-        {
+        let paused = self
+            .last_completion
+            .is_some_and(|t| now.duration_since(t) < self.shared.config.min_pause);
+        // Not only once nothing is pending: with concurrent checkpoints, one whose barrier
+        // the sources skipped (they inject the newest requested) never completes, and the
+        // final one waited out its timeout. The final one subsumes it when it completes.
+        // The minimum pause holds before it too, as before any periodic checkpoint.
+        if sources_done && self.shared.final_id.load(Ordering::Acquire) == 0 && !paused {
             // Every source read its input to the end: take the checkpoint that commits the
             // job's last output. Sources end their streams once it completes. It is marked
             // final before its barriers exist, so that every exchange sees the mark and takes
@@ -264,9 +270,6 @@ impl Coordinator {
         if sources_done {
             return;
         }
-        let paused = self
-            .last_completion
-            .is_some_and(|t| now.duration_since(t) < self.shared.config.min_pause);
         let waiting = std::mem::take(
             &mut *self
                 .requests
@@ -324,7 +327,7 @@ impl Coordinator {
             self.next_periodic = now.checked_add(i);
         }
         if let Err(e) = self.shared.store.begin(id) {
-            self.fail_checkpoint(id, format!("could not begin: {e}"));
+            self.fail_checkpoint(id, None, format!("could not begin: {e}"));
             return None;
         }
         self.pending.insert(
@@ -379,10 +382,11 @@ impl Coordinator {
                 checkpoint_id,
                 reason,
             } => {
-                if self.pending.remove(&checkpoint_id).is_some() {
+                if let Some(p) = self.pending.remove(&checkpoint_id) {
                     self.shared.store.abort(checkpoint_id);
                     self.fail_checkpoint(
                         checkpoint_id,
+                        Some(p),
                         format!("declined by shard {shard}: {reason}"),
                     );
                 }
@@ -467,6 +471,7 @@ impl Coordinator {
                     m.last_completed_checkpoint_id = Some(id);
                     push_history(&mut m.history, p.stats);
                 }
+                self.subsume_older(id);
                 self.update_in_progress();
                 // Pinned before retention runs: no later checkpoint can drop it meanwhile.
                 for (_, w, stop) in self.waiters_of(id) {
@@ -491,7 +496,7 @@ impl Coordinator {
             }
             Err(e) => {
                 self.shared.store.abort(id);
-                self.fail_checkpoint(id, format!("writing metadata failed: {e}"));
+                self.fail_checkpoint(id, Some(p), format!("writing metadata failed: {e}"));
             }
         }
     }
@@ -505,9 +510,9 @@ impl Coordinator {
             .map(|(id, _)| *id)
             .collect();
         for id in expired {
-            self.pending.remove(&id);
+            let p = self.pending.remove(&id);
             self.shared.store.abort(id);
-            self.fail_checkpoint(id, format!("expired after {timeout:?}"));
+            self.fail_checkpoint(id, p, format!("expired after {timeout:?}"));
         }
     }
 
@@ -520,25 +525,76 @@ impl Coordinator {
         mine
     }
 
-    fn fail_checkpoint(&mut self, id: u64, reason: String) {
+    /// Checkpoint `id` (`pending`, if it got that far) failed: it counts towards the
+    /// tolerable failures.
+    fn fail_checkpoint(&mut self, id: u64, pending: Option<Pending>, reason: String) {
         tracing::debug!("ckpt {id} failed: {reason}");
         for (_, w, _) in self.waiters_of(id) {
             let _ = w.send(Err(reason.clone()));
         }
         tracing::warn!("checkpoint {id} failed: {reason}");
-        self.shared.aborted.fetch_max(id, Ordering::AcqRel);
         self.consecutive_failures += 1;
+        self.record_failure(id, pending, reason.clone());
+        if self.consecutive_failures > self.shared.config.tolerable_failures {
+            let mut f = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+            f.get_or_insert_with(|| {
+                format!(
+                    "{} consecutive checkpoint failures exceed the tolerable {} (last: checkpoint {id}: {reason})",
+                    self.consecutive_failures, self.shared.config.tolerable_failures
+                )
+            });
+        }
+    }
+
+    /// The pending checkpoints older than `id`, which just completed, are subsumed, as in
+    /// Flink: they can no longer complete where a newer barrier passed them, and one whose
+    /// barrier the sources skipped never had a chance to. They are aborted without counting
+    /// towards the tolerable failures; a savepoint waiting for one is served by `id`.
+    fn subsume_older(&mut self, id: u64) {
+        let older: Vec<u64> = self.pending.range(..id).map(|(o, _)| *o).collect();
+        for o in older {
+            let p = self.pending.remove(&o);
+            self.shared.store.abort(o);
+            for (c, _, stop) in self.savepoint_waiters.iter_mut() {
+                if *c == o && !*stop {
+                    *c = id;
+                }
+            }
+            let reason = format!("subsumed by checkpoint {id}");
+            for (_, w, _) in self.waiters_of(o) {
+                let _ = w.send(Err(reason.clone()));
+            }
+            tracing::debug!("ckpt {o} {reason}");
+            self.record_failure(o, p, reason);
+        }
+    }
+
+    /// Records checkpoint `id` as failed in the metrics, with its trigger time and how long
+    /// it ran if it was pending (a failed checkpoint showed neither), and undoes the marks it
+    /// set as the final or a stop's checkpoint.
+    fn record_failure(&mut self, id: u64, pending: Option<Pending>, reason: String) {
+        self.shared.aborted.fetch_max(id, Ordering::AcqRel);
         {
-            let mut m = self.metrics.lock().unwrap_or_else(|p| p.into_inner());
-            m.number_of_failed_checkpoints += 1;
-            push_history(
-                &mut m.history,
-                CheckpointStats {
+            let stats = match pending {
+                Some(p) => {
+                    let took = p.trigger.elapsed();
+                    CheckpointStats {
+                        duration_ms: took.as_millis() as u64,
+                        duration_ns: took.as_nanos() as u64,
+                        failure: Some(reason),
+                        ..p.stats
+                    }
+                }
+                None => CheckpointStats {
                     checkpoint_id: id,
-                    failure: Some(reason.clone()),
+                    trigger_timestamp_ms: now_ms(),
+                    failure: Some(reason),
                     ..Default::default()
                 },
-            );
+            };
+            let mut m = self.metrics.lock().unwrap_or_else(|p| p.into_inner());
+            m.number_of_failed_checkpoints += 1;
+            push_history(&mut m.history, stats);
         }
         self.update_in_progress();
         // A failed final checkpoint is retried: the sources wait for one to complete.
@@ -549,15 +605,6 @@ impl Coordinator {
         if self.stop_id == Some(id) {
             self.stop_id = None;
             self.shared.stop_at.store(0, Ordering::Release);
-        }
-        if self.consecutive_failures > self.shared.config.tolerable_failures {
-            let mut f = self.failure.lock().unwrap_or_else(|p| p.into_inner());
-            f.get_or_insert_with(|| {
-                format!(
-                    "{} consecutive checkpoint failures exceed the tolerable {} (last: checkpoint {id}: {reason})",
-                    self.consecutive_failures, self.shared.config.tolerable_failures
-                )
-            });
         }
     }
 }
@@ -613,6 +660,108 @@ mod tests {
     fn trigger_by_hand(c: &mut Coordinator) {
         c.requests.manual.fetch_add(1, Ordering::AcqRel);
         c.maybe_trigger();
+    }
+
+    /// Shard 0's acknowledgement of checkpoint `id`, with nothing in it.
+    fn ack(c: &mut Coordinator, id: u64) {
+        c.on_ack(Ack::Done {
+            shard: 0,
+            checkpoint_id: id,
+            snapshot: Default::default(),
+            sync_ns: 0,
+            async_ns: 0,
+            alignment_ns: 0,
+            persisted_inflight_bytes: 0,
+            barrier_at: Instant::now(),
+        });
+    }
+
+    /// With concurrent checkpoints, a completed one subsumes the older pending ones, as in
+    /// Flink: the sources inject only the newest barrier requested, so an older one can never
+    /// complete, and it waited out its timeout (and failed the job with no failure
+    /// tolerated). Subsumed, it is in the history as failed, with its trigger time, but does
+    /// not count towards the tolerable failures; a savepoint waiting for it is served by the
+    /// newer one.
+    #[test]
+    fn a_completed_checkpoint_subsumes_older_pending_ones() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let mut config = CheckpointConfig::new(tmp.path(), "job");
+        config.max_concurrent = 3;
+        let mut c = coordinator(tmp.path(), config, 1);
+        trigger_by_hand(&mut c);
+        let (tx, rx) = mpsc::channel();
+        c.requests
+            .savepoints
+            .lock()
+            .expect("lock")
+            .push(SavepointRequest {
+                waiter: tx,
+                token: 0,
+                stop: false,
+            });
+        c.maybe_trigger();
+        trigger_by_hand(&mut c);
+        assert_eq!(c.pending.keys().copied().collect::<Vec<_>>(), [1, 2, 3]);
+        ack(&mut c, 3);
+        assert!(c.pending.is_empty(), "{:?}", c.pending.keys());
+        assert!(c.failure.lock().expect("lock").is_none());
+        assert_eq!(c.consecutive_failures, 0);
+        let m = c.metrics.lock().expect("lock").clone();
+        assert_eq!(m.number_of_completed_checkpoints, 1);
+        assert_eq!(m.number_of_failed_checkpoints, 2);
+        assert_eq!(m.number_of_in_progress_checkpoints, 0);
+        for s in m.history.iter().filter(|s| s.checkpoint_id < 3) {
+            assert_eq!(s.failure.as_deref(), Some("subsumed by checkpoint 3"));
+            assert!(s.trigger_timestamp_ms > 0, "{s:?}");
+        }
+        let pin = rx.try_recv().expect("served").expect("pinned").0;
+        assert_eq!(
+            pin.checkpoint_id(),
+            3,
+            "the savepoint's checkpoint 2 was subsumed"
+        );
+    }
+
+    /// A checkpoint that expires keeps its trigger time and duration in the history (both
+    /// were 0), and once the job stops nothing is in progress any more.
+    #[test]
+    fn a_failed_checkpoint_keeps_its_times_and_a_stop_clears_the_in_progress_count() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let mut config = CheckpointConfig::new(tmp.path(), "job");
+        config.timeout = Duration::from_millis(1);
+        config.tolerable_failures = 5;
+        let mut c = coordinator(tmp.path(), config, 1);
+        trigger_by_hand(&mut c);
+        std::thread::sleep(Duration::from_millis(5));
+        c.check_timeouts();
+        let m = c.metrics.lock().expect("lock").clone();
+        let s = &m.history[0];
+        assert!(
+            s.failure.as_deref().is_some_and(|f| f.contains("expired")),
+            "{s:?}"
+        );
+        assert!(
+            s.trigger_timestamp_ms > 0 && s.duration_ns >= 1_000_000,
+            "{s:?}"
+        );
+        trigger_by_hand(&mut c);
+        assert_eq!(
+            c.metrics
+                .lock()
+                .expect("lock")
+                .number_of_in_progress_checkpoints,
+            1
+        );
+        let metrics = c.metrics.clone();
+        c.shared.stopping.store(true, Ordering::Release);
+        c.run();
+        assert_eq!(
+            metrics
+                .lock()
+                .expect("lock")
+                .number_of_in_progress_checkpoints,
+            0
+        );
     }
 
     /// An interval past what an `Instant` holds (built in code, never validated) means no
