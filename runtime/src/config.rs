@@ -22,35 +22,40 @@ pub struct JobConfig {
     pub max_parallelism: u16,
     pub pinning: Pinning,
     /// glommio's registered I/O memory per executor. Small, because RLIMIT_MEMLOCK is small here.
+    /// At most [`MAX_IO_MEMORY_BYTES`].
     pub io_memory_bytes: usize,
-    /// Capacity of each (producer shard, consumer shard) ring.
+    /// Capacity of each (producer shard, consumer shard) ring: a power of two from 64 KiB to
+    /// the ring's largest, [`weir_ring::MAX_CAPACITY`] (1 GiB).
     pub ring_capacity_bytes: usize,
     /// Records a source hands over per poll, and the most a shard processes before it looks at
-    /// its other inputs.
+    /// its other inputs. 1 to [`MAX_BATCH_RECORDS`].
     pub batch_records: usize,
     /// Where shards keep their state stores. `None`: a fresh temporary directory per run.
     pub state_dir: Option<PathBuf>,
     /// Memtable budget of each shard's state store: all its memtable memory (the mutable
     /// memtable, which freezes at half of it, the one being flushed, one kept for reuse; see
     /// `weir_state::StoreConfig::memtable_budget_bytes`). A shard whose store fills it stops
-    /// until the flush is installed.
+    /// until the flush is installed. [`MIN_MEMTABLE_BUDGET_BYTES`] to
+    /// [`MAX_MEMTABLE_BUDGET_BYTES`].
     pub memtable_budget_bytes: usize,
     /// Flushed memtables each store keeps readable in front of their segments (a read cache;
     /// 0 = off), a budget of its own beside `memtable_budget_bytes`. When a memtable is frozen,
-    /// the keys a job keeps updating would otherwise be read back from segment files.
+    /// the keys a job keeps updating would otherwise be read back from segment files. At most
+    /// [`MAX_MEMTABLE_BUDGET_BYTES`].
     pub retained_memtable_bytes: usize,
     /// Fault in each store's memtable memory when the job starts instead of while it fills
     /// (see `weir_state::StoreConfig::prefault_memtable`): the budget is resident from the
     /// start, and the first pass over the keys has no page-fault stalls. For latency-critical
-    /// jobs; off by default, so that idle shards cost no memory.
+    /// jobs; off by default, so that idle shards cost no memory. On, the shards' budgets
+    /// together must fit in the machine's memory.
     pub prefault_state_memory: bool,
-    /// How often sources emit watermarks and latency markers.
+    /// How often periodic watermark strategies emit a watermark; at most [`MAX_INTERVAL_MS`].
     pub auto_watermark_interval_ms: u64,
-    /// How often sources emit a latency marker (0: never).
+    /// How often sources emit a latency marker (0: never); at most [`MAX_INTERVAL_MS`].
     pub latency_marker_interval_ms: u64,
     /// The longest a shard with nothing to do sleeps before it looks again. Latency of a
     /// record arriving at an idle shard is bounded by it; 0 never sleeps (lowest latency, a
-    /// busy core).
+    /// busy core). At most [`MAX_IDLE_SLEEP_US`].
     pub idle_sleep_max_us: u64,
     /// Checkpointing; `None`: no checkpoints and no restarts.
     pub checkpoint: Option<crate::checkpoint::CheckpointConfig>,
@@ -232,17 +237,23 @@ impl JobConfig {
                 ),
             );
         }
-        if !self.ring_capacity_bytes.is_power_of_two() || self.ring_capacity_bytes < 64 << 10 {
+        // The ring's own range (but a larger minimum): past it, building the rings panicked.
+        let ring = self.ring_capacity_bytes;
+        if !ring.is_power_of_two() || !(64 << 10..=weir_ring::MAX_CAPACITY).contains(&ring) {
             return bad(
                 "ring_capacity_bytes",
                 format!(
-                    "{} must be a power of two >= 64 KiB",
-                    self.ring_capacity_bytes
+                    "{ring} must be a power of two from 64 KiB to {} bytes",
+                    weir_ring::MAX_CAPACITY
                 ),
             );
         }
-        if self.batch_records == 0 {
-            return bad("batch_records", "must be at least 1".into());
+        // A source allocates a batch up front: 1 << 40 records aborted the process.
+        if !(1..=MAX_BATCH_RECORDS).contains(&self.batch_records) {
+            return bad(
+                "batch_records",
+                format!("{} is not in 1..={MAX_BATCH_RECORDS}", self.batch_records),
+            );
         }
         // Below that a memtable holds next to nothing, and a budget of 0 stalled the keyed
         // operators for good (the store waited for room that never came).
@@ -254,6 +265,70 @@ impl JobConfig {
                     self.memtable_budget_bytes
                 ),
             );
+        }
+        for (key, bytes) in [
+            ("memtable_budget_bytes", self.memtable_budget_bytes),
+            ("retained_memtable_bytes", self.retained_memtable_bytes),
+        ] {
+            if bytes > MAX_MEMTABLE_BUDGET_BYTES {
+                return bad(
+                    key,
+                    format!("{bytes} is more than {MAX_MEMTABLE_BUDGET_BYTES} bytes"),
+                );
+            }
+        }
+        // Faulting in more than the machine has cannot succeed (1 << 50 aborted the process).
+        // Each shard faults in at least one store's budget, if it has keyed state.
+        if self.prefault_state_memory {
+            let total = self.memtable_budget_bytes.saturating_mul(self.shards);
+            if let Some(memory) = physical_memory_bytes().filter(|&m| total > m) {
+                return bad(
+                    "memtable_budget_bytes",
+                    format!(
+                        "{} bytes on each of {} shards, faulted in at start \
+                         (prefault_state_memory), is more than this machine's {memory} bytes",
+                        self.memtable_budget_bytes, self.shards
+                    ),
+                );
+            }
+        }
+        // glommio allocates it as it builds each executor: 1 << 40 panicked there.
+        if self.io_memory_bytes > MAX_IO_MEMORY_BYTES {
+            return bad(
+                "io_memory_bytes",
+                format!(
+                    "{} is more than {MAX_IO_MEMORY_BYTES} bytes",
+                    self.io_memory_bytes
+                ),
+            );
+        }
+        // A shard naps without looking at cancels, barriers or input: u64::MAX naps for ever.
+        if self.idle_sleep_max_us > MAX_IDLE_SLEEP_US {
+            return bad(
+                "idle_sleep_max_us",
+                format!(
+                    "{} is more than {MAX_IDLE_SLEEP_US} (1 s)",
+                    self.idle_sleep_max_us
+                ),
+            );
+        }
+        // Added to the time in milliseconds as an i64: u64::MAX overflowed.
+        for (key, ms) in [
+            (
+                "auto_watermark_interval_ms",
+                self.auto_watermark_interval_ms,
+            ),
+            (
+                "latency_marker_interval_ms",
+                self.latency_marker_interval_ms,
+            ),
+        ] {
+            if ms > MAX_INTERVAL_MS {
+                return bad(
+                    key,
+                    format!("{ms} is more than {MAX_INTERVAL_MS} (100 years)"),
+                );
+            }
         }
         if let Some(c) = &self.checkpoint {
             // The rules `CheckpointConfig::from_toml` applies, so that a configuration built in
@@ -273,6 +348,40 @@ impl JobConfig {
 
 /// The smallest `memtable_budget_bytes` a job takes: 16 KiB.
 pub const MIN_MEMTABLE_BUDGET_BYTES: usize = 16 << 10;
+
+/// The largest `memtable_budget_bytes` (and `retained_memtable_bytes`) a job takes: 64 GiB
+/// per store, RocksDB's cap on a write buffer. Far more than a store's memtables need, and
+/// below the 128 GiB a memtable can address (65 534 arena chunks of 2 MiB).
+pub const MAX_MEMTABLE_BUDGET_BYTES: usize = 64 << 30;
+
+/// The largest `batch_records` a job takes: 1 Mi records (the default is 1024). A source
+/// head allocates a batch of that many records up front.
+pub const MAX_BATCH_RECORDS: usize = 1 << 20;
+
+/// The largest `io_memory_bytes` a job takes: 1 GiB, the most io_uring registers as one
+/// buffer (glommio registers its I/O memory so, and allocates it when the executor starts).
+pub const MAX_IO_MEMORY_BYTES: usize = 1 << 30;
+
+/// The largest `idle_sleep_max_us` a job takes: 1 s. An idle shard's nap is not
+/// interrupted, so it delays a cancel, a barrier or new input by as much.
+pub const MAX_IDLE_SLEEP_US: u64 = 1_000_000;
+
+/// The largest `auto_watermark_interval_ms` and `latency_marker_interval_ms` a job takes:
+/// [`crate::checkpoint::config::MAX_DURATION`] (100 years), the bound of every duration.
+pub const MAX_INTERVAL_MS: u64 = crate::checkpoint::config::MAX_DURATION.as_millis() as u64;
+
+/// The machine's physical memory; `None` where the system does not say.
+fn physical_memory_bytes() -> Option<usize> {
+    // SAFETY: `sysconf` reads system values and has no preconditions.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    let pages = usize::try_from(pages).ok()?;
+    pages.checked_mul(usize::try_from(page).ok()?)
+}
 
 #[cfg(test)]
 mod tests {
@@ -360,5 +469,117 @@ mod tests {
             key_of(with(ck().with_restart(exp))).as_deref(),
             Some("checkpoint.restart.multiplier")
         );
+    }
+
+    /// Each numeric field past its bound is refused by name, with the bound in the reason;
+    /// at the bound it passes. These values aborted the process (`batch_records` 1 << 40,
+    /// `io_memory_bytes` 1 << 40), panicked in a shard (`usize::MAX` batches, rings past
+    /// 1 GiB), napped for ever (`idle_sleep_max_us`) or overflowed (the intervals).
+    #[test]
+    fn numeric_fields_past_their_bounds_are_refused_by_name() {
+        type Set = fn(JobConfig, u64) -> JobConfig;
+        let cases: [(&str, u64, Set, &[u64]); 8] = [
+            (
+                "ring_capacity_bytes",
+                weir_ring::MAX_CAPACITY as u64,
+                |c, v| c.with_ring_capacity_bytes(v as usize),
+                &[1 << 31, 1 << 40, 3 << 20],
+            ),
+            (
+                "batch_records",
+                MAX_BATCH_RECORDS as u64,
+                |c, v| c.with_batch_records(v as usize),
+                &[(MAX_BATCH_RECORDS + 1) as u64, 1 << 40, u64::MAX, 0],
+            ),
+            (
+                "memtable_budget_bytes",
+                MAX_MEMTABLE_BUDGET_BYTES as u64,
+                |c, v| c.with_memtable_budget_bytes(v as usize),
+                &[(MAX_MEMTABLE_BUDGET_BYTES + 1) as u64, 1 << 50, u64::MAX],
+            ),
+            (
+                "retained_memtable_bytes",
+                MAX_MEMTABLE_BUDGET_BYTES as u64,
+                |c, v| c.with_retained_memtable_bytes(v as usize),
+                &[(MAX_MEMTABLE_BUDGET_BYTES + 1) as u64, u64::MAX],
+            ),
+            (
+                "io_memory_bytes",
+                MAX_IO_MEMORY_BYTES as u64,
+                |c, v| c.with_io_memory_bytes(v as usize),
+                &[(MAX_IO_MEMORY_BYTES + 1) as u64, 1 << 40, u64::MAX],
+            ),
+            (
+                "idle_sleep_max_us",
+                MAX_IDLE_SLEEP_US,
+                |c, v| c.with_idle_sleep_max_us(v),
+                &[MAX_IDLE_SLEEP_US + 1, u64::MAX],
+            ),
+            (
+                "latency_marker_interval_ms",
+                MAX_INTERVAL_MS,
+                |c, v| c.with_latency_marker_interval_ms(v),
+                &[MAX_INTERVAL_MS + 1, i64::MAX as u64, u64::MAX],
+            ),
+            (
+                "auto_watermark_interval_ms",
+                MAX_INTERVAL_MS,
+                |c, v| JobConfig {
+                    auto_watermark_interval_ms: v,
+                    ..c
+                },
+                &[MAX_INTERVAL_MS + 1, i64::MAX as u64, u64::MAX],
+            ),
+        ];
+        let base = || JobConfig::new().with_shards(1);
+        for (key, max, set, bad) in cases {
+            assert_eq!(key_of(set(base(), max)), None, "{key} = {max}");
+            for &v in bad {
+                let Err(crate::StartError::Config { key: k, reason }) = set(base(), v).validate()
+                else {
+                    panic!("{key} = {v} passed");
+                };
+                assert_eq!(k, key, "{key} = {v}: {reason}");
+                assert!(v == 0 || reason.contains(&max.to_string()), "{reason}");
+            }
+        }
+        assert_eq!(MAX_INTERVAL_MS, 3_155_760_000_000, "100 years");
+    }
+
+    /// Faulting in more state memory than the machine has aborted the process: refused by
+    /// name with `prefault_state_memory`, and only with it.
+    #[test]
+    fn prefaulting_more_than_the_machine_has_is_refused() {
+        let c = || {
+            JobConfig::new()
+                .with_shards(1024)
+                .with_max_parallelism(1024)
+                .with_memtable_budget_bytes(MAX_MEMTABLE_BUDGET_BYTES)
+        };
+        assert_eq!(
+            key_of(c()),
+            None,
+            "not faulted in: a budget, not an allocation"
+        );
+        assert_eq!(
+            key_of(c().with_prefault_state_memory(true)).as_deref(),
+            Some("memtable_budget_bytes"),
+            "64 TiB"
+        );
+        assert_eq!(
+            key_of(
+                JobConfig::new()
+                    .with_shards(1)
+                    .with_prefault_state_memory(true)
+            ),
+            None
+        );
+    }
+
+    /// An empty checkpoint directory is refused by its key, as the job sees it.
+    #[test]
+    fn an_empty_checkpoint_dir_is_refused_by_name() {
+        let c = JobConfig::new().with_checkpointing(CheckpointConfig::new("", "j"));
+        assert_eq!(key_of(c).as_deref(), Some("checkpoint.dir"));
     }
 }

@@ -38,7 +38,10 @@ mod time;
 mod unaligned;
 mod window;
 
-pub use config::{JobConfig, Pinning, RestoreFrom, MIN_MEMTABLE_BUDGET_BYTES};
+pub use config::{
+    JobConfig, Pinning, RestoreFrom, MAX_BATCH_RECORDS, MAX_IDLE_SLEEP_US, MAX_INTERVAL_MS,
+    MAX_IO_MEMORY_BYTES, MAX_MEMTABLE_BUDGET_BYTES, MIN_MEMTABLE_BUDGET_BYTES,
+};
 pub use data::Data;
 pub use error::{JobError, SavepointError, StartError};
 pub use join::{CoProcessFunction, ConnectedStreams, Either};

@@ -178,13 +178,28 @@ impl CheckpointConfig {
 
     /// Checks every value, naming the bad one by its TOML key (`restart.<key>` for the restart
     /// strategy's): [`Self::from_toml`] runs it, and so does `JobConfig::validate` when a job
-    /// starts, so that a configuration built in code meets the same rules. The job id must
-    /// be a name the checkpoint directory takes ([`weir_io::is_valid_name`]). Intervals and
-    /// timeouts must be more than zero, every duration at most [`MAX_DURATION`], counts of
-    /// concurrent and retained checkpoints at least 1, the exponential delay's multiplier a
+    /// starts, so that a configuration built in code meets the same rules. `dir` must not be
+    /// empty, and the job id must be a name the checkpoint directory takes
+    /// ([`weir_io::is_valid_name`]). Intervals and timeouts must be more than zero, every
+    /// duration at most [`MAX_DURATION`], counts of concurrent and retained checkpoints at
+    /// least 1. The restart strategies take what Flink's take: the exponential delay's
+    /// `initial` and `reset-after` at least 1 ms and `initial` at most `max`, its multiplier a
     /// finite number of at least 1 (any such works: the delay stops growing at `max`) and its
-    /// jitter within 0..=1.
+    /// jitter within 0..=1; the failure rate's `max-failures` at least 1 and `interval` at
+    /// least 1 ms.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        // An empty path would put the job's checkpoints in the working directory.
+        if self.dir.as_os_str().is_empty() {
+            return Err(ConfigError::new(
+                "dir",
+                "is empty: say where checkpoints go",
+            ));
+        }
+        self.validate_values()
+    }
+
+    /// [`Self::validate`] but for `dir`, which [`Self::with_toml`] may leave unset.
+    fn validate_values(&self) -> Result<(), ConfigError> {
         // The job's directory under `dir`: refused here, naming the key, rather than when the
         // job opens its checkpoint storage.
         if !weir_io::is_valid_name(&self.job_id) {
@@ -227,6 +242,20 @@ impl CheckpointConfig {
                 restart("initial", *initial)?;
                 restart("max", *max)?;
                 restart("reset-after", *reset_after)?;
+                // Flink's rules: a zero base delay restarted in a tight loop for ever, and a
+                // zero `reset-after` reset the delay at every failure, so it never grew.
+                at_least_1ms("restart.initial", *initial)?;
+                at_least_1ms("restart.reset-after", *reset_after)?;
+                if initial > max {
+                    return Err(ConfigError::new(
+                        "restart.initial",
+                        &format!(
+                            "`{}` is more than `restart.max` (`{}`): {INITIAL_OVER_MAX}",
+                            humantime::format_duration(*initial),
+                            humantime::format_duration(*max)
+                        ),
+                    ));
+                }
                 // NaN fails both comparisons, so it is refused too.
                 if !(multiplier.is_finite() && *multiplier >= 1.0) {
                     return Err(ConfigError::new(
@@ -242,10 +271,21 @@ impl CheckpointConfig {
                 }
             }
             RestartStrategy::FailureRate {
-                interval, delay, ..
+                max_failures,
+                interval,
+                delay,
             } => {
                 restart("interval", *interval)?;
                 restart("delay", *delay)?;
+                // Flink's rules: 0 failures never restarts (that is strategy `none`), and a
+                // zero interval counts no earlier failure, so the job restarted for ever.
+                if *max_failures == 0 {
+                    return Err(ConfigError::new(
+                        "restart.max-failures",
+                        "must be at least 1 (strategy `none` restarts never)",
+                    ));
+                }
+                at_least_1ms("restart.interval", *interval)?;
             }
         }
         Ok(())
@@ -278,8 +318,9 @@ impl CheckpointConfig {
 
     /// Loads TOML text (the keys of [`Self::from_toml`]) over this configuration: each key
     /// the text sets replaces this one's value, the others stay, `dir` included (it may be
-    /// absent here). The result must pass [`Self::validate`]. `weir run --checkpoint-config`
-    /// loads its file so, over its own defaults, before its flags.
+    /// empty here, and stay so if the text sets none). The result must pass
+    /// [`Self::validate`], but for such an empty `dir`. `weir run --checkpoint-config` loads
+    /// its file so, over its own defaults, before its flags (which may give the directory).
     pub fn with_toml(self, text: &str) -> Result<Self, ConfigError> {
         let raw = RawConfig::parse(text)?;
         self.load(raw, text)
@@ -313,6 +354,7 @@ impl CheckpointConfig {
             self.aligned_timeout = d;
         }
         let mut set = |key: &'static str, span: std::ops::Range<usize>| lines.push((key, at(span)));
+        let dir_set = raw.dir.is_some();
         if let Some(d) = raw.dir {
             set("dir", d.span());
             self.dir = d.into_inner();
@@ -346,13 +388,29 @@ impl CheckpointConfig {
             self.incremental = i.into_inner();
         }
         if let Some(r) = raw.restart {
-            let (restart, restart_lines) = r.into_inner().into_strategy(text)?;
+            let (restart, restart_lines) = r.into_strategy(text)?;
             self.restart = restart;
             lines.extend(restart_lines);
         }
-        self.validate().map_err(|e| {
-            let line = lines.iter().find(|(k, _)| *k == e.key).map(|(_, l)| *l);
-            ConfigError { line, ..e }
+        let checked = if dir_set {
+            self.validate()
+        } else {
+            self.validate_values()
+        };
+        checked.map_err(|e| {
+            let line = |key: &str| lines.iter().find(|(k, _)| *k == key).map(|(_, l)| *l);
+            match line(&e.key) {
+                // `initial` over `max` when the text set only `max` (under the default 1 s
+                // `initial`): the key to name is the one the text set.
+                None if e.reason.ends_with(INITIAL_OVER_MAX) && line("restart.max").is_some() => {
+                    ConfigError {
+                        key: "restart.max".into(),
+                        line: line("restart.max"),
+                        ..e
+                    }
+                }
+                l => ConfigError { line: l, ..e },
+            }
         })?;
         Ok(self)
     }
@@ -386,6 +444,21 @@ fn check_duration(key: &str, d: Duration, positive: bool) -> Result<(), ConfigEr
     }
     Ok(())
 }
+
+/// Checks a restart duration that must be at least 1 ms, as Flink's (in milliseconds) must be
+/// more than 0.
+fn at_least_1ms(key: &str, d: Duration) -> Result<(), ConfigError> {
+    if d < Duration::from_millis(1) {
+        return Err(ConfigError::new(
+            key,
+            &format!("`{}` must be at least 1ms", humantime::format_duration(d)),
+        ));
+    }
+    Ok(())
+}
+
+/// Flink's words for an exponential delay whose `initial` is more than its `max`.
+const INITIAL_OVER_MAX: &str = "initial backoff cannot be higher than maximum backoff";
 
 /// A configuration error naming the key, and for TOML text the line where it is set (or
 /// where the text fails to parse).
@@ -425,15 +498,24 @@ impl ConfigError {
         // first quoted word is then the value: "`sometimes` at line 2: unknown variant").
         let msg = e.message().to_string();
         let quoted = msg.split('`').nth(1).map(str::to_string);
-        let named = msg.starts_with("unknown field") || msg.starts_with("missing field");
         let at_span = || e.span().and_then(|s| key_at(text, s.start));
-        let key = if named {
-            // Named without its table: `[restart]` with no `strategy` said `strategy`.
-            let table = e.span().and_then(|s| table_at(text, s.start));
-            match (quoted, table) {
-                (Some(q), Some(t)) => Some(format!("{t}.{q}")),
-                (q, _) => q.or_else(at_span),
-            }
+        let key = if let Some(field) = msg.strip_prefix("unknown field") {
+            // Named without its table. The fields serde expected tell which (only the restart
+            // table has `strategy`), whether the text wrote it as a header, dotted keys or
+            // inline; the text around the place did not (`[other]` was `other.other`).
+            let in_restart = field
+                .split_once("expected")
+                .is_some_and(|(_, expected)| expected.contains("`strategy`"));
+            quoted.map(|q| {
+                if in_restart {
+                    format!("restart.{q}")
+                } else {
+                    q
+                }
+            })
+        } else if msg.starts_with("missing field") {
+            // Every top-level key is optional: what is missing is the restart table's.
+            quoted.map(|q| format!("restart.{q}"))
         } else {
             at_span().or(quoted)
         }
@@ -446,39 +528,68 @@ impl ConfigError {
     }
 }
 
-/// The table that the line of `pos` in TOML `text` is in, or heads (`[restart]`); `None` at
-/// the top level.
-fn table_at(text: &str, pos: usize) -> Option<String> {
-    let end = text.get(pos..)?.find('\n').map_or(text.len(), |i| pos + i);
-    text[..end]
-        .lines()
-        .rev()
-        .map(str::trim)
-        .find(|l| l.starts_with('[') && l.ends_with(']'))
-        .map(|l| l.trim_matches(|c| c == '[' || c == ']').trim().to_string())
-        .filter(|t| !t.is_empty())
+/// The name in a table header line (`[restart]`, `[[restart]]`, with a comment after it or
+/// not); `None` for another line.
+fn header_name(line: &str) -> Option<String> {
+    let inner = line.trim_start().strip_prefix('[')?.trim_start_matches('[');
+    let name = dotted(&inner[..inner.find(']')?]);
+    (!name.is_empty()).then_some(name)
 }
 
-/// The key set on the line of `pos` in TOML `text` (`key = value`), with the table it is in
-/// (`restart.delay`); `None` if that line sets no key.
+/// A key as written (`restart . "delay"`) as errors name it (`restart.delay`).
+fn dotted(key: &str) -> String {
+    key.split('.')
+        .map(|s| s.trim().trim_matches(|c| c == '"' || c == '\''))
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+/// The key whose value is at `pos` in TOML `text`, with its tables: `restart.delay` set under
+/// `[restart]`, as a dotted key or in an inline table (`restart = { delay = .. }`); a table
+/// header names its table. `None` if the line of `pos` sets no key.
 fn key_at(text: &str, pos: usize) -> Option<String> {
     let start = text.get(..pos)?.rfind('\n').map_or(0, |i| i + 1);
     let line = text[start..].lines().next()?;
-    let (key, _) = line.split_once('=')?;
-    let key = key.trim().trim_matches(|c| c == '"' || c == '\'');
-    if key.is_empty() || key.starts_with('[') {
+    if let Some(name) = header_name(line) {
+        return Some(name);
+    }
+    // The key last set, outside strings and arrays, at each level of inline tables open
+    // before `pos` (an inline table is on one line).
+    let before = line.get(..pos - start).unwrap_or(line);
+    let mut levels: Vec<(Option<String>, usize)> = vec![(None, 0)]; // (key, open arrays)
+    let (mut key_from, mut quote, mut escaped) = (0, None, false);
+    for (i, c) in before.char_indices() {
+        let depth = levels.len();
+        let level = levels.last_mut()?;
+        match (quote, c) {
+            (Some('"'), '\\') if !escaped => escaped = true,
+            (Some(q), c) if c == q && !escaped => quote = None,
+            (Some(_), _) => escaped = false,
+            (None, '"' | '\'') => quote = Some(c),
+            (None, '#') => break,
+            (None, '=') if level.1 == 0 => level.0 = Some(dotted(&before[key_from..i])),
+            (None, '[') => level.1 += 1,
+            (None, ']') => level.1 = level.1.saturating_sub(1),
+            (None, '{') => {
+                levels.push((None, 0));
+                key_from = i + 1;
+            }
+            (None, '}') if depth > 1 => {
+                levels.pop();
+            }
+            (None, ',') if level.1 == 0 => {
+                level.0 = None;
+                key_from = i + 1;
+            }
+            _ => {}
+        }
+    }
+    let keys: Vec<String> = levels.into_iter().filter_map(|(k, _)| k).collect();
+    if keys.is_empty() || keys.iter().any(String::is_empty) {
         return None;
     }
-    let table = text[..start]
-        .lines()
-        .rev()
-        .map(str::trim)
-        .find(|l| l.starts_with('[') && l.ends_with(']'))
-        .map(|l| l.trim_matches(|c| c == '[' || c == ']').trim());
-    Some(match table {
-        Some(t) if !t.is_empty() => format!("{t}.{key}"),
-        _ => key.to_string(),
-    })
+    let table = text[..start].lines().rev().find_map(header_name);
+    Some(table.into_iter().chain(keys).collect::<Vec<_>>().join("."))
 }
 
 // Every value keeps its place in the text, for the line an error names.
@@ -497,7 +608,9 @@ struct RawConfig {
     tolerable_failures: Option<Spanned<u32>>,
     retained: Option<Spanned<usize>>,
     incremental: Option<Spanned<bool>>,
-    restart: Option<Spanned<RawRestart>>,
+    // Not `Spanned`: toml's `Spanned` takes no table of dotted keys (`restart.strategy = ..`),
+    // and the keys inside keep their own places.
+    restart: Option<RawRestart>,
 }
 
 impl RawConfig {
@@ -509,8 +622,14 @@ impl RawConfig {
 /// The line of each key a TOML text set, by the key's name in errors.
 type KeyLines = Vec<(&'static str, usize)>;
 
+// `expecting`: `restart = "none"` said "expected struct RawRestart".
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+#[serde(
+    deny_unknown_fields,
+    rename_all = "kebab-case",
+    expecting = "a table with `strategy` (none, fixed-delay, exponential-delay or \
+                 failure-rate), such as `restart.strategy = \"none\"` or a `[restart]` table"
+)]
 struct RawRestart {
     strategy: Spanned<String>,
     attempts: Option<Spanned<u32>>,
@@ -568,6 +687,14 @@ impl RawRestart {
                     &format!("strategy `{}` takes no `{key}`", self.strategy.get_ref()),
                 )
                 .at(at(span)));
+            }
+        }
+        for (key, v) in [
+            ("restart.attempts", &self.attempts),
+            ("restart.max-failures", &self.max_failures),
+        ] {
+            if let Some(v) = v {
+                lines.push((key, at(v.span())));
             }
         }
         let mut num = |key: &'static str, v: Option<Spanned<f64>>, default: f64| match v {
@@ -1010,5 +1137,238 @@ mod tests {
         let mut c = ck();
         c.retained = 0;
         assert_eq!(key(c).as_deref(), Some("retained"));
+    }
+
+    /// The restart values Flink refuses are refused, built in code or loaded, by key and line:
+    /// a zero base delay restarted in a tight loop for ever, `initial` over `max`, a zero
+    /// `reset-after`, and a failure rate of 0 failures or over a zero interval. What Flink
+    /// takes still loads (fixed-delay's 0 attempts and zero delays among them).
+    #[test]
+    fn restart_strategies_take_what_flinks_take() {
+        let ms = Duration::from_millis;
+        let key = |r: RestartStrategy| {
+            CheckpointConfig::new("/d", "j")
+                .with_restart(r)
+                .validate()
+                .err()
+                .map(|e| (e.key, e.reason))
+        };
+        let exp = |initial, max, reset_after| RestartStrategy::ExponentialDelay {
+            initial,
+            max,
+            multiplier: 1.5,
+            jitter: 0.1,
+            reset_after,
+        };
+        let rate = |max_failures, interval| RestartStrategy::FailureRate {
+            max_failures,
+            interval,
+            delay: Duration::ZERO,
+        };
+        let hour = Duration::from_secs(3600);
+        for (r, bad) in [
+            (exp(Duration::ZERO, ms(10), hour), "restart.initial"),
+            (
+                exp(Duration::from_micros(999), ms(10), hour),
+                "restart.initial",
+            ),
+            (exp(ms(11), ms(10), hour), "restart.initial"),
+            (exp(ms(1), ms(10), Duration::ZERO), "restart.reset-after"),
+            (rate(0, hour), "restart.max-failures"),
+            (rate(1, Duration::ZERO), "restart.interval"),
+            (rate(1, Duration::from_micros(1)), "restart.interval"),
+        ] {
+            assert_eq!(
+                key(r.clone()).map(|(k, _)| k).as_deref(),
+                Some(bad),
+                "{r:?}"
+            );
+        }
+        let (_, reason) = key(exp(ms(11), ms(10), hour)).expect("initial over max");
+        assert_eq!(
+            reason,
+            "`11ms` is more than `restart.max` (`10ms`): initial backoff cannot be higher than \
+             maximum backoff"
+        );
+        for r in [
+            exp(ms(1), ms(1), ms(1)),
+            rate(1, ms(1)),
+            RestartStrategy::FixedDelay {
+                attempts: 0,
+                delay: Duration::ZERO,
+            },
+        ] {
+            assert_eq!(key(r.clone()), None, "{r:?}");
+        }
+        let load =
+            |r: &str| CheckpointConfig::from_toml(&format!("dir = \"/d\"\n[restart]\n{r}\n"));
+        let exp = "strategy = \"exponential-delay\"";
+        let rate = "strategy = \"failure-rate\"";
+        for (r, bad, at) in [
+            (format!("{exp}\ninitial = \"0ms\""), "restart.initial", 4),
+            (format!("{exp}\ninitial = \"2m\""), "restart.initial", 4),
+            // Only `max` set, under the default 1 s `initial`: named is the key set.
+            (format!("{exp}\n\nmax = \"500ms\""), "restart.max", 5),
+            (
+                format!("{exp}\nreset-after = \"0s\""),
+                "restart.reset-after",
+                4,
+            ),
+            (
+                format!("{rate}\nmax-failures = 0"),
+                "restart.max-failures",
+                4,
+            ),
+            (format!("{rate}\ninterval = \"0s\""), "restart.interval", 4),
+        ] {
+            let e = load(&r).expect_err(&r);
+            assert_eq!((e.key.as_str(), e.line), (bad, Some(at)), "{r}: {e}");
+        }
+        let c = load("strategy = \"fixed-delay\"\nattempts = 0\ndelay = \"0s\"").expect("Flink's");
+        assert_eq!(
+            c.restart,
+            RestartStrategy::FixedDelay {
+                attempts: 0,
+                delay: Duration::ZERO
+            }
+        );
+        load(&format!(
+            "{exp}\ninitial = \"1m\"\nmax = \"1m\"\nreset-after = \"1ms\""
+        ))
+        .expect("equal");
+    }
+
+    /// Dotted keys (`restart.strategy = ..`) and an inline table load as a `[restart]` table
+    /// does, and their errors name the key and its line. Dotted keys were refused with
+    /// "invalid type: string \"strategy\", expected a borrowed string".
+    #[test]
+    fn dotted_keys_and_inline_tables_load_as_a_restart_table() {
+        let want = RestartStrategy::FixedDelay {
+            attempts: 4,
+            delay: Duration::from_secs(2),
+        };
+        for text in [
+            "[restart]\nstrategy = \"fixed-delay\"\nattempts = 4\ndelay = \"2s\"\n",
+            "restart.strategy = \"fixed-delay\"\nrestart.attempts = 4\nrestart.delay = \"2s\"\n",
+            "restart = { strategy = \"fixed-delay\", attempts = 4, delay = \"2s\" }\n",
+        ] {
+            let c = CheckpointConfig::from_toml(&format!("dir = \"/d\"\n{text}")).expect(text);
+            assert_eq!(c.restart, want, "{text}");
+        }
+        let c = CheckpointConfig::from_toml("restart.strategy = \"none\"\ndir = \"/d\"\n")
+            .expect("dotted at the top");
+        assert_eq!(c.restart, RestartStrategy::None);
+        let exp = "restart.strategy = \"exponential-delay\"";
+        for (text, key, at) in [
+            (
+                "restart.strategy = \"fixed-delay\"\nrestart.attempts = \"3\"\n",
+                "restart.attempts",
+                3,
+            ),
+            (
+                "restart = { strategy = \"fixed-delay\", attempts = \"3\" }\n",
+                "restart.attempts",
+                2,
+            ),
+            (
+                "restart = { strategy = 'fixed-delay', delay = \"soon\" }\n",
+                "restart.delay",
+                2,
+            ),
+            (
+                "\nrestart.strategy = \"sometimes\"\n",
+                "restart.strategy",
+                3,
+            ),
+            ("restart.attempts = 3\n", "restart.strategy", 2),
+            ("restart = { attempts = 3 }\n", "restart.strategy", 2),
+            (
+                &format!("{exp}\nrestart.jitter = 2.0\n"),
+                "restart.jitter",
+                3,
+            ),
+            (
+                &format!("{exp}\nrestart.initial = \"0s\"\n"),
+                "restart.initial",
+                3,
+            ),
+            (
+                "restart = { strategy = \"exponential-delay\", jitter = 2.0 }\n",
+                "restart.jitter",
+                2,
+            ),
+            (
+                "restart.strategy = \"none\"\nrestart.delay = \"1s\"\n",
+                "restart.delay",
+                3,
+            ),
+        ] {
+            let e = CheckpointConfig::from_toml(&format!("dir = \"/d\"\n{text}")).expect_err(text);
+            assert_eq!((e.key.as_str(), e.line), (key, Some(at)), "{text:?}: {e}");
+        }
+    }
+
+    /// Unknown tables and keys are named by their whole path, in every TOML form, and a
+    /// `restart` that is no table says what it should be. They were `checkpoint.checkpoint`,
+    /// `bogus` (in `restart = { .. }`), and "expected struct RawRestart".
+    #[test]
+    fn unknown_tables_and_keys_are_named_by_their_path() {
+        for (text, key, at) in [
+            ("[checkpoint]\ninterval = \"1s\"\n", "checkpoint", 2),
+            ("[other]\n", "other", 2),
+            ("other.x = 1\n", "other", 2),
+            (
+                "restart = { strategy = \"none\", bogus = 1 }\n",
+                "restart.bogus",
+                2,
+            ),
+            (
+                "restart.strategy = \"none\"\nrestart.bogus = 1\n",
+                "restart.bogus",
+                3,
+            ),
+            (
+                "[restart]\nstrategy = \"none\"\nbogus = 1\n",
+                "restart.bogus",
+                4,
+            ),
+            (
+                "[restart]\nstrategy = \"none\"\n[restart.sub]\n",
+                "restart.sub",
+                4,
+            ),
+            ("strategy = \"none\"\n", "strategy", 2),
+            ("restart = \"none\"\n", "restart", 2),
+            ("restart = 5 # no table\n", "restart", 2),
+        ] {
+            let e = CheckpointConfig::from_toml(&format!("dir = \"/d\"\n{text}")).expect_err(text);
+            assert_eq!((e.key.as_str(), e.line), (key, Some(at)), "{text:?}: {e}");
+        }
+        let e = CheckpointConfig::from_toml("dir = \"/d\"\nrestart = \"none\"\n").expect_err("str");
+        assert!(
+            e.reason.contains("expected a table with `strategy`") && !e.reason.contains("Raw"),
+            "{e}"
+        );
+    }
+
+    /// An empty `dir` would put the checkpoints in the working directory: refused by name,
+    /// built in code or loaded. `with_toml` over a configuration without one still loads a
+    /// text that sets none (`weir run` takes it from `--checkpoint-dir` then).
+    #[test]
+    fn an_empty_dir_is_refused_by_name() {
+        let e = CheckpointConfig::new("", "j")
+            .validate()
+            .expect_err("empty");
+        assert_eq!((e.key.as_str(), e.line), ("dir", None));
+        let e = CheckpointConfig::from_toml("job-id = \"j\"\ndir = \"\"\n").expect_err("empty");
+        assert_eq!((e.key.as_str(), e.line), ("dir", Some(2)));
+        let e = CheckpointConfig::new("/d", "j")
+            .with_toml("dir = ''\n")
+            .expect_err("set empty");
+        assert_eq!((e.key.as_str(), e.line), ("dir", Some(1)));
+        let c = CheckpointConfig::new("", "j")
+            .with_toml("retained = 2\n")
+            .expect("no dir yet");
+        assert_eq!((c.dir.as_os_str().is_empty(), c.retained), (true, 2));
     }
 }
