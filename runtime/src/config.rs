@@ -5,8 +5,10 @@ use std::path::PathBuf;
 /// Whether shards are pinned to cores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Pinning {
-    /// Pin shard *i* to core *i* when there are at least as many cores as shards; otherwise
-    /// leave every shard unpinned (pinning two busy shards to one core would halve both).
+    /// Pin the shards, shard *i* to the *i*-th core that no other running job of this process
+    /// is pinned to, when there are at least as many such cores as shards; otherwise leave
+    /// every shard unpinned (pinning two busy shards to one core would halve both).
+    /// [`crate::JobHandle::shard_cores`] says where they went.
     #[default]
     Auto,
     /// Never pin.

@@ -141,6 +141,8 @@ pub struct JobHandle {
     supervisor: Option<std::thread::JoinHandle<Result<(), JobError>>>,
     ctl: Arc<Control>,
     shards: usize,
+    /// The core each shard is pinned to, if it is.
+    cores: Vec<Option<usize>>,
     maintenance: Arc<MaintenanceThreads>,
     _state_dir: Option<tempfile::TempDir>,
 }
@@ -341,6 +343,11 @@ impl JobHandle {
     pub fn shards(&self) -> usize {
         self.shards
     }
+
+    /// The core each shard is pinned to (`None`: unpinned), by shard: see [`Pinning`].
+    pub fn shard_cores(&self) -> Vec<Option<usize>> {
+        self.cores.clone()
+    }
 }
 
 impl Drop for JobHandle {
@@ -387,6 +394,44 @@ impl Drop for ShardExit {
     }
 }
 
+/// The cores that pinned shards of this process's running jobs hold.
+static PINNED_CORES: Mutex<std::collections::BTreeSet<usize>> =
+    Mutex::new(std::collections::BTreeSet::new());
+
+/// The cores one job's shards are pinned to, held in [`PINNED_CORES`] until it is dropped,
+/// when the job ends: [`Pinning::Auto`] pins a job only onto cores no other running job of the
+/// process holds (two jobs pinned shard by shard onto the same cores ran at half speed each
+/// while the other cores idled). Empty: every shard unpinned.
+struct CoreClaim(Vec<usize>);
+
+impl CoreClaim {
+    /// The first `shards` cores no running job holds, or none if fewer are free.
+    fn take(shards: usize) -> CoreClaim {
+        let cores = core_affinity::get_core_ids().unwrap_or_default();
+        let mut held = lock(&PINNED_CORES);
+        let free: Vec<usize> = cores
+            .iter()
+            .map(|c| c.id)
+            .filter(|id| !held.contains(id))
+            .take(shards)
+            .collect();
+        if free.len() < shards {
+            return CoreClaim(Vec::new());
+        }
+        held.extend(&free);
+        CoreClaim(free)
+    }
+}
+
+impl Drop for CoreClaim {
+    fn drop(&mut self) {
+        let mut held = lock(&PINNED_CORES);
+        for c in &self.0 {
+            held.remove(c);
+        }
+    }
+}
+
 /// Everything an attempt needs, fixed for the job's life.
 struct Plan {
     config: Arc<JobConfig>,
@@ -423,16 +468,14 @@ pub(crate) fn start(config: JobConfig, graph: Graph) -> Result<JobHandle, StartE
     };
     let sentinel = crate::platform::write_sentinel(&state_dir)?;
     let shards = config.shards;
-    let cores = core_affinity::get_core_ids().unwrap_or_default();
-    let pin = config.pinning == Pinning::Auto && cores.len() >= shards;
-    let placements = (0..shards)
-        .map(|s| {
-            if pin {
-                Placement::Fixed(cores[s].id)
-            } else {
-                Placement::Unbound
-            }
-        })
+    let claim = match config.pinning {
+        Pinning::Auto => CoreClaim::take(shards),
+        Pinning::Never => CoreClaim(Vec::new()),
+    };
+    let cores: Vec<Option<usize>> = (0..shards).map(|s| claim.0.get(s).copied()).collect();
+    let placements = cores
+        .iter()
+        .map(|c| c.map_or(Placement::Unbound, Placement::Fixed))
         .collect();
     let store = match &config.checkpoint {
         Some(c) => {
@@ -497,6 +540,8 @@ pub(crate) fn start(config: JobConfig, graph: Graph) -> Result<JobHandle, StartE
         .name("weir-supervisor".into())
         .spawn(move || {
             let r = supervise(&plan, restore, first_id, &ctl2);
+            // Free before the job is seen to end: a job started right after may pin there.
+            drop(claim);
             let end = match &r {
                 Ok(()) => JobStatus::Finished,
                 Err(e) if e.is_cancellation() => JobStatus::Cancelled,
@@ -514,6 +559,7 @@ pub(crate) fn start(config: JobConfig, graph: Graph) -> Result<JobHandle, StartE
         supervisor: Some(supervisor),
         ctl,
         shards,
+        cores,
         maintenance,
         _state_dir: tmp,
     })
