@@ -23,21 +23,23 @@ impl<T> WatermarkStrategy<T> {
     }
 
     /// Records arrive at most `max_ms` later than a record with a larger timestamp: the
-    /// watermark is the largest timestamp seen minus `max_ms` minus one.
+    /// watermark is the largest timestamp seen minus `max_ms` minus one. A negative `max_ms`
+    /// stops the job before it starts, as Flink refuses one (it was taken as 0 without a word).
     pub fn bounded_out_of_orderness(
         max_ms: i64,
         timestamp: impl Fn(&T) -> i64 + Send + Sync + 'static,
     ) -> Self {
         Self {
             timestamp: Arc::new(timestamp),
-            out_of_orderness_ms: max_ms.max(0),
+            out_of_orderness_ms: max_ms,
             idle_timeout_ms: None,
             per_record: false,
         }
     }
 
     /// Declares the input idle after `ms` of processing time without records, so that it does
-    /// not hold back the watermark of operators downstream.
+    /// not hold back the watermark of operators downstream. `ms` must be more than 0 (Flink's
+    /// rule; 0 or less marked the input idle at once); else the job stops before it starts.
     pub fn with_idleness(mut self, ms: i64) -> Self {
         self.idle_timeout_ms = Some(ms);
         self
@@ -53,6 +55,17 @@ impl<T> WatermarkStrategy<T> {
 }
 
 pub(crate) fn assign<T: Data>(up: Stream<T>, strategy: WatermarkStrategy<T>) -> Stream<T> {
+    if strategy.out_of_orderness_ms < 0 {
+        up.errors.borrow_mut().push(format!(
+            "watermark strategy: the out-of-orderness bound must not be negative, got {} ms",
+            strategy.out_of_orderness_ms
+        ));
+    }
+    if let Some(ms) = strategy.idle_timeout_ms.filter(|ms| *ms <= 0) {
+        up.errors.borrow_mut().push(format!(
+            "watermark strategy: the idle timeout must be more than 0 ms, got {ms} ms"
+        ));
+    }
     let name = up.new_name("watermarks");
     let upf = up.factory.clone();
     let slot = name.clone();

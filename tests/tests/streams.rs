@@ -496,6 +496,41 @@ fn windows_of_no_size_or_a_negative_lateness_are_refused() {
     assert!(out.is_empty());
 }
 
+/// A negative out-of-orderness bound, or an idle timeout of 0 or less, stops the job before
+/// it starts, naming it, as Flink refuses both: they were taken as 0 and as "idle at once"
+/// without a word.
+#[test]
+fn a_negative_watermark_bound_or_idle_timeout_is_refused() {
+    let strategies: Vec<(WatermarkStrategy<(u32, i64)>, &str)> = vec![
+        (
+            WatermarkStrategy::bounded_out_of_orderness(-5, |r: &(u32, i64)| r.1),
+            "out-of-orderness",
+        ),
+        (
+            WatermarkStrategy::bounded_out_of_orderness(0, |r: &(u32, i64)| r.1).with_idleness(0),
+            "idle timeout",
+        ),
+        (
+            WatermarkStrategy::monotonous(|r: &(u32, i64)| r.1).with_idleness(-1),
+            "idle timeout",
+        ),
+    ];
+    for (strategy, named) in strategies {
+        let job = Job::new(config(1));
+        let _ = job
+            .from_vec(vec![(1u32, 5i64)])
+            .assign_timestamps(strategy)
+            .collect();
+        match job.start() {
+            Err(weir_runtime::StartError::Config { key, reason }) => {
+                assert_eq!(key, "graph");
+                assert!(reason.contains(named), "{reason}");
+            }
+            other => panic!("{named}: {:?}", other.map(|_| ())),
+        }
+    }
+}
+
 /// Two sources with idleness, one quiet after its first records and one that never sends:
 /// once both are idle the largest watermark goes out (Flink's valve flushes it) and the
 /// windows it closes fire while the sources stay open (none fired until they closed).
