@@ -51,6 +51,9 @@ impl Job {
                         operator: name2.clone(),
                         source: e,
                     })?;
+            if ctx.checkpoint.is_some() {
+                reader.enable_checkpointing();
+            }
             if let Some(r) = &ctx.restore {
                 // Every old reader's position, and those this shard takes over (old shard `s`
                 // goes to `s % shards`). A checkpoint without any (a source the old job did
@@ -83,12 +86,16 @@ impl Job {
                 operator: name2.clone(),
                 source: e,
             })?;
+            let reader = Rc::new(RefCell::new(reader));
             if let Some(c) = &ctx.checkpoint {
                 let mut c = c.borrow_mut();
                 c.register();
                 c.shared
                     .sources_total
                     .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                c.listen(Rc::new(SourceCompletion {
+                    reader: reader.clone(),
+                }));
             }
             let counters = ctx.metrics.operator(&name2, ctx.shard);
             let head = SourceHead {
@@ -417,11 +424,28 @@ enum SourceState {
     Ending,
 }
 
+/// Tells a source's reader of completed checkpoints (an ingress then lets go of what it
+/// kept for a replay).
+struct SourceCompletion<T> {
+    reader: Rc<RefCell<Box<dyn SourceReader<T>>>>,
+}
+
+impl<T: 'static> crate::checkpoint::shard::CompletionListener for SourceCompletion<T> {
+    fn checkpoint_complete(&self, checkpoint_id: u64) {
+        // Called between head steps, when nothing borrows the reader; were it borrowed, the
+        // next completion (which covers this one) would tell it.
+        if let Ok(mut r) = self.reader.try_borrow_mut() {
+            r.notify_checkpoint_complete(checkpoint_id);
+        }
+    }
+}
+
 /// Drives a source reader into its chain.
 struct SourceHead<T> {
     name: String,
     shard: usize,
-    reader: Box<dyn SourceReader<T>>,
+    /// Shared with its [`SourceCompletion`].
+    reader: Rc<RefCell<Box<dyn SourceReader<T>>>>,
     buf: Vec<T>,
     batch: usize,
     down: Out<T>,
@@ -454,7 +478,7 @@ impl<T: 'static> SourceHead<T> {
         let part = Part {
             operator: self.name.clone(),
             kind: PartKind::Source,
-            bytes: self.reader.position(),
+            bytes: self.reader.borrow_mut().snapshot_position(requested),
             files: Vec::new(),
             logical: Vec::new(),
         };
@@ -522,6 +546,7 @@ impl<T: 'static> Head for SourceHead<T> {
         self.buf.clear();
         let poll = self
             .reader
+            .borrow_mut()
             .poll(&mut self.buf, self.batch)
             .map_err(|source| JobError::Source {
                 operator: self.name.clone(),

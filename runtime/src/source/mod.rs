@@ -74,6 +74,32 @@ pub trait SourceReader<T>: 'static {
     /// Continues from a position that [`SourceReader::position`] returned earlier.
     fn seek(&mut self, position: &[u8]) -> Result<(), SourceError>;
 
+    /// Called once, right after the reader is made (before [`Self::restore`] and
+    /// [`Self::start`]), when the job takes checkpoints: its
+    /// positions will be taken at barriers ([`Self::snapshot_position`]) and the checkpoints
+    /// that complete reported ([`Self::notify_checkpoint_complete`]), and a failed attempt
+    /// restarts from the newest complete checkpoint (or from the beginning before there is
+    /// one). A reader that must keep what it read until a checkpoint covers it (an
+    /// [`IngressSource`]'s: its input cannot be read again) keeps nothing without this call.
+    fn enable_checkpointing(&mut self) {}
+
+    /// The position at checkpoint `checkpoint_id`'s barrier, as [`Self::position`] (the
+    /// default). A reader that acts on [`Self::notify_checkpoint_complete`] remembers it
+    /// under the id, as Flink's `snapshotState(checkpointId)` does.
+    fn snapshot_position(&mut self, checkpoint_id: u64) -> Vec<u8> {
+        let _ = checkpoint_id;
+        self.position()
+    }
+
+    /// Checkpoint `checkpoint_id` and every earlier one are complete (durable): nothing
+    /// before the position its barrier took is read again, unless the job is restored from
+    /// an older checkpoint (which a sink that committed since refuses without
+    /// `with_allow_fallback`). Called between polls, with the newest completed id only (ids
+    /// in between may be skipped), as Flink's `notifyCheckpointComplete`.
+    fn notify_checkpoint_complete(&mut self, checkpoint_id: u64) {
+        let _ = checkpoint_id;
+    }
+
     /// Called once the reader is made and, when the job restores a checkpoint, after
     /// [`Self::restore`], before the first [`Self::poll`] or [`Self::position`]: for work that
     /// depends on whether the reader starts from the beginning or from a restored position
