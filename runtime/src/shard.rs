@@ -374,19 +374,23 @@ pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// Held by a shard's thread for its whole life: however the thread ends, returning or
-/// unwinding, the count of running shards drops and the supervisor wakes; a panic also sets
-/// the cancel flag, so that the other shards stop instead of waiting forever on its rings. (A
-/// panic while the shard built its operators, in a source's factory say, used to unwind past
-/// the count, and the job never ended.)
+/// unwinding, the count of running shards drops and the supervisor wakes; a panic, or an end
+/// before the shard's future ran to its end, also sets the cancel flag, so that the other
+/// shards stop instead of waiting forever on its rings or for it to be built. (A panic while
+/// the shard built its operators, in a source's factory say, used to unwind past the count,
+/// and the job never ended; an executor that glommio failed to build, out of descriptors
+/// say, dropped the shard's closure without running it, and the other shards waited for it.)
 struct ShardExit {
     cancel: Arc<AtomicBool>,
     running: Arc<AtomicUsize>,
     supervisor: std::thread::Thread,
+    /// The shard's future returned (it sets the cancel flag itself on an error).
+    ran: bool,
 }
 
 impl Drop for ShardExit {
     fn drop(&mut self) {
-        if std::thread::panicking() {
+        if std::thread::panicking() || !self.ran {
             self.cancel.store(true, Ordering::Release);
         }
         self.running.fetch_sub(1, Ordering::AcqRel);
@@ -1155,12 +1159,13 @@ fn run_attempt(
             cancel: cancel2.clone(),
             running: running2,
             supervisor,
+            ran: false,
         };
         let spawned = LocalExecutorBuilder::new(plan.placements[shard].clone())
             .name(&format!("weir-shard-{shard}"))
             .io_memory(config.io_memory_bytes)
             .spawn(move || async move {
-                let _exit = exit;
+                let mut exit = exit;
                 crate::platform::set_fine_timer_slack();
                 let r = async {
                     crate::platform::dma_probe(&sentinel, shard).await?;
@@ -1225,6 +1230,7 @@ fn run_attempt(
                 if r.is_err() {
                     cancel2.store(true, Ordering::Release);
                 }
+                exit.ran = true;
                 r
             });
         match spawned {
