@@ -117,6 +117,18 @@ impl IoCheckpointStore {
             .load(std::sync::atomic::Ordering::Acquire)
     }
 
+    /// Keeps `w` for shard `shard`'s next small file of checkpoint `id`, only while that is in
+    /// progress: put back after an abort emptied `small` (a subsumed checkpoint's channel
+    /// state still being written), nothing would drop it, and it kept the checkpoint
+    /// registered as in progress until the job ended. `abort` removes the pending entry
+    /// first, and this checks it under `small`'s lock.
+    fn keep_small(&self, id: u64, shard: usize, w: CheckpointWriter) {
+        let mut small = lock(&self.small);
+        if lock(&self.pending).contains_key(&id) {
+            small.entry((id, shard)).or_default().push(w);
+        }
+    }
+
     fn writer(&self, id: u64) -> Result<CheckpointWriter, String> {
         lock(&self.pending)
             .get(&id)
@@ -180,7 +192,7 @@ impl CheckpointStore for IoCheckpointStore {
         let r = w
             .write_small(bytes, SmallFileKind::TaskOwned)
             .map_err(|e| e.to_string())?;
-        lock(&self.small).entry((id, shard)).or_default().push(w);
+        self.keep_small(id, shard, w);
         Ok(LogicalRefData {
             physical: r.physical.to_string_lossy().into_owned(),
             offset: r.offset,
@@ -228,8 +240,10 @@ impl CheckpointStore for IoCheckpointStore {
     }
 
     fn abort(&self, id: u64) {
+        // The pending entry first: `write_small` keeps a writer only while it is there.
+        let pending = lock(&self.pending).remove(&id);
         lock(&self.small).retain(|(c, _), _| *c != id);
-        if let Some(p) = lock(&self.pending).remove(&id) {
+        if let Some(p) = pending {
             if let Err(e) = self.storage.abort(p) {
                 tracing::warn!("aborting checkpoint {id}: {e}");
             }
@@ -283,6 +297,30 @@ checkpoint_reader!(SavepointReader, dir);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A small-file writer whose write ends after its checkpoint was aborted (subsumed, say)
+    /// is dropped, not kept: kept, nothing removed it, and the aborted checkpoint stayed
+    /// registered as in progress, holding its files against retention, until the job ended.
+    #[test]
+    fn a_small_file_writer_of_an_aborted_checkpoint_is_not_kept() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let fs: std::sync::Arc<dyn weir_io::Fs> = std::sync::Arc::new(weir_io::StdFs);
+        let storage = CheckpointStorage::open(fs, tmp.path(), "job").expect("storage");
+        let store = IoCheckpointStore::new(storage);
+        store.begin(1).expect("begin");
+        store
+            .write_small(1, 0, b"kept while in progress")
+            .expect("write");
+        assert_eq!(lock(&store.small).get(&(1, 0)).map(Vec::len), Some(1));
+        // A write in flight: its writer was taken before the abort, put back after it.
+        let w = lock(&store.small)
+            .get_mut(&(1, 0))
+            .and_then(Vec::pop)
+            .expect("the kept writer");
+        store.abort(1);
+        store.keep_small(1, 0, w);
+        assert!(lock(&store.small).is_empty(), "kept after the abort");
+    }
 
     /// Two threads of a shard writing small files of one checkpoint at once (the channel state
     /// of two unaligned exchange inputs) each get a writer; the checkpoint commits, and every
