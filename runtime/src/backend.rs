@@ -33,11 +33,15 @@ pub use weir_state::StateError;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct StateId(pub u16);
 
+/// A snapshot's part, the segments it uploaded (with their files) and those it reused.
+type SnapshotUploads = (Part, Vec<(u64, FileRefData)>, Vec<u64>);
+
 enum Output {
     Maintenance(JobDone),
     Snapshot {
         checkpoint_id: u64,
-        result: Result<(Part, Vec<(u64, FileRefData)>), String>,
+        /// The part, the segments it uploaded and the segments it reused.
+        result: Result<SnapshotUploads, String>,
         elapsed_ns: u64,
     },
 }
@@ -77,8 +81,11 @@ struct Inner {
     maint: Option<Maintenance>,
     checkpoint: Option<ShardCheckpointRef>,
     /// Segments of this store already in checkpoint storage, by segment id, with the
-    /// checkpoint that uploaded them.
-    uploaded: HashMap<u64, (FileRefData, u64)>,
+    /// checkpoint that uploaded them and the last one that referenced them (reused them or
+    /// uploaded them): a file is reused while either is a recent complete checkpoint. With
+    /// the uploader alone, every segment was uploaded again once its uploader fell out of the
+    /// recent completed ids, every 64 checkpoints.
+    uploaded: HashMap<u64, (FileRefData, u64, u64)>,
     /// Timers of the restored checkpoint, for the operator to take.
     restored_timers: Vec<Vec<u8>>,
     /// The store's figures in the job's metrics, updated when background work is installed.
@@ -407,7 +414,7 @@ impl ShardState {
             for p in store.segment_paths() {
                 if let Some((id, f)) = linked.remove(&p) {
                     if Path::new(&f.path).starts_with(weir_io::SHARED_DIR) {
-                        uploaded.insert(id, (f, r.checkpoint_id));
+                        uploaded.insert(id, (f, r.checkpoint_id, r.checkpoint_id));
                     }
                 }
             }
@@ -520,9 +527,16 @@ impl ShardState {
                     // The local snapshot's segments are now in checkpoint storage (or the
                     // checkpoint failed): the store may drop them when compaction replaces them.
                     inner.be.store_mut().release_snapshot(checkpoint_id);
-                    let result = result.map(|(part, uploaded)| {
+                    let result = result.map(|(part, uploaded, reused)| {
                         for (seg, f) in uploaded {
-                            inner.uploaded.insert(seg, (f, checkpoint_id));
+                            inner
+                                .uploaded
+                                .insert(seg, (f, checkpoint_id, checkpoint_id));
+                        }
+                        for seg in reused {
+                            if let Some(e) = inner.uploaded.get_mut(&seg) {
+                                e.2 = e.2.max(checkpoint_id);
+                            }
                         }
                         part
                     });
@@ -583,7 +597,9 @@ impl ShardState {
                 .completed_ids
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
-            inner.uploaded.retain(|_, (_, by)| ids.contains(by));
+            inner
+                .uploaded
+                .retain(|_, (_, by, last)| ids.contains(by) || ids.contains(last));
             c.shared.config.incremental
         };
         // A full (not incremental) checkpoint reuses nothing: it copies every segment of the
@@ -593,20 +609,21 @@ impl ShardState {
             inner
                 .uploaded
                 .iter()
-                .map(|(k, (f, _))| (*k, f.clone()))
+                .map(|(k, (f, _, _))| (*k, f.clone()))
                 .collect()
         } else {
             HashMap::new()
         };
         let work = move || {
             let t = Instant::now();
-            let result = (|| -> Result<(Part, Vec<(u64, FileRefData)>), String> {
+            let result = (|| -> Result<SnapshotUploads, String> {
                 let handle = job
                     .run()
                     .map_err(|e| format!("snapshot of `{operator}`: {e}"))?;
                 let mut segments = Vec::new();
                 let mut files = Vec::new();
                 let mut new = Vec::new();
+                let mut reused_ids = Vec::new();
                 for seg in &handle.segments {
                     // A known file can be gone when checkpoints run concurrently: another one
                     // completed since this one's barrier, and retention dropped what only
@@ -616,7 +633,10 @@ impl ShardState {
                         None => None,
                     };
                     let f = match reused {
-                        Some(f) => f,
+                        Some(f) => {
+                            reused_ids.push(seg.segment_id);
+                            f
+                        }
                         None => {
                             let f = store.upload_shared(
                                 id,
@@ -647,6 +667,7 @@ impl ShardState {
                         logical: Vec::new(),
                     },
                     new,
+                    reused_ids,
                 ))
             })();
             Output::Snapshot {
@@ -676,7 +697,7 @@ impl ShardState {
                 {
                     inner.be.store_mut().release_snapshot(id);
                     ckpt.borrow_mut()
-                        .report_async_done(id, result.map(|(p, _)| p), elapsed_ns);
+                        .report_async_done(id, result.map(|(p, _, _)| p), elapsed_ns);
                 }
             }
         }

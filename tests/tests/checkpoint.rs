@@ -1043,6 +1043,66 @@ fn concurrent_checkpoints_complete_on_a_keyed_job() {
     assert!(last.values().all(|c| *c == n / 100_000));
 }
 
+/// A long run of incremental checkpoints over a state that barely changes writes little
+/// per checkpoint, past the 64th as before it: a segment's file was reused only
+/// while the checkpoint that uploaded it was among the 64 newest complete ones, so every
+/// 64 checkpoints the whole state was uploaded again.
+#[test]
+fn incremental_checkpoints_stay_small_past_64_checkpoints() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let config = JobConfig::new()
+        .with_shards(1)
+        .with_pinning(Pinning::Never)
+        // A poll takes a batch: small ones, so that barriers go in every few ms.
+        .with_batch_records(16)
+        .with_checkpointing(
+            CheckpointConfig::new(dir.path(), "long")
+                .with_interval(Duration::from_millis(10))
+                .with_retained(1)
+                .with_restart(RestartStrategy::None),
+        );
+    let job = Job::new(config);
+    let fill = 50_000u64;
+    let done = Arc::new(AtomicBool::new(false));
+    let stop = done.clone();
+    // The whole state first, then one key now and then until the test has seen enough
+    // checkpoints.
+    let _ = job
+        .from_iter(move |_, _| {
+            let stop = stop.clone();
+            (0..fill).map(Some).chain(std::iter::from_fn(move || {
+                std::thread::sleep(Duration::from_millis(1));
+                (!stop.load(Ordering::Acquire)).then_some(None)
+            }))
+        })
+        .map(|k: Option<u64>| (k.unwrap_or(0), 1u64))
+        .key_by(|r| r.0)
+        .reduce(|a, b| (a.0, a.1 + b.1))
+        .collect();
+    let h = job.start().expect("start");
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    // The history holds the newest 32: checkpoints 49 to 80 include those just past 64.
+    while h.checkpoint_metrics().number_of_completed_checkpoints < 80 {
+        assert!(std::time::Instant::now() < deadline, "too few checkpoints");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let m = h.checkpoint_metrics();
+    done.store(true, Ordering::Release);
+    h.wait().expect("the job");
+    let full = m.last_checkpoint_full_size;
+    let late: Vec<(u64, u64)> = m
+        .history
+        .iter()
+        .filter(|s| s.failure.is_none() && s.checkpoint_id > 40)
+        .map(|s| (s.checkpoint_id, s.size_bytes))
+        .collect();
+    assert!(!late.is_empty(), "{m:?}");
+    assert!(
+        late.iter().all(|(_, b)| *b * 4 < full),
+        "full size {full}; checkpoints and their new bytes: {late:?}"
+    );
+}
+
 /// `c` restoring from `restore`, if any, and with the small batches of a held job (`held`:
 /// see [`HELD_BATCH_RECORDS`]).
 /// An exactly-once job on `shards` unpinned shards checkpointing into `dir` ([`ck`]).
