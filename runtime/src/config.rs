@@ -197,7 +197,9 @@ impl JobConfig {
     }
 
     /// Allows restore to fall back to an older checkpoint even where that may duplicate
-    /// committed output.
+    /// committed output. An ingress source still refuses one older than the newest complete
+    /// checkpoint its readers were told of: it let go of the records before that checkpoint,
+    /// and cannot read them again (`SourceError::BadPosition`, the job fails).
     pub fn with_allow_fallback(mut self, allow: bool) -> Self {
         self.allow_fallback = allow;
         self

@@ -94,8 +94,10 @@ pub trait SourceReader<T>: 'static {
     /// Checkpoint `checkpoint_id` and every earlier one are complete (durable): nothing
     /// before the position its barrier took is read again, unless the job is restored from
     /// an older checkpoint (which a sink that committed since refuses without
-    /// `with_allow_fallback`). Called between polls, with the newest completed id only (ids
-    /// in between may be skipped), as Flink's `notifyCheckpointComplete`.
+    /// `with_allow_fallback`; a reader that let go of its input, an ingress's, refuses it
+    /// even then, with `SourceError::BadPosition`). Called between polls, with the newest
+    /// completed id only (ids in between may be skipped), as Flink's
+    /// `notifyCheckpointComplete`.
     fn notify_checkpoint_complete(&mut self, checkpoint_id: u64) {
         let _ = checkpoint_id;
     }
