@@ -230,14 +230,20 @@ impl<T: 'static> Collector<T> for WatermarkOp<T> {
         if self.last_record_ms == i64::MIN {
             self.last_record_ms = now_ms;
         }
-        if now_ms >= self.next_emit_ms {
-            self.next_emit_ms = now_ms + self.interval_ms.max(1);
-            self.emit_watermark();
-        }
         if let Some(t) = self.idle_timeout_ms {
             if !self.idle && now_ms - self.last_record_ms >= t {
                 self.idle = true;
                 self.down.event(Event::Idle(true));
+            }
+        }
+        // An idle input sends no periodic watermark, as Flink's `WatermarksWithIdleness`:
+        // downstream a watermark is the input turning active again, and the one still pending
+        // from before the idle mark (an idle timeout shorter than the interval) made it
+        // active for good, holding every other input back.
+        if now_ms >= self.next_emit_ms {
+            self.next_emit_ms = now_ms + self.interval_ms.max(1);
+            if !self.idle {
+                self.emit_watermark();
             }
         }
         self.down.processing_time(now_ms);
@@ -296,16 +302,40 @@ fn restored_values<const N: usize>(
     name: &str,
     keyed: bool,
 ) -> Result<[i64; N], crate::StartError> {
+    match &ctx.restore {
+        Some(r) => restored_values_from(r, ctx.shard, ctx.config.max_parallelism, name, keyed),
+        None => Ok([i64::MIN; N]),
+    }
+}
+
+/// [`restored_values`] of restore `r` for shard `shard`.
+pub(crate) fn restored_values_from<const N: usize>(
+    r: &crate::checkpoint::restore::RestoreState,
+    shard: usize,
+    max_parallelism: u16,
+    name: &str,
+    keyed: bool,
+) -> Result<[i64; N], crate::StartError> {
     let mut out = [i64::MIN; N];
-    let Some(r) = &ctx.restore else {
-        return Ok(out);
-    };
     let kind = crate::checkpoint::snapshot::PartKind::Watermark;
-    let parts = if keyed {
-        r.parts_for_key_groups(name, kind, ctx.shard, ctx.config.max_parallelism)
+    let (parts, taken) = if keyed {
+        (
+            r.parts_for_key_groups(name, kind, shard, max_parallelism),
+            r.old_shards_for_key_groups(shard, max_parallelism),
+        )
     } else {
-        r.parts_for_shard(name, kind, ctx.shard)
+        (
+            r.parts_for_shard(name, kind, shard),
+            r.old_shards_for_shard(shard),
+        )
     };
+    if parts.len() < taken {
+        // An old shard whose input this one takes had no part: it had seen nothing, its
+        // values all `i64::MIN`, and so is the least of them. Taking the least of the parts
+        // alone started the shard at another old shard's watermark, and after a scale-down
+        // the first shard's records, not yet read, were dropped as late.
+        return Ok(out);
+    }
     for (k, p) in parts.iter().enumerate() {
         let values: Option<Vec<i64>> = (p.bytes.len() == 8 * N).then(|| {
             p.bytes
