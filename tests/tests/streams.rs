@@ -577,6 +577,56 @@ fn windows_fire_when_every_source_is_idle() {
     assert_eq!(got, want);
 }
 
+/// An input whose idle timeout (50 ms) is shorter than the periodic watermark interval
+/// (200 ms) goes idle for good while it is quiet: the watermark still pending from its last
+/// records went out after the idle mark, downstream took it as the input turning active
+/// again, and it held the other input's windows back until it ended (Flink's
+/// `WatermarksWithIdleness` sends no watermark while idle).
+#[test]
+fn a_short_idle_timeout_lets_the_other_input_advance() {
+    let (tx1, s1) = weir_runtime::source::ingress::<(u64, i64)>(4);
+    let (tx2, s2) = weir_runtime::source::ingress::<(u64, i64)>(4);
+    // One shard: on a shard that took none of its batches the busy input would be active
+    // and empty, holding everything back by itself.
+    let job = Job::new(config(1));
+    let quiet = job.source(s1).assign_timestamps(
+        WatermarkStrategy::bounded_out_of_orderness(0, |r: &(u64, i64)| r.1).with_idleness(50),
+    );
+    let busy = job
+        .source(s2)
+        .assign_timestamps(WatermarkStrategy::bounded_out_of_orderness(
+            0,
+            |r: &(u64, i64)| r.1,
+        ));
+    let fired = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let f2 = fired.clone();
+    quiet
+        .union(busy)
+        .key_by(|r| r.0)
+        .window(WindowAssigner::tumbling(100))
+        .count_with(|k, w, n| (*k, w.start, n))
+        .for_each(move |r| f2.lock().expect("lock").push(r));
+    let h = job.start().expect("start");
+    tx1.push_batch((0..5).map(|i| (1, i * 5)).collect())
+        .expect("push");
+    tx2.push_batch((1..=100).map(|i| (2, i * 10)).collect())
+        .expect("push");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    // The busy input's watermark (999) closes [800, 900) once the quiet one is idle.
+    while !fired.lock().expect("lock").contains(&(2, 800, 10)) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the quiet input held the watermark: {:?}",
+            fired.lock().expect("lock")
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(!h.is_finished());
+    tx1.close();
+    tx2.close();
+    h.wait().expect("job");
+}
+
 /// A shard whose executor cannot be built (glommio panicked setting up an io_uring buffer of
 /// a TiB) ends the job with an error: the panic came before the shard's guard existed, so
 /// the job waited in Initializing for good. Whether it is refused up front or fails in the
