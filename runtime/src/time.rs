@@ -232,14 +232,18 @@ impl<T: 'static> Collector<T> for WatermarkOp<T> {
         }
         if let Some(t) = self.idle_timeout_ms {
             if !self.idle && now_ms - self.last_record_ms >= t {
+                // The watermark of the records so far first, as Flink's periodic emit after
+                // them sends it before its idleness check can find the input idle: held, the
+                // windows it closes waited for the input to be active again.
+                self.emit_watermark();
                 self.idle = true;
                 self.down.event(Event::Idle(true));
             }
         }
         // An idle input sends no periodic watermark, as Flink's `WatermarksWithIdleness`:
-        // downstream a watermark is the input turning active again, and the one still pending
-        // from before the idle mark (an idle timeout shorter than the interval) made it
-        // active for good, holding every other input back.
+        // downstream a watermark is the input turning active again, and one sent after the
+        // idle mark (an idle timeout shorter than the interval) made it active for good,
+        // holding every other input back.
         if now_ms >= self.next_emit_ms {
             self.next_emit_ms = now_ms + self.interval_ms.max(1);
             if !self.idle {
