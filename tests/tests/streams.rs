@@ -555,16 +555,12 @@ fn windows_fire_when_every_source_is_idle() {
     let h = job.start().expect("start");
     tx1.push_batch((1..=100).map(|t| (7, t)).collect())
         .expect("push");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     // [0, 10) holds 1..=9; the flushed watermark (99) closes every window up to [80, 90).
-    while !fired.lock().expect("lock").contains(&(7, 80, 10)) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no window fired with every source idle: {:?}",
-            fired.lock().expect("lock")
-        );
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
+    await_window(
+        &fired,
+        (7, 80, 10),
+        "no window fired with every source idle",
+    );
     assert!(!h.is_finished());
     tx1.close();
     tx2.close();
@@ -611,20 +607,26 @@ fn a_short_idle_timeout_lets_the_other_input_advance() {
         .expect("push");
     tx2.push_batch((1..=100).map(|i| (2, i * 10)).collect())
         .expect("push");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     // The busy input's watermark (999) closes [800, 900) once the quiet one is idle.
-    while !fired.lock().expect("lock").contains(&(2, 800, 10)) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the quiet input held the watermark: {:?}",
-            fired.lock().expect("lock")
-        );
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
+    await_window(&fired, (2, 800, 10), "the quiet input held the watermark");
     assert!(!h.is_finished());
     tx1.close();
     tx2.close();
     h.wait().expect("job");
+}
+
+/// Waits (60 s at most, else fails with `what`) until `fired` holds `window`.
+fn await_window(
+    fired: &std::sync::Mutex<Vec<(u64, i64, u64)>>,
+    window: (u64, i64, u64),
+    what: &str,
+) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !fired.lock().expect("lock").contains(&window) {
+        let got = fired.lock().expect("lock").clone();
+        assert!(std::time::Instant::now() < deadline, "{what}: {got:?}");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
 }
 
 /// A shard whose executor cannot be built (glommio panicked setting up an io_uring buffer of
