@@ -16,6 +16,16 @@ pub enum StartError {
     )]
     MemlockTooLow { have_bytes: u64, need_bytes: u64 },
     #[error(
+        "{shards} shards need {need} free file descriptors; the process has {open} open of a \
+         limit of {limit}. hint: raise it (`ulimit -n`, or LimitNOFILE= in a systemd unit)"
+    )]
+    TooFewDescriptors {
+        shards: usize,
+        need: u64,
+        open: u64,
+        limit: u64,
+    },
+    #[error(
         "io_uring is not usable: {reason}. hint: weir's shards need io_uring; check \
          `sysctl kernel.io_uring_disabled` (must be 0) and the container's seccomp profile; \
          `weir_runtime::testing::TestDriver` runs jobs without io_uring"

@@ -456,6 +456,7 @@ struct Plan {
 pub(crate) fn start(config: JobConfig, graph: Graph) -> Result<JobHandle, StartError> {
     config.validate()?;
     crate::platform::check_memlock()?;
+    crate::platform::check_descriptors(config.shards)?;
     crate::platform::check_io_uring()?;
     let (state_dir, tmp) = match &config.state_dir {
         Some(d) => (d.clone(), None),

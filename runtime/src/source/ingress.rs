@@ -171,6 +171,8 @@ fn new_ingress_id() -> u64 {
 
 /// A bounded ingress: its queue holds at most `capacity_batches` batches that no shard took
 /// yet (a host pushing into a full queue waits). The replay logs are apart from that bound.
+/// A capacity of 0 is taken as 1: a queue that holds nothing could only hand a batch over
+/// while a shard waits in a poll, and shards poll, they do not wait.
 pub fn ingress<T>(capacity_batches: usize) -> (Ingress<T>, IngressSource<T>) {
     let shared = Arc::new(Shared {
         q: Mutex::new(Queue {
