@@ -528,68 +528,40 @@ impl ConfigError {
     }
 }
 
-/// The name in a table header line (`[restart]`, `[[restart]]`, with a comment after it or
-/// not); `None` for another line.
-fn header_name(line: &str) -> Option<String> {
-    let inner = line.trim_start().strip_prefix('[')?.trim_start_matches('[');
-    let name = dotted(&inner[..inner.find(']')?]);
-    (!name.is_empty()).then_some(name)
-}
-
-/// A key as written (`restart . "delay"`) as errors name it (`restart.delay`).
-fn dotted(key: &str) -> String {
-    key.split('.')
-        .map(|s| s.trim().trim_matches(|c| c == '"' || c == '\''))
-        .collect::<Vec<_>>()
-        .join(".")
-}
-
-/// The key whose value is at `pos` in TOML `text`, with its tables: `restart.delay` set under
-/// `[restart]`, as a dotted key or in an inline table (`restart = { delay = .. }`); a table
-/// header names its table. `None` if the line of `pos` sets no key.
+/// The key whose value is at `pos` in TOML `text`, with its tables (`restart.delay` however
+/// the text wrote it: under `[restart]`, as a dotted or quoted key, in an inline table, in a
+/// value over several lines); a table header names its table. `None` if the text does not
+/// parse or no key's value is at `pos`. The places come from toml_edit, the parser under
+/// `toml`'s own, so that they are the places toml's errors name.
 fn key_at(text: &str, pos: usize) -> Option<String> {
-    let start = text.get(..pos)?.rfind('\n').map_or(0, |i| i + 1);
-    let line = text[start..].lines().next()?;
-    if let Some(name) = header_name(line) {
-        return Some(name);
-    }
-    // The key last set, outside strings and arrays, at each level of inline tables open
-    // before `pos` (an inline table is on one line).
-    let before = line.get(..pos - start).unwrap_or(line);
-    let mut levels: Vec<(Option<String>, usize)> = vec![(None, 0)]; // (key, open arrays)
-    let (mut key_from, mut quote, mut escaped) = (0, None, false);
-    for (i, c) in before.char_indices() {
-        let depth = levels.len();
-        let level = levels.last_mut()?;
-        match (quote, c) {
-            (Some('"'), '\\') if !escaped => escaped = true,
-            (Some(q), c) if c == q && !escaped => quote = None,
-            (Some(_), _) => escaped = false,
-            (None, '"' | '\'') => quote = Some(c),
-            (None, '#') => break,
-            (None, '=') if level.1 == 0 => level.0 = Some(dotted(&before[key_from..i])),
-            (None, '[') => level.1 += 1,
-            (None, ']') => level.1 = level.1.saturating_sub(1),
-            (None, '{') => {
-                levels.push((None, 0));
-                key_from = i + 1;
+    let doc = toml_edit::ImDocument::parse(text).ok()?;
+    let mut path = Vec::new();
+    key_in(doc.as_table(), pos, &mut path).then(|| path.join("."))
+}
+
+/// Whether a key of `table` holds `pos`, leaving its path (below `table`) in `path`.
+fn key_in(table: &dyn toml_edit::TableLike, pos: usize, path: &mut Vec<String>) -> bool {
+    let holds = |span: Option<std::ops::Range<usize>>| span.is_some_and(|s| s.contains(&pos));
+    for (key, item) in table.iter() {
+        path.push(key.to_string());
+        let found = match item {
+            // A table's own span may cover its keys: they are asked first.
+            toml_edit::Item::ArrayOfTables(tables) => tables
+                .iter()
+                .any(|t| key_in(t, pos, path) || holds(t.span())),
+            toml_edit::Item::Table(t) => key_in(t, pos, path) || holds(t.span()),
+            toml_edit::Item::Value(toml_edit::Value::InlineTable(t)) => {
+                key_in(t, pos, path) || holds(t.span())
             }
-            (None, '}') if depth > 1 => {
-                levels.pop();
-            }
-            (None, ',') if level.1 == 0 => {
-                level.0 = None;
-                key_from = i + 1;
-            }
-            _ => {}
+            toml_edit::Item::Value(v) => holds(v.span()),
+            toml_edit::Item::None => false,
+        };
+        if found {
+            return true;
         }
+        path.pop();
     }
-    let keys: Vec<String> = levels.into_iter().filter_map(|(k, _)| k).collect();
-    if keys.is_empty() || keys.iter().any(String::is_empty) {
-        return None;
-    }
-    let table = text[..start].lines().rev().find_map(header_name);
-    Some(table.into_iter().chain(keys).collect::<Vec<_>>().join("."))
+    false
 }
 
 // Every value keeps its place in the text, for the line an error names.
@@ -929,6 +901,24 @@ mod tests {
             ),
             ("restart.strategy = 7\n", "restart.strategy", 1),
             ("bogus = 1\n", "bogus", 1),
+            // A line inside a value over several lines that looks like a header or a key
+            // (a scan of the text line by line named the first `x.mode`).
+            (
+                "job-id = \"\"\"\n[x]\n\"\"\"\nmode = \"sometimes\"\n",
+                "mode",
+                4,
+            ),
+            (
+                "job-id = '''\na = {\n'''\nunaligned = \"yes\"\n",
+                "unaligned",
+                4,
+            ),
+            (
+                "[restart]\nstrategy = \"fixed-delay\"\n'attempts' = \"3\"\n",
+                "restart.attempts",
+                3,
+            ),
+            ("\"restart\" . strategy = 7\n", "restart.strategy", 1),
         ] {
             let e = base.clone().with_toml(text).expect_err(text);
             assert_eq!((e.key.as_str(), e.line), (key, Some(line)), "{text:?}: {e}");
