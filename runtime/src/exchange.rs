@@ -24,7 +24,17 @@ use crate::operator::{Collector, Event, InputMerger, Out};
 use crate::stream::Stream;
 
 /// Flag of a watermark frame that carries an idleness change instead of a watermark.
-const FLAG_IDLE: u8 = 1;
+pub(crate) const FLAG_IDLE: u8 = 1;
+
+/// The event a watermark frame with `flags` and `ts` carries.
+#[inline]
+pub(crate) fn watermark_event(flags: u8, ts: i64) -> Event {
+    if flags & FLAG_IDLE != 0 {
+        Event::Idle(ts != 0)
+    } else {
+        Event::Watermark(ts)
+    }
+}
 
 /// Where a record goes.
 pub(crate) enum Route<T> {
@@ -109,12 +119,19 @@ pub(crate) fn exchange<T: Data>(up: Stream<T>, kind: &'static str, route: Route<
         let mut merger = InputMerger::new(consumers.len());
         merger.align = crate::checkpoint::aligns(ctx);
         let keyed = matches!(route, Route::KeyGroup(_));
-        let channels = crate::unaligned::Channels::new(ctx, &name, keyed)?;
+        let mut channels = crate::unaligned::Channels::new(ctx, &name, keyed, consumers.len())?;
+        // A restored valve's last watermark (and idleness) goes downstream again before
+        // anything else, as a timestamp assigner's does (`InputMerger::restore_valve`).
+        let resend = channels
+            .take_valve()
+            .map(|v| merger.restore_valve(&v))
+            .unwrap_or_default();
         let head = ExchangeHead::<T> {
             merger,
             checkpoint: ctx.checkpoint.clone(),
             align_started: None,
             channels,
+            resend,
             consumers,
             ended: Vec::new(),
             down,
@@ -454,6 +471,8 @@ struct ExchangeHead<T> {
     align_started: Option<std::time::Instant>,
     /// Unaligned checkpoints: in-flight data captured, restored data to replay.
     channels: crate::unaligned::Channels,
+    /// What the restored valve had told downstream, not sent again yet.
+    resend: Vec<Event>,
     /// Whether the chain wants records hinted ahead ([`Collector::hint`]); asked at the first
     /// step.
     hints: Option<bool>,
@@ -478,7 +497,9 @@ impl<T: Data> ExchangeHead<T> {
         let done = self.merger.abandon(id);
         self.align_started = None;
         self.down.event(Event::Barrier(id));
-        self.channels.start(id, done);
+        // The valve's state goes with the channel state: its captured frames, replayed on
+        // top of it, leave the valve where a failure-free run left it.
+        self.channels.start(id, done, self.merger.valve());
     }
 
     /// Whether checkpoint `id` must stay aligned: the final checkpoint of a bounded job (see
@@ -536,13 +557,24 @@ impl<T: Data> Head for ExchangeHead<T> {
         }
         self.down.processing_time(now_ms);
         self.channels.poll();
+        for ev in std::mem::take(&mut self.resend) {
+            self.down.event(ev);
+        }
         if self.channels.has_replay() {
             // Restored in-flight records come before any new input.
-            let (down, counters) = (&mut self.down, &self.counters);
-            let n = self.channels.replay::<T>(self.batch, |rec, ts| {
-                bump(&counters.records_in, 1);
-                down.collect(rec, ts);
-            })?;
+            // Watermark frames go through the valve, as when they were read live.
+            let (down, counters, merger) = (&mut self.down, &self.counters, &mut self.merger);
+            let n = self
+                .channels
+                .replay::<T>(self.batch, |input, item| match item {
+                    crate::unaligned::Replayed::Record(rec, ts) => {
+                        bump(&counters.records_in, 1);
+                        down.collect(rec, ts);
+                    }
+                    crate::unaligned::Replayed::Event(ev) => {
+                        merger.on_event(input, ev, &mut |e| down.event(e));
+                    }
+                })?;
             self.gate.flush();
             bump(&self.head.busy_ns, t0.elapsed().as_nanos() as u64);
             return Ok(if n > 0 {
@@ -599,11 +631,12 @@ impl<T: Data> Head for ExchangeHead<T> {
                         continue;
                     }
                     FrameKind::Watermark => {
-                        let ev = if f.flags & FLAG_IDLE != 0 {
-                            Event::Idle(f.ts != 0)
-                        } else {
-                            Event::Watermark(f.ts)
-                        };
+                        // Channel state keeps the watermarks among the records it captures,
+                        // so that a replayed record meets the watermark it met here.
+                        if self.channels.capturing(i) {
+                            self.channels.capture_watermark(i, f.flags, f.ts);
+                        }
+                        let ev = watermark_event(f.flags, f.ts);
                         let down = &mut self.down;
                         self.merger.on_event(i, ev, &mut |e| down.event(e));
                     }

@@ -338,6 +338,53 @@ impl InputMerger {
     pub fn all_ended(&self) -> bool {
         self.ended.iter().all(|e| *e)
     }
+
+    /// The valve's watermark state, for an unaligned checkpoint's channel state: the frames
+    /// it captures are replayed on top of it.
+    pub fn valve(&self) -> ValveState {
+        ValveState {
+            emitted: self.emitted,
+            inputs: (0..self.watermarks.len())
+                .map(|i| (self.watermarks[i], self.idle[i], self.aligned[i]))
+                .collect(),
+        }
+    }
+
+    /// Takes over a restored [`Self::valve`] of as many inputs (the caller checked the
+    /// count), and returns what the valve had last told downstream, to be sent again before
+    /// anything else: its watermark, then its idleness when every input was idle (as
+    /// [`Self::advance`] sends them). Downstream had them before the barrier; a consumer that
+    /// restored none (an exchange after this one that passed the checkpoint aligned) would
+    /// otherwise wait for more, and operators and valves take a repeat as nothing new. End of
+    /// input is not restored: an input that had ended ends again after the restore (its
+    /// watermark, `i64::MAX`, holds meanwhile).
+    pub fn restore_valve(&mut self, v: &ValveState) -> Vec<Event> {
+        debug_assert_eq!(v.inputs.len(), self.watermarks.len());
+        for (i, &(w, idle, aligned)) in v.inputs.iter().enumerate().take(self.watermarks.len()) {
+            self.watermarks[i] = w;
+            self.idle[i] = idle;
+            self.aligned[i] = aligned && !idle;
+        }
+        self.emitted = v.emitted;
+        self.idle_out = !self.idle.is_empty() && self.idle.iter().all(|i| *i);
+        let mut again = Vec::new();
+        if self.emitted != i64::MIN {
+            again.push(Event::Watermark(self.emitted));
+        }
+        if self.idle_out {
+            again.push(Event::Idle(true));
+        }
+        again
+    }
+}
+
+/// An [`InputMerger`]'s watermark state ([`InputMerger::valve`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct ValveState {
+    /// The watermark forwarded.
+    pub emitted: i64,
+    /// Per input: its watermark, whether it is idle, whether it counts towards the minimum.
+    pub inputs: Vec<(i64, bool, bool)>,
 }
 
 /// One input of a union on a shard.

@@ -2621,3 +2621,246 @@ fn a_job_that_uses_the_last_checkpoint_id_fails_without_wrapping() {
         other => panic!("expected exhausted checkpoint ids, got {other:?}"),
     }
 }
+
+/// A late record behind a watermark in a backpressured ring, overtaken by an unaligned
+/// barrier, is late after a restore from that checkpoint as it was before: the checkpoint's
+/// channel state holds the watermark frames among the records it captured, with the input's
+/// watermark valve, and the replay hands them to the valve in order. Before, the channel
+/// state held the records alone: replayed with no watermark before it, the record that had
+/// been dropped as late counted in a window of its own.
+///
+/// Deterministic: every record goes to shard 1 (its key's owner) from shard 0, the only
+/// shard with input. Once a window fired there (so shard 1's own input, whose source is
+/// empty, has ended and no longer holds the watermark back), shard 1 is held inside the
+/// window's aggregate on a record while the test lets `[record 100][watermark 99][record
+/// 50]` into the ring and triggers the checkpoint, so that shard 1's exchange input takes it
+/// unaligned, capturing those frames, when it runs again. A failure then restores that
+/// checkpoint. Watermarks are per record, so which records are late does not depend on
+/// timing.
+#[test]
+fn a_late_record_in_unaligned_channel_state_stays_late_after_a_restore() {
+    use weir_runtime::source::{Source, SourceError, SourcePoll, SourceReader};
+    use weir_runtime::KeyCodec;
+
+    type Rec = (u64, i64, u64);
+
+    struct Gated {
+        items: Arc<Vec<Rec>>,
+        gate: Arc<AtomicU64>,
+        read: Arc<AtomicU64>,
+        positions: Arc<AtomicU64>,
+    }
+    struct GatedReader {
+        items: Arc<Vec<Rec>>,
+        next: usize,
+        gate: Arc<AtomicU64>,
+        read: Arc<AtomicU64>,
+        positions: Arc<AtomicU64>,
+    }
+    impl SourceReader<Rec> for GatedReader {
+        fn poll(&mut self, out: &mut Vec<Rec>, max: usize) -> Result<SourcePoll, SourceError> {
+            let open = (self.gate.load(Ordering::Acquire) as usize).min(self.items.len());
+            if self.next >= open && open < self.items.len() {
+                return Ok(SourcePoll::Idle);
+            }
+            let end = (self.next + max).min(open);
+            out.extend_from_slice(&self.items[self.next..end]);
+            self.read.store(end as u64, Ordering::Release);
+            self.next = end;
+            Ok(if end == self.items.len() {
+                SourcePoll::Finished
+            } else {
+                SourcePoll::Ready
+            })
+        }
+        fn position(&self) -> Vec<u8> {
+            self.positions.fetch_add(1, Ordering::AcqRel);
+            (self.next as u64).to_le_bytes().to_vec()
+        }
+        fn seek(&mut self, position: &[u8]) -> Result<(), SourceError> {
+            let n = <[u8; 8]>::try_from(position)
+                .map(u64::from_le_bytes)
+                .map_err(|_| SourceError::BadPosition("expected 8 bytes".into()))?;
+            self.next = n as usize;
+            Ok(())
+        }
+    }
+    impl Source<Rec> for Gated {
+        fn create_reader(
+            &self,
+            shard: usize,
+            _shards: usize,
+        ) -> Result<Box<dyn SourceReader<Rec>>, SourceError> {
+            if shard != 0 {
+                return Ok(Box::new(weir_runtime::source::EmptyReader));
+            }
+            Ok(Box::new(GatedReader {
+                items: self.items.clone(),
+                next: 0,
+                gate: self.gate.clone(),
+                read: self.read.clone(),
+                positions: self.positions.clone(),
+            }))
+        }
+    }
+
+    /// Counts a window's records; holds its shard on record 2 while `hold` is set.
+    struct Count {
+        hold: Arc<AtomicBool>,
+        held: Arc<AtomicBool>,
+    }
+    impl weir_runtime::AggregateFunction<Rec, u64, u64> for Count {
+        fn create(&self) -> u64 {
+            0
+        }
+        fn add(&self, acc: u64, r: Rec) -> u64 {
+            if r.2 == 2 {
+                self.held.store(true, Ordering::Release);
+                while self.hold.load(Ordering::Acquire) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+            acc + 1
+        }
+        fn result(&self, acc: &u64) -> u64 {
+            *acc
+        }
+        fn merge(&self, a: u64, b: u64) -> u64 {
+            a + b
+        }
+    }
+
+    // A key shard 1 of 2 owns.
+    let key = (0..100u64)
+        .find(|k| {
+            let mut b = Vec::new();
+            k.encode_key(&mut b);
+            weir_runtime::shard_for_key_group(weir_state::key_group_for(&b, 128), 128, 2) == 1
+        })
+        .expect("a key on shard 1");
+    // (key, event time, index): 20's watermark fires 0's window, 30 holds shard 1, 50 is late
+    // after 100 (watermark 99).
+    let items: Vec<Rec> = [0, 20, 30, 100, 50, 200, 205]
+        .iter()
+        .enumerate()
+        .map(|(i, ts)| (key, *ts, i as u64))
+        .collect();
+    // A failure-free run's windows: 50's is not among them.
+    let want = vec![
+        "window 0 1",
+        "window 100 1",
+        "window 20 1",
+        "window 200 2",
+        "window 30 1",
+    ];
+
+    let dir = tempfile::tempdir().expect("tmp");
+    let out = dir.path().join("out");
+    let gate = Arc::new(AtomicU64::new(2));
+    let fired = Arc::new(AtomicBool::new(false));
+    let fired_in = fired.clone();
+    let read = Arc::new(AtomicU64::new(0));
+    let positions = Arc::new(AtomicU64::new(0));
+    let hold = Arc::new(AtomicBool::new(true));
+    let held = Arc::new(AtomicBool::new(false));
+    let fail = Arc::new(AtomicBool::new(false));
+    let checkpointing = CheckpointConfig::new(dir.path().join("ck"), "late")
+        .with_unaligned(true)
+        .with_interval(Duration::from_secs(3600))
+        .with_restart(RestartStrategy::FixedDelay {
+            attempts: 2,
+            delay: Duration::from_millis(5),
+        });
+    let job = Job::new(
+        JobConfig::new()
+            .with_shards(2)
+            .with_max_parallelism(128)
+            .with_pinning(Pinning::Never)
+            .with_checkpointing(checkpointing),
+    );
+    let f = fail.clone();
+    job.source(Gated {
+        items: Arc::new(items),
+        gate: gate.clone(),
+        read: read.clone(),
+        positions: positions.clone(),
+    })
+    .uid("input")
+    .inspect(move |_| {
+        if f.swap(false, Ordering::AcqRel) {
+            panic!("injected failure");
+        }
+    })
+    .assign_timestamps(
+        WatermarkStrategy::bounded_out_of_orderness(0, |r: &Rec| r.1).with_watermark_per_record(),
+    )
+    .key_by(|r: &Rec| r.0)
+    .window(WindowAssigner::tumbling(10))
+    .aggregate_with(
+        Count {
+            hold: hold.clone(),
+            held: held.clone(),
+        },
+        |_k, w, n| format!("window {} {n}", w.start),
+    )
+    .uid("windows")
+    .inspect(move |_| fired_in.store(true, Ordering::Release))
+    .sink(TransactionalFileSink::new(
+        out.clone(),
+        |l: &String, buf: &mut String| buf.push_str(l),
+    ))
+    .uid("out");
+    let h = job.start().expect("start");
+    let wait = |what: &str, f: &dyn Fn() -> bool| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while !f() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "timed out waiting for {what}"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    // A window fired: shard 1's exchange input from shard 1 had ended (else its watermark,
+    // none, held the valve back, and whether 50 is late would depend on when it ended).
+    wait("the first window", &|| fired.load(Ordering::Acquire));
+    gate.store(3, Ordering::Release);
+    wait("shard 1 held", &|| held.load(Ordering::Acquire));
+    // Behind the held record: [record 100][watermark 99][record 50] in shard 1's ring.
+    gate.store(5, Ordering::Release);
+    wait("the records read", &|| read.load(Ordering::Acquire) >= 5);
+    let before = positions.load(Ordering::Acquire);
+    h.trigger_checkpoint().expect("trigger");
+    // The source took its position and sent the barrier after them (announced with it).
+    wait("the barrier", &|| {
+        positions.load(Ordering::Acquire) > before
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    hold.store(false, Ordering::Release);
+    wait("the checkpoint", &|| {
+        h.checkpoint_metrics().number_of_completed_checkpoints >= 1
+    });
+    let history = h.checkpoint_metrics().history;
+    assert!(
+        history
+            .iter()
+            .any(|s| s.failure.is_none() && s.persisted_inflight_bytes > 0),
+        "the checkpoint was taken unaligned with records in flight: {history:?}"
+    );
+    // Restores that checkpoint; then the rest of the input.
+    fail.store(true, Ordering::Release);
+    gate.store(u64::MAX, Ordering::Release);
+    wait("the restart", &|| h.restarts() >= 1 || h.is_finished());
+    assert_eq!(h.restarts(), 1, "one failure, restored");
+    h.wait().expect("job");
+    let mut got: Vec<String> = Vec::new();
+    for e in std::fs::read_dir(&out).expect("out").flatten() {
+        if e.file_name().to_string_lossy().starts_with('.') {
+            continue;
+        }
+        let text = std::fs::read_to_string(e.path()).expect("part file");
+        got.extend(text.lines().map(str::to_owned));
+    }
+    got.sort();
+    assert_eq!(got, want, "the windows of a failure-free run");
+}

@@ -192,6 +192,13 @@ impl ShardCheckpoint {
         p.sync_ns += sync_ns;
     }
 
+    /// A further part of checkpoint `id` from a participant that has not reported it yet
+    /// (an exchange input's watermark valve, beside its channel state): held with the parts,
+    /// it counts as no report.
+    pub fn attach(&mut self, id: u64, part: Part) {
+        self.entry(id, 0).parts.push(part);
+    }
+
     /// The background part of a participant's snapshot finished.
     pub fn report_async_done(&mut self, id: u64, result: Result<Part, String>, async_ns: u64) {
         let p = self.entry(id, 0);

@@ -39,8 +39,15 @@ pub enum PartKind {
     /// An operator's watermark: a timestamp assigner's largest timestamp and the watermark
     /// it sent (two `i64`, little-endian), or a keyed operator's watermark (one).
     Watermark,
-    /// In-flight records of an exchange input, captured by an unaligned checkpoint.
+    /// In-flight records of an exchange input, captured by an unaligned checkpoint, with the
+    /// watermark and idleness frames among them (checkpoints written before those were kept
+    /// hold the records alone, and restore as they did).
     Channel,
+    /// An exchange input's watermark valve (its per-input watermarks) when it took an
+    /// unaligned checkpoint: what its channel state is replayed on top of. Inline bytes,
+    /// little-endian: `version u8 = 1 | emitted i64 | inputs u32 | inputs × (watermark i64 |
+    /// flags u8: bit 0 idle, bit 1 aligned)`.
+    Valve,
 }
 
 impl PartKind {
@@ -52,6 +59,7 @@ impl PartKind {
             PartKind::Sink => "sink",
             PartKind::Watermark => "watermark",
             PartKind::Channel => "channel",
+            PartKind::Valve => "valve",
         }
     }
 }
@@ -359,7 +367,7 @@ pub fn check_references(
                         listed_file(&section, p, f)?;
                     }
                 }
-                PartKind::Source | PartKind::Sink | PartKind::Watermark => {}
+                PartKind::Source | PartKind::Sink | PartKind::Watermark | PartKind::Valve => {}
             }
         }
     }
