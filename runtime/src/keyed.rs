@@ -588,6 +588,9 @@ impl OpState {
 pub struct KeyedContext<'a, K, O> {
     pub(crate) key: &'a K,
     pub(crate) ts: i64,
+    /// The timestamp [`Self::emit`] gives output: `ts`, but none in a processing-time timer
+    /// (Flink's `KeyedProcessOperator` erases it there, while `timestamp()` is the timer's).
+    pub(crate) out_ts: i64,
     pub(crate) op: &'a mut OpState,
     pub(crate) timers: &'a mut TimerQueues<K>,
     pub(crate) namespace: &'a [u8],
@@ -616,10 +619,11 @@ impl<K: Clone, O: 'static> KeyedContext<'_, K, O> {
         self.op.now_ms
     }
 
-    /// Emits a record with the current timestamp.
+    /// Emits a record with the current timestamp: the record's, or an event-time timer's
+    /// time; none in a processing-time timer.
     pub fn emit(&mut self, rec: O) {
         self.emitted += 1;
-        self.out.collect(rec, self.ts);
+        self.out.collect(rec, self.out_ts);
     }
 
     /// Emits a record with an explicit event timestamp.
@@ -880,14 +884,15 @@ pub(crate) fn fire_timers<K: Clone, O: 'static>(
         ops.key_bytes.clear();
         ops.key_bytes.extend_from_slice(&t.key);
         ops.key_group = t.key_group;
-        let ts = if domain == TimeDomain::EventTime {
+        let out_ts = if domain == TimeDomain::EventTime {
             t.ts
         } else {
             NO_TS
         };
         let mut ctx = KeyedContext {
             key: &key,
-            ts,
+            ts: t.ts,
+            out_ts,
             op: ops,
             timers,
             namespace: &t.namespace,
@@ -946,6 +951,7 @@ where
         let mut ctx = KeyedContext {
             key: &key,
             ts,
+            out_ts: ts,
             op: &mut self.ops,
             timers: &mut self.timers,
             namespace: &[],

@@ -507,6 +507,7 @@ where
             let mut ctx = KeyedContext {
                 key,
                 ts: crate::operator::NO_TS,
+                out_ts: crate::operator::NO_TS,
                 op: &mut self.ops,
                 timers: &mut self.timers,
                 namespace: &ns,
@@ -532,6 +533,7 @@ where
         KeyedContext {
             key,
             ts: crate::operator::NO_TS,
+            out_ts: crate::operator::NO_TS,
             op: &mut self.ops,
             timers: &mut self.timers,
             namespace: ns,
@@ -605,6 +607,7 @@ where
             let mut ctx = KeyedContext {
                 key: &key,
                 ts,
+                out_ts: ts,
                 op: &mut self.ops,
                 timers: &mut self.timers,
                 namespace: &ns,

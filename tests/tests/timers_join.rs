@@ -238,6 +238,51 @@ fn processing_time_timers_fire_when_the_driver_advances_time() {
     assert_eq!(d.drain().expect("run"), vec![(2, 1)]);
 }
 
+/// In a processing-time timer, `timestamp()` is the timer's time and output carries no
+/// timestamp, as in Flink's `KeyedProcessOperator` (it erases the output's timestamp and its
+/// `OnTimerContext::timestamp` is the timer's); an event-time timer's output carries its time.
+/// `timestamp()` was `None` in a processing-time timer.
+struct TimerStamps;
+
+impl KeyedProcessFunction<u32, u32, (u32, Option<i64>)> for TimerStamps {
+    fn process_element(&self, rec: u32, ctx: &mut KeyedContext<'_, u32, (u32, Option<i64>)>) {
+        ctx.register_processing_timer(20);
+        ctx.register_event_timer(i64::from(rec));
+    }
+
+    fn on_timer(
+        &self,
+        ts: i64,
+        _domain: TimeDomain,
+        ctx: &mut KeyedContext<'_, u32, (u32, Option<i64>)>,
+    ) {
+        assert_eq!(ctx.timestamp(), Some(ts));
+        let k = *ctx.key();
+        ctx.emit((k, ctx.timestamp()));
+    }
+}
+
+#[test]
+fn a_timer_sees_its_time_and_only_event_time_output_carries_it() {
+    let mut d =
+        TestDriver::new(|s| s.key_by(|k: &u32| *k).process(TimerStamps).stream()).expect("driver");
+    d.set_processing_time(10);
+    d.push_at(7, 5);
+    d.drain().expect("run");
+    d.set_processing_time(20);
+    assert_eq!(
+        d.drain_with_timestamps().expect("run"),
+        vec![((7, Some(20)), None)],
+        "a processing-time timer: its time in the context, none on the output"
+    );
+    d.watermark(7);
+    assert_eq!(
+        d.drain_with_timestamps().expect("run"),
+        vec![((7, Some(7)), Some(7))],
+        "an event-time timer: its time on both"
+    );
+}
+
 /// Joins orders with payments by order id; each side may come first.
 struct OrderPayment;
 
