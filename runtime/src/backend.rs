@@ -198,6 +198,13 @@ pub(crate) struct KeyedPart {
     pub timers: Vec<u8>,
 }
 
+/// What a keyed operator's `state-types` part holds: per state its id, name, and kind and
+/// value type (`weir_state::KeyedBackend::state_types`).
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Debug, Default, PartialEq, Eq)]
+pub(crate) struct StateTypesPart {
+    pub types: Vec<(u16, String, String)>,
+}
+
 fn sanitize(name: &str) -> String {
     name.chars()
         .map(|c| {
@@ -273,6 +280,7 @@ impl ShardState {
             std::fs::remove_dir_all(&dir).map_err(|e| err(format!("{}: {e}", dir.display())))?;
         }
         let mut restored_timers = Vec::new();
+        let mut restored_types = Vec::new();
         // Restored segments the store keeps as they are, by local path: (segment id, the
         // checkpoint file it is a link to or a copy of).
         let mut linked: HashMap<PathBuf, (u64, FileRefData)> = HashMap::new();
@@ -284,6 +292,18 @@ impl ShardState {
                     .map_err(|e| err(format!("{}: {e}", local.display())))?;
                 // A failed restore leaves none of its links or copies (scratch) behind.
                 let mut scratch = RemoveOnDrop(Some(local.clone()));
+                // Every old shard's record of its states' types (checkpoints written before
+                // they were recorded have none: nothing is checked then).
+                for (_, part) in r.parts(name, PartKind::StateTypes) {
+                    let t: StateTypesPart = crate::checkpoint::snapshot::decode_any(&part.bytes)
+                        .map_err(|e| {
+                            err(format!(
+                                "checkpoint {}: state types of `{name}`: {e}",
+                                r.checkpoint_id
+                            ))
+                        })?;
+                    restored_types.extend(t.types);
+                }
                 for (_, part) in r.parts(name, PartKind::Keyed) {
                     let mut kp: KeyedPart = crate::checkpoint::snapshot::decode_any(&part.bytes)
                         .map_err(|e| {
@@ -419,8 +439,9 @@ impl ShardState {
                 }
             }
         }
-        let be = KeyedBackend::new(store, range)
+        let mut be = KeyedBackend::new(store, range)
             .map_err(|e| err(format!("{}: reading timers: {e}", dir.display())))?;
+        be.restore_state_types(restored_types);
         let maint = if ctx.real_io {
             Some(Self::spawn(shard, dir.clone(), ctx.maintenance.enter()).map_err(err)?)
         } else {
@@ -583,6 +604,16 @@ impl ShardState {
             return;
         };
         let job = inner.be.snapshot(id);
+        // The states' kinds and value types, inline beside the state (a later restore checks
+        // each state's first use against them).
+        let types = inner.be.state_types();
+        let types = (!types.is_empty()).then(|| Part {
+            operator: inner.operator.clone(),
+            kind: PartKind::StateTypes,
+            bytes: crate::checkpoint::snapshot::encode(&StateTypesPart { types }),
+            files: Vec::new(),
+            logical: Vec::new(),
+        });
         let sync_ns = t0.elapsed().as_nanos() as u64;
         let store = ckpt.borrow().shared.store.clone();
         let shard = inner.shard;
@@ -676,7 +707,13 @@ impl ShardState {
                 elapsed_ns: t.elapsed().as_nanos() as u64,
             }
         };
-        ckpt.borrow_mut().report_async_start(id, sync_ns);
+        {
+            let mut c = ckpt.borrow_mut();
+            if let Some(p) = types {
+                c.attach(id, p);
+            }
+            c.report_async_start(id, sync_ns);
+        }
         match &mut inner.maint {
             Some(m) => {
                 if m.jobs.send(Job::Snapshot(Box::new(work))).is_ok() {

@@ -30,6 +30,17 @@ pub enum StateError {
         first: &'static str,
         now: &'static str,
     },
+    /// A restored state used as another kind or value type than the checkpoint recorded (its
+    /// restored values would be read as the new type).
+    #[error(
+        "state `{state}` is used as {now}, but the checkpoint restored holds it as {restored}: \
+         a state keeps its kind and value type across restores (give the new use its own name)"
+    )]
+    RestoredTypeMismatch {
+        state: String,
+        restored: String,
+        now: String,
+    },
     /// Two state names whose ids (a hash of the name) are equal.
     #[error("state names `{first}` and `{second}` hash to one id; rename one")]
     NameCollision { first: String, second: String },

@@ -111,6 +111,12 @@ pub struct KeyedBackend {
     /// this process: `access` reads in-memory values unchecked as that type, so another type
     /// must not reach them (see [`Self::check_type`]).
     types: std::collections::HashMap<u16, (std::any::TypeId, &'static str)>,
+    /// Each used state's [`Described::described`] kind and value type, by id, with its name:
+    /// what checkpoints record ([`Self::state_types`]).
+    described: std::collections::HashMap<u16, String>,
+    /// The kind and value type a restored checkpoint recorded for each state (name, kind and
+    /// type), checked at each state's first use ([`Self::restore_state_types`]).
+    restored_types: std::collections::HashMap<u16, (String, String)>,
     /// The last check that passed: accesses mostly repeat it.
     last_type: Option<(u16, std::any::TypeId)>,
     timers: [BTreeSet<Timer>; 2],
@@ -193,6 +199,8 @@ impl KeyedBackend {
             ser_arena: SerArena::default(),
             names: Default::default(),
             types: Default::default(),
+            described: Default::default(),
+            restored_types: Default::default(),
             last_type: None,
             timers,
         })
@@ -201,27 +209,86 @@ impl KeyedBackend {
     /// That state `id` is read or written through handle type `H` (its kind and value
     /// type), as at its first use in this process: values written as one type and read as
     /// another would be read out of bounds (in-memory values are accessed unchecked).
+    /// A state's first use in this process also checks it against the kind and value type a
+    /// restored checkpoint recorded for it: restored values are only checked structurally,
+    /// which bytes of another type with the same layout pass (a `u64` read as an `f64`).
     #[inline]
-    fn check_type<H: 'static>(&mut self, id: u16) -> Result<(), StateError> {
+    fn check_type<H: Described + 'static>(&mut self, id: u16) -> Result<(), StateError> {
         let t = std::any::TypeId::of::<H>();
         if self.last_type == Some((id, t)) {
             return Ok(());
         }
         let now = std::any::type_name::<H>();
-        let (first_t, first) = *self.types.entry(id).or_insert((t, now));
+        let name = |be: &Self| {
+            be.names
+                .get(&id)
+                .cloned()
+                .unwrap_or_else(|| format!("id {id}"))
+        };
+        let (first_t, first) = match self.types.get(&id) {
+            Some(&first) => first,
+            None => {
+                let d = H::described();
+                if let Some((_, was)) = self.restored_types.get(&id) {
+                    if *was != d {
+                        return Err(StateError::RestoredTypeMismatch {
+                            state: name(self),
+                            restored: was.clone(),
+                            now: d,
+                        });
+                    }
+                }
+                self.described.insert(id, d);
+                self.types.insert(id, (t, now));
+                (t, now)
+            }
+        };
         if first_t != t {
             return Err(StateError::TypeMismatch {
-                state: self
-                    .names
-                    .get(&id)
-                    .cloned()
-                    .unwrap_or_else(|| format!("id {id}")),
+                state: name(self),
                 first,
                 now,
             });
         }
         self.last_type = Some((id, t));
         Ok(())
+    }
+
+    /// Every state's id, name, and kind and value type (`value<u64>`, `list<..>`,
+    /// `map<.., ..>`), for a checkpoint to record: those used in this process, and those a
+    /// restore recorded and this process has not used yet (so that a later restore still
+    /// checks them). Sorted by id.
+    pub fn state_types(&self) -> Vec<(u16, String, String)> {
+        let mut out: Vec<(u16, String, String)> = self
+            .described
+            .iter()
+            .map(|(&id, d)| {
+                let name = self
+                    .names
+                    .get(&id)
+                    .or_else(|| self.restored_types.get(&id).map(|(n, _)| n))
+                    .cloned()
+                    .unwrap_or_default();
+                (id, name, d.clone())
+            })
+            .collect();
+        for (&id, (name, d)) in &self.restored_types {
+            if !self.described.contains_key(&id) {
+                out.push((id, name.clone(), d.clone()));
+            }
+        }
+        out.sort_by_key(|e| e.0);
+        out
+    }
+
+    /// The kinds and value types a checkpoint recorded ([`Self::state_types`]): each state's
+    /// first use is checked against them, and a state used as another kind or value type is
+    /// [`StateError::RestoredTypeMismatch`], as Flink refuses an incompatible serializer on
+    /// restore. The first record of an id wins (the parts of all old shards agree).
+    pub fn restore_state_types(&mut self, types: impl IntoIterator<Item = (u16, String, String)>) {
+        for (id, name, d) in types {
+            self.restored_types.entry(id).or_insert((name, d));
+        }
     }
 
     pub fn store(&self) -> &Store {
@@ -619,6 +686,35 @@ macro_rules! state_handle {
             }
         }
     };
+}
+
+/// A handle type's kind and value type by name, as checkpoints record them (`value<u64>`).
+/// Names come from [`std::any::type_name`]: a type moved or renamed reads as another, as a
+/// class moved does in Flink's serializer snapshots.
+pub(crate) trait Described {
+    fn described() -> String;
+}
+
+impl<V> Described for ValueState<V> {
+    fn described() -> String {
+        format!("value<{}>", std::any::type_name::<V>())
+    }
+}
+
+impl<V> Described for ListState<V> {
+    fn described() -> String {
+        format!("list<{}>", std::any::type_name::<V>())
+    }
+}
+
+impl<K: ?Sized, V> Described for MapState<K, V> {
+    fn described() -> String {
+        format!(
+            "map<{}, {}>",
+            std::any::type_name::<K>(),
+            std::any::type_name::<V>()
+        )
+    }
 }
 
 /// A single value per key (and namespace).

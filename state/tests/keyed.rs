@@ -508,6 +508,71 @@ fn a_state_used_with_another_type_or_kind_is_a_typed_error() {
     assert_eq!(z.value(&mut be).unwrap(), None);
 }
 
+/// The kinds and value types a checkpoint recorded hold a restored state to them: a `u64`
+/// read back as an `f64`, or a value read as a list, passes rkyv's structural check (the
+/// audit read `4.94e-315`), so the first use is checked against the record instead. States a
+/// restore recorded and this process did not use are recorded again, so that the next
+/// restore still checks them.
+#[test]
+fn a_restored_state_used_with_another_type_or_kind_is_a_typed_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut be = backend(dir.path(), 128);
+    be.set_current_key(&1u32);
+    be.value_state::<u64>("x").update(&mut be, &7).unwrap();
+    be.list_state::<u64>("l").add(&mut be, &1).unwrap();
+    be.map_state::<u32, u32>("m").put(&mut be, &1, &1).unwrap();
+    let recorded = be.state_types();
+    let described: Vec<&str> = recorded.iter().map(|(_, _, d)| d.as_str()).collect();
+    assert!(described.contains(&"value<u64>"), "{recorded:?}");
+    assert!(described.contains(&"list<u64>"), "{recorded:?}");
+    assert!(described.contains(&"map<u32, u32>"), "{recorded:?}");
+    let restored = |at: &str| {
+        let mut be = backend(&dir.path().join(at), 128);
+        be.restore_state_types(recorded.clone());
+        be.set_current_key(&1u32);
+        be
+    };
+    let mismatch = |r: Result<(), StateError>, state: &str, was: &str, now: &str| match r {
+        Err(e @ StateError::RestoredTypeMismatch { .. }) => {
+            let m = e.to_string();
+            assert!(
+                m.contains(&format!("state `{state}`")) && m.contains(was) && m.contains(now),
+                "{m}"
+            );
+        }
+        other => panic!("{state} as {now}: {other:?}"),
+    };
+    let mut be2 = restored("a");
+    let as_f64 = be2.value_state::<f64>("x");
+    mismatch(
+        as_f64.value(&mut be2).map(drop),
+        "x",
+        "value<u64>",
+        "value<f64>",
+    );
+    let as_value = be2.value_state::<u64>("l");
+    mismatch(
+        as_value.value(&mut be2).map(drop),
+        "l",
+        "list<u64>",
+        "value<u64>",
+    );
+    let as_strings = be2.map_state::<u32, String>("m");
+    mismatch(
+        as_strings.get(&mut be2, &1).map(drop),
+        "m",
+        "map<u32, u32>",
+        "map<u32, alloc::string::String>",
+    );
+    // The recorded types pass, and a state not used here is recorded again.
+    let mut be3 = restored("b");
+    be3.value_state::<u64>("x").update(&mut be3, &8).unwrap();
+    assert_eq!(be3.state_types(), recorded);
+    // A backend that restored nothing records what it used only.
+    let fresh = backend(&dir.path().join("c"), 128);
+    assert!(fresh.state_types().is_empty());
+}
+
 /// Two names whose ids collide: `try_state_id` says so, naming both, instead of panicking.
 #[test]
 fn colliding_state_names_are_a_typed_error() {

@@ -2864,3 +2864,69 @@ fn a_late_record_in_unaligned_channel_state_stays_late_after_a_restore() {
     got.sort();
     assert_eq!(got, want, "the windows of a failure-free run");
 }
+
+/// A restore refuses a state used as another value type than the checkpoint recorded, as
+/// Flink refuses an incompatible serializer (`StateMigrationException`): restored values pass
+/// rkyv's structural check whatever type reads them, and a `u64` read as an `f64` gave
+/// `4.94e-315`. Here the job's code changes its read of `x` once a checkpoint completed: the
+/// attempt that wrote `x` fails at the change (a second type in one process), and the
+/// restored attempt fails at its first read, naming the state and both types.
+#[test]
+fn a_restore_refuses_a_state_read_as_another_type() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let n = 20_000u64;
+    let hold = Hold::new(n, n / 2);
+    let as_f64 = Arc::new(AtomicBool::new(false));
+    let job = Job::new(
+        JobConfig::new()
+            .with_shards(2)
+            .with_pinning(Pinning::Never)
+            .with_batch_records(HELD_BATCH_RECORDS)
+            .with_checkpointing(
+                CheckpointConfig::new(dir.path(), "types")
+                    .with_interval(Duration::from_millis(20))
+                    .with_restart(RestartStrategy::FixedDelay {
+                        attempts: 1,
+                        delay: Duration::from_millis(5),
+                    }),
+            ),
+    );
+    let (h2, f2) = (hold.clone(), as_f64.clone());
+    job.from_vec((0..n).collect())
+        .uid("gen")
+        .map(move |i: u64| {
+            h2.delay(i);
+            i
+        })
+        .key_by(|i: &u64| *i % 10)
+        .process(FnProcess::new(
+            move |i: u64, ctx: &mut KeyedContext<'_, u64, u64>| {
+                if f2.load(Ordering::Acquire) {
+                    let x = ctx.value::<f64>("x").unwrap_or(0.0);
+                    ctx.emit(x as u64);
+                } else {
+                    ctx.set_value("x", &i);
+                }
+            },
+        ))
+        .uid("types")
+        .for_each(|_| {});
+    let h = job.start().expect("start");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while h.checkpoint_metrics().number_of_completed_checkpoints < 1 {
+        assert!(
+            std::time::Instant::now() < deadline && !h.is_finished(),
+            "no checkpoint completed"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    as_f64.store(true, Ordering::Release);
+    hold.release();
+    let e = h.wait().expect_err("the read as f64 fails").to_string();
+    assert!(
+        e.contains("state `x`")
+            && e.contains("the checkpoint restored holds it as value<u64>")
+            && e.contains("value<f64>"),
+        "{e}"
+    );
+}

@@ -2341,6 +2341,7 @@ fn checkpoints_inspect_shows_the_parts_and_clean_keeps_the_newest() {
         [
             ("input", "source"),
             ("keyed-sum", "keyed"),
+            ("keyed-sum", "state-types"),
             ("output", "sink")
         ]
     );

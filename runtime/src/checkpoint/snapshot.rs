@@ -48,6 +48,10 @@ pub enum PartKind {
     /// little-endian: `version u8 = 1 | emitted i64 | inputs u32 | inputs × (watermark i64 |
     /// flags u8: bit 0 idle, bit 1 aligned)`.
     Valve,
+    /// A keyed operator's states: each one's id, name, and kind and value type
+    /// (`value<u64>`), an rkyv archive of `backend::StateTypesPart`. A restore refuses a state
+    /// used as another kind or value type (`StateError::RestoredTypeMismatch`).
+    StateTypes,
 }
 
 impl PartKind {
@@ -60,6 +64,7 @@ impl PartKind {
             PartKind::Watermark => "watermark",
             PartKind::Channel => "channel",
             PartKind::Valve => "valve",
+            PartKind::StateTypes => "state-types",
         }
     }
 }
@@ -367,7 +372,11 @@ pub fn check_references(
                         listed_file(&section, p, f)?;
                     }
                 }
-                PartKind::Source | PartKind::Sink | PartKind::Watermark | PartKind::Valve => {}
+                PartKind::Source
+                | PartKind::Sink
+                | PartKind::Watermark
+                | PartKind::Valve
+                | PartKind::StateTypes => {}
             }
         }
     }
