@@ -283,6 +283,41 @@ fn a_timer_sees_its_time_and_only_event_time_output_carries_it() {
     );
 }
 
+/// A processing-time timer registered at or before the current time fires at once, as in
+/// Flink, without waiting for time to move: the driver fired it only once the test set
+/// another time (a job, at its next millisecond tick).
+struct PastTimer;
+
+impl KeyedProcessFunction<u32, u32, (u32, i64)> for PastTimer {
+    fn process_element(&self, rec: u32, ctx: &mut KeyedContext<'_, u32, (u32, i64)>) {
+        ctx.register_processing_timer(i64::from(rec));
+    }
+
+    fn on_timer(&self, ts: i64, _domain: TimeDomain, ctx: &mut KeyedContext<'_, u32, (u32, i64)>) {
+        let k = *ctx.key();
+        ctx.emit((k, ts));
+    }
+}
+
+#[test]
+fn a_processing_timer_in_the_past_fires_without_time_moving() {
+    let mut d =
+        TestDriver::new(|s| s.key_by(|k: &u32| *k).process(PastTimer).stream()).expect("driver");
+    d.set_processing_time(10);
+    d.push(5);
+    d.push(10);
+    d.push(11);
+    let mut out = d.drain().expect("run");
+    out.sort();
+    assert_eq!(
+        out,
+        vec![(5, 5), (10, 10)],
+        "the timer at 11 is not due yet"
+    );
+    d.set_processing_time(11);
+    assert_eq!(d.drain().expect("run"), vec![(11, 11)]);
+}
+
 /// Joins orders with payments by order id; each side may come first.
 struct OrderPayment;
 
