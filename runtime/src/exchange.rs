@@ -127,6 +127,7 @@ pub(crate) fn exchange<T: Data>(up: Stream<T>, kind: &'static str, route: Route<
             .map(|v| merger.restore_valve(&v))
             .unwrap_or_default();
         let head = ExchangeHead::<T> {
+            name: name.clone(),
             merger,
             checkpoint: ctx.checkpoint.clone(),
             align_started: None,
@@ -456,6 +457,7 @@ impl<T: Data> Collector<T> for ExchangeWriter<T> {
 
 /// The head of the downstream chain of an exchange: reads every input ring in place.
 struct ExchangeHead<T> {
+    name: String,
     consumers: Vec<Consumer>,
     merger: InputMerger,
     ended: Vec<bool>,
@@ -543,6 +545,10 @@ impl<T: Data> ExchangeHead<T> {
 }
 
 impl<T: Data> Head for ExchangeHead<T> {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
     fn step(&mut self, now_ms: i64) -> Result<HeadStatus, JobError> {
         let t0 = std::time::Instant::now();
         if !self.gate.flush() || self.gate.is_blocked() {

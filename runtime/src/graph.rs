@@ -35,6 +35,9 @@ pub(crate) enum HeadStatus {
 pub(crate) trait Head: 'static {
     /// Moves up to one batch of input through the chain. `now_ms` is processing time.
     fn step(&mut self, now_ms: i64) -> Result<HeadStatus, JobError>;
+    /// The operator that heads the chain (a source or an exchange), as metrics name it: a
+    /// panic in the chain is reported with it.
+    fn name(&self) -> &str;
 }
 
 /// Something at the end of a chain that may hold output it could not hand over yet.

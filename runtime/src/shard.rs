@@ -373,6 +373,12 @@ pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
+/// A panic's message in a chain's step, naming the operator that heads the chain (which of
+/// its operators panicked, a step does not know; Flink names the task, its chain, likewise).
+pub(crate) fn in_chain(payload: &(dyn std::any::Any + Send), head: &str) -> String {
+    format!("{} (in the chain from `{head}`)", panic_message(payload))
+}
+
 /// Held by a shard's thread for its whole life: however the thread ends, returning or
 /// unwinding, the count of running shards drops and the supervisor wakes; a panic, or an end
 /// before the shard's future ran to its end, also sets the cancel flag, so that the other
@@ -1435,7 +1441,7 @@ async fn run_loop(mut ctx: BuildCtx, cancel: &AtomicBool) -> Result<(), JobError
                     Err(p) => {
                         return Err(JobError::Panic {
                             shard: ctx.shard,
-                            message: panic_message(&*p),
+                            message: in_chain(&*p, h.name()),
                         })
                     }
                 };

@@ -503,6 +503,10 @@ impl<T: 'static> SourceHead<T> {
 }
 
 impl<T: 'static> Head for SourceHead<T> {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
     fn step(&mut self, now_ms: i64) -> Result<HeadStatus, JobError> {
         let t0 = std::time::Instant::now();
         // A barrier goes out even under backpressure: it queues behind the records before it.

@@ -176,12 +176,19 @@ impl<I: Data, O: Data> TestDriver<I, O> {
                 message: message.clone(),
             });
         }
+        // A step's panic comes back as an error naming its chain; any other (a store's
+        // maintenance) is caught here.
         let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_steps()));
-        run.unwrap_or_else(|p| {
-            let message = crate::shard::panic_message(&*p);
+        let r = run.unwrap_or_else(|p| {
+            Err(JobError::Panic {
+                shard: 0,
+                message: crate::shard::panic_message(&*p),
+            })
+        });
+        if let Err(JobError::Panic { message, .. }) = &r {
             self.failed = Some(message.clone());
-            Err(JobError::Panic { shard: 0, message })
-        })
+        }
+        r
     }
 
     fn run_steps(&mut self) -> Result<(), JobError> {
@@ -191,7 +198,12 @@ impl<I: Data, O: Data> TestDriver<I, O> {
                 if *d {
                     continue;
                 }
-                let s = h.step(self.now_ms)?;
+                let now = self.now_ms;
+                let s = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h.step(now)))
+                    .map_err(|p| JobError::Panic {
+                    shard: 0,
+                    message: crate::shard::in_chain(&*p, h.name()),
+                })??;
                 if let Some(e) = self.fail.take() {
                     return Err(e);
                 }
@@ -245,6 +257,10 @@ struct DriverHead<I> {
 }
 
 impl<I: 'static> Head for DriverHead<I> {
+    fn name(&self) -> &str {
+        "driver"
+    }
+
     fn step(&mut self, now_ms: i64) -> Result<HeadStatus, JobError> {
         if !self.gate.flush() {
             return Ok(HeadStatus::Blocked);

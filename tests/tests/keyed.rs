@@ -300,7 +300,8 @@ fn a_panic_in_the_test_driver_is_a_job_error() {
     for _ in 0..2 {
         match d.drain() {
             Err(weir_runtime::JobError::Panic { message, .. }) => {
-                assert!(message.contains("unlucky value"), "{message}")
+                assert!(message.contains("unlucky value"), "{message}");
+                assert!(message.contains("(in the chain from `key_by"), "{message}");
             }
             other => panic!("a panic's error: {other:?}"),
         }

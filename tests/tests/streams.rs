@@ -236,7 +236,9 @@ fn a_panicking_user_function_fails_the_job_with_its_message() {
         .for_each(|_| {});
     match job.run() {
         Err(JobError::Panic { message, .. }) => {
-            assert!(message.contains("bad record 77777"), "{message}")
+            assert!(message.contains("bad record 77777"), "{message}");
+            // The chain it came from, by the operator heading it: the keyed exchange.
+            assert!(message.contains("(in the chain from `key_by"), "{message}");
         }
         other => panic!("expected a panic failure, got {other:?}"),
     }
