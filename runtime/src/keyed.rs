@@ -604,7 +604,9 @@ impl<K: Clone, O: 'static> KeyedContext<'_, K, O> {
         self.key
     }
 
-    /// The event timestamp of the record (or the timer's time), if any.
+    /// The event timestamp of the record (or the timer's time), if any. `i64::MIN` is weir's
+    /// mark for no timestamp, so a record or an event-time timer at `i64::MIN` reads as none
+    /// (Flink keeps a separate flag; its window assigners take `Long.MIN_VALUE` as none too).
     pub fn timestamp(&self) -> Option<i64> {
         (self.ts != NO_TS).then_some(self.ts)
     }
