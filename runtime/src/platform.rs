@@ -48,8 +48,8 @@ pub const DESCRIPTORS_PER_JOB: u64 = 16;
 /// glommio builds an executor's rings on the shard's thread, and out of descriptors there it
 /// does not always return an error: it panics reading sysfs, and the first executor of the
 /// process panics in its io_uring probe, which poisons the probe for the process's life, so that
-/// every later executor panics too (PLATFORM.md). Refused here, the job gets a typed error
-/// and the process stays usable.
+/// every later executor panics too (seen on a fresh CI machine, glommio 0.9). Refused here,
+/// the job gets a typed error and the process stays usable.
 pub fn check_descriptors(shards: usize) -> Result<(), StartError> {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
