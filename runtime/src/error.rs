@@ -130,6 +130,15 @@ pub enum JobError {
     },
     #[error("shard {shard} panicked: {message}")]
     Panic { shard: usize, message: String },
+    /// A state used as another kind or value type than it holds (in this process, or as the
+    /// checkpoint it was restored from recorded), or two state names with one id: the job as
+    /// written, which every restart would meet again.
+    #[error("operator `{operator}` on shard {shard}: {message}")]
+    StateType {
+        operator: String,
+        shard: usize,
+        message: String,
+    },
     #[error("the job was cancelled")]
     Cancelled,
     #[error("{reason}")]
@@ -146,7 +155,7 @@ impl JobError {
     /// False for a failure that a restart would meet again, because it follows from the input
     /// or the job as written, not from the moment: a malformed record under the fail policy
     /// (the restart replays it), an unknown column, a restored position the source rejects,
-    /// a record larger than a ring, a failure to start. The restart strategy does not apply to
+    /// a record larger than a ring, a state used as another type, a failure to start. The restart strategy does not apply to
     /// them (Flink's `SuppressRestartsException`): the job fails at once with the error, where
     /// it would otherwise restart forever under the default strategy. Operator errors and
     /// panics, I/O errors and checkpoint failures may pass, and are restarted; so is a state
@@ -178,7 +187,10 @@ impl JobError {
                     | std::io::ErrorKind::NotADirectory
                     | std::io::ErrorKind::IsADirectory
             ),
-            JobError::RecordTooLarge { .. } | JobError::Start(_) | JobError::Cancelled => false,
+            JobError::RecordTooLarge { .. }
+            | JobError::StateType { .. }
+            | JobError::Start(_)
+            | JobError::Cancelled => false,
             JobError::Operator { .. }
             | JobError::SinkIo { .. }
             | JobError::Panic { .. }
@@ -221,6 +233,11 @@ mod tests {
                 operator: "x".into(),
                 bytes: 2,
                 capacity_bytes: 1,
+            },
+            JobError::StateType {
+                operator: "k".into(),
+                shard: 0,
+                message: "state `x` is used as value<f64>".into(),
             },
             JobError::Start(StartError::State {
                 shard: 0,

@@ -656,10 +656,27 @@ impl<K: Clone, O: 'static> KeyedContext<'_, K, O> {
         match r {
             Ok(r) => Some(r),
             Err(e) => {
-                op.fail.fail(crate::JobError::Operator {
-                    operator: op.name.clone(),
-                    shard: op.shard,
-                    message: format!("{doing} state `{name}`: {e}"),
+                let (operator, shard) = (op.name.clone(), op.shard);
+                let message = format!("{doing} state `{name}`: {e}");
+                // The job as written: a restart would meet it again.
+                let as_written = matches!(
+                    e,
+                    weir_state::StateError::TypeMismatch { .. }
+                        | weir_state::StateError::RestoredTypeMismatch { .. }
+                        | weir_state::StateError::NameCollision { .. }
+                );
+                op.fail.fail(if as_written {
+                    crate::JobError::StateType {
+                        operator,
+                        shard,
+                        message,
+                    }
+                } else {
+                    crate::JobError::Operator {
+                        operator,
+                        shard,
+                        message,
+                    }
                 });
                 None
             }

@@ -2868,15 +2868,17 @@ fn a_late_record_in_unaligned_channel_state_stays_late_after_a_restore() {
 /// A restore refuses a state used as another value type than the checkpoint recorded, as
 /// Flink refuses an incompatible serializer (`StateMigrationException`): restored values pass
 /// rkyv's structural check whatever type reads them, and a `u64` read as an `f64` gave
-/// `4.94e-315`. Here the job's code changes its read of `x` once a checkpoint completed: the
-/// attempt that wrote `x` fails at the change (a second type in one process), and the
-/// restored attempt fails at its first read, naming the state and both types.
+/// `4.94e-315`. Here the job's code reads `x` as an `f64` from its second attempt on (each
+/// attempt builds its sources anew), after a failure injected once a checkpoint completed:
+/// the restored attempt fails at its first read, naming the state and both types, and the
+/// job ends there (a restart would meet it again) instead of restarting.
 #[test]
 fn a_restore_refuses_a_state_read_as_another_type() {
     let dir = tempfile::tempdir().expect("tmp");
     let n = 20_000u64;
-    let hold = Hold::new(n, n / 2);
-    let as_f64 = Arc::new(AtomicBool::new(false));
+    let hold = Hold::new(n / 2, n / 4);
+    let built = Arc::new(AtomicU64::new(0));
+    let fail = Arc::new(AtomicBool::new(false));
     let job = Job::new(
         JobConfig::new()
             .with_shards(2)
@@ -2886,43 +2888,62 @@ fn a_restore_refuses_a_state_read_as_another_type() {
                 CheckpointConfig::new(dir.path(), "types")
                     .with_interval(Duration::from_millis(20))
                     .with_restart(RestartStrategy::FixedDelay {
-                        attempts: 1,
+                        attempts: 5,
                         delay: Duration::from_millis(5),
                     }),
             ),
     );
-    let (h2, f2) = (hold.clone(), as_f64.clone());
-    job.from_vec((0..n).collect())
-        .uid("gen")
-        .map(move |i: u64| {
-            h2.delay(i);
-            i
-        })
-        .key_by(|i: &u64| *i % 10)
-        .process(FnProcess::new(
-            move |i: u64, ctx: &mut KeyedContext<'_, u64, u64>| {
-                if f2.load(Ordering::Acquire) {
-                    let x = ctx.value::<f64>("x").unwrap_or(0.0);
-                    ctx.emit(x as u64);
-                } else {
-                    ctx.set_value("x", &i);
-                }
-            },
-        ))
-        .uid("types")
-        .for_each(|_| {});
+    let (b2, h2, f2) = (built.clone(), hold.clone(), fail.clone());
+    job.from_iter(move |_, shards| {
+        b2.fetch_add(1, Ordering::AcqRel);
+        0..n / shards as u64
+    })
+    .uid("gen")
+    .map(move |i: u64| {
+        if f2.swap(false, Ordering::AcqRel) {
+            panic!("injected failure");
+        }
+        h2.delay(i);
+        i
+    })
+    .key_by(|i: &u64| *i % 10)
+    .process(FnProcess::new({
+        let built = built.clone();
+        move |i: u64, ctx: &mut KeyedContext<'_, u64, u64>| {
+            // Both shards' sources are built before any record moves.
+            if built.load(Ordering::Acquire) > 2 {
+                let x = ctx.value::<f64>("x").unwrap_or(0.0);
+                ctx.emit(x as u64);
+            } else {
+                ctx.set_value("x", &i);
+            }
+        }
+    }))
+    .uid("types")
+    .for_each(|_| {});
     let h = job.start().expect("start");
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while h.checkpoint_metrics().number_of_completed_checkpoints < 1 {
+    // A checkpoint that holds `x` (the first may come before any record).
+    while !h
+        .checkpoint_metrics()
+        .history
+        .iter()
+        .any(|c| c.failure.is_none() && c.full_size_bytes > 0)
+    {
         assert!(
             std::time::Instant::now() < deadline && !h.is_finished(),
-            "no checkpoint completed"
+            "no checkpoint with state completed"
         );
         std::thread::sleep(Duration::from_millis(2));
     }
-    as_f64.store(true, Ordering::Release);
+    fail.store(true, Ordering::Release);
     hold.release();
-    let e = h.wait().expect_err("the read as f64 fails").to_string();
+    let e = h.wait().expect_err("the read as f64 fails");
+    assert!(
+        matches!(e, weir_runtime::JobError::StateType { .. }) && !e.is_recoverable(),
+        "{e:?}"
+    );
+    let e = e.to_string();
     assert!(
         e.contains("state `x`")
             && e.contains("the checkpoint restored holds it as value<u64>")
