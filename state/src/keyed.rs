@@ -688,22 +688,46 @@ macro_rules! state_handle {
     };
 }
 
-/// A handle type's kind and value type by name, as checkpoints record them (`value<u64>`).
-/// Names come from [`std::any::type_name`]: a type moved or renamed reads as another, as a
-/// class moved does in Flink's serializer snapshots.
+/// A handle type's kind and value type by name, as checkpoints record them (`value<u64>`,
+/// `map<u32, Option<Event>>`). Type names are [`std::any::type_name`]'s without their module
+/// paths ([`short_type_name`]): a type renamed reads as another, as a renamed class does in
+/// Flink's serializer snapshots, but one moved between modules (by its crate, or by std, as
+/// `IpAddr` moved from `std::net` to `core::net` in Rust 1.77) reads as itself.
 pub(crate) trait Described {
     fn described() -> String;
 }
 
+/// `type_name::<T>()` with every path cut to its last segment: `core::option::Option<my::Foo>`
+/// is `Option<Foo>`, `(u64, alloc::vec::Vec<u8>)` is `(u64, Vec<u8>)`.
+pub fn short_type_name<T: ?Sized>() -> String {
+    let full = std::any::type_name::<T>();
+    let mut out = String::with_capacity(full.len());
+    // Where the path being read starts in `out`: a `::` drops what of it came before.
+    let mut path_start = 0;
+    let mut chars = full.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == ':' && chars.peek() == Some(&':') {
+            chars.next();
+            out.truncate(path_start);
+        } else if c.is_alphanumeric() || c == '_' {
+            out.push(c);
+        } else {
+            out.push(c);
+            path_start = out.len();
+        }
+    }
+    out
+}
+
 impl<V> Described for ValueState<V> {
     fn described() -> String {
-        format!("value<{}>", std::any::type_name::<V>())
+        format!("value<{}>", short_type_name::<V>())
     }
 }
 
 impl<V> Described for ListState<V> {
     fn described() -> String {
-        format!("list<{}>", std::any::type_name::<V>())
+        format!("list<{}>", short_type_name::<V>())
     }
 }
 
@@ -711,8 +735,8 @@ impl<K: ?Sized, V> Described for MapState<K, V> {
     fn described() -> String {
         format!(
             "map<{}, {}>",
-            std::any::type_name::<K>(),
-            std::any::type_name::<V>()
+            short_type_name::<K>(),
+            short_type_name::<V>()
         )
     }
 }

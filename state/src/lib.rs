@@ -24,8 +24,8 @@ pub use key::{
     key_group_for, KeyCodec, KeyGroup, KeyGroupRange, DEFAULT_MAX_PARALLELISM, MAX_KEY_BYTES,
 };
 pub use keyed::{
-    AggregateFunction, AggregatingState, KeyedBackend, ListState, MapState, ReducingState,
-    StateValue, TimeDomain, Timer, ValueState, TIMER_STATE_ID,
+    short_type_name, AggregateFunction, AggregatingState, KeyedBackend, ListState, MapState,
+    ReducingState, StateValue, TimeDomain, Timer, ValueState, TIMER_STATE_ID,
 };
 pub use segment::{diagnose_segment, layout as segment_layout};
 pub use store::{

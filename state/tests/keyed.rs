@@ -562,7 +562,7 @@ fn a_restored_state_used_with_another_type_or_kind_is_a_typed_error() {
         as_strings.get(&mut be2, &1).map(drop),
         "m",
         "map<u32, u32>",
-        "map<u32, alloc::string::String>",
+        "map<u32, String>",
     );
     // The recorded types pass, and a state not used here is recorded again.
     let mut be3 = restored("b");
@@ -571,6 +571,27 @@ fn a_restored_state_used_with_another_type_or_kind_is_a_typed_error() {
     // A backend that restored nothing records what it used only.
     let fresh = backend(&dir.path().join("c"), 128);
     assert!(fresh.state_types().is_empty());
+}
+
+/// Recorded type names keep no module path, so that a type std or a crate moves between
+/// modules (as `IpAddr` moved from `std::net` to `core::net`) still restores.
+#[test]
+fn recorded_type_names_keep_no_module_path() {
+    use weir_state::short_type_name;
+    assert_eq!(short_type_name::<u64>(), "u64");
+    assert_eq!(short_type_name::<String>(), "String");
+    assert_eq!(
+        short_type_name::<Option<Vec<String>>>(),
+        "Option<Vec<String>>"
+    );
+    assert_eq!(short_type_name::<(u64, Vec<u8>)>(), "(u64, Vec<u8>)");
+    assert_eq!(short_type_name::<std::net::IpAddr>(), "IpAddr");
+    assert_eq!(short_type_name::<[u8; 4]>(), "[u8; 4]");
+    assert_eq!(short_type_name::<str>(), "str");
+    assert_eq!(
+        short_type_name::<std::collections::HashMap<String, (i64, bool)>>(),
+        "HashMap<String, (i64, bool)>"
+    );
 }
 
 /// Two names whose ids collide: `try_state_id` says so, naming both, instead of panicking.
