@@ -638,7 +638,7 @@ impl<T: Data> Head for ExchangeHead<T> {
                     }
                     FrameKind::Watermark => {
                         // Channel state keeps the watermarks among the records it captures,
-                        // so that a replayed record meets the watermark it met here.
+                        // so that a replayed record meets the watermarks before it on its input.
                         if self.channels.capturing(i) {
                             self.channels.capture_watermark(i, f.flags, f.ts);
                         }

@@ -12,9 +12,13 @@
 //! still processed normally. They are written to checkpoint storage as channel state in the
 //! background; on restore they are replayed before any new input: on as many shards as the
 //! checkpoint had, the valve restored and each input's frames in order, records down the
-//! chain and watermark frames through the valve, so that a replayed record meets the
-//! watermark it met before and is late exactly when it was; on another number of shards
-//! the records alone (their inputs are merged or split), the valve starting afresh.
+//! chain and watermark frames through the valve, so that the replay is a run the inputs
+//! could have had: each input's records and watermarks in their order, from the valve the
+//! barrier left. The order between inputs is not recorded (ring bytes are captured before
+//! they are read), and the replay goes input by input: with frames captured on several
+//! inputs, a record that was late can be on time in the replay, as in another order of
+//! reading them. On another number of shards the records alone are replayed (their inputs
+//! are merged or split), the valve starting afresh.
 
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
