@@ -813,7 +813,7 @@ pub fn inspect(a: &InspectArgs) -> Result<(), VerifyFailed> {
         layout.shards, layout.max_parallelism, layout.format_version
     );
     println!(
-        "{:>5} {:<24} {:<9} {:>12} {:>6} {:>14} {:>8} {:>14}",
+        "{:>5} {:<24} {:<11} {:>12} {:>6} {:>14} {:>8} {:>14}",
         "shard",
         "operator",
         "kind",
@@ -825,7 +825,7 @@ pub fn inspect(a: &InspectArgs) -> Result<(), VerifyFailed> {
     );
     for p in &layout.parts {
         println!(
-            "{:>5} {:<24} {:<9} {:>12} {:>6} {:>14} {:>8} {:>14}",
+            "{:>5} {:<24} {:<11} {:>12} {:>6} {:>14} {:>8} {:>14}",
             p.shard,
             p.operator,
             p.kind,
