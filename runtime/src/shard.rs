@@ -1072,6 +1072,12 @@ fn run_attempt(
     if ctl.status.get() != JobStatus::Initializing {
         ctl.status.set(JobStatus::Initializing, attempt);
     }
+    // Each attempt builds its executors anew, and glommio leaks a descriptor per executor
+    // (README, Known limitations): checked again (the first attempt was, at start), so that a
+    // restart near the limit ends the job with the typed error, not in glommio's panics.
+    if attempt > 0 {
+        crate::platform::check_descriptors(shards).map_err(JobError::Start)?;
+    }
     let cancel = Arc::new(AtomicBool::new(false));
     let running = Arc::new(AtomicUsize::new(shards));
     // Shards whose operators are built (state restored, memory faulted in), and whether the

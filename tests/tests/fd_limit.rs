@@ -1,9 +1,12 @@
 //! A job on 2 shards under file-descriptor limits from none to enough. In a test binary of its
 //! own: the limit is the whole process's.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use weir_runtime::{Job, JobConfig, Pinning, StartError};
+use weir_runtime::checkpoint::{CheckpointConfig, RestartStrategy};
+use weir_runtime::{Job, JobConfig, JobError, JobStatus, Pinning, StartError};
 
 fn open_fds() -> u64 {
     std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64)
@@ -93,4 +96,54 @@ fn a_job_ends_whatever_descriptors_its_shards_find() {
     let out = job.from_vec((0..100u64).collect()).collect();
     job.start().unwrap().wait().unwrap();
     assert_eq!(out.take().len(), 100);
+
+    // A restart builds its executors anew: short of descriptors then, the job ends with the
+    // same typed error (the limit is lowered while the job waits out its restart delay).
+    let dir = tempfile::tempdir().expect("tmp");
+    let fail = Arc::new(AtomicBool::new(false));
+    let job = Job::new(
+        JobConfig::new()
+            .with_shards(2)
+            .with_pinning(Pinning::Never)
+            .with_checkpointing(CheckpointConfig::new(dir.path(), "fds").with_restart(
+                RestartStrategy::FixedDelay {
+                    attempts: 3,
+                    delay: Duration::from_millis(500),
+                },
+            )),
+    );
+    let f = fail.clone();
+    job.from_iter(|_, _| 0..u64::MAX)
+        .map(move |i: u64| {
+            if f.swap(false, Ordering::AcqRel) {
+                panic!("injected failure");
+            }
+            std::thread::sleep(Duration::from_micros(50));
+            i
+        })
+        .for_each(|_| {});
+    let h = job.start().expect("start");
+    fail.store(true, Ordering::Release);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while h.status() != JobStatus::Restarting {
+        assert!(Instant::now() < deadline, "the job did not restart");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    set_soft_limit(open_fds() + 10);
+    // The input has no end: a restart that got its executors runs until cancelled.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !h.is_finished() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    set_soft_limit(soft.rlim_cur);
+    let finished = h.is_finished();
+    h.cancel();
+    let r = h.wait();
+    assert!(finished, "the restart ran short of descriptors: {r:?}");
+    match r {
+        Err(JobError::Start(StartError::TooFewDescriptors { shards, .. })) => {
+            assert_eq!(shards, 2)
+        }
+        other => panic!("a restart short of descriptors: {other:?}"),
+    }
 }
