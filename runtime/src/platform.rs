@@ -79,6 +79,19 @@ pub fn check_descriptors(shards: usize) -> Result<(), StartError> {
     Ok(())
 }
 
+/// Held from an attempt's descriptor check until each of its shards' executors is built or its
+/// thread has ended: two jobs starting at once in one process would otherwise both count the
+/// descriptors the other is about to take as free, and both pass the check into glommio's
+/// panics. What a job opens once its executors exist (stores, files) fails with errors, not
+/// panics, and is not held up.
+pub(crate) fn executor_builds() -> std::sync::MutexGuard<'static, ()> {
+    static BUILDS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    // The mutex guards no data: a panic while it was held leaves nothing inconsistent.
+    BUILDS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// Checks that io_uring can be set up (it is blocked by default container seccomp profiles and
 /// by `kernel.io_uring_disabled`; glommio has no fallback).
 pub fn check_io_uring() -> Result<(), StartError> {

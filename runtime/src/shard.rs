@@ -379,6 +379,26 @@ pub(crate) fn in_chain(payload: &(dyn std::any::Any + Send), head: &str) -> Stri
     format!("{} (in the chain from `{head}`)", panic_message(payload))
 }
 
+/// Signals the attempt once, when glommio has built the shard's executor and calls its closure,
+/// or when the closure is dropped uncalled (no executor): until every shard's has signalled,
+/// the attempt holds the process's build lock ([`crate::platform::executor_builds`]).
+struct ExecutorBuilt(Option<mpsc::Sender<()>>);
+
+impl ExecutorBuilt {
+    fn signal(&mut self) {
+        if let Some(tx) = self.0.take() {
+            // The attempt stops listening only once every shard signalled.
+            let _ = tx.send(());
+        }
+    }
+}
+
+impl Drop for ExecutorBuilt {
+    fn drop(&mut self) {
+        self.signal();
+    }
+}
+
 /// Held by a shard's thread for its whole life: however the thread ends, returning or
 /// unwinding, the count of running shards drops and the supervisor wakes; a panic, or an end
 /// before the shard's future ran to its end, also sets the cancel flag, so that the other
@@ -1073,11 +1093,12 @@ fn run_attempt(
         ctl.status.set(JobStatus::Initializing, attempt);
     }
     // Each attempt builds its executors anew, and glommio leaks a descriptor per executor
-    // (README, Known limitations): checked again (the first attempt was, at start), so that a
-    // restart near the limit ends the job with the typed error, not in glommio's panics.
-    if attempt > 0 {
-        crate::platform::check_descriptors(shards).map_err(JobError::Start)?;
-    }
+    // (README, Known limitations): checked on every attempt (the first also at start, before
+    // any directory is made), so that a restart near the limit ends the job with the typed
+    // error, not in glommio's panics. Under the process's build lock, held until this
+    // attempt's executors exist, so that another job's check counts them.
+    let builds = crate::platform::executor_builds();
+    crate::platform::check_descriptors(shards).map_err(JobError::Start)?;
     let cancel = Arc::new(AtomicBool::new(false));
     let running = Arc::new(AtomicUsize::new(shards));
     // Shards whose operators are built (state restored, memory faulted in), and whether the
@@ -1144,6 +1165,9 @@ fn run_attempt(
     let epoch = Instant::now();
     let mut threads = Vec::with_capacity(shards);
     let mut spawn_error = None;
+    let (executors_tx, executors_rx) = mpsc::channel::<()>();
+    // Closures spawned so far, each of which signals once.
+    let mut settled = 0;
     for (shard, exchanges) in endpoints.into_iter().enumerate() {
         let (built, verdict, supervisor, status) = (
             built.clone(),
@@ -1174,78 +1198,84 @@ fn run_attempt(
             supervisor,
             ran: false,
         };
+        let mut built_here = ExecutorBuilt(Some(executors_tx.clone()));
         let spawned = LocalExecutorBuilder::new(plan.placements[shard].clone())
             .name(&format!("weir-shard-{shard}"))
             .io_memory(config.io_memory_bytes)
-            .spawn(move || async move {
-                let mut exit = exit;
-                crate::platform::set_fine_timer_slack();
-                let r = async {
-                    crate::platform::dma_probe(&sentinel, shard).await?;
-                    let mut ctx = BuildCtx {
-                        shard,
-                        shards: config.shards,
-                        config: config.clone(),
-                        heads: Vec::new(),
-                        gate: Default::default(),
-                        exchanges,
-                        metrics: registry,
-                        fail: FailCell::default(),
-                        state_dir,
-                        real_io: true,
-                        states: Vec::new(),
-                        checkpoint: shared
-                            .as_ref()
-                            .map(|s| ShardCheckpoint::new(s.clone(), shard)),
-                        restore,
-                        epoch,
-                        maintenance,
-                    };
-                    for root in roots.iter() {
-                        root(&mut ctx)?;
-                        ctx.gate = std::rc::Rc::new(Gate::default());
-                    }
-                    if let Some(s) = &shared {
-                        s.shards_ready.fetch_add(1, Ordering::AcqRel);
-                    }
-                    // No shard runs before every shard is built: a source would otherwise
-                    // fill the rings of a shard still restoring its state, and those records
-                    // would wait out the restore. The last one built checks that the restore
-                    // found an operator for every state it holds, before any record moves.
-                    if built.fetch_add(1, Ordering::AcqRel) + 1 == config.shards {
-                        if let Some(r) = ctx.restore.as_deref() {
-                            if let Err(e) = check_restored(&config, r) {
+            .spawn(move || {
+                // glommio calls this once the executor is built.
+                built_here.signal();
+                async move {
+                    let mut exit = exit;
+                    crate::platform::set_fine_timer_slack();
+                    let r = async {
+                        crate::platform::dma_probe(&sentinel, shard).await?;
+                        let mut ctx = BuildCtx {
+                            shard,
+                            shards: config.shards,
+                            config: config.clone(),
+                            heads: Vec::new(),
+                            gate: Default::default(),
+                            exchanges,
+                            metrics: registry,
+                            fail: FailCell::default(),
+                            state_dir,
+                            real_io: true,
+                            states: Vec::new(),
+                            checkpoint: shared
+                                .as_ref()
+                                .map(|s| ShardCheckpoint::new(s.clone(), shard)),
+                            restore,
+                            epoch,
+                            maintenance,
+                        };
+                        for root in roots.iter() {
+                            root(&mut ctx)?;
+                            ctx.gate = std::rc::Rc::new(Gate::default());
+                        }
+                        if let Some(s) = &shared {
+                            s.shards_ready.fetch_add(1, Ordering::AcqRel);
+                        }
+                        // No shard runs before every shard is built: a source would otherwise
+                        // fill the rings of a shard still restoring its state, and those records
+                        // would wait out the restore. The last one built checks that the restore
+                        // found an operator for every state it holds, before any record moves.
+                        if built.fetch_add(1, Ordering::AcqRel) + 1 == config.shards {
+                            if let Some(r) = ctx.restore.as_deref() {
+                                if let Err(e) = check_restored(&config, r) {
+                                    verdict.store(VERDICT_REFUSED, Ordering::Release);
+                                    return Err(JobError::Start(e));
+                                }
+                            }
+                            if let Err(e) = record_origin(&origin.0, origin.1.as_deref()) {
                                 verdict.store(VERDICT_REFUSED, Ordering::Release);
                                 return Err(JobError::Start(e));
                             }
+                            verdict.store(VERDICT_OK, Ordering::Release);
+                            status.set(JobStatus::Running, attempt);
                         }
-                        if let Err(e) = record_origin(&origin.0, origin.1.as_deref()) {
-                            verdict.store(VERDICT_REFUSED, Ordering::Release);
-                            return Err(JobError::Start(e));
+                        loop {
+                            match verdict.load(Ordering::Acquire) {
+                                VERDICT_OK => break,
+                                VERDICT_REFUSED => return Err(JobError::Cancelled),
+                                _ => {}
+                            }
+                            if cancel2.load(Ordering::Acquire) {
+                                return Err(JobError::Cancelled);
+                            }
+                            nap(Duration::from_micros(100)).await;
                         }
-                        verdict.store(VERDICT_OK, Ordering::Release);
-                        status.set(JobStatus::Running, attempt);
+                        run_loop(ctx, &cancel2).await
                     }
-                    loop {
-                        match verdict.load(Ordering::Acquire) {
-                            VERDICT_OK => break,
-                            VERDICT_REFUSED => return Err(JobError::Cancelled),
-                            _ => {}
-                        }
-                        if cancel2.load(Ordering::Acquire) {
-                            return Err(JobError::Cancelled);
-                        }
-                        nap(Duration::from_micros(100)).await;
+                    .await;
+                    if r.is_err() {
+                        cancel2.store(true, Ordering::Release);
                     }
-                    run_loop(ctx, &cancel2).await
+                    exit.ran = true;
+                    r
                 }
-                .await;
-                if r.is_err() {
-                    cancel2.store(true, Ordering::Release);
-                }
-                exit.ran = true;
-                r
             });
+        settled += 1;
         match spawned {
             Ok(t) => threads.push(t),
             Err(e) => {
@@ -1259,6 +1289,15 @@ fn run_attempt(
         }
     }
     // Watch for the user's cancel and for checkpoint failures beyond the tolerable number.
+    // Every shard's executor is built, or its thread ended without one (each closure signals
+    // once, when called or when dropped uncalled): other jobs may build theirs now.
+    drop(executors_tx);
+    for _ in 0..settled {
+        if executors_rx.recv().is_err() {
+            break;
+        }
+    }
+    drop(builds);
     let mut first: Option<JobError> = spawn_error;
     while running.load(Ordering::Acquire) > 0 && first.is_none() {
         if ctl.cancel.load(Ordering::Acquire) {
@@ -1487,6 +1526,28 @@ async fn run_loop(mut ctx: BuildCtx, cancel: &AtomicBool) -> Result<(), JobError
 mod tests {
     use super::*;
     use crate::checkpoint::store::CheckpointStore;
+
+    /// An attempt checks descriptors and builds its executors only while it holds the
+    /// process's build lock: with another start between its check and its builds, it waits,
+    /// so that its check counts the other's executors (else both count the same descriptors as
+    /// free, and near the limit both pass into glommio's panics).
+    #[test]
+    fn an_attempt_waits_while_another_start_builds_its_executors() {
+        let other = crate::platform::executor_builds();
+        let job = crate::Job::new(
+            crate::JobConfig::new()
+                .with_shards(1)
+                .with_pinning(crate::Pinning::Never),
+        );
+        let out = job.from_vec(vec![1u64, 2, 3]).collect();
+        let h = job.start().expect("start");
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(!h.is_finished(), "the job ran while another start built");
+        assert_eq!(h.status(), JobStatus::Initializing);
+        drop(other);
+        h.wait().expect("the job");
+        assert_eq!(out.take(), vec![1, 2, 3]);
+    }
 
     /// A checkpoint store of job `job` in `dir`.
     fn store_in(dir: &Path) -> IoCheckpointStore {

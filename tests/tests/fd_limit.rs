@@ -25,6 +25,10 @@ fn set_soft_limit(n: u64) {
     }
 }
 
+/// Jobs started at the same moment, and how many times.
+const STARTS_AT_ONCE: usize = 8;
+const STARTS_AT_ONCE_ROUNDS: usize = 5;
+
 /// Whatever the limit, the job ends, and a limit too low for its shards is refused before any
 /// executor is built, with a typed error naming the limit. glommio, out of descriptors while it
 /// builds an executor, panics in places (reading sysfs; in its io_uring probe, which then stays
@@ -91,6 +95,73 @@ fn a_job_ends_whatever_descriptors_its_shards_find() {
         ok >= 1 && refused >= 1,
         "ok {ok}, refused {refused}: the limits tried did not give both"
     );
+    // Jobs started at the same moment: each one's check must count the descriptors that the
+    // others' executors take, or all pass it and their executors then run out (a process-wide
+    // lock holds each start's check and its executor builds apart from the others'). Under a
+    // limit that fits one job's need, every start gives a job that runs until cancelled, or is
+    // refused with the typed error. (The jobs have no end: one that ended at once would give
+    // its descriptors back before the next check.)
+    let need = 2 * weir_runtime::platform::DESCRIPTORS_PER_SHARD
+        + weir_runtime::platform::DESCRIPTORS_PER_JOB;
+    let (mut ran_together, mut refused_together) = (0, 0);
+    for round in 0..STARTS_AT_ONCE_ROUNDS {
+        let gate = Arc::new(std::sync::Barrier::new(STARTS_AT_ONCE + 1));
+        let starts: Vec<_> = (0..STARTS_AT_ONCE)
+            .map(|_| {
+                let gate = gate.clone();
+                std::thread::spawn(move || {
+                    let job =
+                        Job::new(JobConfig::new().with_shards(2).with_pinning(Pinning::Never));
+                    let seen = Arc::new(AtomicBool::new(false));
+                    let s = seen.clone();
+                    job.from_iter(|_, _| 0..u64::MAX).for_each(move |_: u64| {
+                        s.store(true, Ordering::Release);
+                        std::thread::sleep(Duration::from_micros(50));
+                    });
+                    gate.wait();
+                    (job.start(), seen)
+                })
+            })
+            .collect();
+        set_soft_limit(open_fds() + need);
+        gate.wait();
+        let started: Vec<_> = starts
+            .into_iter()
+            .map(|t| t.join().expect("start thread"))
+            .collect();
+        set_soft_limit(soft.rlim_cur);
+        for (i, (started, seen)) in started.into_iter().enumerate() {
+            match started {
+                Ok(h) => {
+                    let deadline = Instant::now() + Duration::from_secs(30);
+                    while !seen.load(Ordering::Acquire) && !h.is_finished() {
+                        assert!(
+                            Instant::now() < deadline,
+                            "round {round}, job {i}: no record"
+                        );
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    h.cancel();
+                    match h.wait() {
+                        Err(JobError::Cancelled) => ran_together += 1,
+                        // Past the check at start, refused by the first attempt's, which
+                        // counts what jobs that started meanwhile built.
+                        Err(JobError::Start(StartError::TooFewDescriptors {
+                            shards: 2, ..
+                        })) => refused_together += 1,
+                        r => panic!("round {round}, job {i}: {r:?}"),
+                    }
+                }
+                Err(StartError::TooFewDescriptors { shards: 2, .. }) => refused_together += 1,
+                Err(other) => panic!("round {round}, job {i}: {other}"),
+            }
+        }
+    }
+    assert!(
+        ran_together >= STARTS_AT_ONCE_ROUNDS && refused_together >= 1,
+        "ran {ran_together}, refused {refused_together}"
+    );
+
     // Nothing glommio keeps for the process was spoiled by the low limits.
     let job = Job::new(JobConfig::new().with_shards(2).with_pinning(Pinning::Never));
     let out = job.from_vec((0..100u64).collect()).collect();
