@@ -688,8 +688,10 @@ impl<T: Data> Head for ExchangeHead<T> {
                             self.align_started = None;
                             self.channels.aligned(id);
                         }
-                        if self.merger.is_blocked(i) {
-                            // Records after the barrier belong to the next checkpoint.
+                        // Records after the barrier belong to the next checkpoint: not read
+                        // while this input waits for its other rings' barriers, nor while an
+                        // alignment downstream (a union's) holds this chain back.
+                        if self.merger.is_blocked(i) || self.gate.is_blocked() {
                             break;
                         }
                     }
@@ -705,6 +707,12 @@ impl<T: Data> Head for ExchangeHead<T> {
                 self.ended[i] = true;
             }
             if budget == 0 {
+                self.next_input = (i + 1) % n_inputs;
+                break;
+            }
+            // A barrier forwarded in this step can make an alignment downstream (a union's)
+            // hold this chain back: every ring is past that barrier, so all of them wait.
+            if self.gate.is_blocked() {
                 self.next_input = (i + 1) % n_inputs;
                 break;
             }

@@ -152,9 +152,13 @@ enum Shape {
     Chain,
     /// A rebalance, then a running count per key: records of one key arrive from every shard.
     Rebalance,
+    /// Two keyed stages side by side, each behind its own exchange, unioned into the sink: a
+    /// running sum per key of the input and a running count per key class of a second
+    /// source. The union aligns a barrier by holding back the chain that delivered it.
+    Union,
 }
 
-const SHAPES: [Shape; 9] = [
+const SHAPES: [Shape; 10] = [
     Shape::Reduce,
     Shape::Tumbling,
     Shape::Sliding,
@@ -164,6 +168,7 @@ const SHAPES: [Shape; 9] = [
     Shape::Join,
     Shape::Chain,
     Shape::Rebalance,
+    Shape::Union,
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -509,6 +514,20 @@ fn build_shape(job: &Job, c: &Case, w: &Wiring) -> Stream<String> {
             .map_count()
             .uid("count")
             .map(|(k, n, s)| format!("chain {k} {n} {s}")),
+        Shape::Union => {
+            let sums = ev
+                .key_by(|e: &Ev| e.0)
+                .reduce(|a, b| (a.0, a.1, a.2 + b.2, b.3))
+                .uid("sum")
+                .map(|e| format!("sum {} {} {}", e.0, e.2, e.3));
+            let counts = source(job, events(c.seed ^ 1, c.n, c.keys), w, "input2")
+                .map(|e: Ev| (e.0 % 3, 1u64, e.3))
+                .key_by(|x: &(u32, u64, u64)| x.0)
+                .reduce(|a, b| (a.0, a.1 + b.1, b.2))
+                .uid("count")
+                .map(|(k, n, i)| format!("count {k} {n} {i}"));
+            sums.union(counts)
+        }
     }
 }
 
@@ -574,7 +593,7 @@ fn normalize(shape: Shape, mut lines: Vec<String>) -> Vec<String> {
 
 /// What a line is a result for, without the values that at-least-once replays may inflate:
 /// a running sum's record index, a window's key and bounds, a bucket's key and end, a
-/// chain's key (and count, for the running counts).
+/// chain's key (and count, for the running counts), a running count's key and record index.
 fn identity(shape: Shape, line: &str) -> String {
     let f: Vec<&str> = line.split(' ').collect();
     let keep = |idx: &[usize]| idx.iter().map(|&i| f[i]).collect::<Vec<_>>().join(" ");
@@ -583,6 +602,8 @@ fn identity(shape: Shape, line: &str) -> String {
         Shape::Tumbling | Shape::Sliding | Shape::Buckets => keep(&[0, 1, 2]),
         Shape::Session => keep(&[0, 1, 2, 3]),
         Shape::Chain | Shape::Rebalance if f[0] == "total" => keep(&[0, 1]),
+        Shape::Union if f[0] == "sum" => keep(&[0, 3]),
+        Shape::Union => keep(&[0, 1, 3]),
         _ => line.to_owned(),
     }
 }
