@@ -590,6 +590,15 @@ impl<T: Data> Head for ExchangeHead<T> {
             });
         }
         self.check_unaligned();
+        // A barrier forwarded there (taken unaligned) can make a union downstream hold this
+        // chain back. What the barrier overtook then waits: read now, it would reach the
+        // union's output before the union's other input delivers the barrier, inside the
+        // checkpoint whose channel state replays it.
+        if self.gate.is_blocked() {
+            self.gate.flush();
+            bump(&self.head.busy_ns, t0.elapsed().as_nanos() as u64);
+            return Ok(HeadStatus::Progress);
+        }
         let n_inputs = self.consumers.len();
         let hints = *self.hints.get_or_insert_with(|| self.down.wants_hints());
         let mut budget = self.batch;
