@@ -160,6 +160,21 @@ pub fn list(a: &ListArgs) -> Result<(), String> {
             stable,
         } = listing(&s).map_err(|e| e.to_string())?;
         let gone = marker.filter(|&done| stable && !kept_since(&infos, done));
+        // Its whole directory removed, the checkpoint that completed is not listed by storage,
+        // yet a restore stops at it as at one whose metadata is gone: shown all the same.
+        if let Some(done) = gone.filter(|&done| infos.iter().all(|i| i.id != done)) {
+            infos.push(weir_io::CheckpointInfo {
+                id: done,
+                path: s.job_dir().join(weir_io::checkpoint_dir_name(done)),
+                complete: false,
+                size_bytes: 0,
+                new_bytes: 0,
+                trigger_timestamp_ms: 0,
+                completion_timestamp_ms: 0,
+                problem: Some("no directory".into()),
+                metadata_corrupt: false,
+            });
+        }
         infos.sort_by_key(|i| i.id);
         for mut i in infos {
             let status = if i.complete { "complete" } else { "incomplete" };
@@ -283,6 +298,30 @@ fn chk_dir(dir: &Path) -> Result<Option<(String, CheckpointStorage, u64)>, Verif
 pub fn verify(a: &VerifyArgs) -> Result<(), VerifyFailed> {
     if a.dir.join(weir_io::METADATA_FILE).is_file() {
         return verify_one(a);
+    }
+    // A `chk-<n>` directory without its metadata: checkpoint n of its job, as `--checkpoint n`
+    // on the job directory verifies it (one that completed and lost its metadata is corrupt,
+    // exit 3). Taken for a directory of jobs, it was "no checkpoints", exit 1.
+    if let Some((job, s, id)) = chk_dir(&a.dir)? {
+        if let Some(n) = a.checkpoint.filter(|&n| n != id) {
+            return Err(VerifyFailed::Other(format!(
+                "{} is checkpoint {id}'s directory, not {n}'s",
+                a.dir.display()
+            )));
+        }
+        let one = VerifyArgs {
+            dir: a.dir.clone(),
+            checkpoint: Some(id),
+        };
+        let mut corrupt = Corrupt::default();
+        verify_listed(&one, &s, &job, &mut corrupt)?;
+        if corrupt.count > 0 {
+            return Err(VerifyFailed::Corrupt(format!(
+                "{}: checkpoint {id} is corrupt (named above)",
+                a.dir.display()
+            )));
+        }
+        return Ok(());
     }
     let jobs = jobs(&a.dir).map_err(VerifyFailed::Other)?;
     let (mut checked, mut removed) = (0, 0);

@@ -100,12 +100,9 @@ pub fn run(a: &DemoArgs) -> Result<(), String> {
             .collect();
         let total: u64 = now.iter().sum();
         let ck = if checkpointing {
-            let c = handle.checkpoint_metrics();
             format!(
-                "  checkpoints {} ({} ms, {} B)",
-                c.number_of_completed_checkpoints,
-                c.last_checkpoint_duration_ms,
-                c.last_checkpoint_size
+                "  {}",
+                crate::jobs::checkpoint_status(&handle.checkpoint_metrics())
             )
         } else {
             String::new()

@@ -397,9 +397,12 @@ fn lock_output(dir: &Path) -> Result<weir_io::DirLock, String> {
     })
 }
 
-/// One line about the job's checkpoints, for the summary.
+/// The job's checkpoints, for the summary: a line in words, then the job's checkpoint
+/// metrics under Flink's names, then the newest completed checkpoint's own figures (Flink's
+/// per-checkpoint statistics; durations in milliseconds, the acknowledgements as each
+/// shard's time from the trigger).
 pub fn checkpoint_summary(c: &weir_runtime::checkpoint::CheckpointMetrics) -> String {
-    format!(
+    let mut s = format!(
         "checkpoints: {} completed, {} failed, last {} ms, {} bytes ({} full){}",
         c.number_of_completed_checkpoints,
         c.number_of_failed_checkpoints,
@@ -409,6 +412,61 @@ pub fn checkpoint_summary(c: &weir_runtime::checkpoint::CheckpointMetrics) -> St
         c.last_checkpoint_restore_timestamp
             .map(|t| format!(", restored at {t}"))
             .unwrap_or_default()
+    );
+    // Flink reports -1 for a job that never restored.
+    let restored = c
+        .last_checkpoint_restore_timestamp
+        .map_or(-1, |t| i64::try_from(t).unwrap_or(i64::MAX));
+    let _ = write!(
+        s,
+        "\ncheckpoint metrics: numberOfCompletedCheckpoints={} numberOfFailedCheckpoints={} \
+         numberOfInProgressCheckpoints={} lastCheckpointDuration={} lastCheckpointSize={} \
+         lastCheckpointFullSize={} lastCheckpointRestoreTimestamp={restored}",
+        c.number_of_completed_checkpoints,
+        c.number_of_failed_checkpoints,
+        c.number_of_in_progress_checkpoints,
+        c.last_checkpoint_duration_ms,
+        c.last_checkpoint_size,
+        c.last_checkpoint_full_size,
+    );
+    if let Some(k) = c.history.iter().rev().find(|k| k.failure.is_none()) {
+        let ms = |ns: u64| ns as f64 / 1e6;
+        let acks: Vec<String> = k
+            .ack_ns
+            .iter()
+            .enumerate()
+            .map(|(shard, &ns)| format!("{shard}:{:.3}", ms(ns)))
+            .collect();
+        let _ = write!(
+            s,
+            "\ncheckpoint {}: triggerTimestamp={} duration={:.3} syncDuration={:.3} \
+             asyncDuration={:.3} alignmentDuration={:.3} startDelay={:.3} \
+             persistedInFlightBytes={} size={} fullSize={} acknowledged={}",
+            k.checkpoint_id,
+            k.trigger_timestamp_ms,
+            ms(k.duration_ns),
+            ms(k.sync_duration_ns),
+            ms(k.async_duration_ns),
+            ms(k.alignment_duration_ns),
+            ms(k.start_delay_ns),
+            k.persisted_inflight_bytes,
+            k.size_bytes,
+            k.full_size_bytes,
+            acks.join(",")
+        );
+    }
+    s
+}
+
+/// The job's checkpoints on a status line: counts and the newest one's duration and size.
+pub fn checkpoint_status(c: &weir_runtime::checkpoint::CheckpointMetrics) -> String {
+    format!(
+        "checkpoints {} ({} ms, {} B) failed {} in progress {}",
+        c.number_of_completed_checkpoints,
+        c.last_checkpoint_duration_ms,
+        c.last_checkpoint_size,
+        c.number_of_failed_checkpoints,
+        c.number_of_in_progress_checkpoints
     )
 }
 
@@ -545,7 +603,7 @@ pub fn keyed_sum(a: &KeyedSumArgs) -> Result<(), String> {
             let _ = write!(line, "{},{}", csv_field(k), s);
         },
     )?;
-    let summary = crate::stop::run(job, &a.input.checkpoint)?;
+    let summary = crate::stop::run(job, &a.input.checkpoint, "keyed-sum")?;
     output.publish()?;
     eprintln!(
         "keyed-sum: {} records in, {} skipped, {} shards, {:.2}s",
@@ -598,7 +656,7 @@ pub fn window_count(a: &WindowCountArgs) -> Result<(), String> {
             let _ = write!(line, "{start},{},{n}", csv_field(k));
         },
     )?;
-    let summary = crate::stop::run(job, &a.input.checkpoint)?;
+    let summary = crate::stop::run(job, &a.input.checkpoint, "window-count")?;
     output.publish()?;
     let m = &summary.metrics;
     eprintln!(

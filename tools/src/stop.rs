@@ -3,10 +3,11 @@
 //! output is committed exactly up to that point and `--restore PATH` (or `--restore latest`)
 //! continues from there; a second signal ends the process at once.
 
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use weir_runtime::{Job, JobHandle, JobSummary, SavepointError};
 
@@ -79,15 +80,47 @@ impl Stopper {
     }
 }
 
+/// How often a checkpointed run prints its status line.
+const STATUS_EVERY: Duration = Duration::from_secs(1);
+
 /// Runs `job` to its end, or until a stop signal stops it with a savepoint (see the module
-/// docs): both end well.
-pub fn run(job: Job, c: &CheckpointArgs) -> Result<JobSummary, String> {
+/// docs): both end well. With checkpointing, a status line on standard error gives the
+/// records `operator` took in and the job's checkpoints, once the first checkpoint completed
+/// and then every second (rewritten in place on a terminal, a line each otherwise).
+pub fn run(job: Job, c: &CheckpointArgs, operator: &str) -> Result<JobSummary, String> {
     let mut stopper = Stopper::install(c)?;
     let handle = job.start().map_err(|e| e.to_string())?;
     if let Some(s) = stopper.as_mut() {
+        let started = Instant::now();
+        let mut next_status = started + STATUS_EVERY;
+        let tty = std::io::stderr().is_terminal();
+        let mut shown = false;
         while !handle.is_finished() {
             s.poll(&handle);
+            let checkpoints = handle.checkpoint_metrics();
+            // The first once a checkpoint completed (a run shorter than a second shows one
+            // too), then every second.
+            let first = !shown && checkpoints.number_of_completed_checkpoints > 0;
+            if first || Instant::now() >= next_status {
+                next_status = Instant::now() + STATUS_EVERY;
+                let line = format!(
+                    "{operator}: {:.1}s, {} records in, {}",
+                    started.elapsed().as_secs_f64(),
+                    handle.metrics().records_in(operator),
+                    crate::jobs::checkpoint_status(&checkpoints)
+                );
+                if tty {
+                    eprint!("\r{line}   ");
+                    let _ = std::io::stderr().flush();
+                } else {
+                    eprintln!("{line}");
+                }
+                shown = true;
+            }
             std::thread::sleep(Duration::from_millis(20));
+        }
+        if shown && tty {
+            eprintln!();
         }
     }
     handle.wait().map_err(|e| e.to_string())

@@ -532,6 +532,35 @@ fn errors_name_what_and_where_with_the_right_exit_code() {
 }
 
 #[test]
+fn a_checkpointed_run_shows_its_checkpoints_on_a_status_line() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let input = dir.path().join("in.csv");
+    let recs = records(1_000_000, 500);
+    write_csv(&input, &recs);
+    let ck = dir.path().join("ck");
+    let out = dir.path().join("out");
+    let ck_s = ck.to_str().expect("utf8");
+    let r = keyed_sum(
+        &input,
+        "csv",
+        &out,
+        &["--checkpoint-dir", ck_s, "--checkpoint-interval", "1ms"],
+    );
+    assert!(r.status.success(), "{}", stderr(&r));
+    let e = stderr(&r);
+    // Written where the summary is: standard error, a line each (not a terminal).
+    let status = e
+        .lines()
+        .find(|l| l.starts_with("keyed-sum: ") && l.contains(" records in, checkpoints "))
+        .unwrap_or_else(|| panic!("a status line: {e}"));
+    assert!(
+        status.contains(" failed ") && status.contains(" in progress "),
+        "{status}"
+    );
+    assert_eq!(parse_sums(&committed_lines(&out)), running_sums(&recs));
+}
+
+#[test]
 fn demo_runs_and_reports_its_summary() {
     let r = weir(&[
         "run", "demo", "--events", "200000", "--shards", "4", "--keys", "1000",
@@ -2113,9 +2142,12 @@ fn a_corrupt_metadata_file_stops_restore_latest_instead_of_starting_over() {
         .file_name()
         .and_then(|n| n.to_str()?.strip_prefix("chk-").map(str::to_owned))
         .expect("chk-<n>");
+    let newest_s = newest.to_str().expect("utf8");
     for verify in [
         vec!["checkpoints", "verify", ck_s],
         vec!["checkpoints", "verify", ck_s, "--checkpoint", &id],
+        // Named by its own directory (it was "no checkpoints", exit 1).
+        vec!["checkpoints", "verify", newest_s],
     ] {
         let r = weir(&verify);
         let e = stderr(&r);
@@ -2136,6 +2168,20 @@ fn a_corrupt_metadata_file_stops_restore_latest_instead_of_starting_over() {
     assert_eq!(row["status"], "incomplete");
     let problem = row["problem"].as_str().expect("a problem");
     assert!(problem.contains("COMPLETED names it"), "{problem}");
+    // Its whole directory removed, storage lists nothing of it: `list` still shows it, as a
+    // restore still stops at it (a copy, so that the checks below keep the directory).
+    let bare = dir.path().join("bare");
+    copy_tree(ck, &bare);
+    std::fs::remove_dir_all(bare.join("keyed-sum").join(format!("chk-{id}"))).expect("rm");
+    let r = weir(&["checkpoints", "list", bare.to_str().expect("utf8")]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let listed = String::from_utf8_lossy(&r.stdout).to_string();
+    assert!(
+        listed
+            .lines()
+            .any(|l| l.contains(&format!(" {id} incomplete")) && l.contains("no directory")),
+        "{listed}"
+    );
     std::fs::write(&meta, &corrupt).expect("write");
     // The tools that pick the newest checkpoint report it as corrupt too.
     let sp = dir.path().join("sp");
@@ -3153,6 +3199,26 @@ fn a_checkpoint_config_file_sets_what_the_flags_do_not() {
         .and_then(|t| t.split(' ').next()?.parse().ok())
         .unwrap_or_else(|| panic!("a checkpoint summary: {}", stderr(&r)));
     assert!(completed >= 2, "{}", stderr(&r));
+    // The same counts under Flink's metric names, and the newest checkpoint's own figures.
+    let e = stderr(&r);
+    for name in [
+        format!("numberOfCompletedCheckpoints={completed} "),
+        "numberOfFailedCheckpoints=".into(),
+        "numberOfInProgressCheckpoints=0 ".into(),
+        "lastCheckpointDuration=".into(),
+        "lastCheckpointSize=".into(),
+        "lastCheckpointFullSize=".into(),
+        "lastCheckpointRestoreTimestamp=-1".into(),
+        "triggerTimestamp=".into(),
+        "syncDuration=".into(),
+        "asyncDuration=".into(),
+        "alignmentDuration=".into(),
+        "startDelay=".into(),
+        "persistedInFlightBytes=".into(),
+        "acknowledged=0:".into(),
+    ] {
+        assert!(e.contains(&name), "{name}: {e}");
+    }
     let kept = complete_checkpoints(&ck);
     let ids: Vec<u64> = kept.iter().map(|k| k.1).collect();
     // (Ids go past the count by the failed ones: the file tolerates one.)
