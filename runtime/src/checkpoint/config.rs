@@ -496,10 +496,17 @@ impl ConfigError {
         // toml names an unknown or missing key in its message; a value of the wrong type or
         // an unknown variant only by its place, which is the key's line (the message's
         // first quoted word is then the value: "`sometimes` at line 2: unknown variant").
-        let msg = e.message().to_string();
+        // On one line: toml's syntax errors put what it expected on a second one.
+        let msg = e.message().trim_end().replace('\n', "; ");
         let quoted = msg.split('`').nth(1).map(str::to_string);
         let at_span = || e.span().and_then(|s| key_at(text, s.start));
-        let key = if let Some(field) = msg.strip_prefix("unknown field") {
+        // Text that is not TOML has no keys to look up, and the message's quoted words are
+        // what the parser expected (`interval = ` named the key `"`): the key is the one the
+        // line with the error sets, if it sets one.
+        let syntax = toml_edit::ImDocument::parse(text).is_err();
+        let key = if syntax {
+            e.span().and_then(|s| key_on_line(text, s.start))
+        } else if let Some(field) = msg.strip_prefix("unknown field") {
             // Named without its table. The fields serde expected tell which (only the restart
             // table has `strategy`), whether the text wrote it as a header, dotted keys or
             // inline; the text around the place did not (`[other]` was `other.other`).
@@ -526,6 +533,39 @@ impl ConfigError {
             line: e.span().map(|s| line_of(text, s.start)),
         }
     }
+}
+
+/// The key that the line holding `pos` sets (`key = ...`, bare or dotted), under the table
+/// of the header above it, read from the text alone (for text that does not parse).
+fn key_on_line(text: &str, pos: usize) -> Option<String> {
+    let start = text[..pos.min(text.len())].rfind('\n').map_or(0, |i| i + 1);
+    let line = text[start..].lines().next().unwrap_or("");
+    let (key, _) = line.split_once('=')?;
+    let key = key.trim();
+    let bare = |k: &str| {
+        !k.is_empty()
+            && k.split('.').all(|part| {
+                let part = part.trim();
+                !part.is_empty()
+                    && part
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+            })
+    };
+    if !bare(key) {
+        return None;
+    }
+    let key: String = key.split('.').map(str::trim).collect::<Vec<_>>().join(".");
+    let table = text[..start].lines().rev().find_map(|l| {
+        let l = l.trim();
+        let name = l.strip_prefix('[')?.trim_start_matches('[');
+        let name = name.split(']').next()?.trim();
+        bare(name).then(|| name.to_string())
+    });
+    Some(match table {
+        Some(t) => format!("{t}.{key}"),
+        None => key,
+    })
 }
 
 /// The key whose value is at `pos` in TOML `text`, with its tables (`restart.delay` however
@@ -922,6 +962,27 @@ mod tests {
         ] {
             let e = base.clone().with_toml(text).expect_err(text);
             assert_eq!((e.key.as_str(), e.line), (key, Some(line)), "{text:?}: {e}");
+        }
+    }
+
+    /// Text that is not TOML: the key of the line with the error, under its table, and the
+    /// parser's message on one line (`interval = ` was named as key `"`, over two lines).
+    #[test]
+    fn a_syntax_error_is_named_by_the_key_of_its_line() {
+        let base = CheckpointConfig::new("/flags", "keyed-sum");
+        for (text, key, line) in [
+            ("dir = \"tck\"\ninterval = \n", "interval", 2),
+            ("dir = \"c\"\nmode = = 1\n", "mode", 2),
+            (
+                "dir = \"c\"\n[restart]\nstrategy = \"fixed-delay\nattempts = 3\n",
+                "restart.strategy",
+                3,
+            ),
+            ("dir = \"c\"\n[restart\n", "(toml)", 2),
+        ] {
+            let e = base.clone().with_toml(text).expect_err(text);
+            assert_eq!((e.key.as_str(), e.line), (key, Some(line)), "{text:?}: {e}");
+            assert!(!e.to_string().contains('\n'), "{text:?}: {e}");
         }
     }
 
