@@ -25,7 +25,7 @@ pub struct VerifyArgs {
     /// directory or a savepoint directory.
     pub dir: PathBuf,
     /// Verify only checkpoint N (default: every complete checkpoint).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub checkpoint: Option<u64>,
 }
 
@@ -35,7 +35,7 @@ pub struct InspectArgs {
     /// savepoint directory.
     pub dir: PathBuf,
     /// Inspect checkpoint N of the job (default: its newest complete checkpoint).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub checkpoint: Option<u64>,
     /// One JSON object instead of text.
     #[arg(long)]
@@ -47,7 +47,7 @@ pub struct CleanArgs {
     /// A checkpoint directory (holding job directories) or one job's directory.
     pub dir: PathBuf,
     /// Complete checkpoints to keep per job, newest first.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
     pub keep: u64,
 }
 
@@ -56,7 +56,7 @@ pub struct SavepointArgs {
     /// A checkpoint directory holding one job, or one job's directory.
     pub dir: PathBuf,
     /// The checkpoint to copy (default: the newest complete one).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub checkpoint: Option<u64>,
     /// The directory to create the savepoint in (as `savepoint-<n>-<hex>`).
     #[arg(long)]

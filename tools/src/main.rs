@@ -78,7 +78,7 @@ pub struct CheckpointArgs {
     /// Interval between checkpoints [default: 1s].
     // `requires`: without a checkpoint directory these flags were ignored without a word.
     // No clap default: a flag given overrides the --checkpoint-config file, a default must not.
-    #[arg(long, value_parser = parse_interval_ms, requires = "checkpointing")]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_interval_ms, requires = "checkpointing")]
     pub checkpoint_interval: Option<i64>,
     /// exactly-once or at-least-once (which takes no --unaligned: it does not align) [default:
     /// exactly-once].
@@ -89,7 +89,7 @@ pub struct CheckpointArgs {
     pub unaligned: bool,
     /// With --unaligned: align for this long first, then turn unaligned (without it, checkpoints
     /// stay aligned and this has no effect, as in Flink; `weir run` says so on stderr).
-    #[arg(long, value_parser = parse_timeout_ms)]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_timeout_ms)]
     pub aligned_timeout: Option<i64>,
     /// Restore from `latest` (the newest complete checkpoint of the last run in
     /// --checkpoint-dir, else what that run restored; neither: start from the beginning) or
@@ -108,7 +108,7 @@ pub struct CheckpointArgs {
     #[arg(long, value_parser = parse_job_id, requires = "checkpointing")]
     pub job_id: Option<String>,
     /// Complete checkpoints to keep (at least 1) [default: 1].
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..), requires = "checkpointing")]
+    #[arg(long, allow_hyphen_values = true, value_parser = clap::value_parser!(u64).range(1..), requires = "checkpointing")]
     pub retained: Option<u64>,
     /// Where a stop (SIGINT or SIGTERM) writes the job's savepoint [default:
     /// CHECKPOINT_DIR/savepoints]. A second signal ends the process at once.
@@ -161,7 +161,7 @@ pub struct InputArgs {
     #[arg(long, default_value = "fail", value_parser = parse_policy)]
     pub on_error: Policy,
     /// Number of shards (default: one per core).
-    #[arg(long, value_parser = parse_shards)]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_shards)]
     pub shards: Option<usize>,
     /// Directory for the output CSV files (`part-*.csv`).
     #[arg(long)]
@@ -329,24 +329,24 @@ pub struct WindowCountArgs {
     #[arg(long)]
     pub timestamp: String,
     /// Window size, e.g. 10s.
-    #[arg(long, value_parser = parse_positive_ms)]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_ms)]
     pub window: i64,
     /// How late a record may arrive relative to the largest timestamp seen, e.g. 2s.
-    #[arg(long, value_parser = parse_duration_ms, default_value = "0ms")]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration_ms, default_value = "0ms")]
     pub out_of_orderness: i64,
 }
 
 #[derive(Args)]
 pub struct DemoArgs {
     /// Events to generate.
-    #[arg(long, default_value_t = 20_000_000)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 20_000_000)]
     pub events: u64,
-    #[arg(long, value_parser = parse_shards)]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_shards)]
     pub shards: Option<usize>,
-    #[arg(long, default_value_t = 42)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 42)]
     pub seed: u64,
     /// Distinct auctions (keys), at least 1.
-    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub keys: u64,
     #[command(flatten)]
     pub checkpoint: CheckpointArgs,
@@ -459,6 +459,31 @@ fn corrupt_is_3(r: Result<(), checkpoints::VerifyFailed>) -> Result<(), String> 
     }
 }
 
+/// A usage error as one line on stderr, exit code 2 (clap's own rendering adds the usage and
+/// a hint on lines of their own, and the usage of `weir` itself for a subcommand's error);
+/// help and version print as clap prints them.
+fn usage_error(e: clap::Error) -> ! {
+    use clap::error::ErrorKind;
+    if matches!(
+        e.kind(),
+        ErrorKind::DisplayHelp
+            | ErrorKind::DisplayVersion
+            | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+    ) {
+        e.exit()
+    }
+    let text = e.render().to_string();
+    let line = text
+        .lines()
+        .map(str::trim)
+        .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ");
+    eprintln!("{line} (weir --help says more)");
+    std::process::exit(2);
+}
+
 fn main() -> ExitCode {
     // A reader that stops early (`weir checkpoints inspect DIR | head`) ends the process as it
     // ends other Unix tools, by SIGPIPE. Rust starts with SIGPIPE ignored, so every print to a
@@ -468,16 +493,14 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    let mut cli = Cli::parse();
+    let mut cli = Cli::try_parse().unwrap_or_else(|e| usage_error(e));
     if let Some((ck, kind)) = run_checkpoint_args(&mut cli) {
         match resolve_checkpointing(ck, kind) {
             Ok(Some(note)) => eprintln!("weir: {note}"),
             Ok(None) => {}
             Err(msg) => {
                 use clap::CommandFactory as _;
-                Cli::command()
-                    .error(clap::error::ErrorKind::ArgumentConflict, msg)
-                    .exit();
+                usage_error(Cli::command().error(clap::error::ErrorKind::ArgumentConflict, msg));
             }
         }
     }

@@ -3052,8 +3052,19 @@ fn flags_without_what_they_need_or_out_of_range_are_usage_errors() {
     std::fs::write(&input, "user,amount\na,1\n").expect("write");
     let (out, ck) = (dir.path().join("out"), dir.path().join("ck"));
     let ck_s = ck.to_str().expect("utf8");
-    let cases: [(&[&str], &str); 11] = [
+    let cases: [(&[&str], &str); 14] = [
         (&["--checkpoint-interval", "5s"], "--checkpoint-dir"),
+        // A negative value is the flag's bad value, named so (it was "unexpected argument
+        // '-1'", which named no flag).
+        (
+            &["--checkpoint-dir", ck_s, "--aligned-timeout", "-1"],
+            "--aligned-timeout",
+        ),
+        (
+            &["--checkpoint-dir", ck_s, "--checkpoint-interval", "-1s"],
+            "--checkpoint-interval",
+        ),
+        (&["--shards", "-2"], "--shards"),
         (&["--checkpoint-dir", ck_s, "--job-id", "../up"], "--job-id"),
         (&["--mode", "at-least-once"], "--checkpoint-dir"),
         (&["--unaligned"], "--checkpoint-dir"),
@@ -3081,6 +3092,13 @@ fn flags_without_what_they_need_or_out_of_range_are_usage_errors() {
         let r = keyed_sum(&input, "csv", &out, flags);
         assert_eq!(r.status.code(), Some(2), "{flags:?}: {}", stderr(&r));
         assert!(stderr(&r).contains(says), "{flags:?}: {}", stderr(&r));
+        // One line, as every other error (clap's usage and hint lines are left out).
+        assert_eq!(
+            stderr(&r).trim_end().lines().count(),
+            1,
+            "{flags:?}: {}",
+            stderr(&r)
+        );
         assert!(!out.exists() && !ck.exists(), "{flags:?}: nothing written");
     }
     let r = keyed_sum(
