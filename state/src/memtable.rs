@@ -287,9 +287,6 @@ struct Arena {
     dead: usize,
     /// The last spare chunk was taken after a seal: [`Memtable::make_spare`] is due.
     wants_spare: bool,
-    /// The longest record allocated since the last reset (rounded to 16): how far past its
-    /// start [`Self::prefetch_loc`] needs a record's lines.
-    rec_max: usize,
 }
 
 impl Arena {
@@ -308,7 +305,6 @@ impl Arena {
             off: self.used as u32,
         };
         self.used += len16;
-        self.rec_max = self.rec_max.max(len16);
         self.uses[self.cur].born(loc.off);
         loc
     }
@@ -453,7 +449,6 @@ impl Arena {
         self.sealed_below = 0;
         self.dead = 0;
         self.wants_spare = false;
-        self.rec_max = 0;
         self.bytes = self.chunks.first().map_or(0, |c| c.bytes);
         if let Some(c) = self.chunks.first() {
             self.uses[0].start(c.bytes);
@@ -1681,7 +1676,6 @@ impl Memtable {
             view: true,
             dead: std::mem::take(&mut arena.dead),
             wants_spare: false,
-            rec_max: arena.rec_max,
         };
         // No allocation here (a map costs a system call in the snapshot's synchronous part):
         // the log given back by an earlier epoch, or an empty one that grows with the puts.
@@ -2108,16 +2102,11 @@ impl Arena {
     #[inline]
     fn prefetch_loc(&self, loc: Loc) {
         // Records are 16-aligned, so a small one may still cross into the next line, where
-        // its key or value would then miss: request that line too when a record as long as
-        // the longest allocated would reach it. (Requesting it always, half the requests of a
-        // flush of 48-byte records were for lines no record used, and the walk is bound by
-        // how many requests are in flight.)
+        // its key or value would then miss: request both lines.
         let r = self.chunk(loc);
         prefetch_read(r.as_ptr());
-        if loc.off as usize % 64 + self.rec_max > 64 {
-            if let Some(next) = r.get(64) {
-                prefetch_read(next);
-            }
+        if let Some(next) = r.get(64) {
+            prefetch_read(next);
         }
     }
 }
