@@ -480,7 +480,7 @@ fn usage_error(e: clap::Error) -> ! {
         .filter(|l| !l.is_empty())
         .collect::<Vec<_>>()
         .join(" ");
-    eprintln!("{line} (weir --help says more)");
+    eprintln!("{line} (--help says more)");
     std::process::exit(2);
 }
 
