@@ -156,9 +156,13 @@ enum Shape {
     /// running sum per key of the input and a running count per key class of a second
     /// source. The union aligns a barrier by holding back the chain that delivered it.
     Union,
+    /// Two keyed stages behind their own exchanges, each after its own timestamp assigner,
+    /// unioned, then keyed into tumbling windows: the watermark crosses two exchanges and a
+    /// union, and the second source may finish long before the first.
+    UnionWindow,
 }
 
-const SHAPES: [Shape; 10] = [
+const SHAPES: [Shape; 11] = [
     Shape::Reduce,
     Shape::Tumbling,
     Shape::Sliding,
@@ -169,6 +173,7 @@ const SHAPES: [Shape; 10] = [
     Shape::Chain,
     Shape::Rebalance,
     Shape::Union,
+    Shape::UnionWindow,
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -528,6 +533,34 @@ fn build_shape(job: &Job, c: &Case, w: &Wiring) -> Stream<String> {
                 .map(|(k, n, i)| format!("count {k} {n} {i}"));
             sums.union(counts)
         }
+        Shape::UnionWindow => {
+            let sums = ev
+                .assign_timestamps(strategy())
+                .key_by(|e: &Ev| e.0)
+                .reduce(|a, b| (a.0, a.1, a.2 + b.2, b.3))
+                .uid("sum")
+                .map(|e: Ev| (e.0 % 4, e.1, e.2, e.3));
+            let unthrottled = Wiring {
+                throttle: Throttle::new(false),
+                read: Arc::default(),
+                fail: Arc::default(),
+            };
+            let second = if c.early_finish { &unthrottled } else { w };
+            let counts = source(job, events(c.seed ^ 1, c.n, c.keys), second, "input2")
+                .assign_timestamps(strategy())
+                .key_by(|e: &Ev| e.0 % 3)
+                .reduce(|a, b| (a.0, a.1, a.2 + 1, b.3))
+                .uid("count")
+                .map(|e: Ev| (e.0 % 3 + 1, e.1, e.2, e.3));
+            sums.union(counts)
+                .key_by(|e: &Ev| e.0)
+                .window(WindowAssigner::tumbling(100))
+                .allowed_lateness(c.lateness)
+                .aggregate_with(SumCount, |k, w, (s, n)| {
+                    format!("uwin {k} {} {s} {n}", w.start)
+                })
+                .uid("uwindow")
+        }
     }
 }
 
@@ -593,7 +626,8 @@ fn normalize(shape: Shape, mut lines: Vec<String>) -> Vec<String> {
 
 /// What a line is a result for, without the values that at-least-once replays may inflate:
 /// a running sum's record index, a window's key and bounds, a bucket's key and end, a
-/// chain's key (and count, for the running counts), a running count's key and record index.
+/// chain's key (and count, for the running counts), a running count's key and record index,
+/// a window of a union's key and start.
 fn identity(shape: Shape, line: &str) -> String {
     let f: Vec<&str> = line.split(' ').collect();
     let keep = |idx: &[usize]| idx.iter().map(|&i| f[i]).collect::<Vec<_>>().join(" ");
@@ -602,6 +636,7 @@ fn identity(shape: Shape, line: &str) -> String {
         Shape::Tumbling | Shape::Sliding | Shape::Buckets => keep(&[0, 1, 2]),
         Shape::Session => keep(&[0, 1, 2, 3]),
         Shape::Chain | Shape::Rebalance if f[0] == "total" => keep(&[0, 1]),
+        Shape::UnionWindow => keep(&[0, 1, 2]),
         Shape::Union if f[0] == "sum" => keep(&[0, 3]),
         Shape::Union => keep(&[0, 1, 3]),
         _ => line.to_owned(),
