@@ -1195,6 +1195,7 @@ mod tests {
             fail: FailCell::default(),
             epoch: Instant::now(),
             maintenance: Default::default(),
+            split_tags: None,
         };
         ShardState::open_for(&ctx, OP)
     }

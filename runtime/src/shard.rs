@@ -1228,6 +1228,7 @@ fn run_attempt(
                             restore,
                             epoch,
                             maintenance,
+                            split_tags: None,
                         };
                         for root in roots.iter() {
                             root(&mut ctx)?;

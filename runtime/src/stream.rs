@@ -86,6 +86,14 @@ impl Job {
                 operator: name2.clone(),
                 source: e,
             })?;
+            // A timestamp assigner in this chain learns the reader's splits before any record.
+            let split_tags = ctx.split_tags.take().and_then(|tags| {
+                let (mut runs, mut live) = (Vec::new(), Vec::new());
+                reader.splits(&mut runs, &mut live).then(|| {
+                    tags.publish(&live, &[]);
+                    SplitRuns { tags, runs, live }
+                })
+            });
             let reader = Rc::new(RefCell::new(reader));
             if let Some(c) = &ctx.checkpoint {
                 let mut c = c.borrow_mut();
@@ -105,6 +113,7 @@ impl Job {
                 buf: Vec::with_capacity(ctx.config.batch_records),
                 batch: ctx.config.batch_records,
                 down: Box::new(Counted { counters, down }),
+                split_tags,
                 gate: ctx.take_gate(),
                 state: SourceState::Running,
                 last_ms: i64::MIN,
@@ -303,6 +312,9 @@ impl<T: Data> Stream<T> {
             g1.add_blocker(m.blocked[1].clone());
             let merger = Rc::new(RefCell::new(m));
             let down = Rc::new(RefCell::new(down));
+            // A timestamp assigner after the union sees two sources' records: the splits of
+            // one are no measure of the other's, so it takes them as one stream.
+            ctx.split_tags = None;
             ctx.gate = Rc::new(g0);
             a(
                 ctx,
@@ -440,6 +452,14 @@ impl<T: 'static> crate::checkpoint::shard::CompletionListener for SourceCompleti
     }
 }
 
+/// What a source head tells a timestamp assigner of its reader's splits, with the buffers
+/// it asks the reader for them in.
+struct SplitRuns {
+    tags: Rc<crate::time::SplitTags>,
+    runs: Vec<(u64, usize)>,
+    live: Vec<u64>,
+}
+
 /// Drives a source reader into its chain.
 struct SourceHead<T> {
     name: String,
@@ -449,6 +469,8 @@ struct SourceHead<T> {
     buf: Vec<T>,
     batch: usize,
     down: Out<T>,
+    /// Set when a timestamp assigner in the chain tracks the reader's splits.
+    split_tags: Option<SplitRuns>,
     gate: Rc<crate::graph::Gate>,
     state: SourceState,
     last_ms: i64,
@@ -558,8 +580,32 @@ impl<T: 'static> Head for SourceHead<T> {
                 source,
             })?;
         let n = self.buf.len();
-        for rec in self.buf.drain(..) {
-            self.down.collect(rec, NO_TS);
+        match &mut self.split_tags {
+            None => {
+                for rec in self.buf.drain(..) {
+                    self.down.collect(rec, NO_TS);
+                }
+            }
+            Some(s) => {
+                s.runs.clear();
+                s.live.clear();
+                self.reader.borrow().splits(&mut s.runs, &mut s.live);
+                // The splits of this poll's records count before them, those it finished
+                // too (until their records are in); then only those not finished.
+                s.tags.publish(&s.live, &s.runs);
+                let mut recs = self.buf.drain(..);
+                for &(split, count) in &s.runs {
+                    s.tags.set_current(split);
+                    for rec in recs.by_ref().take(count) {
+                        self.down.collect(rec, NO_TS);
+                    }
+                }
+                // Records the runs did not count (a reader's mistake) go as the last split's.
+                for rec in recs {
+                    self.down.collect(rec, NO_TS);
+                }
+                s.tags.publish(&s.live, &[]);
+            }
         }
         let status = match poll {
             SourcePoll::Finished => {

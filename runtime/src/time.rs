@@ -1,5 +1,7 @@
 //! Event time: timestamp assignment and watermark strategies.
 
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
 use std::sync::Arc;
 
 use crate::data::Data;
@@ -77,16 +79,27 @@ pub(crate) fn assign<T: Data>(up: Stream<T>, strategy: WatermarkStrategy<T>) -> 
     );
     let factory: Factory<T> = Arc::new(move |ctx: &mut BuildCtx, down: Out<T>| {
         let name = name_of(&slot);
-        // The generator's state: the largest timestamp seen, and the watermark it sent.
-        let (max_ts, emitted) = restored_pair(ctx, &name)?;
+        // The generator's state: the largest timestamp seen (of each split), and the
+        // watermark it sent.
+        let restored = restored_generator(ctx, &name)?;
         if let Some(c) = &ctx.checkpoint {
             c.borrow_mut().register();
         }
+        let tags = Rc::new(SplitTags::default());
+        // The source head of this chain, if nothing but record-by-record operators stand
+        // between, tells the splits through them (see `BuildCtx::split_tags`).
+        ctx.split_tags = Some(tags.clone());
+        let emitted = restored.emitted;
         let op = WatermarkOp {
             ts: ts.clone(),
             delay,
             idle_timeout_ms: idle,
-            max_ts,
+            splits: Vec::new(),
+            cur: 0,
+            tags,
+            synced: NOT_SYNCED,
+            stamp: NOT_SYNCED,
+            restored,
             emitted,
             resend: emitted != i64::MIN,
             checkpoint: ctx.checkpoint.clone(),
@@ -107,14 +120,82 @@ pub(crate) fn assign<T: Data>(up: Stream<T>, strategy: WatermarkStrategy<T>) -> 
     up.derive(factory, name)
 }
 
+/// Shared by a timestamp assigner and the source head that drives its chain, when the
+/// source's reader tells its splits ([`crate::source::SourceReader::splits`]).
+#[derive(Default)]
+pub(crate) struct SplitTags {
+    /// The split of the records the head collects now.
+    current: Cell<u64>,
+    /// Bumped whenever `current` or `splits` changes: the one thing an assigner checks per
+    /// record.
+    stamp: Cell<u64>,
+    /// Bumped whenever `splits` changes; 0 while the head published nothing (the assigner's
+    /// input is then one stream).
+    version: Cell<u64>,
+    /// The splits the assigner's watermark waits for: the reader's unfinished ones, and those
+    /// of the records being collected.
+    splits: RefCell<Vec<u64>>,
+}
+
+impl SplitTags {
+    /// The records collected from now on are of split `split`.
+    #[inline]
+    pub fn set_current(&self, split: u64) {
+        if self.current.get() != split {
+            self.current.set(split);
+            self.stamp.set(self.stamp.get() + 1);
+        }
+    }
+
+    /// Sets the splits to `live` and those of `runs`, if they are not those already.
+    pub fn publish(&self, live: &[u64], runs: &[(u64, usize)]) {
+        let mut splits = self.splits.borrow_mut();
+        let wanted = live.iter().chain(runs.iter().map(|r| &r.0));
+        let same = self.version.get() != 0
+            && wanted.clone().all(|id| splits.contains(id))
+            && splits
+                .iter()
+                .all(|id| live.contains(id) || runs.iter().any(|r| r.0 == *id));
+        if same {
+            return;
+        }
+        splits.clear();
+        for &id in wanted {
+            if !splits.contains(&id) {
+                splits.push(id);
+            }
+        }
+        self.version.set(self.version.get() + 1);
+        self.stamp.set(self.stamp.get() + 1);
+    }
+}
+
+/// [`WatermarkOp::synced`] before the first look at the tags.
+const NOT_SYNCED: u64 = u64::MAX;
+
 /// Assigns timestamps and emits periodic watermarks, as Flink's periodic generators do: the
 /// watermark is computed from the records, and emitted every `interval_ms` of processing time
-/// and at the end of input.
+/// and at the end of input. When the source head of its chain tells the records' splits, the
+/// largest timestamp is tracked per split and the watermark follows the least of them, as
+/// Flink's per-split watermarks in sources: a reader that a restore onto fewer shards gave
+/// several old readers' splits reads them one after another, and a watermark that followed
+/// the first made the records of the others, on time before, late.
 pub(crate) struct WatermarkOp<T> {
     ts: Arc<dyn Fn(&T) -> i64 + Send + Sync>,
     delay: i64,
     idle_timeout_ms: Option<i64>,
-    max_ts: i64,
+    /// The largest timestamp seen of each split the watermark waits for (one entry, split 0,
+    /// when the input is one stream).
+    splits: Vec<(u64, i64)>,
+    /// The entry of the split of the last record.
+    cur: usize,
+    tags: Rc<SplitTags>,
+    /// The tags' version that `splits` follows.
+    synced: u64,
+    /// The tags' stamp that `splits` and `cur` follow.
+    stamp: u64,
+    /// What the restore gave: taken when the splits are first known.
+    restored: RestoredGenerator,
     emitted: i64,
     /// A restored watermark not sent again yet: it goes downstream before anything else, so
     /// that records after a restore meet the watermark they met before it.
@@ -143,11 +224,84 @@ impl<T: 'static> WatermarkOp<T> {
         }
     }
 
+    /// Follows the splits the source head published, if they changed.
+    #[inline]
+    fn sync(&mut self) {
+        let version = self.tags.version.get();
+        if version != self.synced {
+            self.resync(version);
+        }
+    }
+
+    #[cold]
+    fn resync(&mut self, version: u64) {
+        if version == 0 {
+            // One stream: its largest timestamp is the least of the old shards' it takes.
+            self.splits = vec![(0, self.restored.max_ts)];
+        } else {
+            let known = |id: u64, splits: &[(u64, i64)]| {
+                splits
+                    .iter()
+                    .chain(&self.restored.splits)
+                    .find(|s| s.0 == id)
+                    .map_or(i64::MIN, |s| s.1)
+            };
+            let splits: Vec<(u64, i64)> = self
+                .tags
+                .splits
+                .borrow()
+                .iter()
+                .map(|&id| (id, known(id, &self.splits)))
+                .collect();
+            self.splits = splits;
+        }
+        self.synced = version;
+        self.cur = 0;
+        // `cur` is found again before the next record counts.
+        self.stamp = NOT_SYNCED;
+    }
+
+    /// Follows the tags after they changed: the splits, and the entry of the current one.
+    #[cold]
+    fn follow(&mut self) {
+        self.sync();
+        let split = self.tags.current.get();
+        if self.splits.get(self.cur).is_none_or(|s| s.0 != split) {
+            self.cur = self.find(split);
+        }
+        self.stamp = self.tags.stamp.get();
+    }
+
+    /// The entry of split `id` (one not published yet is added).
+    #[cold]
+    fn find(&mut self, id: u64) -> usize {
+        match self.splits.iter().position(|s| s.0 == id) {
+            Some(i) => i,
+            None => {
+                let max_ts = self
+                    .restored
+                    .splits
+                    .iter()
+                    .find(|s| s.0 == id)
+                    .map_or(i64::MIN, |s| s.1);
+                self.splits.push((id, max_ts));
+                self.splits.len() - 1
+            }
+        }
+    }
+
+    /// The least of the splits' largest timestamps (`i64::MIN` while one has none, or when
+    /// there is no split left to wait for: the end of input sends the last watermark).
+    fn max_ts(&self) -> i64 {
+        self.splits.iter().map(|s| s.1).min().unwrap_or(i64::MIN)
+    }
+
     fn current(&self) -> i64 {
-        if self.max_ts == i64::MIN {
+        let max_ts = self.max_ts();
+        if max_ts == i64::MIN {
             i64::MIN
         } else {
-            self.max_ts.saturating_sub(self.delay).saturating_sub(1)
+            max_ts.saturating_sub(self.delay).saturating_sub(1)
         }
     }
 
@@ -182,8 +336,12 @@ impl<T: 'static> Collector<T> for WatermarkOp<T> {
             });
             return;
         }
-        if ts > self.max_ts {
-            self.max_ts = ts;
+        if self.tags.stamp.get() != self.stamp {
+            self.follow();
+        }
+        let max_ts = &mut self.splits[self.cur].1;
+        if ts > *max_ts {
+            *max_ts = ts;
         }
         self.last_record_ms = self.now_ms;
         if self.idle {
@@ -199,6 +357,7 @@ impl<T: 'static> Collector<T> for WatermarkOp<T> {
 
     fn event(&mut self, ev: Event) {
         self.resend_restored();
+        self.sync();
         match ev {
             // Upstream watermarks are replaced by this operator's own; the final one passes.
             Event::Watermark(w) if w == i64::MAX => {
@@ -210,7 +369,13 @@ impl<T: 'static> Collector<T> for WatermarkOp<T> {
             // watermarks over after a restore): records after a restore are late exactly when
             // they were before, and the issue restores watermarks with the rest.
             Event::Barrier(id) => {
-                let values = [self.max_ts, self.emitted];
+                // `[largest timestamp, watermark sent]`, then, when the source tells its
+                // splits, `(split, its largest timestamp)` for each: the splits move to
+                // other shards with the source's positions.
+                let mut values = vec![self.max_ts(), self.emitted];
+                if self.synced != 0 {
+                    values.extend(self.splits.iter().flat_map(|s| [s.0 as i64, s.1]));
+                }
                 report_part(self.checkpoint.as_ref(), id, &self.name, &values);
                 self.down.event(ev);
             }
@@ -226,6 +391,7 @@ impl<T: 'static> Collector<T> for WatermarkOp<T> {
         if now_ms == self.now_ms {
             return;
         }
+        self.sync();
         self.now_ms = now_ms;
         if self.last_record_ms == i64::MIN {
             self.last_record_ms = now_ms;
@@ -369,8 +535,76 @@ pub(crate) fn restored_watermark(ctx: &BuildCtx, name: &str) -> Result<i64, crat
     Ok(restored_values::<1>(ctx, name, true)?[0])
 }
 
-/// A watermark generator's restored largest timestamp and sent watermark.
-fn restored_pair(ctx: &BuildCtx, name: &str) -> Result<(i64, i64), crate::StartError> {
-    let [max_ts, emitted] = restored_values::<2>(ctx, name, false)?;
-    Ok((max_ts, emitted))
+/// What a watermark generator takes over in a restore.
+#[derive(Debug, PartialEq)]
+pub(crate) struct RestoredGenerator {
+    /// The least of the old shards' largest timestamps (each the least of its splits').
+    pub max_ts: i64,
+    /// The least of the watermarks they sent.
+    pub emitted: i64,
+    /// The largest timestamp of each split their sources told.
+    pub splits: Vec<(u64, i64)>,
+}
+
+/// A watermark generator's restored state (see [`restored_values`] for which old shards'):
+/// none, all `i64::MIN`, without a restore.
+fn restored_generator(ctx: &BuildCtx, name: &str) -> Result<RestoredGenerator, crate::StartError> {
+    match &ctx.restore {
+        Some(r) => restored_generator_from(r, ctx.shard, name),
+        None => Ok(RestoredGenerator {
+            max_ts: i64::MIN,
+            emitted: i64::MIN,
+            splits: Vec::new(),
+        }),
+    }
+}
+
+/// [`restored_generator`] of restore `r` for shard `shard`. A part is 16 bytes (largest
+/// timestamp, watermark sent) and 16 more per split (id, largest timestamp).
+pub(crate) fn restored_generator_from(
+    r: &crate::checkpoint::restore::RestoreState,
+    shard: usize,
+    name: &str,
+) -> Result<RestoredGenerator, crate::StartError> {
+    let kind = crate::checkpoint::snapshot::PartKind::Watermark;
+    let parts = r.parts_for_shard(name, kind, shard);
+    let mut out = RestoredGenerator {
+        max_ts: i64::MIN,
+        emitted: i64::MIN,
+        splits: Vec::new(),
+    };
+    for (k, p) in parts.iter().enumerate() {
+        if p.bytes.len() < 16 || !p.bytes.len().is_multiple_of(16) {
+            return Err(crate::StartError::Restore {
+                reason: format!(
+                    "checkpoint {}: watermark of `{name}`: {} bytes, expected 16 and 16 per                      split",
+                    r.checkpoint_id,
+                    p.bytes.len(),
+                ),
+            });
+        }
+        let v = |at: usize| i64::from_le_bytes(p.bytes[at..at + 8].try_into().expect("8 bytes"));
+        let (max_ts, emitted) = (v(0), v(8));
+        if k == 0 {
+            (out.max_ts, out.emitted) = (max_ts, emitted);
+        } else {
+            out.max_ts = out.max_ts.min(max_ts);
+            out.emitted = out.emitted.min(emitted);
+        }
+        for at in (16..p.bytes.len()).step_by(16) {
+            let (id, max_ts) = (v(at) as u64, v(at + 8));
+            // A split is read on one shard; were it in two parts, the lesser is the safe one.
+            match out.splits.iter_mut().find(|s| s.0 == id) {
+                Some(s) => s.1 = s.1.min(max_ts),
+                None => out.splits.push((id, max_ts)),
+            }
+        }
+    }
+    if parts.len() < r.old_shards_for_shard(shard) {
+        // An old shard whose input this one takes had no part: it had seen nothing (see
+        // `restored_values_from`). Its splits, unknown here, start with nothing seen too.
+        out.max_ts = i64::MIN;
+        out.emitted = i64::MIN;
+    }
+    Ok(out)
 }

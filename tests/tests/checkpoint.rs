@@ -1400,6 +1400,90 @@ fn a_record_late_before_a_restore_is_late_after_it() {
     }
 }
 
+/// Watermarks per split: a restore onto fewer shards gives a reader the splits of several
+/// old readers, which it reads one after another; the watermark follows the least of their
+/// largest timestamps, so the records of a split read after another are on time when they
+/// were on time before. Each shard's iterator yields the same rising timestamps; the job is
+/// stopped halfway through both and restored onto one shard. The restored run drops no record
+/// as late, and every window it emits has the straight run's count. Before, the watermark
+/// followed the first split to its end, and most of the second split's rest was dropped.
+#[test]
+fn records_on_time_before_a_restore_onto_fewer_shards_are_on_time_after_it() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let per_shard = 2_000u64;
+    // `(key, timestamp, position in its split)`: timestamps rise by 10 ms in every split.
+    let make = move |shard: usize, _shards: usize| {
+        (0..per_shard).map(move |i| (i % 4 + 4 * shard as u64, i as i64 * 10, i))
+    };
+    let job_of = |job: &Job, hold: Option<Hold>| {
+        job.from_iter(make)
+            .uid("input")
+            .inspect(move |r: &(u64, i64, u64)| {
+                if let Some(hold) = &hold {
+                    hold.delay(r.2);
+                }
+            })
+            .assign_timestamps(
+                WatermarkStrategy::bounded_out_of_orderness(0, |r: &(u64, i64, u64)| r.1)
+                    .with_watermark_per_record(),
+            )
+            .key_by(|r| r.0)
+            .window(WindowAssigner::tumbling(100))
+            .count_with(|k, w, c| (*k, w.start, c))
+            .uid("counts")
+            .collect()
+    };
+    let straight = {
+        let job = Job::new(JobConfig::new().with_shards(2).with_pinning(Pinning::Never));
+        let out = job_of(&job, None);
+        job.run().expect("straight run");
+        out.take()
+    };
+    let dropped = |summary: &weir_runtime::JobSummary| -> u64 {
+        summary
+            .metrics
+            .operators
+            .iter()
+            .filter(|o| o.operator == "counts")
+            .map(|o| o.records_dropped)
+            .sum()
+    };
+    // Each shard holds the second half of its split, a record a millisecond.
+    let hold = Hold::new(per_shard, per_shard / 2);
+    let job = Job::new(restoring(exactly_once(dir.path(), 2), None, true));
+    let _ = job_of(&job, Some(hold.clone()));
+    let h = job.start().expect("start");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while h.metrics().records_out("input") < per_shard + 40 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the held halves were not reached"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let done = h.checkpoint_metrics().number_of_completed_checkpoints;
+    await_checkpoints(&h, done + 2);
+    h.cancel();
+    hold.release();
+    assert!(matches!(h.wait(), Err(weir_runtime::JobError::Cancelled)));
+    let job = Job::new(restoring(
+        exactly_once(dir.path(), 1),
+        Some(RestoreFrom::Latest),
+        false,
+    ));
+    let out = job_of(&job, None);
+    let summary = job.start().expect("restore").wait().expect("restored run");
+    assert_eq!(dropped(&summary), 0, "records dropped as late");
+    let got = out.take();
+    assert!(!got.is_empty(), "the restored run fired windows");
+    for w in &got {
+        assert!(
+            straight.contains(w),
+            "window {w:?} is not the straight run's"
+        );
+    }
+}
+
 /// A restore must find an operator for every state the checkpoint holds. The same job with
 /// its keyed operator's uid changed (`sum` to `total`) is refused before any record moves,
 /// naming `sum`; with `with_allow_non_restored_state` it runs: the source resumes at its

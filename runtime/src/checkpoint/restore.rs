@@ -250,7 +250,12 @@ mod tests {
             RestoreState::decode(&m, Arc::new(NoFiles), new_shards, 128).expect("decodes")
         };
         let values = |r: &RestoreState, shard, keyed| {
-            crate::time::restored_values_from::<2>(r, shard, 128, "wm", keyed).expect("values")
+            if keyed {
+                crate::time::restored_values_from::<2>(r, shard, 128, "wm", keyed).expect("values")
+            } else {
+                let g = crate::time::restored_generator_from(r, shard, "wm").expect("values");
+                [g.max_ts, g.emitted]
+            }
         };
         let one = restore(1);
         assert_eq!(
@@ -263,6 +268,67 @@ mod tests {
         let two = restore(2);
         assert_eq!(values(&two, 0, false), [2000, 499]);
         assert_eq!(values(&two, 1, false), [i64::MIN; 2]);
+    }
+
+    /// A timestamp assigner's part holds, after its largest timestamp and the watermark it
+    /// sent, each split's largest timestamp when its source told the splits. A restore onto
+    /// fewer shards hands a new shard the splits of every old shard whose source positions it
+    /// takes, each with its own timestamp (the watermark then follows the least of them, not
+    /// the first split read); the least of the watermarks sent, as before. A part of another
+    /// length is an error naming the operator and the checkpoint.
+    #[test]
+    fn a_timestamp_assigner_takes_the_splits_of_the_old_shards_it_takes() {
+        let watermark = |s: u32, values: &[i64]| {
+            let snap = ShardSnapshot {
+                shard: s,
+                parts: vec![Part {
+                    operator: "wm".into(),
+                    kind: PartKind::Watermark,
+                    bytes: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                    files: Vec::new(),
+                    logical: Vec::new(),
+                }],
+            };
+            (shard_section(s as usize), encode(&snap))
+        };
+        let sections = vec![
+            job(3),
+            // Shard 0 reads splits 0 and 3 (a restore merged them before), 1 and 2 their own.
+            watermark(0, &[700, 600, 0, 900, 3, 700]),
+            watermark(1, &[4000, 3900, 1, 4000]),
+            watermark(2, &[1500, 1400, 2, 1500]),
+        ];
+        let restore = |new_shards| {
+            let m = metadata_for_test(7, sections.clone(), Vec::new(), Vec::new());
+            RestoreState::decode(&m, Arc::new(NoFiles), new_shards, 128).expect("decodes")
+        };
+        let one = crate::time::restored_generator_from(&restore(1), 0, "wm").expect("one");
+        assert_eq!((one.max_ts, one.emitted), (700, 600));
+        assert_eq!(one.splits, [(0, 900), (3, 700), (1, 4000), (2, 1500)]);
+        let two = restore(2);
+        let g0 = crate::time::restored_generator_from(&two, 0, "wm").expect("shard 0");
+        assert_eq!((g0.max_ts, g0.emitted), (700, 600));
+        assert_eq!(g0.splits, [(0, 900), (3, 700), (2, 1500)]);
+        let g1 = crate::time::restored_generator_from(&two, 1, "wm").expect("shard 1");
+        assert_eq!(
+            (g1.max_ts, g1.emitted, g1.splits),
+            (4000, 3900, vec![(1, 4000)])
+        );
+
+        for len in [8, 24, 40] {
+            let bytes: Vec<i64> = vec![1; len / 8];
+            let sections = vec![job(1), watermark(0, &bytes)];
+            let m = metadata_for_test(7, sections, Vec::new(), Vec::new());
+            let r = RestoreState::decode(&m, Arc::new(NoFiles), 1, 128).expect("decodes");
+            let e = crate::time::restored_generator_from(&r, 0, "wm").expect_err("length");
+            let e = e.to_string();
+            assert!(
+                e.contains("checkpoint 7")
+                    && e.contains("`wm`")
+                    && e.contains(&format!("{len} bytes")),
+                "{e}"
+            );
+        }
     }
 
     #[test]

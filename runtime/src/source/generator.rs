@@ -122,6 +122,8 @@ struct GenReader<F> {
     started: Option<Instant>,
     /// Records made since the schedule started (with an origin: since each split's `first`).
     emitted: u64,
+    /// The last poll's records by split (`first`, count), for [`SourceReader::splits`].
+    runs: Vec<(u64, usize)>,
     f: Arc<F>,
 }
 
@@ -261,6 +263,7 @@ impl<F> GenReader<F> {
 
 impl<T: 'static, F: Fn(u64, u64) -> T + Send + Sync + 'static> SourceReader<T> for GenReader<F> {
     fn poll(&mut self, out: &mut Vec<T>, max: usize) -> Result<SourcePoll, SourceError> {
+        self.runs.clear();
         let mut budget = max as u64;
         if let Some(rate) = self.rate_per_sec {
             let started = match (self.started, &self.origin) {
@@ -304,6 +307,9 @@ impl<T: 'static, F: Fn(u64, u64) -> T + Send + Sync + 'static> SourceReader<T> f
                 }
                 only.next = next;
                 self.emitted += made;
+                if made > 0 {
+                    self.runs.push((only.first, made as usize));
+                }
             }
             return Ok(if only.done {
                 SourcePoll::Finished
@@ -325,10 +331,16 @@ impl<T: 'static, F: Fn(u64, u64) -> T + Send + Sync + 'static> SourceReader<T> f
                     until = until.min(s.next);
                 }
             }
+            match self.runs.last_mut() {
+                Some((first, _)) if *first == cur.first => {}
+                _ => self.runs.push((cur.first, 0)),
+            }
+            let run = &mut self.runs.last_mut().expect("pushed").1;
             while budget > 0 && cur.next <= until {
                 out.push((self.f)(cur.next, splitmix64(self.seed, cur.next)));
                 self.emitted += 1;
                 budget -= 1;
+                *run += 1;
                 match cur.next.checked_add(step) {
                     Some(n) if total.is_none_or(|t| n < t) => cur.next = n,
                     Some(n) => {
@@ -348,6 +360,13 @@ impl<T: 'static, F: Fn(u64, u64) -> T + Send + Sync + 'static> SourceReader<T> f
             return Ok(SourcePoll::Finished);
         }
         Ok(SourcePoll::Ready)
+    }
+
+    /// A split is named by its first index (unique among the splits of one step).
+    fn splits(&self, runs: &mut Vec<(u64, usize)>, live: &mut Vec<u64>) -> bool {
+        runs.extend(self.runs.iter().filter(|r| r.1 > 0));
+        live.extend(self.splits.iter().filter(|s| !s.done).map(|s| s.first));
+        true
     }
 
     fn position(&self) -> Vec<u8> {
@@ -402,6 +421,7 @@ impl<T: 'static, F: Fn(u64, u64) -> T + Send + Sync + 'static> Source<T> for Gen
             origin: self.origin.clone(),
             started: None,
             emitted: 0,
+            runs: Vec::new(),
             f: self.f.clone(),
         }))
     }
@@ -531,6 +551,48 @@ mod tests {
                 "{first} -> {second} -> {third}"
             );
         }
+    }
+
+    /// A reader tells the split of each record it made, for watermarks per split: its own
+    /// split's first index as one run; after a restore onto fewer shards, runs in index order
+    /// across the splits it took over, and the splits it has not finished.
+    #[test]
+    fn a_reader_tells_the_splits_of_its_records() {
+        let g = GeneratorSource::new(Some(40), 3, |i, _| i);
+        let splits = |r: &dyn SourceReader<u64>| {
+            let (mut runs, mut live) = (Vec::new(), Vec::new());
+            assert!(r.splits(&mut runs, &mut live));
+            (runs, live)
+        };
+        let mut own = g.create_reader(1, 2).expect("reader");
+        let mut out = Vec::new();
+        own.poll(&mut out, 4).expect("poll");
+        assert_eq!(out, [1, 3, 5, 7]);
+        assert_eq!(splits(own.as_ref()), (vec![(1, 4)], vec![1]));
+
+        // Old shard 0 stood at 10, old shard 1 at 3: the merged reader makes 3, 5, 7, 9 of
+        // split 1 first, then both in turn.
+        let a = g.create_reader(0, 2).expect("reader");
+        let mut a_pos = a.position();
+        a_pos[POSITION_HEAD + 8..POSITION_HEAD + 16].copy_from_slice(&10u64.to_le_bytes());
+        let mut b_pos = own.position();
+        b_pos[POSITION_HEAD + 8..POSITION_HEAD + 16].copy_from_slice(&3u64.to_le_bytes());
+        let mut r = g.create_reader(0, 1).expect("reader");
+        r.restore(2, &[(0, &a_pos), (1, &b_pos)]).expect("restore");
+        assert_eq!(splits(r.as_ref()), (vec![], vec![0, 1]), "before any poll");
+        out.clear();
+        r.poll(&mut out, 7).expect("poll");
+        assert_eq!(out, [3, 5, 7, 9, 10, 11, 12]);
+        assert_eq!(
+            splits(r.as_ref()),
+            (vec![(1, 4), (0, 1), (1, 1), (0, 1)], vec![0, 1])
+        );
+        out.clear();
+        while r.poll(&mut out, 100).expect("poll") != SourcePoll::Finished {}
+        assert_eq!(out.len(), 40 - 13);
+        let (runs, live) = splits(r.as_ref());
+        assert_eq!(runs.iter().map(|r| r.1).sum::<usize>(), out.len());
+        assert!(live.is_empty(), "both splits finished: {live:?}");
     }
 
     /// Forged or foreign positions of splits are errors, never records made twice or lost:

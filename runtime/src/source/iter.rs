@@ -27,18 +27,32 @@ struct Part<I> {
     shards: u64,
     iter: I,
     taken: u64,
+    /// The iterator ended.
+    done: bool,
 }
 
-/// The iterators a reader reads, one after the other: its own shard's at the first start and,
-/// after a restore onto another number of shards, those of the old readers it took over (each
-/// made again as it was made then, and read on from where it stood).
+/// The iterators a reader reads, in turn: its own shard's at the first start and, after a
+/// restore onto another number of shards, those of the old readers it took over (each made
+/// again as it was made then, and read on from where it stood). In turn, a batch of each,
+/// rather than one to its end before the next: their watermark is the least of theirs, and a
+/// part that is empty (`from_vec`'s on every shard but the first) would otherwise hold it
+/// back until every part before it ended.
 struct IterReader<I, F> {
     parts: Vec<Part<I>>,
-    /// The part being read; those before it are exhausted.
+    /// The part the next poll reads first.
     cur: usize,
     make: Arc<F>,
     shard: usize,
     shards: usize,
+    /// The last poll's records by part (its split id, count), for [`SourceReader::splits`].
+    runs: Vec<(u64, usize)>,
+}
+
+impl<I> Part<I> {
+    /// The part's split id: its shard and shard count, which no other part shares.
+    fn split(&self) -> u64 {
+        (self.shards << 32) | self.shard
+    }
 }
 
 /// The first byte of a position with its parts (an 8-byte position is one count).
@@ -79,6 +93,7 @@ where
             shards,
             iter,
             taken,
+            done: false,
         })
     }
 
@@ -156,21 +171,39 @@ where
     F: Fn(usize, usize) -> I + Send + Sync + 'static,
 {
     fn poll(&mut self, out: &mut Vec<T>, max: usize) -> Result<SourcePoll, SourceError> {
+        self.runs.clear();
         let before = out.len();
-        while let Some(part) = self.parts.get_mut(self.cur) {
-            let room = max - (out.len() - before);
-            if room == 0 {
-                return Ok(SourcePoll::Ready);
+        // Part `cur` fills the batch, or ends and the next one goes on; the next poll starts
+        // at the part after the last one read.
+        for k in 0..self.parts.len() {
+            let i = (self.cur + k) % self.parts.len();
+            let part = &mut self.parts[i];
+            if part.done {
+                continue;
             }
+            let room = max - (out.len() - before);
             let had = out.len();
             out.extend(part.iter.by_ref().take(room));
             let n = out.len() - had;
             part.taken += n as u64;
+            if n > 0 {
+                self.runs.push((part.split(), n));
+            }
             if n < room {
-                self.cur += 1;
+                part.done = true;
+            } else {
+                self.cur = (i + 1) % self.parts.len();
+                return Ok(SourcePoll::Ready);
             }
         }
         Ok(SourcePoll::Finished)
+    }
+
+    /// An iterator is live until a poll found its end.
+    fn splits(&self, runs: &mut Vec<(u64, usize)>, live: &mut Vec<u64>) -> bool {
+        runs.extend_from_slice(&self.runs);
+        live.extend(self.parts.iter().filter(|p| !p.done).map(Part::split));
+        true
     }
 
     fn position(&self) -> Vec<u8> {
@@ -218,9 +251,11 @@ where
                 shards: shards as u64,
                 iter: (self.make)(shard, shards),
                 taken: 0,
+                done: false,
             }],
             cur: 0,
             make: self.make.clone(),
+            runs: Vec::new(),
             shard,
             shards,
         }))
@@ -251,6 +286,52 @@ mod tests {
         assert_eq!(out, (104..110).collect::<Vec<_>>());
         assert!(r2.seek(&[1, 2]).is_err());
         assert!(r2.seek(&99u64.to_le_bytes()).is_err());
+    }
+
+    /// A reader tells the split of each item it read, for watermarks per split: each
+    /// iterator (part) is a split named by its shard and shard count. The parts are read in
+    /// turn, a batch of each, and one is live until a poll found its end: an empty part (here
+    /// the third, as `from_vec` makes on every shard but the first) is found at once, and
+    /// does not hold the others' watermark back while they run.
+    #[test]
+    fn a_reader_tells_the_iterator_of_each_item() {
+        let src = IterSource::new(|shard: usize, _| {
+            let n = if shard == 2 { 0 } else { 3 };
+            (0..n).map(move |i| i + shard as u32 * 10)
+        });
+        let positions: Vec<Vec<u8>> = (0..3)
+            .map(|s| src.create_reader(s, 3).expect("reader").position())
+            .collect();
+        let mut r = src.create_reader(0, 1).expect("reader");
+        r.restore(3, &super::super::taken_over(&positions, 1, 0))
+            .expect("restore");
+        let id = |s: u64| (3u64 << 32) | s;
+        let splits = |r: &dyn SourceReader<u32>| {
+            let (mut runs, mut live) = (Vec::new(), Vec::new());
+            assert!(r.splits(&mut runs, &mut live));
+            (runs, live)
+        };
+        assert_eq!(splits(r.as_ref()), (vec![], vec![id(0), id(1), id(2)]));
+        let mut out = Vec::new();
+        assert_eq!(r.poll(&mut out, 2).expect("poll"), SourcePoll::Ready);
+        assert_eq!(
+            splits(r.as_ref()),
+            (vec![(id(0), 2)], vec![id(0), id(1), id(2)])
+        );
+        r.poll(&mut out, 2).expect("poll");
+        assert_eq!(
+            splits(r.as_ref()),
+            (vec![(id(1), 2)], vec![id(0), id(1), id(2)])
+        );
+        // The third part ends at once, the first next: both give way in the same poll.
+        r.poll(&mut out, 2).expect("poll");
+        assert_eq!(
+            splits(r.as_ref()),
+            (vec![(id(0), 1), (id(1), 1)], vec![id(1)])
+        );
+        assert_eq!(out, [0, 1, 10, 11, 2, 12]);
+        assert_eq!(r.poll(&mut out, 2).expect("poll"), SourcePoll::Finished);
+        assert_eq!(splits(r.as_ref()), (vec![], vec![]));
     }
 
     /// A restore onto another number of shards makes the old shards' iterators again on the

@@ -115,6 +115,24 @@ pub trait SourceReader<T>: 'static {
         Ok(())
     }
 
+    /// For watermarks per split: a reader that reads several splits (one that a restore onto
+    /// fewer shards gave the splits of several old readers) says which split each record of
+    /// the last [`Self::poll`] came from, as `(split, records)` runs in the order it appended
+    /// them, into `runs`, and which of its splits it has not finished, into `live` (both
+    /// cleared by the caller), and returns true. A split's id must be the same on whichever
+    /// reader reads it, before and after a restore. The runtime's timestamp assigner then
+    /// tracks each split's largest timestamp and sends the least of them (as Flink's sources
+    /// do with a watermark strategy), so that records of a split that lags behind another are
+    /// not late for being read after it. Also called once before the first poll, with no
+    /// records: `runs` then stays empty.
+    ///
+    /// The default, false, makes the reader's records one stream to the timestamp assigner:
+    /// right for a reader that never reads more than one split.
+    fn splits(&self, runs: &mut Vec<(u64, usize)>, live: &mut Vec<u64>) -> bool {
+        let _ = (runs, live);
+        false
+    }
+
     /// Continues after a restore from the positions of the readers of a checkpoint taken on
     /// `old_shards` shards that this reader takes over: old shard `s` goes to new shard
     /// `s % shards` (as keyed state goes by key group), so with as many shards as before each
