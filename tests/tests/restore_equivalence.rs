@@ -5,7 +5,8 @@
 //!
 //! Each case picks a job shape (keyed running reduce, event-time tumbling / sliding / session
 //! windows over out-of-order input, keyed process functions with event-time timers, one with
-//! timers and no other state, a keyed join, two keyed stages in a row), a mode, the shard
+//! timers and no other state, a keyed join, two keyed stages in a row, unions, windows over a
+//! source split among shards), a mode, the shard
 //! counts and the restore source, from its seed. Input is deterministic and never late (its
 //! out-of-orderness stays within the watermark strategy's bound), so every shape's output is
 //! a function of the input alone, whatever the watermark timing. Exactly-once modes compare
@@ -55,9 +56,8 @@ impl Throttle {
 }
 
 /// All records of a vector, read on shard 0 only; the other shards' readers are empty and
-/// hold no position, so that a checkpoint restores onto any number of shards (the runtime's
-/// `from_vec` gives every shard a position, and a restore onto fewer shards refuses to merge
-/// them).
+/// hold no position, so that a checkpoint restores onto any number of shards. Its polls can
+/// be throttled and held at an index, which the runtime's `from_vec` cannot.
 struct VecSource<T> {
     items: Arc<Vec<T>>,
     throttle: Throttle,
@@ -160,9 +160,14 @@ enum Shape {
     /// unioned, then keyed into tumbling windows: the watermark crosses two exchanges and a
     /// union, and the second source may finish long before the first.
     UnionWindow,
+    /// Tumbling windows over a source split among the first run's shards (an iterator per
+    /// shard, record `i` on shard `i % shards`): a restore onto fewer shards gives a reader
+    /// several splits, read in turn, and each split's watermark is kept apart. Each split
+    /// stays within the bound, the input as a whole too, so no record is ever late.
+    SplitWindows,
 }
 
-const SHAPES: [Shape; 11] = [
+const SHAPES: [Shape; 12] = [
     Shape::Reduce,
     Shape::Tumbling,
     Shape::Sliding,
@@ -174,6 +179,7 @@ const SHAPES: [Shape; 11] = [
     Shape::Rebalance,
     Shape::Union,
     Shape::UnionWindow,
+    Shape::SplitWindows,
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -561,6 +567,42 @@ fn build_shape(job: &Job, c: &Case, w: &Wiring) -> Stream<String> {
                 })
                 .uid("uwindow")
         }
+        Shape::SplitWindows => {
+            let items = Arc::new(events(c.seed, c.n, c.keys));
+            let (read, throttle, fail) = (w.read.clone(), w.throttle.clone(), w.fail.clone());
+            // When the last record of all shards' was let through.
+            let paced = Arc::new(Mutex::new(Instant::now()));
+            job.from_iter(move |shard, shards| {
+                let items = items.clone();
+                (shard..items.len()).step_by(shards).map(move |i| items[i])
+            })
+            .uid("split-input")
+            .inspect(move |_| {
+                read.fetch_add(1, Ordering::Relaxed);
+                // As the other shapes' throttled source, over all shards together: a record
+                // each 62 us (8 per 500 us).
+                if throttle.on() {
+                    let now = Instant::now();
+                    let at = {
+                        let mut last = paced.lock().unwrap_or_else(|p| p.into_inner());
+                        *last = (*last + Duration::from_micros(62)).max(now);
+                        *last
+                    };
+                    std::thread::sleep(at - now);
+                }
+                if fail.swap(false, Ordering::AcqRel) {
+                    panic!("injected failure");
+                }
+            })
+            .assign_timestamps(strategy())
+            .key_by(|e: &Ev| e.0)
+            .window(WindowAssigner::tumbling(100))
+            .allowed_lateness(c.lateness)
+            .aggregate_with(SumCount, |k, w, (s, n)| {
+                format!("split {k} {} {s} {n}", w.start)
+            })
+            .uid("split-windows")
+        }
     }
 }
 
@@ -636,7 +678,7 @@ fn identity(shape: Shape, line: &str) -> String {
         Shape::Tumbling | Shape::Sliding | Shape::Buckets => keep(&[0, 1, 2]),
         Shape::Session => keep(&[0, 1, 2, 3]),
         Shape::Chain | Shape::Rebalance if f[0] == "total" => keep(&[0, 1]),
-        Shape::UnionWindow => keep(&[0, 1, 2]),
+        Shape::UnionWindow | Shape::SplitWindows => keep(&[0, 1, 2]),
         Shape::Union if f[0] == "sum" => keep(&[0, 3]),
         Shape::Union => keep(&[0, 1, 3]),
         _ => line.to_owned(),
@@ -717,6 +759,11 @@ fn start(
     }
     if c.small_memtables {
         config = config.with_memtable_budget_bytes(512 << 10);
+    }
+    if c.shape == Shape::SplitWindows {
+        // Its throttle is past the source, which polls a batch at a time, and a barrier
+        // goes in between polls: 8 records a poll, as the throttled `VecSource` hands out.
+        config = config.with_batch_records(8);
     }
     let job = Job::new(config);
     let w = Wiring {
