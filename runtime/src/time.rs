@@ -105,7 +105,8 @@ pub(crate) fn assign<T: Data>(up: Stream<T>, strategy: WatermarkStrategy<T>) -> 
             checkpoint: ctx.checkpoint.clone(),
             interval_ms: ctx.config.auto_watermark_interval_ms as i64,
             next_emit_ms: i64::MIN,
-            last_record_ms: i64::MIN,
+            active: false,
+            inactive_since_ms: i64::MIN,
             now_ms: i64::MIN,
             idle: false,
             per_record,
@@ -203,7 +204,10 @@ pub(crate) struct WatermarkOp<T> {
     checkpoint: Option<crate::checkpoint::shard::ShardCheckpointRef>,
     interval_ms: i64,
     next_emit_ms: i64,
-    last_record_ms: i64,
+    /// Records came since the last idleness check.
+    active: bool,
+    /// The first check that found no record since the one before (`i64::MIN`: none yet).
+    inactive_since_ms: i64,
     now_ms: i64,
     idle: bool,
     per_record: bool,
@@ -343,7 +347,7 @@ impl<T: 'static> Collector<T> for WatermarkOp<T> {
         if ts > *max_ts {
             *max_ts = ts;
         }
-        self.last_record_ms = self.now_ms;
+        self.active = true;
         if self.idle {
             self.idle = false;
             self.down.event(Event::Idle(false));
@@ -393,11 +397,18 @@ impl<T: 'static> Collector<T> for WatermarkOp<T> {
         }
         self.sync();
         self.now_ms = now_ms;
-        if self.last_record_ms == i64::MIN {
-            self.last_record_ms = now_ms;
-        }
         if let Some(t) = self.idle_timeout_ms {
-            if !self.idle && now_ms - self.last_record_ms >= t {
+            // As Flink's `IdlenessTimer`: the timeout runs from the first check that found no
+            // record since the one before. Stamping records with the time their step began
+            // made a step longer than the timeout (a slow chain, a busy shard) look idle at
+            // its end, and the other inputs' watermark made this one's next records late.
+            if std::mem::take(&mut self.active) {
+                self.inactive_since_ms = i64::MIN;
+            } else if self.inactive_since_ms == i64::MIN {
+                self.inactive_since_ms = now_ms;
+            }
+            let quiet = self.inactive_since_ms != i64::MIN && now_ms - self.inactive_since_ms >= t;
+            if !self.idle && quiet {
                 // The watermark of the records so far first, as Flink's periodic emit after
                 // them sends it before its idleness check can find the input idle: held, the
                 // windows it closes waited for the input to be active again.

@@ -617,6 +617,43 @@ fn a_short_idle_timeout_lets_the_other_input_advance() {
     h.wait().expect("job");
 }
 
+/// An input is idle only after a whole timeout without records, however long a step takes.
+/// Each shard's split is in order, one 20 s of event time ahead of the other, and a slow map
+/// (1 ms a record, 64 records a poll) makes every step longer than the 50 ms timeout. No
+/// record is late. Before, a record was stamped with the time its step began, so each check
+/// after a long step found the input idle: the shard ahead then moved the windows' watermark
+/// past the other's records, and 912 of 2,000 were dropped.
+#[test]
+fn a_step_longer_than_the_idle_timeout_does_not_make_its_input_idle() {
+    let job = Job::new(config(2).with_batch_records(64));
+    let fired = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let f2 = fired.clone();
+    job.from_iter(|shard, _| {
+        let ahead = if shard == 1 { 20_000 } else { 0 };
+        (0..400u64).map(move |i| (i % 4, ahead + i as i64 * 10))
+    })
+    .inspect(|_| std::thread::sleep(std::time::Duration::from_millis(1)))
+    .assign_timestamps(
+        WatermarkStrategy::bounded_out_of_orderness(0, |r: &(u64, i64)| r.1).with_idleness(50),
+    )
+    .key_by(|r| r.0)
+    .window(WindowAssigner::tumbling(100))
+    .count_with(|k, w, n| (*k, w.start, n))
+    .uid("windows")
+    .for_each(move |r| f2.lock().expect("lock").push(r));
+    let summary = job.run().expect("job");
+    let dropped: u64 = summary
+        .metrics
+        .operators
+        .iter()
+        .filter(|o| o.operator == "windows")
+        .map(|o| o.records_dropped)
+        .sum();
+    assert_eq!(dropped, 0, "records dropped as late");
+    let counted: u64 = fired.lock().expect("lock").iter().map(|w| w.2).sum();
+    assert_eq!(counted, 800);
+}
+
 /// Waits (60 s at most, else fails with `what`) until `fired` holds `window`.
 fn await_window(
     fired: &std::sync::Mutex<Vec<(u64, i64, u64)>>,
