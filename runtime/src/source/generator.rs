@@ -78,7 +78,9 @@ impl<F> GeneratorSource<F> {
 
     /// Schedules the throttled records from `origin` instead of from each reader's first
     /// poll: the `k`-th record of every shard (index `shard + k * shards`) is due at
-    /// `origin + k / rate`, and none is made before it is due, also after a restore. A job
+    /// `origin + k / rate`, and none is made before it is due, also after a restore (which
+    /// keeps each split of the first run on its schedule, also where a reader took over
+    /// several: it then makes `rate` records per second for each). A job
     /// that stamps records with their due time measures latency from when each record should
     /// have entered, so the time a shard could not poll its source counts too (no
     /// coordinated omission).
@@ -120,7 +122,9 @@ struct GenReader<F> {
     /// The fixed schedule, if any; `started` caches its origin once set.
     origin: Option<ScheduleStart>,
     started: Option<Instant>,
-    /// Records made since the schedule started (with an origin: since each split's `first`).
+    /// Records made since the reader's first poll: what a throttled reader without an
+    /// origin has made of its budget (with one, each split's position says how far along
+    /// the schedule it is).
     emitted: u64,
     /// The last poll's records by split (`first`, count), for [`SourceReader::splits`].
     runs: Vec<(u64, usize)>,
@@ -248,15 +252,8 @@ impl<F> GenReader<F> {
         if let Some(step) = step {
             self.step = step;
         }
+        // With a fixed schedule, each split goes on where its position lies on it.
         self.splits = splits;
-        if self.origin.is_some() {
-            // The fixed schedule goes on where the restored positions lie on it.
-            self.emitted = self
-                .splits
-                .iter()
-                .map(|s| (s.next - s.first) / self.step)
-                .sum();
-        }
         Ok(())
     }
 }
@@ -276,7 +273,21 @@ impl<T: 'static, F: Fn(u64, u64) -> T + Send + Sync + 'static> SourceReader<T> f
             };
             let allowed =
                 (started.elapsed().as_nanos() as u64).saturating_mul(rate) / 1_000_000_000;
-            budget = budget.min(allowed.saturating_sub(self.emitted));
+            let due = if self.origin.is_some() {
+                // The schedule is each split's: its k-th record is due at origin + k / rate.
+                // A reader that took over several splits owes each what it fell behind (their
+                // sum against one split's schedule stalled it for the job's age before the
+                // restore, times the old shards less one).
+                let step = self.step;
+                self.splits
+                    .iter()
+                    .filter(|s| !s.done)
+                    .map(|s| allowed.saturating_sub((s.next - s.first) / step))
+                    .fold(0u64, u64::saturating_add)
+            } else {
+                allowed.saturating_sub(self.emitted)
+            };
+            budget = budget.min(due);
             if budget == 0 {
                 return Ok(SourcePoll::Idle);
             }
@@ -673,6 +684,41 @@ mod tests {
             .iter()
             .enumerate()
             .all(|(k, &i)| i == 1 + 2 * (made + k as u64)));
+    }
+
+    /// A reader that a restore onto fewer shards gave several splits keeps each on the
+    /// schedule: 100 ms after the origin at 1000 records/s, two splits 80 records along
+    /// each owe 20 each. Before, their 160 records were held against one split's 100, and
+    /// the reader made nothing for another 60 ms (on a job's scale, for as long as it had
+    /// run before the restore).
+    #[test]
+    fn a_reader_of_several_splits_keeps_each_on_the_schedule() {
+        let origin = Instant::now() - std::time::Duration::from_millis(100);
+        let g = GeneratorSource::new(None, 1, |i, _| i)
+            .with_rate_per_shard(1000)
+            .with_schedule_origin(origin);
+        let positions: Vec<Vec<u8>> = (0..2)
+            .map(|s| {
+                let mut r = g.create_reader(s, 2).expect("reader");
+                let mut out = Vec::new();
+                r.poll(&mut out, 80).expect("poll");
+                assert_eq!(out.len(), 80);
+                r.position()
+            })
+            .collect();
+        let mut r = g.create_reader(0, 1).expect("reader");
+        r.restore(2, &super::super::taken_over(&positions, 1, 0))
+            .expect("restore");
+        let mut out = Vec::new();
+        r.poll(&mut out, 1000).expect("poll");
+        let due = 2 * (origin.elapsed().as_millis() as u64 + 1 - 80);
+        assert!(
+            out.len() >= 40 && out.len() as u64 <= due,
+            "{} records made, {due} due",
+            out.len()
+        );
+        // Index order across both: 160, 161, .. (each split's next ones).
+        assert!(out.iter().enumerate().all(|(k, &i)| i == 160 + k as u64));
     }
 
     #[test]
