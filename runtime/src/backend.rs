@@ -1195,7 +1195,7 @@ mod tests {
             fail: FailCell::default(),
             epoch: Instant::now(),
             maintenance: Default::default(),
-            split_tags: None,
+            split_tags: Vec::new(),
         };
         ShardState::open_for(&ctx, OP)
     }

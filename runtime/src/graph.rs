@@ -136,16 +136,17 @@ pub(crate) struct BuildCtx {
     pub epoch: std::time::Instant,
     /// The job's maintenance threads, which [`crate::JobHandle::wait`] waits for.
     pub maintenance: Arc<crate::backend::MaintenanceThreads>,
-    /// Set by a timestamp assigner for the chain being built: the source head that drives
-    /// the chain tells it the split of each record through them. Any other head drops them.
-    pub split_tags: Option<Rc<crate::time::SplitTags>>,
+    /// Pushed by each timestamp assigner of the chain being built: the source heads that
+    /// drive the chain (one, or one per input of a union) tell them the source and split of
+    /// each record. Any other head drops them.
+    pub split_tags: Vec<Rc<crate::time::SplitTags>>,
 }
 
 impl BuildCtx {
     /// Takes the gate of the chain that a head about to be built drives.
     pub fn take_gate(&mut self) -> Rc<Gate> {
         // The chain ends at this head; the next one built is another chain's.
-        self.split_tags = None;
+        self.split_tags.clear();
         std::mem::take(&mut self.gate)
     }
 

@@ -1228,7 +1228,7 @@ fn run_attempt(
                             restore,
                             epoch,
                             maintenance,
-                            split_tags: None,
+                            split_tags: Vec::new(),
                         };
                         for root in roots.iter() {
                             root(&mut ctx)?;

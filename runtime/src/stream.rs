@@ -86,13 +86,29 @@ impl Job {
                 operator: name2.clone(),
                 source: e,
             })?;
-            // A timestamp assigner in this chain learns the reader's splits before any record.
-            let split_tags = ctx.split_tags.take().and_then(|tags| {
+            // The timestamp assigners of this chain learn the reader's splits before any
+            // record: those it tells, or one (`0`) for a reader that does not.
+            let subscribers = std::mem::take(&mut ctx.split_tags);
+            let split_tags = (!subscribers.is_empty()).then(|| {
                 let (mut runs, mut live) = (Vec::new(), Vec::new());
-                reader.splits(&mut runs, &mut live).then(|| {
-                    tags.publish(&live, &[]);
-                    SplitRuns { tags, runs, live }
-                })
+                let tells = reader.splits(&mut runs, &mut live);
+                if !tells {
+                    live.push(0);
+                }
+                let subscribers: Vec<_> = subscribers
+                    .into_iter()
+                    .map(|tags| {
+                        let source = tags.register(&name2);
+                        tags.publish(source, &live, &[]);
+                        (tags, source)
+                    })
+                    .collect();
+                SplitRuns {
+                    subscribers,
+                    tells,
+                    runs,
+                    live,
+                }
             });
             let reader = Rc::new(RefCell::new(reader));
             if let Some(c) = &ctx.checkpoint {
@@ -312,9 +328,9 @@ impl<T: Data> Stream<T> {
             g1.add_blocker(m.blocked[1].clone());
             let merger = Rc::new(RefCell::new(m));
             let down = Rc::new(RefCell::new(down));
-            // A timestamp assigner after the union sees two sources' records: the splits of
-            // one are no measure of the other's, so it takes them as one stream.
-            ctx.split_tags = None;
+            // A timestamp assigner after the union tracks the splits of the sources of both
+            // inputs (its tags go to the heads of each); one in an input, those of its own.
+            let split_tags = ctx.split_tags.clone();
             ctx.gate = Rc::new(g0);
             a(
                 ctx,
@@ -325,6 +341,7 @@ impl<T: Data> Stream<T> {
                 }),
             )?;
             ctx.gate = Rc::new(g1);
+            ctx.split_tags = split_tags;
             b(
                 ctx,
                 Box::new(UnionInput {
@@ -452,10 +469,13 @@ impl<T: 'static> crate::checkpoint::shard::CompletionListener for SourceCompleti
     }
 }
 
-/// What a source head tells a timestamp assigner of its reader's splits, with the buffers
-/// it asks the reader for them in.
+/// What a source head tells the timestamp assigners of its chain of its reader's splits,
+/// with the buffers it asks the reader for them in.
 struct SplitRuns {
-    tags: Rc<crate::time::SplitTags>,
+    /// Each assigner's tags, with the number this source has there.
+    subscribers: Vec<(Rc<crate::time::SplitTags>, u32)>,
+    /// Whether the reader tells its splits; one that does not reads one, split `0`.
+    tells: bool,
     runs: Vec<(u64, usize)>,
     live: Vec<u64>,
 }
@@ -589,13 +609,26 @@ impl<T: 'static> Head for SourceHead<T> {
             Some(s) => {
                 s.runs.clear();
                 s.live.clear();
-                self.reader.borrow().splits(&mut s.runs, &mut s.live);
+                if s.tells {
+                    self.reader.borrow().splits(&mut s.runs, &mut s.live);
+                } else {
+                    if n > 0 {
+                        s.runs.push((0, n));
+                    }
+                    if poll != SourcePoll::Finished {
+                        s.live.push(0);
+                    }
+                }
                 // The splits of this poll's records count before them, those it finished
                 // too (until their records are in); then only those not finished.
-                s.tags.publish(&s.live, &s.runs);
+                for (tags, source) in &s.subscribers {
+                    tags.publish(*source, &s.live, &s.runs);
+                }
                 let mut recs = self.buf.drain(..);
                 for &(split, count) in &s.runs {
-                    s.tags.set_current(split);
+                    for (tags, source) in &s.subscribers {
+                        tags.set_current(*source, split);
+                    }
                     for rec in recs.by_ref().take(count) {
                         self.down.collect(rec, NO_TS);
                     }
@@ -604,7 +637,9 @@ impl<T: 'static> Head for SourceHead<T> {
                 for rec in recs {
                     self.down.collect(rec, NO_TS);
                 }
-                s.tags.publish(&s.live, &[]);
+                for (tags, source) in &s.subscribers {
+                    tags.publish(*source, &s.live, &[]);
+                }
             }
         }
         let status = match poll {

@@ -112,7 +112,7 @@ impl<I: Data, O: Data> TestDriver<I, O> {
             fail: FailCell::default(),
             epoch: std::time::Instant::now(),
             maintenance: Default::default(),
-            split_tags: None,
+            split_tags: Vec::new(),
         };
         for root in &graph.roots {
             root(&mut ctx)?;

@@ -86,9 +86,9 @@ pub(crate) fn assign<T: Data>(up: Stream<T>, strategy: WatermarkStrategy<T>) -> 
             c.borrow_mut().register();
         }
         let tags = Rc::new(SplitTags::default());
-        // The source head of this chain, if nothing but record-by-record operators stand
-        // between, tells the splits through them (see `BuildCtx::split_tags`).
-        ctx.split_tags = Some(tags.clone());
+        // The source heads of this chain, if nothing but record-by-record operators and
+        // unions stand between, tell the splits through them (see `BuildCtx::split_tags`).
+        ctx.split_tags.push(tags.clone());
         let emitted = restored.emitted;
         let op = WatermarkOp {
             ts: ts.clone(),
@@ -121,49 +121,63 @@ pub(crate) fn assign<T: Data>(up: Stream<T>, strategy: WatermarkStrategy<T>) -> 
     up.derive(factory, name)
 }
 
-/// Shared by a timestamp assigner and the source head that drives its chain, when the
-/// source's reader tells its splits ([`crate::source::SourceReader::splits`]).
+/// Shared by a timestamp assigner and the source heads that drive its chain (one, or one
+/// per input of unions): each registers under a number and tells the split of the records it
+/// collects ([`crate::source::SourceReader::splits`]; a reader that does not tell reads one,
+/// split `0`), and which splits it has not finished.
 #[derive(Default)]
 pub(crate) struct SplitTags {
-    /// The split of the records the head collects now.
-    current: Cell<u64>,
+    /// The source (its number) and split of the records a head collects now.
+    current: Cell<(u32, u64)>,
     /// Bumped whenever `current` or `splits` changes: the one thing an assigner checks per
     /// record.
     stamp: Cell<u64>,
-    /// Bumped whenever `splits` changes; 0 while the head published nothing (the assigner's
-    /// input is then one stream).
+    /// Bumped whenever `splits` changes; 0 while no head published (the assigner's input,
+    /// past an exchange, is then one stream).
     version: Cell<u64>,
-    /// The splits the assigner's watermark waits for: the reader's unfinished ones, and those
-    /// of the records being collected.
-    splits: RefCell<Vec<u64>>,
+    /// The operator names of the registered sources, by number: what a checkpoint keys their
+    /// splits by.
+    sources: RefCell<Vec<String>>,
+    /// The (source, split)s the assigner's watermark waits for: the readers' unfinished
+    /// splits, and those of the records being collected.
+    splits: RefCell<Vec<(u32, u64)>>,
 }
 
 impl SplitTags {
-    /// The records collected from now on are of split `split`.
+    /// Registers source `name`; returns its number.
+    pub fn register(&self, name: &str) -> u32 {
+        let mut sources = self.sources.borrow_mut();
+        sources.push(name.to_owned());
+        (sources.len() - 1) as u32
+    }
+
+    /// The records collected from now on are of split `split` of source `source`.
     #[inline]
-    pub fn set_current(&self, split: u64) {
-        if self.current.get() != split {
-            self.current.set(split);
+    pub fn set_current(&self, source: u32, split: u64) {
+        if self.current.get() != (source, split) {
+            self.current.set((source, split));
             self.stamp.set(self.stamp.get() + 1);
         }
     }
 
-    /// Sets the splits to `live` and those of `runs`, if they are not those already.
-    pub fn publish(&self, live: &[u64], runs: &[(u64, usize)]) {
+    /// Sets source `source`'s splits to `live` and those of `runs`, if they are not those
+    /// already.
+    pub fn publish(&self, source: u32, live: &[u64], runs: &[(u64, usize)]) {
         let mut splits = self.splits.borrow_mut();
         let wanted = live.iter().chain(runs.iter().map(|r| &r.0));
         let same = self.version.get() != 0
-            && wanted.clone().all(|id| splits.contains(id))
+            && wanted.clone().all(|&id| splits.contains(&(source, id)))
             && splits
                 .iter()
-                .all(|id| live.contains(id) || runs.iter().any(|r| r.0 == *id));
+                .filter(|s| s.0 == source)
+                .all(|&(_, id)| live.contains(&id) || runs.iter().any(|r| r.0 == id));
         if same {
             return;
         }
-        splits.clear();
+        splits.retain(|s| s.0 != source);
         for &id in wanted {
-            if !splits.contains(&id) {
-                splits.push(id);
+            if !splits.contains(&(source, id)) {
+                splits.push((source, id));
             }
         }
         self.version.set(self.version.get() + 1);
@@ -176,7 +190,7 @@ const NOT_SYNCED: u64 = u64::MAX;
 
 /// Assigns timestamps and emits periodic watermarks, as Flink's periodic generators do: the
 /// watermark is computed from the records, and emitted every `interval_ms` of processing time
-/// and at the end of input. When the source head of its chain tells the records' splits, the
+/// and at the end of input. When the source heads of its chain tell the records' splits, the
 /// largest timestamp is tracked per split and the watermark follows the least of them, as
 /// Flink's per-split watermarks in sources: a reader that a restore onto fewer shards gave
 /// several old readers' splits reads them one after another, and a watermark that followed
@@ -185,9 +199,9 @@ pub(crate) struct WatermarkOp<T> {
     ts: Arc<dyn Fn(&T) -> i64 + Send + Sync>,
     delay: i64,
     idle_timeout_ms: Option<i64>,
-    /// The largest timestamp seen of each split the watermark waits for (one entry, split 0,
-    /// when the input is one stream).
-    splits: Vec<(u64, i64)>,
+    /// The largest timestamp seen of each (source, split) the watermark waits for (one
+    /// entry, `(0, 0)`, when the input is one stream).
+    splits: Vec<((u32, u64), i64)>,
     /// The entry of the split of the last record.
     cur: usize,
     tags: Rc<SplitTags>,
@@ -241,21 +255,14 @@ impl<T: 'static> WatermarkOp<T> {
     fn resync(&mut self, version: u64) {
         if version == 0 {
             // One stream: its largest timestamp is the least of the old shards' it takes.
-            self.splits = vec![(0, self.restored.max_ts)];
+            self.splits = vec![((0, 0), self.restored.max_ts)];
         } else {
-            let known = |id: u64, splits: &[(u64, i64)]| {
-                splits
-                    .iter()
-                    .chain(&self.restored.splits)
-                    .find(|s| s.0 == id)
-                    .map_or(i64::MIN, |s| s.1)
-            };
-            let splits: Vec<(u64, i64)> = self
+            let splits: Vec<((u32, u64), i64)> = self
                 .tags
                 .splits
                 .borrow()
                 .iter()
-                .map(|&id| (id, known(id, &self.splits)))
+                .map(|&key| (key, self.known(key)))
                 .collect();
             self.splits = splits;
         }
@@ -265,33 +272,39 @@ impl<T: 'static> WatermarkOp<T> {
         self.stamp = NOT_SYNCED;
     }
 
+    /// The largest timestamp of split `key` so far: this run's, else the restored one, else
+    /// none (`i64::MIN`).
+    fn known(&self, key: (u32, u64)) -> i64 {
+        if let Some(s) = self.splits.iter().find(|s| s.0 == key) {
+            return s.1;
+        }
+        let sources = self.tags.sources.borrow();
+        let Some(source) = sources.get(key.0 as usize) else {
+            return i64::MIN;
+        };
+        self.restored
+            .splits
+            .iter()
+            .find(|r| r.0 == *source && r.1 == key.1)
+            .map_or(i64::MIN, |r| r.2)
+    }
+
     /// Follows the tags after they changed: the splits, and the entry of the current one.
     #[cold]
     fn follow(&mut self) {
         self.sync();
-        let split = self.tags.current.get();
-        if self.splits.get(self.cur).is_none_or(|s| s.0 != split) {
-            self.cur = self.find(split);
+        let key = self.tags.current.get();
+        if self.splits.get(self.cur).is_none_or(|s| s.0 != key) {
+            self.cur = match self.splits.iter().position(|s| s.0 == key) {
+                Some(i) => i,
+                // Not published (a head always publishes before it collects): added.
+                None => {
+                    self.splits.push((key, self.known(key)));
+                    self.splits.len() - 1
+                }
+            };
         }
         self.stamp = self.tags.stamp.get();
-    }
-
-    /// The entry of split `id` (one not published yet is added).
-    #[cold]
-    fn find(&mut self, id: u64) -> usize {
-        match self.splits.iter().position(|s| s.0 == id) {
-            Some(i) => i,
-            None => {
-                let max_ts = self
-                    .restored
-                    .splits
-                    .iter()
-                    .find(|s| s.0 == id)
-                    .map_or(i64::MIN, |s| s.1);
-                self.splits.push((id, max_ts));
-                self.splits.len() - 1
-            }
-        }
     }
 
     /// The least of the splits' largest timestamps (`i64::MIN` while one has none, or when
@@ -373,14 +386,8 @@ impl<T: 'static> Collector<T> for WatermarkOp<T> {
             // watermarks over after a restore): records after a restore are late exactly when
             // they were before, and the issue restores watermarks with the rest.
             Event::Barrier(id) => {
-                // `[largest timestamp, watermark sent]`, then, when the source tells its
-                // splits, `(split, its largest timestamp)` for each: the splits move to
-                // other shards with the source's positions.
-                let mut values = vec![self.max_ts(), self.emitted];
-                if self.synced != 0 {
-                    values.extend(self.splits.iter().flat_map(|s| [s.0 as i64, s.1]));
-                }
-                report_part(self.checkpoint.as_ref(), id, &self.name, &values);
+                let bytes = self.encode();
+                report_bytes(self.checkpoint.as_ref(), id, &self.name, bytes);
                 self.down.event(ev);
             }
             Event::LatencyMarker { .. } => self.down.event(ev),
@@ -431,26 +438,56 @@ impl<T: 'static> Collector<T> for WatermarkOp<T> {
     }
 }
 
-/// Reports `values` as operator `name`'s watermark part of checkpoint `id`: no part while they
-/// are all `i64::MIN` (no timestamp seen, no watermark), which is what a restore assumes of a
-/// missing one; a job without event time stores none.
-fn report_part(
+impl<T: 'static> WatermarkOp<T> {
+    /// The checkpoint part: `largest timestamp i64 | watermark sent i64`, then, unless the
+    /// input is one stream, per source `name length u32 | name | splits u32 | splits x (split
+    /// u64 | its largest timestamp i64)`: the splits move to other shards with the sources'
+    /// positions. None while every timestamp is `i64::MIN` (see [`report_bytes`]).
+    fn encode(&self) -> Option<Vec<u8>> {
+        let seen = self.emitted != i64::MIN || self.splits.iter().any(|s| s.1 != i64::MIN);
+        if !seen {
+            return None;
+        }
+        let mut b = Vec::with_capacity(16 + 32 * self.splits.len());
+        b.extend_from_slice(&self.max_ts().to_le_bytes());
+        b.extend_from_slice(&self.emitted.to_le_bytes());
+        if self.synced != 0 {
+            for (n, source) in self.tags.sources.borrow().iter().enumerate() {
+                let mine = || self.splits.iter().filter(|s| s.0 .0 == n as u32);
+                let count = mine().count();
+                if count == 0 {
+                    continue;
+                }
+                b.extend_from_slice(&(source.len() as u32).to_le_bytes());
+                b.extend_from_slice(source.as_bytes());
+                b.extend_from_slice(&(count as u32).to_le_bytes());
+                for s in mine() {
+                    b.extend_from_slice(&s.0 .1.to_le_bytes());
+                    b.extend_from_slice(&s.1.to_le_bytes());
+                }
+            }
+        }
+        Some(b)
+    }
+}
+
+/// Reports `bytes` as operator `name`'s watermark part of checkpoint `id`. None while nothing
+/// was seen (every timestamp and watermark `i64::MIN`) is what a restore assumes of a missing
+/// part; a job without event time stores none.
+fn report_bytes(
     checkpoint: Option<&crate::checkpoint::shard::ShardCheckpointRef>,
     id: u64,
     name: &str,
-    values: &[i64],
+    bytes: Option<Vec<u8>>,
 ) {
     let Some(c) = checkpoint else { return };
-    let part = values
-        .iter()
-        .any(|&v| v != i64::MIN)
-        .then(|| crate::checkpoint::snapshot::Part {
-            operator: name.to_owned(),
-            kind: crate::checkpoint::snapshot::PartKind::Watermark,
-            bytes: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            files: Vec::new(),
-            logical: Vec::new(),
-        });
+    let part = bytes.map(|bytes| crate::checkpoint::snapshot::Part {
+        operator: name.to_owned(),
+        kind: crate::checkpoint::snapshot::PartKind::Watermark,
+        bytes,
+        files: Vec::new(),
+        logical: Vec::new(),
+    });
     c.borrow_mut().report_maybe(id, part, 0);
 }
 
@@ -464,8 +501,8 @@ pub(crate) fn report_watermark(
     name: &str,
     w: i64,
 ) {
-    let w = if w == i64::MAX { i64::MIN } else { w };
-    report_part(checkpoint, id, name, &[w]);
+    let bytes = (w != i64::MAX && w != i64::MIN).then(|| w.to_le_bytes().to_vec());
+    report_bytes(checkpoint, id, name, bytes);
 }
 
 /// The `i64`s of operator `name`'s watermark parts that this shard takes over in a restore,
@@ -553,8 +590,8 @@ pub(crate) struct RestoredGenerator {
     pub max_ts: i64,
     /// The least of the watermarks they sent.
     pub emitted: i64,
-    /// The largest timestamp of each split their sources told.
-    pub splits: Vec<(u64, i64)>,
+    /// The largest timestamp of each split their sources told: source name, split.
+    pub splits: Vec<(String, u64, i64)>,
 }
 
 /// A watermark generator's restored state (see [`restored_values`] for which old shards'):
@@ -570,8 +607,9 @@ fn restored_generator(ctx: &BuildCtx, name: &str) -> Result<RestoredGenerator, c
     }
 }
 
-/// [`restored_generator`] of restore `r` for shard `shard`. A part is 16 bytes (largest
-/// timestamp, watermark sent) and 16 more per split (id, largest timestamp).
+/// [`restored_generator`] of restore `r` for shard `shard`, from parts as
+/// [`WatermarkOp::encode`] writes them. A part that does not decode is an error naming the
+/// checkpoint, the operator and the byte.
 pub(crate) fn restored_generator_from(
     r: &crate::checkpoint::restore::RestoreState,
     shard: usize,
@@ -585,29 +623,56 @@ pub(crate) fn restored_generator_from(
         splits: Vec::new(),
     };
     for (k, p) in parts.iter().enumerate() {
-        if p.bytes.len() < 16 || !p.bytes.len().is_multiple_of(16) {
-            return Err(crate::StartError::Restore {
-                reason: format!(
-                    "checkpoint {}: watermark of `{name}`: {} bytes, expected 16 and 16 per                      split",
-                    r.checkpoint_id,
-                    p.bytes.len(),
-                ),
-            });
-        }
-        let v = |at: usize| i64::from_le_bytes(p.bytes[at..at + 8].try_into().expect("8 bytes"));
-        let (max_ts, emitted) = (v(0), v(8));
+        let bad = |at: usize, what: &str| crate::StartError::Restore {
+            reason: format!(
+                "checkpoint {}: watermark of `{name}`, byte {at} of {}: {what}",
+                r.checkpoint_id,
+                p.bytes.len()
+            ),
+        };
+        let b = &p.bytes;
+        let take = |at: usize, n: usize| b.get(at..at.saturating_add(n));
+        let u32_at = |at: usize| take(at, 4).map(|x| u32::from_le_bytes(x.try_into().expect("4")));
+        let i64_at = |at: usize| take(at, 8).map(|x| i64::from_le_bytes(x.try_into().expect("8")));
+        let (Some(max_ts), Some(emitted)) = (i64_at(0), i64_at(8)) else {
+            return Err(bad(0, "shorter than its 16-byte head"));
+        };
         if k == 0 {
             (out.max_ts, out.emitted) = (max_ts, emitted);
         } else {
             out.max_ts = out.max_ts.min(max_ts);
             out.emitted = out.emitted.min(emitted);
         }
-        for at in (16..p.bytes.len()).step_by(16) {
-            let (id, max_ts) = (v(at) as u64, v(at + 8));
-            // A split is read on one shard; were it in two parts, the lesser is the safe one.
-            match out.splits.iter_mut().find(|s| s.0 == id) {
-                Some(s) => s.1 = s.1.min(max_ts),
-                None => out.splits.push((id, max_ts)),
+        let mut at = 16;
+        while at < b.len() {
+            let len = u32_at(at).ok_or_else(|| bad(at, "a source name's length is cut"))?;
+            let source = take(at + 4, len as usize)
+                .ok_or_else(|| bad(at, "a source name is cut"))
+                .and_then(|x| {
+                    std::str::from_utf8(x).map_err(|_| bad(at + 4, "a source name is not UTF-8"))
+                })?;
+            at += 4 + len as usize;
+            let count = u32_at(at).ok_or_else(|| bad(at, "a split count is cut"))? as usize;
+            // A count from the bytes sizes nothing before the bytes are there.
+            if (b.len() - at - 4) / 16 < count {
+                return Err(bad(at, "fewer bytes than the splits it counts"));
+            }
+            at += 4;
+            for _ in 0..count {
+                let (split, max_ts) = (
+                    i64_at(at).expect("counted") as u64,
+                    i64_at(at + 8).expect("counted"),
+                );
+                at += 16;
+                // A split is read on one shard; were it in two parts, the lesser is the safe one.
+                match out
+                    .splits
+                    .iter_mut()
+                    .find(|s| s.0 == source && s.1 == split)
+                {
+                    Some(s) => s.2 = s.2.min(max_ts),
+                    None => out.splits.push((source.to_owned(), split, max_ts)),
+                }
             }
         }
     }

@@ -271,20 +271,34 @@ mod tests {
     }
 
     /// A timestamp assigner's part holds, after its largest timestamp and the watermark it
-    /// sent, each split's largest timestamp when its source told the splits. A restore onto
-    /// fewer shards hands a new shard the splits of every old shard whose source positions it
-    /// takes, each with its own timestamp (the watermark then follows the least of them, not
-    /// the first split read); the least of the watermarks sent, as before. A part of another
-    /// length is an error naming the operator and the checkpoint.
+    /// sent, each source's splits with their largest timestamps, keyed by the source's name.
+    /// A restore onto fewer shards hands a new shard the splits of every old shard whose
+    /// source positions it takes, each with its own timestamp (the watermark then follows the
+    /// least of them, not the first split read); the least of the watermarks sent, as before.
+    /// A part that does not decode is an error naming the checkpoint, the operator and the
+    /// byte, never a panic or an allocation its bytes do not hold.
     #[test]
     fn a_timestamp_assigner_takes_the_splits_of_the_old_shards_it_takes() {
-        let watermark = |s: u32, values: &[i64]| {
+        let part_bytes = |head: [i64; 2], sources: &[(&str, &[(u64, i64)])]| {
+            let mut b: Vec<u8> = head.iter().flat_map(|v| v.to_le_bytes()).collect();
+            for (name, splits) in sources {
+                b.extend_from_slice(&(name.len() as u32).to_le_bytes());
+                b.extend_from_slice(name.as_bytes());
+                b.extend_from_slice(&(splits.len() as u32).to_le_bytes());
+                for (id, max) in *splits {
+                    b.extend_from_slice(&id.to_le_bytes());
+                    b.extend_from_slice(&max.to_le_bytes());
+                }
+            }
+            b
+        };
+        let watermark = |s: u32, bytes: Vec<u8>| {
             let snap = ShardSnapshot {
                 shard: s,
                 parts: vec![Part {
                     operator: "wm".into(),
                     kind: PartKind::Watermark,
-                    bytes: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                    bytes,
                     files: Vec::new(),
                     logical: Vec::new(),
                 }],
@@ -293,42 +307,85 @@ mod tests {
         };
         let sections = vec![
             job(3),
-            // Shard 0 reads splits 0 and 3 (a restore merged them before), 1 and 2 their own.
-            watermark(0, &[700, 600, 0, 900, 3, 700]),
-            watermark(1, &[4000, 3900, 1, 4000]),
-            watermark(2, &[1500, 1400, 2, 1500]),
+            // Shard 0 reads splits 0 and 3 of `a` (a restore merged them before) and split 0
+            // of `b` (a union); shards 1 and 2 their own splits of `a`.
+            watermark(
+                0,
+                part_bytes(
+                    [700, 600],
+                    &[("a", &[(0, 900), (3, 700)]), ("b", &[(0, 800)])],
+                ),
+            ),
+            watermark(1, part_bytes([4000, 3900], &[("a", &[(1, 4000)])])),
+            watermark(2, part_bytes([1500, 1400], &[("a", &[(2, 1500)])])),
         ];
         let restore = |new_shards| {
             let m = metadata_for_test(7, sections.clone(), Vec::new(), Vec::new());
             RestoreState::decode(&m, Arc::new(NoFiles), new_shards, 128).expect("decodes")
         };
+        let split = |s: &str, id: u64, max: i64| (s.to_owned(), id, max);
         let one = crate::time::restored_generator_from(&restore(1), 0, "wm").expect("one");
         assert_eq!((one.max_ts, one.emitted), (700, 600));
-        assert_eq!(one.splits, [(0, 900), (3, 700), (1, 4000), (2, 1500)]);
+        assert_eq!(
+            one.splits,
+            [
+                split("a", 0, 900),
+                split("a", 3, 700),
+                split("b", 0, 800),
+                split("a", 1, 4000),
+                split("a", 2, 1500)
+            ]
+        );
         let two = restore(2);
         let g0 = crate::time::restored_generator_from(&two, 0, "wm").expect("shard 0");
         assert_eq!((g0.max_ts, g0.emitted), (700, 600));
-        assert_eq!(g0.splits, [(0, 900), (3, 700), (2, 1500)]);
+        assert_eq!(
+            g0.splits,
+            [
+                split("a", 0, 900),
+                split("a", 3, 700),
+                split("b", 0, 800),
+                split("a", 2, 1500)
+            ]
+        );
         let g1 = crate::time::restored_generator_from(&two, 1, "wm").expect("shard 1");
         assert_eq!(
             (g1.max_ts, g1.emitted, g1.splits),
-            (4000, 3900, vec![(1, 4000)])
+            (4000, 3900, vec![split("a", 1, 4000)])
         );
 
-        for len in [8, 24, 40] {
-            let bytes: Vec<i64> = vec![1; len / 8];
-            let sections = vec![job(1), watermark(0, &bytes)];
+        let good = part_bytes([1, 1], &[("src", &[(5, 1)])]);
+        let mut count_too_high = good.clone();
+        count_too_high[16 + 4 + 3..16 + 4 + 3 + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        let mut not_utf8 = good.clone();
+        not_utf8[16 + 4] = 0xff;
+        for (bytes, what) in [
+            (good[..8].to_vec(), "16-byte head"),
+            (good[..18].to_vec(), "length is cut"),
+            (good[..22].to_vec(), "name is cut"),
+            (good[..25].to_vec(), "count is cut"),
+            (
+                good[..good.len() - 1].to_vec(),
+                "fewer bytes than the splits",
+            ),
+            (count_too_high, "fewer bytes than the splits"),
+            (not_utf8, "not UTF-8"),
+        ] {
+            let sections = vec![job(1), watermark(0, bytes)];
             let m = metadata_for_test(7, sections, Vec::new(), Vec::new());
             let r = RestoreState::decode(&m, Arc::new(NoFiles), 1, 128).expect("decodes");
-            let e = crate::time::restored_generator_from(&r, 0, "wm").expect_err("length");
+            let e = crate::time::restored_generator_from(&r, 0, "wm").expect_err(what);
             let e = e.to_string();
             assert!(
-                e.contains("checkpoint 7")
-                    && e.contains("`wm`")
-                    && e.contains(&format!("{len} bytes")),
-                "{e}"
+                e.contains("checkpoint 7") && e.contains("`wm`") && e.contains(what),
+                "{what}: {e}"
             );
         }
+        let sections = vec![job(1), watermark(0, good)];
+        let m = metadata_for_test(7, sections, Vec::new(), Vec::new());
+        let r = RestoreState::decode(&m, Arc::new(NoFiles), 1, 128).expect("decodes");
+        let g = crate::time::restored_generator_from(&r, 0, "wm").expect("good");
+        assert_eq!(g.splits, [split("src", 5, 1)]);
     }
 
     #[test]
