@@ -1400,64 +1400,40 @@ fn a_record_late_before_a_restore_is_late_after_it() {
     }
 }
 
-/// Watermarks per split: a restore onto fewer shards gives a reader the splits of several
-/// old readers, which it reads one after another; the watermark follows the least of their
-/// largest timestamps, so the records of a split read after another are on time when they
-/// were on time before. Each shard's iterator yields the same rising timestamps; the job is
-/// stopped halfway through both and restored onto one shard. The restored run drops no record
-/// as late, and every window it emits has the straight run's count. Before, the watermark
-/// followed the first split to its end, and most of the second split's rest was dropped.
-#[test]
-fn records_on_time_before_a_restore_onto_fewer_shards_are_on_time_after_it() {
+/// A window count per key: `(key, window start, count)`.
+type WindowCount = (u64, i64, u64);
+
+/// Runs the job `job_of` builds (its windows' uid `counts`, reading `(key, timestamp, position
+/// in its split)` from the sources `sources`, `per_split` records each split) straight on 2
+/// shards, then held on 2 shards (every split's second half a record a millisecond) until
+/// both halves are read and two more checkpoints completed, cancels it, and restores it onto
+/// 1 shard with small polls, so that the splits' records take turns. The restored run must
+/// drop no record as late, and every window it fires must be the straight run's.
+fn assert_on_time_after_a_restore_onto_one_shard(
+    what: &str,
+    per_split: u64,
+    sources: &[&str],
+    job_of: impl Fn(&Job, Option<Hold>) -> weir_runtime::sink::Collected<WindowCount>,
+) {
     let dir = tempfile::tempdir().expect("tmp");
-    let per_shard = 2_000u64;
-    // `(key, timestamp, position in its split)`: timestamps rise by 10 ms in every split.
-    let make = move |shard: usize, _shards: usize| {
-        (0..per_shard).map(move |i| (i % 4 + 4 * shard as u64, i as i64 * 10, i))
-    };
-    let job_of = |job: &Job, hold: Option<Hold>| {
-        job.from_iter(make)
-            .uid("input")
-            .inspect(move |r: &(u64, i64, u64)| {
-                if let Some(hold) = &hold {
-                    hold.delay(r.2);
-                }
-            })
-            .assign_timestamps(
-                WatermarkStrategy::bounded_out_of_orderness(0, |r: &(u64, i64, u64)| r.1)
-                    .with_watermark_per_record(),
-            )
-            .key_by(|r| r.0)
-            .window(WindowAssigner::tumbling(100))
-            .count_with(|k, w, c| (*k, w.start, c))
-            .uid("counts")
-            .collect()
-    };
     let straight = {
         let job = Job::new(JobConfig::new().with_shards(2).with_pinning(Pinning::Never));
         let out = job_of(&job, None);
         job.run().expect("straight run");
         out.take()
     };
-    let dropped = |summary: &weir_runtime::JobSummary| -> u64 {
-        summary
-            .metrics
-            .operators
-            .iter()
-            .filter(|o| o.operator == "counts")
-            .map(|o| o.records_dropped)
-            .sum()
-    };
-    // Each shard holds the second half of its split, a record a millisecond.
-    let hold = Hold::new(per_shard, per_shard / 2);
+    let hold = Hold::new(per_split, per_split / 2);
     let job = Job::new(restoring(exactly_once(dir.path(), 2), None, true));
     let _ = job_of(&job, Some(hold.clone()));
     let h = job.start().expect("start");
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while h.metrics().records_out("input") < per_shard + 40 {
+    let read = |h: &weir_runtime::JobHandle| -> u64 {
+        sources.iter().map(|s| h.metrics().records_out(s)).sum()
+    };
+    while read(&h) < per_split + 40 {
         assert!(
             std::time::Instant::now() < deadline,
-            "the held halves were not reached"
+            "{what}: the held halves were not reached"
         );
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -1469,128 +1445,106 @@ fn records_on_time_before_a_restore_onto_fewer_shards_are_on_time_after_it() {
     let job = Job::new(restoring(
         exactly_once(dir.path(), 1),
         Some(RestoreFrom::Latest),
-        false,
+        true,
     ));
     let out = job_of(&job, None);
     let summary = job.start().expect("restore").wait().expect("restored run");
-    assert_eq!(dropped(&summary), 0, "records dropped as late");
+    let dropped: u64 = summary
+        .metrics
+        .operators
+        .iter()
+        .filter(|o| o.operator == "counts")
+        .map(|o| o.records_dropped)
+        .sum();
+    assert_eq!(dropped, 0, "{what}: records dropped as late");
     let got = out.take();
-    assert!(!got.is_empty(), "the restored run fired windows");
+    assert!(!got.is_empty(), "{what}: the restored run fired windows");
     for w in &got {
         assert!(
             straight.contains(w),
-            "window {w:?} is not the straight run's"
+            "{what}: window {w:?} is not the straight run's"
         );
     }
 }
 
-/// Watermarks per split through a union and through two timestamp assigners in a row. Two
-/// sources, each read on one shard (`a` on shard 0, `b` on shard 1, 20 s of event time
-/// ahead), unioned; or one source whose splits are as far apart, under two assigners. Stopped
-/// halfway and restored onto one shard, where one reader, or one union, takes both. No
-/// record is late, and every window matches the straight run's. Before, an assigner after a
-/// union took its input as one stream (592 records dropped), and of two assigners in a row
-/// only the nearer to the source kept splits apart (208 dropped).
-#[test]
-fn splits_stay_apart_through_a_union_and_a_second_assigner_after_a_restore() {
-    for union in [true, false] {
-        let dir = tempfile::tempdir().expect("tmp");
-        let per_split = 2_000u64;
-        // `(key, timestamp, position in its split)`; the split read on shard 1 is ahead.
-        let split = move |shard: usize| {
-            let ahead = if shard == 1 { 20_000 } else { 0 };
-            (0..per_split).map(move |i| (i % 4, ahead + i as i64 * 10, i))
-        };
-        let job_of = |job: &Job, hold: Option<Hold>| {
-            let input = if union {
-                let only = move |on: usize| {
-                    move |shard: usize, _| split(on).take(if shard == on { usize::MAX } else { 0 })
-                };
-                job.from_iter(only(0))
-                    .uid("a")
-                    .union(job.from_iter(only(1)).uid("b"))
-            } else {
-                job.from_iter(move |shard, _| split(shard)).uid("input")
-            };
-            let strategy = || {
-                WatermarkStrategy::bounded_out_of_orderness(0, |r: &(u64, i64, u64)| r.1)
-                    .with_watermark_per_record()
-            };
-            let input = input.inspect(move |r: &(u64, i64, u64)| {
-                if let Some(hold) = &hold {
-                    hold.delay(r.2);
-                }
-            });
-            let input = if union {
-                input.assign_timestamps(strategy())
-            } else {
-                input
-                    .assign_timestamps(strategy())
-                    .uid("inner")
-                    .assign_timestamps(strategy())
-            };
-            input
-                .key_by(|r| r.0)
-                .window(WindowAssigner::tumbling(100))
-                .count_with(|k, w, c| (*k, w.start, c))
-                .uid("counts")
-                .collect()
-        };
-        let straight = {
-            let job = Job::new(JobConfig::new().with_shards(2).with_pinning(Pinning::Never));
-            let out = job_of(&job, None);
-            job.run().expect("straight run");
-            out.take()
-        };
-        let hold = Hold::new(per_split, per_split / 2);
-        let job = Job::new(restoring(exactly_once(dir.path(), 2), None, true));
-        let _ = job_of(&job, Some(hold.clone()));
-        let h = job.start().expect("start");
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        let read = |h: &weir_runtime::JobHandle| {
-            ["a", "b", "input"]
-                .iter()
-                .map(|s| h.metrics().records_out(s))
-                .sum::<u64>()
-        };
-        while read(&h) < per_split + 40 {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the held halves were not reached"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        let done = h.checkpoint_metrics().number_of_completed_checkpoints;
-        await_checkpoints(&h, done + 2);
-        h.cancel();
-        hold.release();
-        assert!(matches!(h.wait(), Err(weir_runtime::JobError::Cancelled)));
-        // Small polls (the held runs' size), so that the splits' records take turns.
-        let job = Job::new(restoring(
-            exactly_once(dir.path(), 1),
-            Some(RestoreFrom::Latest),
-            true,
-        ));
-        let out = job_of(&job, None);
-        let summary = job.start().expect("restore").wait().expect("restored run");
-        let dropped: u64 = summary
-            .metrics
-            .operators
-            .iter()
-            .filter(|o| o.operator == "counts")
-            .map(|o| o.records_dropped)
-            .sum();
-        let what = if union { "union" } else { "two assigners" };
-        assert_eq!(dropped, 0, "{what}: records dropped as late");
-        let got = out.take();
-        assert!(!got.is_empty(), "{what}: the restored run fired windows");
-        for w in &got {
-            assert!(
-                straight.contains(w),
-                "{what}: window {w:?} is not the straight run's"
-            );
+/// `(key, timestamp, position)` records of split `shard`, 20 s of event time ahead on shard 0
+/// (the split a reader of both reads first).
+fn split_records(shard: usize, n: u64) -> impl Iterator<Item = (u64, i64, u64)> {
+    let ahead = if shard == 0 { 20_000 } else { 0 };
+    (0..n).map(move |i| (i % 4, ahead + i as i64 * 10, i))
+}
+
+/// Holds a record of a held run at its position; lets it through otherwise.
+fn held(hold: Option<Hold>) -> impl Fn(&(u64, i64, u64)) + Send + Sync + 'static {
+    move |r| {
+        if let Some(hold) = &hold {
+            hold.delay(r.2);
         }
     }
+}
+
+fn per_record() -> WatermarkStrategy<(u64, i64, u64)> {
+    WatermarkStrategy::bounded_out_of_orderness(0, |r: &(u64, i64, u64)| r.1)
+        .with_watermark_per_record()
+}
+
+/// Tumbling windows of 100 ms counted per key, uid `counts`.
+fn window_counts(
+    s: weir_runtime::Stream<(u64, i64, u64)>,
+) -> weir_runtime::sink::Collected<WindowCount> {
+    s.key_by(|r| r.0)
+        .window(WindowAssigner::tumbling(100))
+        .count_with(|k, w, c| (*k, w.start, c))
+        .uid("counts")
+        .collect()
+}
+
+/// Watermarks per split: a restore onto fewer shards gives a reader the splits of several
+/// old readers, which it reads in turn; the watermark follows the least of their largest
+/// timestamps, so the records of a split that lags are on time when they were on time
+/// before. One split is 20 s of event time ahead of the other. Before, the watermark
+/// followed the first split to its end, and 272 records of the other were dropped.
+#[test]
+fn records_on_time_before_a_restore_onto_fewer_shards_are_on_time_after_it() {
+    let n = 2_000;
+    assert_on_time_after_a_restore_onto_one_shard("one source", n, &["input"], |job, hold| {
+        let input = job
+            .from_iter(move |shard, _| split_records(shard, n))
+            .uid("input");
+        window_counts(input.inspect(held(hold)).assign_timestamps(per_record()))
+    });
+}
+
+/// Watermarks per split through a union and through two timestamp assigners in a row: two
+/// sources each read on one shard (`a` on shard 0, `b` on shard 1), unioned; or one source,
+/// under two assigners. Before, an assigner after a union took its input as one stream (848
+/// records dropped), and of two assigners in a row only the nearer to the source kept splits
+/// apart (528 dropped).
+#[test]
+fn splits_stay_apart_through_a_union_and_a_second_assigner_after_a_restore() {
+    let n = 2_000;
+    assert_on_time_after_a_restore_onto_one_shard("union", n, &["a", "b"], |job, hold| {
+        let only = move |on: usize| {
+            move |shard: usize, _| split_records(on, if shard == on { n } else { 0 })
+        };
+        let a = job.from_iter(only(0)).uid("a");
+        let b = job.from_iter(only(1)).uid("b");
+        window_counts(
+            a.union(b)
+                .inspect(held(hold))
+                .assign_timestamps(per_record()),
+        )
+    });
+    assert_on_time_after_a_restore_onto_one_shard("two assigners", n, &["input"], |job, hold| {
+        let input = job
+            .from_iter(move |shard, _| split_records(shard, n))
+            .uid("input");
+        let inner = input
+            .inspect(held(hold))
+            .assign_timestamps(per_record())
+            .uid("inner");
+        window_counts(inner.assign_timestamps(per_record()))
+    });
 }
 
 /// A restore must find an operator for every state the checkpoint holds. The same job with
