@@ -124,7 +124,9 @@ pub trait SourceReader<T>: 'static {
     /// tracks each split's largest timestamp and sends the least of them (as Flink's sources
     /// do with a watermark strategy), so that records of a split that lags behind another are
     /// not late for being read after it. Also called once before the first poll, with no
-    /// records: `runs` then stays empty.
+    /// records: `runs` then stays empty. A live split holds the watermark back while it sends
+    /// nothing (idleness is the whole input's, `WatermarkStrategy::with_idleness`): a reader
+    /// should leave out of `live` a split it knows has ended.
     ///
     /// The default, false, makes the reader's records one stream to the timestamp assigner:
     /// right for a reader that never reads more than one split.
