@@ -444,13 +444,23 @@ impl<T: 'static> WatermarkOp<T> {
     /// u64 | its largest timestamp i64)`: the splits move to other shards with the sources'
     /// positions. None while every timestamp is `i64::MIN` (see [`report_bytes`]).
     fn encode(&self) -> Option<Vec<u8>> {
-        let seen = self.emitted != i64::MIN || self.splits.iter().any(|s| s.1 != i64::MIN);
+        // The end of every input (`i64::MAX`, passed on from the sources) is stored as no
+        // watermark, as a keyed operator's is: a restore of it finds the same inputs at their
+        // end, which send it again, while an input the restored job added (or a source whose
+        // position it does not take) starts over, and met an end-of-input watermark that
+        // dropped all its records as late.
+        let emitted = if self.emitted == i64::MAX {
+            i64::MIN
+        } else {
+            self.emitted
+        };
+        let seen = emitted != i64::MIN || self.splits.iter().any(|s| s.1 != i64::MIN);
         if !seen {
             return None;
         }
         let mut b = Vec::with_capacity(16 + 32 * self.splits.len());
         b.extend_from_slice(&self.max_ts().to_le_bytes());
-        b.extend_from_slice(&self.emitted.to_le_bytes());
+        b.extend_from_slice(&emitted.to_le_bytes());
         if self.synced != 0 {
             for (n, source) in self.tags.sources.borrow().iter().enumerate() {
                 let mine = || self.splits.iter().filter(|s| s.0 .0 == n as u32);

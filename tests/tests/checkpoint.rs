@@ -1547,6 +1547,49 @@ fn splits_stay_apart_through_a_union_and_a_second_assigner_after_a_restore() {
     });
 }
 
+/// The end of input is no watermark to restore: a finished job's final checkpoint, restored
+/// into the job with a third source unioned in, counts every record of the new source (its
+/// timestamps start far behind the others'). Before, the timestamp assigner stored the
+/// end-of-input watermark and sent it again after the restore, and all 1,000 were dropped.
+#[test]
+fn a_source_added_after_a_final_checkpoint_is_not_behind_an_ended_watermark() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let n = 1_000;
+    let build = |job: &Job, with_c: bool| {
+        // Read on the first shard only: split 0's records (20 s ahead) or split 1's.
+        let only_first = move |split: usize| {
+            move |shard: usize, _| split_records(split, if shard == 0 { n } else { 0 })
+        };
+        let a = job.from_iter(only_first(0)).uid("a");
+        let b = job.from_iter(only_first(0)).uid("b");
+        let mut u = a.union(b);
+        if with_c {
+            u = u.union(job.from_iter(only_first(1)).uid("c"));
+        }
+        window_counts(u.assign_timestamps(per_record()).uid("wm"))
+    };
+    let job = Job::new(exactly_once(dir.path(), 1));
+    let _ = build(&job, false);
+    job.run().expect("first run");
+    let job = Job::new(restoring(
+        exactly_once(dir.path(), 1),
+        Some(RestoreFrom::Latest),
+        false,
+    ));
+    let out = build(&job, true);
+    let summary = job.run().expect("restored run");
+    let dropped: u64 = summary
+        .metrics
+        .operators
+        .iter()
+        .filter(|o| o.operator == "counts")
+        .map(|o| o.records_dropped)
+        .sum();
+    assert_eq!(dropped, 0, "records of the added source dropped as late");
+    let counted: u64 = out.take().iter().map(|w| w.2).sum();
+    assert_eq!(counted, n, "only the added source's records are new");
+}
+
 /// A restore must find an operator for every state the checkpoint holds. The same job with
 /// its keyed operator's uid changed (`sum` to `total`) is refused before any record moves,
 /// naming `sum`; with `with_allow_non_restored_state` it runs: the source resumes at its
