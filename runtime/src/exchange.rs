@@ -126,8 +126,20 @@ pub(crate) fn exchange<T: Data>(up: Stream<T>, kind: &'static str, route: Route<
             .take_valve()
             .map(|v| merger.restore_valve(&v))
             .unwrap_or_default();
+        // A timestamp assigner of this chain behind a union (or right after the exchange)
+        // takes this head's records as one split of their own: counted against a source's
+        // split, records ahead of that source's carried its records past the watermark.
+        let split_tags = std::mem::take(&mut ctx.split_tags)
+            .into_iter()
+            .map(|tags| {
+                let source = tags.register(&name);
+                tags.publish(source, &[0], &[]);
+                (tags, source)
+            })
+            .collect();
         let head = ExchangeHead::<T> {
             name: name.clone(),
+            split_tags,
             merger,
             checkpoint: ctx.checkpoint.clone(),
             align_started: None,
@@ -458,6 +470,8 @@ impl<T: Data> Collector<T> for ExchangeWriter<T> {
 /// The head of the downstream chain of an exchange: reads every input ring in place.
 struct ExchangeHead<T> {
     name: String,
+    /// The timestamp assigners of the chain, each with the number this head has there.
+    split_tags: Vec<(Rc<crate::time::SplitTags>, u32)>,
     consumers: Vec<Consumer>,
     merger: InputMerger,
     ended: Vec<bool>,
@@ -557,6 +571,9 @@ impl<T: Data> Head for ExchangeHead<T> {
         }
         if self.done {
             return Ok(HeadStatus::Done);
+        }
+        for (tags, source) in &self.split_tags {
+            tags.set_current(*source, 0);
         }
         if self.ended.is_empty() {
             self.ended = vec![false; self.consumers.len()];
@@ -731,6 +748,9 @@ impl<T: Data> Head for ExchangeHead<T> {
         let spent = t0.elapsed().as_nanos() as u64;
         if self.merger.all_ended() {
             self.done = true;
+            for (tags, source) in &self.split_tags {
+                tags.publish(*source, &[], &[]);
+            }
             bump(&self.head.busy_ns, spent);
             return Ok(HeadStatus::Progress);
         }

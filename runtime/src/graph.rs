@@ -136,9 +136,9 @@ pub(crate) struct BuildCtx {
     pub epoch: std::time::Instant,
     /// The job's maintenance threads, which [`crate::JobHandle::wait`] waits for.
     pub maintenance: Arc<crate::backend::MaintenanceThreads>,
-    /// Pushed by each timestamp assigner of the chain being built: the source heads that
-    /// drive the chain (one, or one per input of a union) tell them the source and split of
-    /// each record. Any other head drops them.
+    /// Pushed by each timestamp assigner of the chain being built: the heads that drive the
+    /// chain (one, or one per input of a union) tell them the source and split of each record
+    /// (an exchange head's records are one split). Any other head drops them.
     pub split_tags: Vec<Rc<crate::time::SplitTags>>,
 }
 

@@ -121,10 +121,10 @@ pub(crate) fn assign<T: Data>(up: Stream<T>, strategy: WatermarkStrategy<T>) -> 
     up.derive(factory, name)
 }
 
-/// Shared by a timestamp assigner and the source heads that drive its chain (one, or one
-/// per input of unions): each registers under a number and tells the split of the records it
-/// collects ([`crate::source::SourceReader::splits`]; a reader that does not tell reads one,
-/// split `0`), and which splits it has not finished.
+/// Shared by a timestamp assigner and the heads that drive its chain (one, or one per input
+/// of unions): each registers under a number and tells the split of the records it collects
+/// ([`crate::source::SourceReader::splits`]; a reader that does not tell reads one, split `0`,
+/// and so does an exchange head), and which splits it has not finished.
 #[derive(Default)]
 pub(crate) struct SplitTags {
     /// The source (its number) and split of the records a head collects now.
@@ -132,8 +132,8 @@ pub(crate) struct SplitTags {
     /// Bumped whenever `current` or `splits` changes: the one thing an assigner checks per
     /// record.
     stamp: Cell<u64>,
-    /// Bumped whenever `splits` changes; 0 while no head published (the assigner's input,
-    /// past an exchange, is then one stream).
+    /// Bumped whenever `splits` changes; 0 while no head published (the assigner's input is
+    /// then one stream).
     version: Cell<u64>,
     /// The operator names of the registered sources, by number: what a checkpoint keys their
     /// splits by.
