@@ -600,7 +600,8 @@ pub(crate) struct RestoredGenerator {
     pub max_ts: i64,
     /// The least of the watermarks they sent.
     pub emitted: i64,
-    /// The largest timestamp of each split their sources told: source name, split.
+    /// The largest timestamp of each split their sources told: source name, split; sorted,
+    /// each split once.
     pub splits: Vec<(String, u64, i64)>,
 }
 
@@ -674,18 +675,20 @@ pub(crate) fn restored_generator_from(
                     i64_at(at + 8).expect("counted"),
                 );
                 at += 16;
-                // A split is read on one shard; were it in two parts, the lesser is the safe one.
-                match out
-                    .splits
-                    .iter_mut()
-                    .find(|s| s.0 == source && s.1 == split)
-                {
-                    Some(s) => s.2 = s.2.min(max_ts),
-                    None => out.splits.push((source.to_owned(), split, max_ts)),
-                }
+                out.splits.push((source.to_owned(), split, max_ts));
             }
         }
     }
+    // A split is read on one shard; were it in two parts, the lesser is the safe one. Sorted
+    // first: a forged part of millions of entries costs a sort, not a search per entry.
+    out.splits.sort_unstable();
+    out.splits.dedup_by(|later, kept| {
+        let same = later.0 == kept.0 && later.1 == kept.1;
+        if same {
+            kept.2 = kept.2.min(later.2);
+        }
+        same
+    });
     if parts.len() < r.old_shards_for_shard(shard) {
         // An old shard whose input this one takes had no part: it had seen nothing (see
         // `restored_values_from`). Its splits, unknown here, start with nothing seen too.

@@ -317,7 +317,11 @@ mod tests {
                 ),
             ),
             watermark(1, part_bytes([4000, 3900], &[("a", &[(1, 4000)])])),
-            watermark(2, part_bytes([1500, 1400], &[("a", &[(2, 1500)])])),
+            // A forged or foreign part naming split 0 of `a` as well: the lesser is kept.
+            watermark(
+                2,
+                part_bytes([1500, 1400], &[("a", &[(2, 1500), (0, 500)])]),
+            ),
         ];
         let restore = |new_shards| {
             let m = metadata_for_test(7, sections.clone(), Vec::new(), Vec::new());
@@ -329,11 +333,11 @@ mod tests {
         assert_eq!(
             one.splits,
             [
-                split("a", 0, 900),
-                split("a", 3, 700),
-                split("b", 0, 800),
+                split("a", 0, 500),
                 split("a", 1, 4000),
-                split("a", 2, 1500)
+                split("a", 2, 1500),
+                split("a", 3, 700),
+                split("b", 0, 800)
             ]
         );
         let two = restore(2);
@@ -342,10 +346,10 @@ mod tests {
         assert_eq!(
             g0.splits,
             [
-                split("a", 0, 900),
+                split("a", 0, 500),
+                split("a", 2, 1500),
                 split("a", 3, 700),
-                split("b", 0, 800),
-                split("a", 2, 1500)
+                split("b", 0, 800)
             ]
         );
         let g1 = crate::time::restored_generator_from(&two, 1, "wm").expect("shard 1");
