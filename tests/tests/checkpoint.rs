@@ -1125,6 +1125,42 @@ fn restoring(c: JobConfig, restore: Option<RestoreFrom>, held: bool) -> JobConfi
     }
 }
 
+/// Waits (30 s at most) until `read(&h)` reaches `at` (else fails naming `what`), then until
+/// two more checkpoints completed, so that one began past that point; then cancels the run
+/// and releases its hold.
+fn cancel_after_checkpoints_past(
+    h: weir_runtime::JobHandle,
+    hold: &Hold,
+    read: impl Fn(&weir_runtime::JobHandle) -> u64,
+    at: u64,
+    what: &str,
+) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while read(&h) < at {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: the held input was not reached"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let done = h.checkpoint_metrics().number_of_completed_checkpoints;
+    await_checkpoints(&h, done + 2);
+    h.cancel();
+    hold.release();
+    assert!(matches!(h.wait(), Err(weir_runtime::JobError::Cancelled)));
+}
+
+/// The records operator `operator` dropped as late in a run, over every shard.
+fn records_dropped(summary: &weir_runtime::JobSummary, operator: &str) -> u64 {
+    summary
+        .metrics
+        .operators
+        .iter()
+        .filter(|o| o.operator == operator)
+        .map(|o| o.records_dropped)
+        .sum()
+}
+
 /// Waits (30 s at most) until `h` completed `n` checkpoints.
 fn await_checkpoints(h: &weir_runtime::JobHandle, n: u64) {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
@@ -1368,29 +1404,14 @@ fn a_record_late_before_a_restore_is_late_after_it() {
     // The held tail reads a record a millisecond: checkpoints complete inside it.
     let hold = Hold::new(n, tail);
     let (h, _) = run(false, Some(hold.clone()));
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while h.metrics().records_out("input") < n - tail + 20 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the tail was not reached"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let done = h.checkpoint_metrics().number_of_completed_checkpoints;
-    await_checkpoints(&h, done + 2);
-    h.cancel();
-    hold.release();
-    assert!(matches!(h.wait(), Err(weir_runtime::JobError::Cancelled)));
+    let read = |h: &weir_runtime::JobHandle| h.metrics().records_out("input");
+    cancel_after_checkpoints_past(h, &hold, read, n - tail + 20, "the tail");
     let (h, out) = run(true, None);
     let summary = h.wait().expect("restored run");
-    let dropped: u64 = summary
-        .metrics
-        .operators
-        .iter()
-        .filter(|o| o.operator == "counts")
-        .map(|o| o.records_dropped)
-        .sum();
-    assert!(dropped > 0, "the restored run read late records");
+    assert!(
+        records_dropped(&summary, "counts") > 0,
+        "the restored run read late records"
+    );
     let got = out.take();
     for w in &got {
         assert!(
@@ -1426,22 +1447,10 @@ fn assert_on_time_after_a_restore_onto_one_shard(
     let job = Job::new(restoring(exactly_once(dir.path(), 2), None, true));
     let _ = job_of(&job, Some(hold.clone()));
     let h = job.start().expect("start");
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
     let read = |h: &weir_runtime::JobHandle| -> u64 {
         sources.iter().map(|s| h.metrics().records_out(s)).sum()
     };
-    while read(&h) < per_split + 40 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{what}: the held halves were not reached"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let done = h.checkpoint_metrics().number_of_completed_checkpoints;
-    await_checkpoints(&h, done + 2);
-    h.cancel();
-    hold.release();
-    assert!(matches!(h.wait(), Err(weir_runtime::JobError::Cancelled)));
+    cancel_after_checkpoints_past(h, &hold, read, per_split + 40, what);
     let job = Job::new(restoring(
         exactly_once(dir.path(), 1),
         Some(RestoreFrom::Latest),
@@ -1449,13 +1458,7 @@ fn assert_on_time_after_a_restore_onto_one_shard(
     ));
     let out = job_of(&job, None);
     let summary = job.start().expect("restore").wait().expect("restored run");
-    let dropped: u64 = summary
-        .metrics
-        .operators
-        .iter()
-        .filter(|o| o.operator == "counts")
-        .map(|o| o.records_dropped)
-        .sum();
+    let dropped = records_dropped(&summary, "counts");
     assert_eq!(dropped, 0, "{what}: records dropped as late");
     let got = out.take();
     assert!(!got.is_empty(), "{what}: the restored run fired windows");
@@ -1578,13 +1581,7 @@ fn a_source_added_after_a_final_checkpoint_is_not_behind_an_ended_watermark() {
     ));
     let out = build(&job, true);
     let summary = job.run().expect("restored run");
-    let dropped: u64 = summary
-        .metrics
-        .operators
-        .iter()
-        .filter(|o| o.operator == "counts")
-        .map(|o| o.records_dropped)
-        .sum();
+    let dropped = records_dropped(&summary, "counts");
     assert_eq!(dropped, 0, "records of the added source dropped as late");
     let counted: u64 = out.take().iter().map(|w| w.2).sum();
     assert_eq!(counted, n, "only the added source's records are new");
