@@ -511,6 +511,13 @@ impl OpState {
         crate::time::report_watermark(self.checkpoint.as_ref(), id, &self.name, self.watermark);
     }
 
+    /// Whether checkpoint `id` is the job's final one, taken once every source has ended.
+    pub fn is_final_checkpoint(&self, id: u64) -> bool {
+        self.checkpoint
+            .as_ref()
+            .is_some_and(|c| c.borrow().shared.is_final(id))
+    }
+
     /// Processing time advanced to `now_ms`: timers compare against it, and so do the
     /// expiries of states with a TTL.
     pub fn set_processing_time(&mut self, now_ms: i64) {
@@ -846,7 +853,9 @@ impl<K: Clone, O: 'static> KeyedContext<'_, K, O> {
         self.register_timer(TimeDomain::EventTime, ts)
     }
 
-    /// Registers a processing-time timer for the current key.
+    /// Registers a processing-time timer for the current key. As in Flink, one not yet due
+    /// when the input ends never fires: with checkpoints, those pending at the final
+    /// checkpoint (taken once every source has ended) are dropped at its barrier.
     pub fn register_processing_timer(&mut self, ts: i64) {
         self.register_timer(TimeDomain::ProcessingTime, ts)
     }
@@ -984,6 +993,13 @@ where
 
     fn event(&mut self, ev: Event) {
         if let Event::Barrier(id) = ev {
+            if self.ops.is_final_checkpoint(id) {
+                // Every source has ended: as Flink quiesces an operator's processing-time
+                // service at the end of its input (FLINK-14231), timers not yet due never
+                // fire. Fired after this barrier, their output would be published outside any
+                // checkpoint; kept in it, a restore of the finished job would fire them.
+                self.timers.processing.clear();
+            }
             self.ops.snapshot(id, self.timers.encode());
         }
         if let Event::Watermark(w) = ev {

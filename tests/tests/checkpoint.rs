@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use weir_runtime::checkpoint::{CheckpointConfig, CheckpointMode, RestartStrategy};
 use weir_runtime::{
-    FnProcess, Job, JobConfig, KeyedContext, Pinning, RestoreFrom, WatermarkStrategy,
-    WindowAssigner,
+    FnProcess, Job, JobConfig, KeyedContext, KeyedProcessFunction, Pinning, RestoreFrom,
+    TimeDomain, WatermarkStrategy, WindowAssigner,
 };
 
 use weir_io::{Fault, FaultConfig, FaultyFs};
@@ -469,6 +469,136 @@ fn the_final_checkpoint_is_aligned_so_restoring_it_replays_nothing() {
     // The periodic checkpoints before the final ones did overtake queued records: the jobs
     // took them unaligned.
     assert!(overtook > 0, "no checkpoint overtook a queued record");
+}
+
+/// Echoes each record and registers a processing-time timer `.0` ms later, which emits
+/// `(key, -1, its time)`.
+struct EchoThenTimer(i64);
+
+impl KeyedProcessFunction<u64, (u64, i64, u64), (u64, i64, u64)> for EchoThenTimer {
+    fn process_element(
+        &self,
+        rec: (u64, i64, u64),
+        ctx: &mut KeyedContext<'_, u64, (u64, i64, u64)>,
+    ) {
+        ctx.emit(rec);
+        let at = ctx.current_processing_time() + self.0;
+        ctx.register_processing_timer(at);
+    }
+
+    fn on_timer(&self, ts: i64, _: TimeDomain, ctx: &mut KeyedContext<'_, u64, (u64, i64, u64)>) {
+        let k = *ctx.key();
+        ctx.emit((k, -1, ts as u64));
+    }
+}
+
+/// A sink whose pre-commits each sleep `stall` first, then go to `inner`'s.
+struct StalledPreCommit<S> {
+    inner: S,
+    stall: Duration,
+}
+
+struct StalledWriter<T> {
+    inner: Box<dyn weir_runtime::sink::SinkWriter<T>>,
+    stall: Duration,
+}
+
+impl<T: 'static> weir_runtime::sink::SinkWriter<T> for StalledWriter<T> {
+    fn write(&mut self, rec: T, ts: i64) -> std::io::Result<()> {
+        self.inner.write(rec, ts)
+    }
+    fn finish(&mut self) -> std::io::Result<()> {
+        self.inner.finish()
+    }
+    fn pre_commit(&mut self, id: u64) -> std::io::Result<Vec<u8>> {
+        std::thread::sleep(self.stall);
+        self.inner.pre_commit(id)
+    }
+    fn commit(&mut self, id: u64) -> std::io::Result<()> {
+        self.inner.commit(id)
+    }
+    fn restore(&mut self, id: u64, state: &[u8]) -> std::io::Result<()> {
+        self.inner.restore(id, state)
+    }
+    fn allow_rewind(&mut self, allowed: bool) {
+        self.inner.allow_rewind(allowed);
+    }
+    fn check_restore(&mut self, id: u64, states: &[&[u8]]) -> std::io::Result<()> {
+        self.inner.check_restore(id, states)
+    }
+}
+
+impl<T: 'static, S: weir_runtime::sink::Sink<T>> weir_runtime::sink::Sink<T>
+    for StalledPreCommit<S>
+{
+    fn create_writer(
+        &self,
+        shard: usize,
+        shards: usize,
+    ) -> Result<Box<dyn weir_runtime::sink::SinkWriter<T>>, weir_runtime::StartError> {
+        Ok(Box::new(StalledWriter {
+            inner: self.inner.create_writer(shard, shards)?,
+            stall: self.stall,
+        }))
+    }
+}
+
+/// The final checkpoint is a finished job's last word, as in Flink, which stops an
+/// operator's processing-time timers at the end of its input (FLINK-14231): timers not due
+/// when its barrier passes never fire. Two ways this failed, each seen by an audit:
+/// - timers due while the final checkpoint's pre-commit stalled fired after its barrier; the
+///   sink published their output when the input ended, outside any checkpoint, and a
+///   `restore latest` of that checkpoint was refused ("committed after checkpoint 1");
+/// - timers due after the job ended stayed in the final checkpoint, and its restore fired
+///   them: 10 lines the finished run never had.
+#[test]
+fn processing_timers_never_fire_past_the_final_checkpoint() {
+    for shards in [1, 2] {
+        // (timer delay, pre-commit stall, pause before the restore)
+        for (delay, stall, pause) in [(20, 200, 0), (1_000, 0, 1_500)] {
+            let dir = tempfile::tempdir().expect("tmp");
+            let out = dir.path().join("out");
+            let run = |restore: bool, stall: u64| {
+                let ck = CheckpointConfig::new(dir.path().join("ckpt"), "timers")
+                    .with_interval(Duration::from_secs(3600));
+                let mut c = JobConfig::new()
+                    .with_shards(shards)
+                    .with_pinning(Pinning::Never)
+                    .with_checkpointing(ck);
+                if restore {
+                    c = c.with_restore(RestoreFrom::Latest);
+                }
+                let job = Job::new(c);
+                job.from_iter(|shard, shards| {
+                    (0..10u64)
+                        .filter(move |i| *i as usize % shards == shard)
+                        .map(|i| (i % 3, 1, i))
+                })
+                .key_by(|r: &(u64, i64, u64)| r.0)
+                .process(EchoThenTimer(delay))
+                .uid("timers")
+                .sink(StalledPreCommit {
+                    inner: sum_sink(&out),
+                    stall: Duration::from_millis(stall),
+                });
+                job.run()
+            };
+            let what = format!("{shards} shards, timers after {delay} ms");
+            run(false, stall).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let mut first = parse_sums(committed_lines(&out));
+            first.sort_unstable();
+            let mut records: Vec<u64> = first.iter().filter(|r| r.1 != -1).map(|r| r.2).collect();
+            records.sort_unstable();
+            assert_eq!(records, (0..10).collect::<Vec<_>>(), "{what}");
+            std::thread::sleep(Duration::from_millis(pause));
+            let s = run(true, 0)
+                .unwrap_or_else(|e| panic!("{what}: restore of the final checkpoint: {e}"));
+            assert_eq!(s.metrics.records_out("timers"), 0, "{what}");
+            let mut after = parse_sums(committed_lines(&out));
+            after.sort_unstable();
+            assert_eq!(after, first, "{what}: the restored run committed nothing");
+        }
+    }
 }
 
 /// A bounded job over `0..n` (two shards) summing per key `x % 7` behind small exchange
