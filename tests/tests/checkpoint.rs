@@ -934,6 +934,42 @@ fn more_declines_than_tolerable_fail_the_job() {
     }
 }
 
+/// More failed checkpoints than tolerated fail the job when the failure is the final
+/// checkpoint's too: once the job is failing, the coordinator triggers nothing more, as
+/// Flink's stops its scheduler. It retried the final checkpoint, and a 1-shard job whose
+/// retry completed before the failure was acted on ended without an error (an audit's run).
+#[test]
+fn a_declined_final_checkpoint_beyond_the_tolerable_number_fails_the_job() {
+    for shards in [1, 2] {
+        let dir = tempfile::tempdir().expect("tmp");
+        // Only the final checkpoint: the interval is longer than the job.
+        let c = CheckpointConfig::new(dir.path(), "final")
+            .with_interval(Duration::from_secs(3600))
+            .with_tolerable_failures(0)
+            .with_restart(RestartStrategy::None);
+        let job = Job::new(
+            JobConfig::new()
+                .with_shards(shards)
+                .with_pinning(Pinning::Never)
+                .with_checkpointing(c),
+        );
+        job.from_iter(|_, _| 0..100u64)
+            .key_by(|x: &u64| *x % 5)
+            .reduce(|a, b| a + b)
+            .sink(FlakySink {
+                declines: Arc::new(AtomicU64::new(1)),
+                stalls: Arc::new(AtomicU64::new(0)),
+                stall: Duration::ZERO,
+            });
+        match job.run() {
+            Err(weir_runtime::JobError::CheckpointFailures { reason }) => {
+                assert!(reason.contains("exceed the tolerable 0"), "{reason}")
+            }
+            other => panic!("{shards} shards: expected a checkpoint failure, got {other:?}"),
+        }
+    }
+}
+
 #[test]
 fn a_checkpoint_that_outlives_its_timeout_is_aborted_and_counted() {
     let dir = tempfile::tempdir().expect("tmp");

@@ -238,7 +238,16 @@ impl Coordinator {
         {
             self.stop_id = None;
         }
-        if !self.ready()
+        // A job failing on its checkpoint failures triggers nothing more, as Flink's
+        // coordinator stops its scheduler: a final checkpoint retried here could complete
+        // before the failure was acted on, and the job then ended as if none had happened.
+        let failing = self
+            .failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some();
+        if failing
+            || !self.ready()
             || self.pending.len() >= self.shared.config.max_concurrent
             || self.stop_id.is_some()
         {
