@@ -510,8 +510,16 @@ impl<T: Data> ExchangeHead<T> {
     /// Takes checkpoint `id` unaligned from here on: the barrier goes down the chain now,
     /// ahead of the data still queued in the rings.
     fn start_unaligned(&mut self, id: u64) {
+        let was_aligning = self.merger.aligning() == Some(id);
         let done = self.merger.abandon(id);
-        self.align_started = None;
+        // An aligned checkpoint that timed out: its alignment lasted until now, as Flink
+        // reports it (the time it aligned was lost, and the figure fell below the timeout).
+        if let (Some(started), true, Some(c)) =
+            (self.align_started.take(), was_aligning, &self.checkpoint)
+        {
+            c.borrow_mut()
+                .record_alignment(id, started.elapsed().as_nanos() as u64, 0);
+        }
         self.down.event(Event::Barrier(id));
         // The valve's state goes with the channel state: its captured frames, replayed on
         // top of it, leave the valve where a failure-free run left it.
