@@ -210,8 +210,17 @@ impl Coordinator {
     pub fn run(mut self) {
         loop {
             if self.shared.stopping.load(Ordering::Acquire) {
-                for (id, _) in std::mem::take(&mut self.pending) {
+                // Checkpoints pending when the attempt ends (a failover, a cancel) are failed,
+                // as Flink counts those its failover aborts, without counting towards the
+                // tolerable failures: uncounted, completed + failed + in progress fell short of
+                // the checkpoints triggered, and the history skipped them.
+                for (id, p) in std::mem::take(&mut self.pending) {
                     self.shared.store.abort(id);
+                    let reason = "aborted: the job attempt ended before it completed".to_string();
+                    for (_, w, _) in self.waiters_of(id) {
+                        let _ = w.send(Err(reason.clone()));
+                    }
+                    self.record_failure(id, Some(p), reason);
                 }
                 // The job is going: nothing is in progress any more.
                 self.update_in_progress();
