@@ -992,14 +992,23 @@ where
     }
 
     fn event(&mut self, ev: Event) {
-        if let Event::Barrier(id) = ev {
-            if self.ops.is_final_checkpoint(id) {
+        match ev {
+            Event::Barrier(id) if self.ops.is_final_checkpoint(id) => {
                 // Every source has ended: as Flink quiesces an operator's processing-time
                 // service at the end of its input (FLINK-14231), timers not yet due never
                 // fire. Fired after this barrier, their output would be published outside any
                 // checkpoint; kept in it, a restore of the finished job would fire them.
+                // Those due by now fire first, as they would have at the next step.
+                self.fire_due_processing_timers();
                 self.timers.processing.clear();
             }
+            // Its head steps no more: timers registered due in this step (at or before the
+            // current time) fire now, as at the next step; they were dropped, and the output
+            // depended on whether the end came in the same step as their records.
+            Event::EndOfInput => self.fire_due_processing_timers(),
+            _ => {}
+        }
+        if let Event::Barrier(id) = ev {
             self.ops.snapshot(id, self.timers.encode());
         }
         if let Event::Watermark(w) = ev {
@@ -1026,18 +1035,32 @@ where
         // a record's or a timer's callback) is due now, as Flink fires a timer registered in
         // the past at once. It waited for the next tick, which the test driver only gives
         // when the test sets another time.
-        if !self.timers.processing.is_empty() {
-            let f = &self.f;
-            let n = fire_timers(
-                &mut self.ops,
-                &mut self.timers,
-                TimeDomain::ProcessingTime,
-                now_ms,
-                &mut self.down,
-                |ts, d, c| f.on_timer(ts, d, c),
-            );
-            bump(&self.counters.records_out, n);
-        }
+        self.fire_due_processing_timers();
         self.down.processing_time(now_ms);
+    }
+}
+
+impl<K, I, O, P> KeyedOp<K, I, O, P>
+where
+    K: Key,
+    I: Data,
+    O: Data,
+    P: KeyedProcessFunction<K, I, O>,
+{
+    /// Fires the processing-time timers due at the operator's current processing time.
+    fn fire_due_processing_timers(&mut self) {
+        if self.timers.processing.is_empty() {
+            return;
+        }
+        let (f, now_ms) = (&self.f, self.ops.now_ms);
+        let n = fire_timers(
+            &mut self.ops,
+            &mut self.timers,
+            TimeDomain::ProcessingTime,
+            now_ms,
+            &mut self.down,
+            |ts, d, c| f.on_timer(ts, d, c),
+        );
+        bump(&self.counters.records_out, n);
     }
 }
