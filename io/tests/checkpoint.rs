@@ -126,7 +126,10 @@ fn round_trip_and_incremental_reuse() {
     let list = st.list().unwrap();
     assert_eq!(list.len(), 1);
     assert!(list[0].complete && list[0].id == 1);
-    assert_eq!(list[0].size_bytes, c1.metadata.size_bytes());
+    // On disk: the content and its framing, all of it written by this first checkpoint.
+    assert_eq!(list[0].size_bytes, st.stored_bytes(&c1.metadata));
+    assert_eq!(list[0].size_bytes, c1.metadata.new_bytes);
+    assert!(list[0].size_bytes > c1.metadata.size_bytes());
     let m1 = st.read_metadata(1).unwrap();
     assert_eq!(m1, c1.metadata);
     assert_eq!(m1.section("sources"), Some(&b"offset=1"[..]));

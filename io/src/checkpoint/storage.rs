@@ -295,7 +295,8 @@ pub struct CheckpointInfo {
     pub path: PathBuf,
     /// True iff `_metadata` exists and verifies.
     pub complete: bool,
-    /// Content bytes the checkpoint references (0 when incomplete).
+    /// Bytes on disk of the files the checkpoint references (0 when incomplete; see
+    /// [`CheckpointStorage::stored_bytes`]).
     pub size_bytes: u64,
     /// Bytes the checkpoint itself wrote (its incremental size; 0 when incomplete).
     pub new_bytes: u64,
@@ -579,6 +580,31 @@ impl CheckpointStorage {
         Ok(())
     }
 
+    /// The bytes on disk of the files checkpoint `m` references (a checkpoint of this job),
+    /// each physical file once: Flink's full checkpoint size, which counts what the state
+    /// takes in storage, framing included, as the bytes a checkpoint wrote count it. The
+    /// metadata's content sizes (`CheckpointMetadata::size_bytes`) left out the framing, so
+    /// a full checkpoint's full size came out below the bytes it wrote. A file that cannot be
+    /// opened counts its content size: this is a figure, not a check (`verify` is).
+    pub fn stored_bytes(&self, m: &CheckpointMetadata) -> u64 {
+        let mut content: BTreeMap<&Path, u64> = BTreeMap::new();
+        for f in &m.files {
+            *content.entry(&f.path).or_default() += f.size_bytes;
+        }
+        for l in &m.logical_files {
+            *content.entry(&l.physical).or_default() += l.size_bytes;
+        }
+        let fs = &self.shared.fs;
+        content
+            .into_iter()
+            .map(|(rel, size)| {
+                fs.open(&self.shared.job_dir.join(rel))
+                    .and_then(|f| f.len())
+                    .unwrap_or(size)
+            })
+            .fold(0, u64::saturating_add)
+    }
+
     /// Every `chk-<n>` directory, by id; those without a valid `_metadata` are incomplete.
     pub fn list(&self) -> Result<Vec<CheckpointInfo>, CheckpointError> {
         Ok(self
@@ -589,7 +615,7 @@ impl CheckpointStorage {
                     id,
                     path,
                     complete: true,
-                    size_bytes: m.size_bytes(),
+                    size_bytes: self.stored_bytes(&m),
                     new_bytes: m.new_bytes,
                     trigger_timestamp_ms: m.trigger_timestamp_ms,
                     completion_timestamp_ms: m.completion_timestamp_ms,

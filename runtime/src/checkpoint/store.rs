@@ -235,7 +235,7 @@ impl CheckpointStore for IoCheckpointStore {
             .map_err(|e| e.to_string())?;
         Ok(CommitInfo {
             new_bytes: done.metadata.new_bytes,
-            full_bytes: done.metadata.size_bytes(),
+            full_bytes: self.storage.stored_bytes(&done.metadata),
         })
     }
 
