@@ -122,7 +122,9 @@ pub enum JobError {
         #[source]
         source: std::io::Error,
     },
-    #[error("record too large for a ring on exchange `{operator}`: {bytes} bytes (ring capacity {capacity_bytes})")]
+    /// `bytes`: the record's frame (or the bound it exceeded), above the largest frame its
+    /// ring takes, half of `capacity_bytes`.
+    #[error("record too large for a ring on exchange `{operator}`: {bytes} bytes (ring capacity {capacity_bytes}, frames up to half of it)")]
     RecordTooLarge {
         operator: String,
         bytes: usize,

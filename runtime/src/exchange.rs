@@ -26,6 +26,11 @@ use crate::stream::Stream;
 /// Flag of a watermark frame that carries an idleness change instead of a watermark.
 pub(crate) const FLAG_IDLE: u8 = 1;
 
+/// The largest spill buffer a writer tries for one record: records beyond a ring's largest
+/// frame are refused, and the buffer grows past it only to name the record's size (larger
+/// ones are named by this bound, which caps the memory an error may take).
+const SPILL_PROBE_MAX: usize = 64 << 20;
+
 /// The event a watermark frame with `flags` and `ts` carries.
 #[inline]
 pub(crate) fn watermark_event(flags: u8, ts: i64) -> Event {
@@ -239,10 +244,17 @@ impl WriterState {
     ) {
         if self.spill[target].is_empty() {
             let mut want = 256usize;
+            // A frame is at most the ring's largest: a region can offer more (a drained
+            // ring's whole free space), and a frame written there only because the ring was
+            // empty made the same record fit or not by the ring's state.
+            let most = self.producers[target].max_frame_bytes() - weir_ring::HEADER_BYTES;
             loop {
                 let p = &mut self.producers[target];
                 match p.writer(want.min(p.max_frame_bytes())) {
-                    Ok(Some(mut w)) => match w.push_with(header, |buf| fill(buf).ok_or(())) {
+                    Ok(Some(mut w)) => match w.push_with(header, |buf| {
+                        let n = buf.len().min(most);
+                        fill(&mut buf[..n]).ok_or(())
+                    }) {
                         Ok(()) => {
                             // Published in a batch when the head flushes its chain.
                             w.commit_deferred();
@@ -270,6 +282,8 @@ impl WriterState {
         self.spill_frame(target, header, fill);
     }
 
+    /// Writes one frame to `target`'s spill buffer, or fails the job with
+    /// [`JobError::RecordTooLarge`] if it exceeds the ring's largest frame.
     fn spill_frame(
         &mut self,
         target: usize,
@@ -280,10 +294,14 @@ impl WriterState {
         let buf = &mut self.spill[target];
         let start = buf.len();
         let mut room = 256usize;
-        loop {
+        let refused = loop {
             buf.resize(start + weir_ring::HEADER_BYTES + room, 0);
             if let Some(len) = fill(&mut buf[start + weir_ring::HEADER_BYTES..]) {
                 let total = weir_ring::frame_bytes(len);
+                if total > max {
+                    // Spilled, it would never fit its ring: the job waited for it for good.
+                    break total;
+                }
                 buf.resize(start + total, 0);
                 buf[start..start + weir_ring::HEADER_BYTES]
                     .copy_from_slice(&header.encode(len as u32));
@@ -296,17 +314,19 @@ impl WriterState {
                 }
                 return;
             }
-            if room >= max {
-                buf.resize(start, 0);
-                self.fail.fail(JobError::RecordTooLarge {
-                    operator: self.name.clone(),
-                    bytes: room,
-                    capacity_bytes: self.producers[target].capacity(),
-                });
-                return;
+            // Grown past the ring's largest frame to learn the record's size for the error;
+            // a record that does not serialize even into this much is named by that bound.
+            if room >= SPILL_PROBE_MAX {
+                break room;
             }
-            room *= 4;
-        }
+            room = (room * 4).min(SPILL_PROBE_MAX);
+        };
+        self.spill[target].resize(start, 0);
+        self.fail.fail(JobError::RecordTooLarge {
+            operator: self.name.clone(),
+            bytes: refused,
+            capacity_bytes: self.producers[target].capacity(),
+        });
     }
 
     /// Moves spilled frames into their rings, in order, as far as they fit.

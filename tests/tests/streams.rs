@@ -721,3 +721,42 @@ fn a_shard_whose_executor_cannot_be_built_ends_the_job() {
     assert!(r.is_err(), "{r:?}");
     waiter.join().expect("waiter");
 }
+
+/// A record above its ring's largest frame (half the ring) is refused with its size, whether
+/// the ring is empty or not, and one within it goes through. Between half the ring and the
+/// writer's next spill buffer a record was neither: the job waited for it for good (an
+/// audit's 40,000-byte strings on a 64 KiB ring), an empty ring having taken the first one;
+/// and a refusal named the buffer tried, not the record (1 MiB for a 10 MiB string).
+#[test]
+fn a_record_above_the_largest_frame_is_refused_with_its_size() {
+    let ring = 64 << 10;
+    for (len, fits) in [(32_000usize, true), (40_000, false), (70_000, false)] {
+        let job = Job::new(config(1).with_ring_capacity_bytes(ring));
+        let input = vec!["a".repeat(len), "b".repeat(len)];
+        let out = job.from_vec(input.clone()).rebalance().collect();
+        let h = job.start().expect("start");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !h.is_finished() {
+            if std::time::Instant::now() > deadline {
+                h.cancel();
+                panic!("{len}-byte records: the job neither ended nor failed");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        match (h.wait(), fits) {
+            (Ok(_), true) => assert_eq!(out.take(), input),
+            (
+                Err(JobError::RecordTooLarge {
+                    bytes,
+                    capacity_bytes,
+                    ..
+                }),
+                false,
+            ) => {
+                assert!(bytes > len && bytes <= len + 64, "{len}: {bytes} bytes");
+                assert_eq!(capacity_bytes, ring);
+            }
+            (r, _) => panic!("{len}-byte records: {r:?}"),
+        }
+    }
+}
