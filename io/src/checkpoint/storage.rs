@@ -587,9 +587,16 @@ impl CheckpointStorage {
     /// a full checkpoint's full size came out below the bytes it wrote. A file that cannot be
     /// opened counts its content size: this is a figure, not a check (`verify` is).
     pub fn stored_bytes(&self, m: &CheckpointMetadata) -> u64 {
+        // A raw file is its content verbatim (most of a keyed state's bytes: its segments):
+        // only framed and merged files are asked for their length, once per commit each.
+        let mut raw = 0u64;
         let mut content: BTreeMap<&Path, u64> = BTreeMap::new();
         for f in &m.files {
-            *content.entry(&f.path).or_default() += f.size_bytes;
+            if f.is_raw() {
+                raw = raw.saturating_add(f.size_bytes);
+            } else {
+                *content.entry(&f.path).or_default() += f.size_bytes;
+            }
         }
         for l in &m.logical_files {
             *content.entry(&l.physical).or_default() += l.size_bytes;
@@ -602,7 +609,7 @@ impl CheckpointStorage {
                     .and_then(|f| f.len())
                     .unwrap_or(size)
             })
-            .fold(0, u64::saturating_add)
+            .fold(raw, u64::saturating_add)
     }
 
     /// Every `chk-<n>` directory, by id; those without a valid `_metadata` are incomplete.
