@@ -1196,6 +1196,7 @@ mod tests {
             epoch: Instant::now(),
             maintenance: Default::default(),
             split_tags: Vec::new(),
+            stop: Default::default(),
         };
         ShardState::open_for(&ctx, OP)
     }

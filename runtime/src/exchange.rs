@@ -10,6 +10,7 @@ use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::marker::PhantomData;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use rkyv::util::AlignedVec;
@@ -161,6 +162,7 @@ pub(crate) fn exchange<T: Data>(up: Stream<T>, kind: &'static str, route: Route<
             done: false,
             hints: None,
             ahead: VecDeque::with_capacity(crate::keyed::LOOKAHEAD + 1),
+            stop: ctx.stop.clone(),
             _t: PhantomData,
         };
         ctx.heads.push(Box::new(head));
@@ -515,6 +517,8 @@ struct ExchangeHead<T> {
     /// Records read and hinted but not yet collected, at most `LOOKAHEAD`; always empty
     /// between frames of other kinds and between steps, so order with events is kept.
     ahead: VecDeque<(T, i64)>,
+    /// See `BuildCtx::stop`: read before each record.
+    stop: Arc<AtomicBool>,
     _t: PhantomData<fn() -> T>,
 }
 
@@ -667,6 +671,9 @@ impl<T: Data> Head for ExchangeHead<T> {
                 }
                 match f.kind {
                     FrameKind::Record => {
+                        if self.stop.load(Ordering::Relaxed) {
+                            return Err(JobError::Cancelled);
+                        }
                         // SAFETY: every record frame of this ring was written by an
                         // `ExchangeWriter<T>` of this job in this process, with
                         // `serialize_into::<T>` into 16-aligned ring memory.

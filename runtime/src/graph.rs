@@ -140,6 +140,10 @@ pub(crate) struct BuildCtx {
     /// chain (one, or one per input of a union) tell them the source and split of each record
     /// (an exchange head's records are one split). Any other head drops them.
     pub split_tags: Vec<Rc<crate::time::SplitTags>>,
+    /// Set when the attempt stops (the user's cancel, another shard's failure). Heads read it
+    /// between records, so a batch of slow user calls does not hold a stop back by the whole
+    /// batch (1024 calls of a 5 ms sink held a cancel 4.2 s).
+    pub stop: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl BuildCtx {

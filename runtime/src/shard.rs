@@ -1229,6 +1229,7 @@ fn run_attempt(
                             epoch,
                             maintenance,
                             split_tags: Vec::new(),
+                            stop: cancel2.clone(),
                         };
                         for root in roots.iter() {
                             root(&mut ctx)?;

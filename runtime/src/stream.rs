@@ -3,6 +3,7 @@
 use std::cell::RefCell;
 use std::marker::PhantomData;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::checkpoint::shard::ShardCheckpointRef;
@@ -145,6 +146,7 @@ impl Job {
                         .load(std::sync::atomic::Ordering::Acquire)
                 }),
                 checkpoint: ctx.checkpoint.clone(),
+                stop: ctx.stop.clone(),
             };
             ctx.heads.push(Box::new(head));
             Ok(())
@@ -500,6 +502,8 @@ struct SourceHead<T> {
     counters: Arc<HeadCounters>,
     checkpoint: Option<ShardCheckpointRef>,
     last_barrier: u64,
+    /// See `BuildCtx::stop`: read before each record of a poll.
+    stop: Arc<AtomicBool>,
 }
 
 impl<T: 'static> SourceHead<T> {
@@ -603,6 +607,9 @@ impl<T: 'static> Head for SourceHead<T> {
         match &mut self.split_tags {
             None => {
                 for rec in self.buf.drain(..) {
+                    if self.stop.load(Ordering::Relaxed) {
+                        return Err(JobError::Cancelled);
+                    }
                     self.down.collect(rec, NO_TS);
                 }
             }
@@ -630,6 +637,9 @@ impl<T: 'static> Head for SourceHead<T> {
                         tags.set_current(*source, split);
                     }
                     for rec in recs.by_ref().take(count) {
+                        if self.stop.load(Ordering::Relaxed) {
+                            return Err(JobError::Cancelled);
+                        }
                         self.down.collect(rec, NO_TS);
                     }
                 }

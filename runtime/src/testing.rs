@@ -113,6 +113,7 @@ impl<I: Data, O: Data> TestDriver<I, O> {
             epoch: std::time::Instant::now(),
             maintenance: Default::default(),
             split_tags: Vec::new(),
+            stop: Default::default(),
         };
         for root in &graph.roots {
             root(&mut ctx)?;

@@ -254,6 +254,44 @@ fn cancel_stops_an_endless_job() {
     assert!(matches!(h.wait(), Err(JobError::Cancelled)));
 }
 
+/// A cancel stops a shard between two records of a batch, not after the whole batch: each
+/// head reads the stop before every record it hands on. Both kinds of head, a source's and an
+/// exchange's, run a chain whose sink takes 5 ms a record; a batch holds 1024. Before, the
+/// sink went on through the rest of its batch (about a thousand calls, 4-5 s) after the
+/// cancel.
+#[test]
+fn cancel_stops_a_shard_between_the_records_of_a_batch() {
+    for through_exchange in [false, true] {
+        let job = Job::new(config(1));
+        let calls = Arc::new(AtomicU64::new(0));
+        let seen = calls.clone();
+        let slow = move |_: u64| {
+            seen.fetch_add(1, Ordering::AcqRel);
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        };
+        let src = job.from_iter(|_, _| 0u64..);
+        if through_exchange {
+            src.rebalance().for_each(slow);
+        } else {
+            src.for_each(slow);
+        }
+        let h = job.start().expect("start");
+        while calls.load(Ordering::Acquire) < 3 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        h.cancel();
+        let at_cancel = calls.load(Ordering::Acquire);
+        assert!(matches!(h.wait(), Err(JobError::Cancelled)));
+        let after = calls.load(Ordering::Acquire) - at_cancel;
+        // The call in progress, and those while the cancel reaches the shard (its watcher
+        // wakes at once); never the rest of the batch.
+        assert!(
+            after < 100,
+            "{after} calls after the cancel (through an exchange: {through_exchange})"
+        );
+    }
+}
+
 #[test]
 fn duplicate_uids_are_rejected_before_start() {
     let job = Job::new(config(1));
