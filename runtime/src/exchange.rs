@@ -727,6 +727,11 @@ impl<T: Data> Head for ExchangeHead<T> {
                     }
                     FrameKind::Barrier => {
                         let id = f.ts as u64;
+                        // The first barrier of this checkpoint here. If it is also the last
+                        // (one input, or every other input ended), nothing was aligned: 0,
+                        // as Flink reports a single channel's alignment, not the few
+                        // microseconds the merger takes to pass the barrier on.
+                        let first = self.align_started.is_none();
                         let started = *self
                             .align_started
                             .get_or_insert_with(std::time::Instant::now);
@@ -736,11 +741,12 @@ impl<T: Data> Head for ExchangeHead<T> {
                             if e == Event::Barrier(id) {
                                 forwarded = true;
                                 if let Some(c) = ckpt {
-                                    c.borrow_mut().record_alignment(
-                                        id,
-                                        started.elapsed().as_nanos() as u64,
-                                        0,
-                                    );
+                                    let ns = if first {
+                                        0
+                                    } else {
+                                        started.elapsed().as_nanos() as u64
+                                    };
+                                    c.borrow_mut().record_alignment(id, ns, 0);
                                 }
                             }
                             down.event(e)

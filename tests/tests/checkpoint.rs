@@ -671,6 +671,55 @@ fn the_synchronous_part_is_the_longest_shard_s_not_their_sum() {
     }
 }
 
+/// A head with one input has nothing to align: its barrier is the first and the last, and
+/// its alignment is 0, as Flink reports a single channel's. Before, a 1-shard job reported
+/// 1-3 us, the time the head took to pass the barrier on. A 2-shard job's heads align two
+/// inputs: their figure is measured, and within the checkpoint's duration.
+#[test]
+fn a_head_with_one_input_aligns_for_no_time() {
+    for shards in [1, 2] {
+        let dir = tempfile::tempdir().expect("tmp");
+        let ck = CheckpointConfig::new(dir.path().join("ckpt"), "align")
+            .with_interval(Duration::from_millis(10));
+        let job = Job::new(
+            JobConfig::new()
+                .with_shards(shards)
+                .with_pinning(Pinning::Never)
+                .with_checkpointing(ck),
+        );
+        job.from_iter(|shard, shards| {
+            (0..2_000u64)
+                .filter(move |i| *i as usize % shards == shard)
+                .inspect(|_| std::thread::sleep(Duration::from_micros(50)))
+                .map(|i| (i % 7, 1, i))
+        })
+        .key_by(|r: &(u64, i64, u64)| r.0)
+        .reduce(|a, b| (a.0, a.1 + b.1, b.2))
+        .sink(sum_sink(&dir.path().join("out")));
+        let s = job.run().expect("job");
+        let done: Vec<(u64, u64, u64)> = s
+            .checkpoints
+            .history
+            .iter()
+            .filter(|c| c.failure.is_none())
+            .map(|c| (c.checkpoint_id, c.alignment_duration_ns, c.duration_ns))
+            .collect();
+        assert!(done.len() >= 2, "{shards} shards: {:?}", s.checkpoints);
+        if shards == 1 {
+            assert!(
+                done.iter().all(|&(_, align, _)| align == 0),
+                "(id, alignment ns, duration ns): {done:?}"
+            );
+        } else {
+            assert!(
+                done.iter().all(|&(_, align, d)| align <= d)
+                    && done.iter().any(|&(_, align, _)| align > 0),
+                "(id, alignment ns, duration ns): {done:?}"
+            );
+        }
+    }
+}
+
 /// The final checkpoint is a finished job's last word, as in Flink, which stops an
 /// operator's processing-time timers at the end of its input (FLINK-14231): timers not due
 /// when its barrier passes never fire. Two ways this failed, each seen by an audit:

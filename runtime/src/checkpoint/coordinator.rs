@@ -31,7 +31,8 @@ pub struct CheckpointStats {
     pub sync_duration_ns: u64,
     /// The longest background part of a shard.
     pub async_duration_ns: u64,
-    /// The longest barrier alignment of an exchange input.
+    /// The longest barrier alignment of an exchange head: from its first barrier of the
+    /// checkpoint to its last (0 where they are one, as with a single input).
     pub alignment_duration_ns: u64,
     /// Flink's start delay: the time from the trigger until the checkpoint's first barrier
     /// reached a shard, the longest over shards (how long a checkpoint waited to begin, behind
