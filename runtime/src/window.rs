@@ -587,10 +587,14 @@ where
             windows.retain(|w| !self.is_late(w));
         }
         if windows.is_empty() {
-            // A record counts as dropped once, and only when no window took it (Flink's
-            // `numLateRecordsDropped`): a sliding window's record that some of its windows
-            // still take is not dropped.
-            bump(&self.counters.records_dropped, 1);
+            // A record counts as dropped once, and only when no window took it and it is late
+            // itself (Flink's `numLateRecordsDropped`, `isSkippedElement && isElementLate`):
+            // a sliding window's record that some of its windows still take is not dropped,
+            // nor one in the gap between windows that slide further than they last, which no
+            // window was to take.
+            if ts.saturating_add(self.lateness) <= self.ops.watermark {
+                bump(&self.counters.records_dropped, 1);
+            }
             self.windows = windows;
             return;
         }

@@ -536,6 +536,34 @@ fn a_sliding_window_record_is_dropped_once_and_only_when_every_window_is_late() 
     assert_eq!(dropped(&d), 1);
 }
 
+/// A record in the gap between sliding windows that slide further than they last belongs to
+/// no window: it is not dropped as late unless it is late itself (Flink counts a record that
+/// no window takes only if `timestamp + allowed lateness <= watermark`). Before, every such
+/// record counted as dropped, on time or not.
+#[test]
+fn a_record_between_sliding_windows_is_dropped_only_if_late() {
+    let mut d = TestDriver::new(|s| {
+        s.key_by(|e: &(u32, i64)| e.0)
+            .window(weir_runtime::WindowAssigner::sliding(30, 70))
+            .count_with(|k, w, n| (*k, w.start, w.end, n))
+    })
+    .expect("driver");
+    // Windows [0, 30), [70, 100), [140, 170): 50 and 110 fall between them.
+    d.push_at((1, 10), 10);
+    d.push_at((1, 50), 50);
+    d.push_at((1, 80), 80);
+    d.run_until_idle().expect("run");
+    assert_eq!(dropped(&d), 0, "a record on time in a gap");
+    d.watermark(120);
+    // Late, and in a gap: dropped. Late, in [70, 100), past its end: dropped.
+    d.push_at((1, 110), 110);
+    d.push_at((1, 90), 90);
+    let mut got = d.finish().expect("finish");
+    got.sort();
+    assert_eq!(got, vec![(1, 0, 30, 1), (1, 70, 100, 1)]);
+    assert_eq!(dropped(&d), 2);
+}
+
 /// Allowed lateness: a window fires at the watermark, again for each late record within the
 /// lateness (with everything so far), and drops records after it; the firings are those of a
 /// sequential reading of the same input.
