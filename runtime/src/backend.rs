@@ -754,6 +754,13 @@ impl ShardState {
         self.inner.borrow_mut().be.try_state_id(name).map(StateId)
     }
 
+    /// That the operator keys its state by `described` (see
+    /// `weir_state::KeyedBackend::set_key_type`): refused when the restored checkpoint
+    /// recorded another key type.
+    pub(crate) fn set_key_type(&self, described: String) -> Result<(), weir_state::StateError> {
+        self.inner.borrow_mut().be.set_key_type(described)
+    }
+
     /// Processing time for state TTL (milliseconds since the epoch): entries of states with
     /// a TTL expire relative to it, and compactions started from now on drop the expired.
     pub(crate) fn set_now_ms(&self, now_ms: i64) {

@@ -110,14 +110,14 @@ impl<T: Data, K: Key> KeyedStream<T, K> {
         let upf = exchanged.factory.clone();
         let factory: Factory<O> = Arc::new(move |ctx: &mut BuildCtx, down: Out<O>| {
             let name = name_of(&slot);
-            let mut ops = OpState::new(&name, ctx)?;
+            let mut ops = OpState::new::<K>(&name, ctx)?;
             for (state, ttl_ms) in op_ttls.lock().unwrap_or_else(|p| p.into_inner()).iter() {
                 ops.set_ttl(state, *ttl_ms)?;
             }
             let op = KeyedOp {
                 f: f.clone(),
                 key: key.clone(),
-                timers: TimerQueues::restored(&ops.state, &name)?,
+                timers: TimerQueues::restored(&ops.state, &name, ctx.shard)?,
                 ops,
                 counters: ctx.metrics.operator(&name, ctx.shard),
                 down,
@@ -402,23 +402,34 @@ impl<K: Key> TimerQueues<K> {
         crate::checkpoint::snapshot::encode(&v)
     }
 
-    /// The timers of a restored checkpoint whose key groups this shard owns.
-    pub fn restored(state: &ShardState, operator: &str) -> Result<Self, crate::StartError> {
+    /// The timers of a restored checkpoint whose key groups `shard` owns.
+    pub fn restored(
+        state: &ShardState,
+        operator: &str,
+        shard: usize,
+    ) -> Result<Self, crate::StartError> {
         let mut q = Self::default();
         let range = state.key_group_range();
         for bytes in state.take_restored_timers() {
             let records: Vec<TimerRecord> = crate::checkpoint::snapshot::decode_any(&bytes)
                 .map_err(|e| crate::StartError::State {
-                    shard: 0,
+                    shard,
                     reason: format!("timers of `{operator}`: {e}"),
                 })?;
             for r in records.into_iter().filter(|r| range.contains(r.key_group)) {
-                let key = K::decode_key(&mut r.key.as_slice()).ok_or_else(|| {
-                    crate::StartError::State {
-                        shard: 0,
-                        reason: format!("timers of `{operator}`: a timer's key does not decode"),
-                    }
-                })?;
+                // Every byte of the key, or it is another type's: 8 bytes of a u64 key read
+                // as an empty `String` fired timers under the wrong key.
+                let mut input = r.key.as_slice();
+                let key = K::decode_key(&mut input)
+                    .filter(|_| input.is_empty())
+                    .ok_or_else(|| crate::StartError::State {
+                        shard,
+                        reason: format!(
+                            "timers of `{operator}`: a timer's key ({} bytes) does not decode as {}",
+                            r.key.len(),
+                            weir_state::short_type_name::<K>()
+                        ),
+                    })?;
                 let t = TimerKey {
                     ts: r.ts,
                     key_group: r.key_group,
@@ -477,9 +488,15 @@ pub(crate) struct OpState {
 
 impl OpState {
     /// Opens the operator's store (restored when the job restores) and registers the
-    /// operator as a checkpoint participant.
-    pub fn new(name: &str, ctx: &mut BuildCtx) -> Result<Self, crate::StartError> {
+    /// operator as a checkpoint participant. Its state is keyed by `K`: a restore of a
+    /// checkpoint that recorded another key type is refused (see `ShardState::set_key_type`).
+    pub fn new<K: ?Sized>(name: &str, ctx: &mut BuildCtx) -> Result<Self, crate::StartError> {
         let state = ctx.open_state(name)?;
+        state
+            .set_key_type(format!("key<{}>", weir_state::short_type_name::<K>()))
+            .map_err(|e| crate::StartError::Restore {
+                reason: format!("operator `{name}`: {e}"),
+            })?;
         if let Some(c) = &ctx.checkpoint {
             // Two parts a checkpoint: the keyed state (with timers) and the watermark.
             let mut c = c.borrow_mut();

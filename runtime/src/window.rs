@@ -417,13 +417,13 @@ impl<T: Data, K: Key> WindowedStream<T, K> {
         let upf = exchanged.factory.clone();
         let factory: Factory<R> = Arc::new(move |ctx: &mut BuildCtx, down: Out<R>| {
             let name = name_of(&slot);
-            let ops = OpState::new(&name, ctx)?;
+            let ops = OpState::new::<K>(&name, ctx)?;
             let op = WindowOp {
                 key: key.clone(),
                 contents: contents.clone(),
                 assigner,
                 lateness,
-                timers: TimerQueues::restored(&ops.state, &name)?,
+                timers: TimerQueues::restored(&ops.state, &name, ctx.shard)?,
                 ops,
                 counters: ctx.metrics.operator(&name, ctx.shard),
                 windows: Vec::new(),

@@ -41,6 +41,14 @@ pub enum StateError {
         restored: String,
         now: String,
     },
+    /// An operator restored from a checkpoint that recorded another key type: its keys
+    /// encode differently, so no restored state or timer would be found under them.
+    #[error(
+        "the checkpoint restored holds this operator's state keyed by {restored}, the job keys \
+         it by {now}: keys of another type encode differently, and no restored state or timer \
+         would be found under them (key the operator as before, or give it a new uid)"
+    )]
+    RestoredKeyTypeMismatch { restored: String, now: String },
     /// Two state names whose ids (a hash of the name) are equal.
     #[error("state names `{first}` and `{second}` hash to one id; rename one")]
     NameCollision { first: String, second: String },

@@ -47,6 +47,10 @@ use crate::store::{Found, SnapshotJob, Store};
 
 /// State id reserved for timers.
 pub const TIMER_STATE_ID: u16 = 0xFFFF;
+/// The id under which [`KeyedBackend::state_types`] records the operator's key type: the
+/// timers' id, which no named state takes (names hash to 1..=0xFFFE), and timers are kept
+/// by key.
+pub const KEY_TYPE_ID: u16 = TIMER_STATE_ID;
 
 /// What a state value must be: rkyv-archivable with validation and deserialization.
 pub trait StateValue:
@@ -115,7 +119,8 @@ pub struct KeyedBackend {
     /// what checkpoints record ([`Self::state_types`]).
     described: std::collections::HashMap<u16, String>,
     /// The kind and value type a restored checkpoint recorded for each state (name, kind and
-    /// type), checked at each state's first use ([`Self::restore_state_types`]).
+    /// type), checked at each state's first use ([`Self::restore_state_types`]); under
+    /// [`KEY_TYPE_ID`], the key type ([`Self::set_key_type`]).
     restored_types: std::collections::HashMap<u16, (String, String)>,
     /// The last check that passed: accesses mostly repeat it.
     last_type: Option<(u16, std::any::TypeId)>,
@@ -259,6 +264,7 @@ impl KeyedBackend {
     /// restore recorded and this process has not used yet (so that a later restore still
     /// checks them). Sorted by id.
     pub fn state_types(&self) -> Vec<(u16, String, String)> {
+        // The key type is in `described` under `KEY_TYPE_ID` (no name).
         let mut out: Vec<(u16, String, String)> = self
             .described
             .iter()
@@ -289,6 +295,27 @@ impl KeyedBackend {
         for (id, name, d) in types {
             self.restored_types.entry(id).or_insert((name, d));
         }
+    }
+
+    /// That the operator keys its state by `described` (`key<u64>`: `key<` and
+    /// [`short_type_name`] of the key type), which checkpoints record beside the states'
+    /// types. A restored checkpoint that recorded another key type is
+    /// [`StateError::RestoredKeyTypeMismatch`], as Flink refuses an incompatible key
+    /// serializer on restore: keys of another type encode to other bytes (and key groups),
+    /// so every restored state and timer would be lost, or its key read as another. Call it
+    /// before the first access. A checkpoint written before key types were recorded has
+    /// none, and nothing is checked.
+    pub fn set_key_type(&mut self, described: String) -> Result<(), StateError> {
+        if let Some((_, was)) = self.restored_types.get(&KEY_TYPE_ID) {
+            if *was != described {
+                return Err(StateError::RestoredKeyTypeMismatch {
+                    restored: was.clone(),
+                    now: described,
+                });
+            }
+        }
+        self.described.insert(KEY_TYPE_ID, described);
+        Ok(())
     }
 
     pub fn store(&self) -> &Store {

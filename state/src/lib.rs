@@ -25,7 +25,7 @@ pub use key::{
 };
 pub use keyed::{
     short_type_name, AggregateFunction, AggregatingState, KeyedBackend, ListState, MapState,
-    ReducingState, StateValue, TimeDomain, Timer, ValueState, TIMER_STATE_ID,
+    ReducingState, StateValue, TimeDomain, Timer, ValueState, KEY_TYPE_ID, TIMER_STATE_ID,
 };
 pub use segment::{diagnose_segment, layout as segment_layout};
 pub use store::{

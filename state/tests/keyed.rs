@@ -508,6 +508,53 @@ fn a_state_used_with_another_type_or_kind_is_a_typed_error() {
     assert_eq!(z.value(&mut be).unwrap(), None);
 }
 
+/// The key type is recorded beside the states' types, under `KEY_TYPE_ID`, and a restore
+/// that recorded another refuses it: `u64` keys read as `i64` or `String` find none of the
+/// restored state. A backend restored from a record without a key type checks nothing, and
+/// the key type it is given is recorded again.
+#[test]
+fn a_restored_key_type_is_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut be = backend(dir.path(), 128);
+    be.set_key_type("key<u64>".into()).unwrap();
+    be.set_current_key(&1u64);
+    be.value_state::<u64>("x").update(&mut be, &7).unwrap();
+    let recorded = be.state_types();
+    assert!(
+        recorded.contains(&(weir_state::KEY_TYPE_ID, String::new(), "key<u64>".into())),
+        "{recorded:?}"
+    );
+    let restored = |at: &str, types: Vec<(u16, String, String)>| {
+        let mut be = backend(&dir.path().join(at), 128);
+        be.restore_state_types(types);
+        be
+    };
+    match restored("a", recorded.clone()).set_key_type("key<i64>".into()) {
+        Err(e @ StateError::RestoredKeyTypeMismatch { .. }) => {
+            let m = e.to_string();
+            assert!(m.contains("key<u64>") && m.contains("key<i64>"), "{m}");
+        }
+        other => panic!("u64 keys restored as i64: {other:?}"),
+    }
+    let mut same = restored("b", recorded.clone());
+    same.set_key_type("key<u64>".into()).unwrap();
+    same.set_current_key(&1u64);
+    same.value_state::<u64>("x").update(&mut same, &8).unwrap();
+    assert_eq!(same.state_types(), recorded);
+    let without: Vec<_> = recorded
+        .iter()
+        .filter(|t| t.0 != weir_state::KEY_TYPE_ID)
+        .cloned()
+        .collect();
+    let mut older = restored("c", without);
+    older.set_key_type("key<String>".into()).unwrap();
+    assert!(older.state_types().contains(&(
+        weir_state::KEY_TYPE_ID,
+        String::new(),
+        "key<String>".into()
+    )));
+}
+
 /// The kinds and value types a checkpoint recorded hold a restored state to them: a `u64`
 /// read back as an `f64`, or a value read as a list, passes rkyv's structural check (the
 /// audit read `4.94e-315`), so the first use is checked against the record instead. States a
