@@ -40,8 +40,12 @@ impl<T> WatermarkStrategy<T> {
     }
 
     /// Declares the input idle after `ms` of processing time without records, so that it does
-    /// not hold back the watermark of operators downstream. `ms` must be more than 0 (Flink's
-    /// rule; 0 or less marked the input idle at once); else the job stops before it starts.
+    /// not hold back the watermark of operators downstream. Each source split (each input of
+    /// a union before the assigner, each split a reader tells) goes idle on its own too, as in
+    /// Flink: the watermark is the least of the splits not idle, so an open split that sends
+    /// nothing stops holding it back, and its next records may be late. `ms` must be more
+    /// than 0 (Flink's rule; 0 or less marked the input idle at once); else the job stops
+    /// before it starts.
     pub fn with_idleness(mut self, ms: i64) -> Self {
         self.idle_timeout_ms = Some(ms);
         self
@@ -105,8 +109,7 @@ pub(crate) fn assign<T: Data>(up: Stream<T>, strategy: WatermarkStrategy<T>) -> 
             checkpoint: ctx.checkpoint.clone(),
             interval_ms: ctx.config.auto_watermark_interval_ms as i64,
             next_emit_ms: i64::MIN,
-            active: false,
-            inactive_since_ms: i64::MIN,
+            timer: IdlenessTimer::NEW,
             now_ms: i64::MIN,
             idle: false,
             per_record,
@@ -188,20 +191,77 @@ impl SplitTags {
 /// [`WatermarkOp::synced`] before the first look at the tags.
 const NOT_SYNCED: u64 = u64::MAX;
 
+/// Flink's `IdlenessTimer`: an input is quiet once a whole timeout passed since the first
+/// check that found no record since the one before. Stamping records with the time their
+/// step began made a step longer than the timeout (a slow chain, a busy shard) look idle at
+/// its end, and the other inputs' watermark made this one's next records late.
+#[derive(Clone, Copy, Debug)]
+struct IdlenessTimer {
+    /// Records came since the last check.
+    active: bool,
+    /// The first check that found no record since the one before (`i64::MIN`: none yet).
+    inactive_since_ms: i64,
+}
+
+impl IdlenessTimer {
+    const NEW: Self = Self {
+        active: false,
+        inactive_since_ms: i64::MIN,
+    };
+
+    /// A check at `now_ms`: whether the input has been quiet for `timeout_ms`.
+    fn quiet(&mut self, now_ms: i64, timeout_ms: i64) -> bool {
+        if std::mem::take(&mut self.active) {
+            self.inactive_since_ms = i64::MIN;
+        } else if self.inactive_since_ms == i64::MIN {
+            self.inactive_since_ms = now_ms;
+        }
+        self.inactive_since_ms != i64::MIN
+            && now_ms.saturating_sub(self.inactive_since_ms) >= timeout_ms
+    }
+}
+
+/// A split the watermark waits for (one, `(0, 0)`, when the input is one stream).
+#[derive(Clone, Copy, Debug)]
+struct Split {
+    /// (source, split), as the tags tell it.
+    key: (u32, u64),
+    /// The largest timestamp seen.
+    max_ts: i64,
+    /// Its own idleness, as Flink's per-split `WatermarksWithIdleness`: one open split that
+    /// sends nothing would otherwise hold the watermark back for good.
+    timer: IdlenessTimer,
+    /// Quiet for the idle timeout: left out of the watermark until its next record. Not
+    /// checkpointed, as in Flink.
+    idle: bool,
+}
+
+impl Split {
+    fn new(key: (u32, u64), max_ts: i64) -> Self {
+        Self {
+            key,
+            max_ts,
+            timer: IdlenessTimer::NEW,
+            idle: false,
+        }
+    }
+}
+
 /// Assigns timestamps and emits periodic watermarks, as Flink's periodic generators do: the
 /// watermark is computed from the records, and emitted every `interval_ms` of processing time
 /// and at the end of input. When the source heads of its chain tell the records' splits, the
 /// largest timestamp is tracked per split and the watermark follows the least of them, as
 /// Flink's per-split watermarks in sources: a reader that a restore onto fewer shards gave
 /// several old readers' splits reads them one after another, and a watermark that followed
-/// the first made the records of the others, on time before, late.
+/// the first made the records of the others, on time before, late. With an idle timeout each
+/// split has its own, as Flink wraps each split's generator: the watermark is the least of
+/// the splits not idle, and the operator is idle (`Idle(true)`) when no split sent records.
 pub(crate) struct WatermarkOp<T> {
     ts: Arc<dyn Fn(&T) -> i64 + Send + Sync>,
     delay: i64,
     idle_timeout_ms: Option<i64>,
-    /// The largest timestamp seen of each (source, split) the watermark waits for (one
-    /// entry, `(0, 0)`, when the input is one stream).
-    splits: Vec<((u32, u64), i64)>,
+    /// Each (source, split) the watermark waits for.
+    splits: Vec<Split>,
     /// The entry of the split of the last record.
     cur: usize,
     tags: Rc<SplitTags>,
@@ -218,10 +278,8 @@ pub(crate) struct WatermarkOp<T> {
     checkpoint: Option<crate::checkpoint::shard::ShardCheckpointRef>,
     interval_ms: i64,
     next_emit_ms: i64,
-    /// Records came since the last idleness check.
-    active: bool,
-    /// The first check that found no record since the one before (`i64::MIN`: none yet).
-    inactive_since_ms: i64,
+    /// The whole input's idleness: no record of any split.
+    timer: IdlenessTimer,
     now_ms: i64,
     idle: bool,
     per_record: bool,
@@ -255,14 +313,18 @@ impl<T: 'static> WatermarkOp<T> {
     fn resync(&mut self, version: u64) {
         if version == 0 {
             // One stream: its largest timestamp is the least of the old shards' it takes.
-            self.splits = vec![((0, 0), self.restored.max_ts)];
+            self.splits = vec![Split::new((0, 0), self.restored.max_ts)];
         } else {
-            let splits: Vec<((u32, u64), i64)> = self
+            // A split kept keeps its idleness too: one that stayed quiet stays left out.
+            let splits: Vec<Split> = self
                 .tags
                 .splits
                 .borrow()
                 .iter()
-                .map(|&key| (key, self.known(key)))
+                .map(|&key| match self.splits.iter().find(|s| s.key == key) {
+                    Some(s) => *s,
+                    None => Split::new(key, self.known(key)),
+                })
                 .collect();
             self.splits = splits;
         }
@@ -275,8 +337,8 @@ impl<T: 'static> WatermarkOp<T> {
     /// The largest timestamp of split `key` so far: this run's, else the restored one, else
     /// none (`i64::MIN`).
     fn known(&self, key: (u32, u64)) -> i64 {
-        if let Some(s) = self.splits.iter().find(|s| s.0 == key) {
-            return s.1;
+        if let Some(s) = self.splits.iter().find(|s| s.key == key) {
+            return s.max_ts;
         }
         let sources = self.tags.sources.borrow();
         let Some(source) = sources.get(key.0 as usize) else {
@@ -294,12 +356,12 @@ impl<T: 'static> WatermarkOp<T> {
     fn follow(&mut self) {
         self.sync();
         let key = self.tags.current.get();
-        if self.splits.get(self.cur).is_none_or(|s| s.0 != key) {
-            self.cur = match self.splits.iter().position(|s| s.0 == key) {
+        if self.splits.get(self.cur).is_none_or(|s| s.key != key) {
+            self.cur = match self.splits.iter().position(|s| s.key == key) {
                 Some(i) => i,
                 // Not published (a head always publishes before it collects): added.
                 None => {
-                    self.splits.push((key, self.known(key)));
+                    self.splits.push(Split::new(key, self.known(key)));
                     self.splits.len() - 1
                 }
             };
@@ -307,10 +369,26 @@ impl<T: 'static> WatermarkOp<T> {
         self.stamp = self.tags.stamp.get();
     }
 
-    /// The least of the splits' largest timestamps (`i64::MIN` while one has none, or when
-    /// there is no split left to wait for: the end of input sends the last watermark).
+    /// The least of the largest timestamps of the splits not idle (`i64::MIN` while one has
+    /// none, or when there is no split left to wait for: the end of input sends the last
+    /// watermark; or when every split is idle: the watermark stays where it is).
     fn max_ts(&self) -> i64 {
-        self.splits.iter().map(|s| s.1).min().unwrap_or(i64::MIN)
+        self.splits
+            .iter()
+            .filter(|s| !s.idle)
+            .map(|s| s.max_ts)
+            .min()
+            .unwrap_or(i64::MIN)
+    }
+
+    /// The least of every split's largest timestamp, idle or not: what a checkpoint stores
+    /// (idleness is not checkpointed).
+    fn max_ts_all(&self) -> i64 {
+        self.splits
+            .iter()
+            .map(|s| s.max_ts)
+            .min()
+            .unwrap_or(i64::MIN)
     }
 
     fn current(&self) -> i64 {
@@ -323,7 +401,10 @@ impl<T: 'static> WatermarkOp<T> {
     }
 
     fn emit_watermark(&mut self) {
-        let w = self.current();
+        self.send(self.current());
+    }
+
+    fn send(&mut self, w: i64) {
         if w > self.emitted {
             self.emitted = w;
             self.down.event(Event::Watermark(w));
@@ -356,11 +437,15 @@ impl<T: 'static> Collector<T> for WatermarkOp<T> {
         if self.tags.stamp.get() != self.stamp {
             self.follow();
         }
-        let max_ts = &mut self.splits[self.cur].1;
-        if ts > *max_ts {
-            *max_ts = ts;
+        let split = &mut self.splits[self.cur];
+        if ts > split.max_ts {
+            split.max_ts = ts;
         }
-        self.active = true;
+        split.timer.active = true;
+        // Back in the watermark, which it may be behind: its records are then late, as in
+        // Flink.
+        split.idle = false;
+        self.timer.active = true;
         if self.idle {
             self.idle = false;
             self.down.event(Event::Idle(false));
@@ -405,21 +490,28 @@ impl<T: 'static> Collector<T> for WatermarkOp<T> {
         self.sync();
         self.now_ms = now_ms;
         if let Some(t) = self.idle_timeout_ms {
-            // As Flink's `IdlenessTimer`: the timeout runs from the first check that found no
-            // record since the one before. Stamping records with the time their step began
-            // made a step longer than the timeout (a slow chain, a busy shard) look idle at
-            // its end, and the other inputs' watermark made this one's next records late.
-            if std::mem::take(&mut self.active) {
-                self.inactive_since_ms = i64::MIN;
-            } else if self.inactive_since_ms == i64::MIN {
-                self.inactive_since_ms = now_ms;
+            // The watermark of the records so far, before any split is left out of it.
+            let before = self.current();
+            // Each split's timer, as Flink's per-split `WatermarksWithIdleness`: a split left
+            // out no longer holds the others back.
+            let mut split_went_idle = false;
+            for s in &mut self.splits {
+                if s.timer.quiet(now_ms, t) && !s.idle {
+                    s.idle = true;
+                    split_went_idle = true;
+                }
             }
-            let quiet = self.inactive_since_ms != i64::MIN && now_ms - self.inactive_since_ms >= t;
-            if !self.idle && quiet {
+            // The whole input's (every split quiet): `Idle(true)` downstream.
+            let quiet = self.timer.quiet(now_ms, t);
+            if !self.idle && (quiet || split_went_idle) {
                 // The watermark of the records so far first, as Flink's periodic emit after
                 // them sends it before its idleness check can find the input idle: held, the
-                // windows it closes waited for the input to be active again.
-                self.emit_watermark();
+                // windows it closes waited for the input to be active again. With splits left
+                // out it can only be later, unless none is left (then `before` stands).
+                let after = self.current();
+                self.send(before.max(after));
+            }
+            if !self.idle && quiet {
                 self.idle = true;
                 self.down.event(Event::Idle(true));
             }
@@ -454,16 +546,16 @@ impl<T: 'static> WatermarkOp<T> {
         } else {
             self.emitted
         };
-        let seen = emitted != i64::MIN || self.splits.iter().any(|s| s.1 != i64::MIN);
+        let seen = emitted != i64::MIN || self.splits.iter().any(|s| s.max_ts != i64::MIN);
         if !seen {
             return None;
         }
         let mut b = Vec::with_capacity(16 + 32 * self.splits.len());
-        b.extend_from_slice(&self.max_ts().to_le_bytes());
+        b.extend_from_slice(&self.max_ts_all().to_le_bytes());
         b.extend_from_slice(&emitted.to_le_bytes());
         if self.synced != 0 {
             for (n, source) in self.tags.sources.borrow().iter().enumerate() {
-                let mine = || self.splits.iter().filter(|s| s.0 .0 == n as u32);
+                let mine = || self.splits.iter().filter(|s| s.key.0 == n as u32);
                 let count = mine().count();
                 if count == 0 {
                     continue;
@@ -472,8 +564,8 @@ impl<T: 'static> WatermarkOp<T> {
                 b.extend_from_slice(source.as_bytes());
                 b.extend_from_slice(&(count as u32).to_le_bytes());
                 for s in mine() {
-                    b.extend_from_slice(&s.0 .1.to_le_bytes());
-                    b.extend_from_slice(&s.1.to_le_bytes());
+                    b.extend_from_slice(&s.key.1.to_le_bytes());
+                    b.extend_from_slice(&s.max_ts.to_le_bytes());
                 }
             }
         }
@@ -696,4 +788,151 @@ pub(crate) fn restored_generator_from(
         out.emitted = i64::MIN;
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::operator::NO_TS;
+
+    /// Keeps the events that reach it.
+    #[derive(Clone, Default)]
+    struct Sink(Rc<RefCell<Vec<Event>>>);
+
+    impl Collector<i64> for Sink {
+        fn collect(&mut self, _rec: i64, _ts: i64) {}
+        fn event(&mut self, ev: Event) {
+            self.0.borrow_mut().push(ev);
+        }
+        fn processing_time(&mut self, _now_ms: i64) {}
+    }
+
+    /// An assigner of `i64` timestamps (the records themselves) after a head that publishes
+    /// splits 1 and 2 of one source, as a union of two inputs would.
+    fn op(idle_timeout_ms: Option<i64>) -> (WatermarkOp<i64>, Rc<SplitTags>, Sink) {
+        let tags = Rc::new(SplitTags::default());
+        let source = tags.register("src");
+        tags.publish(source, &[1, 2], &[]);
+        let sink = Sink::default();
+        let op = WatermarkOp {
+            ts: Arc::new(|r: &i64| *r),
+            delay: 0,
+            idle_timeout_ms,
+            splits: Vec::new(),
+            cur: 0,
+            tags: tags.clone(),
+            synced: NOT_SYNCED,
+            stamp: NOT_SYNCED,
+            restored: RestoredGenerator {
+                max_ts: i64::MIN,
+                emitted: i64::MIN,
+                splits: Vec::new(),
+            },
+            emitted: i64::MIN,
+            resend: false,
+            checkpoint: None,
+            interval_ms: 200,
+            next_emit_ms: i64::MIN,
+            timer: IdlenessTimer::NEW,
+            now_ms: i64::MIN,
+            idle: false,
+            per_record: true,
+            counters: Arc::new(OperatorCounters::default()),
+            name: "watermarks".into(),
+            shard: 0,
+            fail: crate::graph::FailCell::default(),
+            down: Box::new(sink.clone()),
+        };
+        (op, tags, sink)
+    }
+
+    fn events(sink: &Sink) -> Vec<Event> {
+        std::mem::take(&mut *sink.0.borrow_mut())
+    }
+
+    /// Split 2 is open and never sends: with an idle timeout it is left out of the watermark
+    /// once quiet for the timeout, and split 1's records move it; a record on split 2 brings
+    /// it back (behind: the watermark does not go back).
+    #[test]
+    fn a_quiet_split_is_left_out_once_idle() {
+        let (mut op, tags, sink) = op(Some(100));
+        op.processing_time(1_000);
+        tags.set_current(0, 1);
+        op.collect(50, NO_TS);
+        op.processing_time(1_050);
+        assert_eq!(
+            events(&sink),
+            vec![],
+            "split 2 holds the watermark at nothing"
+        );
+        // Split 2's first quiet check was at 1 000: idle at 1 100. Split 1 had a record since
+        // the check at 1 000, so it is not.
+        op.processing_time(1_100);
+        assert_eq!(events(&sink), vec![Event::Watermark(49)]);
+        tags.set_current(0, 1);
+        op.collect(150, NO_TS);
+        assert_eq!(events(&sink), vec![Event::Watermark(149)]);
+        // Split 2 comes back, behind: it holds the watermark again, which stays.
+        tags.set_current(0, 2);
+        op.collect(120, NO_TS);
+        tags.set_current(0, 1);
+        op.collect(200, NO_TS);
+        assert_eq!(events(&sink), vec![]);
+        tags.set_current(0, 2);
+        op.collect(180, NO_TS);
+        assert_eq!(events(&sink), vec![Event::Watermark(179)]);
+        // Every split quiet (from the check at 1 300): the operator goes idle once, as before,
+        // and a record makes it active again.
+        op.processing_time(1_200);
+        op.processing_time(1_300);
+        assert_eq!(events(&sink), vec![]);
+        op.processing_time(1_400);
+        op.processing_time(1_500);
+        assert_eq!(events(&sink), vec![Event::Idle(true)]);
+        tags.set_current(0, 1);
+        op.collect(300, NO_TS);
+        assert_eq!(
+            events(&sink),
+            vec![Event::Idle(false), Event::Watermark(299)]
+        );
+    }
+
+    /// Without an idle timeout a quiet split holds the watermark, however long.
+    #[test]
+    fn without_idleness_a_quiet_split_holds_the_watermark() {
+        let (mut op, tags, sink) = op(None);
+        tags.set_current(0, 1);
+        for t in 0..50 {
+            op.collect(t * 10, NO_TS);
+            op.processing_time(1_000 + t * 100);
+        }
+        assert_eq!(events(&sink), vec![]);
+        op.event(Event::EndOfInput);
+        assert_eq!(events(&sink), vec![Event::EndOfInput]);
+    }
+
+    /// A split that stays published keeps its idleness when the splits change; one that
+    /// is published anew starts active, and holds the watermark until it is quiet too.
+    #[test]
+    fn idleness_follows_the_splits_by_key() {
+        let (mut op, tags, sink) = op(Some(100));
+        op.processing_time(1_000);
+        tags.set_current(0, 1);
+        op.collect(50, NO_TS);
+        op.processing_time(1_100);
+        assert_eq!(events(&sink), vec![Event::Watermark(49)]);
+        // Split 3 joins; 2 stays idle, 3 holds the watermark at nothing.
+        tags.publish(0, &[1, 2, 3], &[]);
+        tags.set_current(0, 1);
+        op.collect(80, NO_TS);
+        assert_eq!(events(&sink), vec![]);
+        assert!(op.splits.iter().any(|s| s.key == (0, 2) && s.idle));
+        op.processing_time(1_150);
+        op.collect(90, NO_TS);
+        op.processing_time(1_250);
+        assert_eq!(events(&sink), vec![Event::Watermark(89)]);
+        // The checkpoint part is as without idleness: the least of every split's.
+        let b = op.encode().expect("seen");
+        assert_eq!(i64::from_le_bytes(b[..8].try_into().unwrap()), i64::MIN);
+    }
 }

@@ -798,3 +798,64 @@ fn a_record_above_the_largest_frame_is_refused_with_its_size() {
         }
     }
 }
+
+/// A union of two ingresses, one open and quiet, before one timestamp assigner: each input is
+/// a split of the assigner's, and with an idle timeout the quiet one is left out of the
+/// watermark once idle (Flink's per-split idleness), so the busy one's windows fire while the
+/// job runs, with every record counted. Without a timeout the quiet split holds them until
+/// the end. Before, idleness was the whole assigner's: the quiet split held the windows back
+/// for good, even with a timeout.
+#[test]
+fn a_quiet_split_of_a_union_goes_idle_and_lets_windows_fire() {
+    for shards in [1, 2] {
+        for idleness in [Some(100), None] {
+            let (busy, s1) = weir_runtime::source::ingress::<(u64, i64)>(4);
+            let (quiet, s2) = weir_runtime::source::ingress::<(u64, i64)>(4);
+            let job = Job::new(config(shards));
+            let mut strategy =
+                WatermarkStrategy::monotonous(|r: &(u64, i64)| r.1).with_watermark_per_record();
+            if let Some(ms) = idleness {
+                strategy = strategy.with_idleness(ms);
+            }
+            let fired = Arc::new(std::sync::Mutex::new(Vec::new()));
+            let f2 = fired.clone();
+            job.source(s1)
+                .union(job.source(s2))
+                .assign_timestamps(strategy)
+                .key_by(|r| r.0)
+                .window(WindowAssigner::tumbling(100))
+                .count_with(|k, w, n| (*k, w.start, n))
+                .for_each(move |r| f2.lock().expect("lock").push(r));
+            let h = job.start().expect("start");
+            // Round `r` fills the window at `r * 100`; round `r + 1`'s watermark closes it.
+            let round = |r: i64| (0..10).map(|i| (7, r * 100 + i * 10)).collect();
+            for r in 0..10 {
+                busy.push_batch(round(r)).expect("push");
+                if idleness.is_some() && r > 0 {
+                    await_window(
+                        &fired,
+                        (7, (r - 1) * 100, 10),
+                        &format!("{shards} shard(s): the quiet split held the watermark"),
+                    );
+                }
+            }
+            if idleness.is_none() {
+                std::thread::sleep(std::time::Duration::from_millis(500));
+                let got = fired.lock().expect("lock").clone();
+                assert_eq!(
+                    got,
+                    vec![],
+                    "{shards} shard(s): a window fired without idleness"
+                );
+            }
+            assert!(!h.is_finished());
+            busy.close();
+            quiet.close();
+            h.wait().expect("job");
+            let mut got = fired.lock().expect("lock").clone();
+            got.sort_unstable();
+            let want: Vec<(u64, i64, u64)> = (0..10).map(|r| (7, r * 100, 10)).collect();
+            assert_eq!(got, want, "{shards} shard(s), idleness {idleness:?}");
+        }
+    }
+}

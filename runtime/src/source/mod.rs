@@ -125,8 +125,9 @@ pub trait SourceReader<T>: 'static {
     /// do with a watermark strategy), so that records of a split that lags behind another are
     /// not late for being read after it. Also called once before the first poll, with no
     /// records: `runs` then stays empty. A live split holds the watermark back while it sends
-    /// nothing (idleness is the whole input's, `WatermarkStrategy::with_idleness`): a reader
-    /// should leave out of `live` a split it knows has ended.
+    /// nothing, unless the strategy has an idle timeout (`WatermarkStrategy::with_idleness`,
+    /// then each split goes idle on its own): a reader should leave out of `live` a split it
+    /// knows has ended.
     ///
     /// The default, false, makes the reader's records one stream to the timestamp assigner:
     /// right for a reader that never reads more than one split.
