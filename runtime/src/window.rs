@@ -60,11 +60,13 @@ impl Window {
 pub enum WindowAssigner {
     Tumbling {
         size_ms: i64,
+        /// Less than `size_ms` either way, else the job does not start (as in Flink).
         offset_ms: i64,
     },
     Sliding {
         size_ms: i64,
         slide_ms: i64,
+        /// Less than `slide_ms` either way, else the job does not start (as in Flink).
         offset_ms: i64,
     },
     Session {
@@ -96,7 +98,10 @@ impl WindowAssigner {
         WindowAssigner::Session { gap_ms }
     }
 
-    /// Why the assigner's sizes make no windows, if they do not: the job does not start.
+    /// Why the assigner's sizes make no windows, if they do not: the job does not start. An
+    /// offset must be less than the size (tumbling) or slide (sliding) either way, as Flink's
+    /// assigners require: a larger one only stands for a smaller, and is likelier a mistake
+    /// (seconds for milliseconds) than meant.
     pub fn check(&self) -> Result<(), String> {
         let positive = |what: &str, v: i64| {
             if v > 0 {
@@ -105,11 +110,27 @@ impl WindowAssigner {
                 Err(format!("a window's {what} must be more than 0 ms, not {v}"))
             }
         };
+        let offset = |offset: i64, what: &str, of: i64| {
+            if offset.unsigned_abs() < of.unsigned_abs() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "a window's offset must be less than its {what} either way, not {offset} ms \
+                     for a {what} of {of} ms"
+                ))
+            }
+        };
         match *self {
-            WindowAssigner::Tumbling { size_ms, .. } => positive("size", size_ms),
+            WindowAssigner::Tumbling { size_ms, offset_ms } => {
+                positive("size", size_ms).and(offset(offset_ms, "size", size_ms))
+            }
             WindowAssigner::Sliding {
-                size_ms, slide_ms, ..
-            } => positive("size", size_ms).and(positive("slide", slide_ms)),
+                size_ms,
+                slide_ms,
+                offset_ms,
+            } => positive("size", size_ms)
+                .and(positive("slide", slide_ms))
+                .and(offset(offset_ms, "slide", slide_ms)),
             WindowAssigner::Session { gap_ms } => positive("session gap", gap_ms),
         }
     }
@@ -119,7 +140,8 @@ impl WindowAssigner {
     /// end outside it has no windows: an error, never a window cut short or wrapped around.
     pub fn assign(&self, ts: i64, out: &mut Vec<Window>) -> Result<(), WindowRangeError> {
         out.clear();
-        // Sizes of 0 or less make no window (a job refuses them before it starts).
+        // Sizes of 0 or less make no window (a job refuses them, and offsets not less than
+        // the size or slide, before it starts).
         if self.check().is_err() {
             return Err(WindowRangeError {
                 ts,

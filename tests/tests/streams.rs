@@ -536,6 +536,68 @@ fn windows_of_no_size_or_a_negative_lateness_are_refused() {
     assert!(out.is_empty());
 }
 
+/// A window offset as large as the tumbling size or the sliding slide, either way, stops the
+/// job before it starts, naming the values, as Flink's assigners refuse one: `Tumbling {
+/// size_ms: 10, offset_ms: 1003 }` ran, as windows offset by 3 ms. Offsets within are taken.
+#[test]
+fn window_offsets_not_less_than_the_size_or_slide_are_refused() {
+    let tumbling = |size_ms, offset_ms| WindowAssigner::Tumbling { size_ms, offset_ms };
+    let sliding = |size_ms, slide_ms, offset_ms| WindowAssigner::Sliding {
+        size_ms,
+        slide_ms,
+        offset_ms,
+    };
+    let refused = [
+        (tumbling(10, 1003), "1003", "10"),
+        (tumbling(10, 10), "10", "10"),
+        (tumbling(10, -10), "-10", "10"),
+        (sliding(30, 10, 10), "10", "10"),
+        (sliding(30, 10, -15), "-15", "10"),
+        (sliding(30, 10, 25), "25", "10"),
+        (sliding(30, 10, i64::MIN), "-9223372036854775808", "10"),
+    ];
+    for (assigner, offset, of) in refused {
+        let job = Job::new(config(1));
+        let _ = job
+            .from_vec(vec![(1u32, 5i64)])
+            .assign_timestamps(WatermarkStrategy::monotonous(|r: &(u32, i64)| r.1))
+            .key_by(|r| r.0)
+            .window(assigner)
+            .count_with(|k, w, n| (*k, w.start, n))
+            .collect();
+        match job.start() {
+            Err(weir_runtime::StartError::Config { key, reason }) => {
+                assert_eq!(key, "graph");
+                let named = format!("{offset} ms for a");
+                assert!(reason.contains("offset"), "{assigner:?}: {reason}");
+                assert!(reason.contains(&named), "{assigner:?}: {reason}");
+                assert!(
+                    reason.contains(&format!("of {of} ms")),
+                    "{assigner:?}: {reason}"
+                );
+            }
+            other => panic!("{assigner:?}: {:?}", other.map(|_| ())),
+        }
+        let driver = weir_runtime::testing::TestDriver::new(move |s| {
+            s.key_by(|r: &(u32, i64)| r.0)
+                .window(assigner)
+                .count_with(|k, w, n| (*k, w.start, n))
+        });
+        assert!(driver.is_err(), "{assigner:?}: the test driver took it");
+    }
+    for assigner in [tumbling(10, 9), tumbling(10, -9), sliding(30, 10, -9)] {
+        let mut driver = weir_runtime::testing::TestDriver::new(move |s| {
+            s.key_by(|r: &(u32, i64)| r.0)
+                .window(assigner)
+                .count_with(|k, w, n| (*k, w.start, n))
+        })
+        .unwrap_or_else(|e| panic!("{assigner:?}: {e}"));
+        driver.push_at((1, 5), 5);
+        driver.watermark(i64::MAX - 1);
+        assert!(!driver.drain().expect("drain").is_empty(), "{assigner:?}");
+    }
+}
+
 /// A negative out-of-orderness bound, or an idle timeout of 0 or less, stops the job before
 /// it starts, naming it, as Flink refuses both: they were taken as 0 and as "idle at once"
 /// without a word.
