@@ -180,7 +180,7 @@ impl CheckpointConfig {
     /// strategy's): [`Self::from_toml`] runs it, and so does `JobConfig::validate` when a job
     /// starts, so that a configuration built in code meets the same rules. `dir` must not be
     /// empty, and the job id must be a name the checkpoint directory takes
-    /// ([`weir_io::is_valid_name`]). Intervals and timeouts must be more than zero, every
+    /// ([`weir_io::is_valid_name`]). Intervals and timeouts must be at least 1 ms, every
     /// duration at most [`MAX_DURATION`], counts of concurrent and retained checkpoints at
     /// least 1. The restart strategies take what Flink's take: the exponential delay's
     /// `initial` and `reset-after` at least 1 ms and `initial` at most `max`, its multiplier a
@@ -210,8 +210,14 @@ impl CheckpointConfig {
         }
         if let Some(d) = self.interval {
             check_duration("interval", d, true)?;
+            at_least_1ms("interval", d)?;
         }
         check_duration("timeout", self.timeout, true)?;
+        // A timeout under a millisecond expired every checkpoint before it could complete,
+        // and an interval under one triggered without pause: built in code they passed
+        // (`with_timeout(Duration::from_nanos(1))`), where the flags and the file take whole
+        // milliseconds only. 1 ms is the least either takes, as for the restart delays.
+        at_least_1ms("timeout", self.timeout)?;
         check_duration("min-pause", self.min_pause, false)?;
         check_duration("aligned-timeout", self.aligned_timeout, false)?;
         if self.max_concurrent == 0 {
@@ -292,7 +298,9 @@ impl CheckpointConfig {
     }
 
     /// Loads a configuration from TOML text, over the defaults. Durations are written as
-    /// `"1s"`, `"500ms"`, `"2m"`, at most [`MAX_DURATION`]; the values must pass
+    /// `"1s"`, `"500ms"`, `"2m"`, at most [`MAX_DURATION`]; `interval`, `timeout`,
+    /// `min-pause` and `aligned-timeout` in whole milliseconds, as `weir run`'s flags take
+    /// them (`"1us"` is refused, naming the key and its line); the values must pass
     /// [`Self::validate`]. `dir` is required; `job-id` defaults to `"job"`. An error names
     /// the key, and the line where the text has one.
     ///
@@ -337,9 +345,18 @@ impl CheckpointConfig {
             let Some(v) = v else { return Ok(None) };
             let line = at(v.span());
             lines.push((key, line));
-            humantime::parse_duration(v.get_ref())
-                .map(Some)
-                .map_err(|e| ConfigError::new(key, &format!("`{}`: {e}", v.get_ref())).at(line))
+            let d = humantime::parse_duration(v.get_ref())
+                .map_err(|e| ConfigError::new(key, &format!("`{}`: {e}", v.get_ref())).at(line))?;
+            // As `weir run`'s flags take them (`--checkpoint-interval 1us` is refused): the
+            // file took `interval = "1us"`, `timeout = "1ns"` and `min-pause = "1ns"`.
+            if !d.subsec_nanos().is_multiple_of(1_000_000) {
+                return Err(ConfigError::new(
+                    key,
+                    &format!("`{}` is not a whole number of milliseconds", v.get_ref()),
+                )
+                .at(line));
+            }
+            Ok(Some(d))
         };
         if let Some(d) = dur("interval", raw.interval)? {
             self.interval = Some(d);
@@ -1131,6 +1148,75 @@ mod tests {
             RestartStrategy::ExponentialDelay { max, multiplier, .. }
                 if max == MAX_DURATION && multiplier == f64::MAX
         ));
+    }
+
+    /// The file's durations take what `weir run`'s flags take: whole milliseconds (it took
+    /// `interval = "1us"`, `timeout = "1ns"`, `min-pause = "1ns"`), refused by key and line.
+    #[test]
+    fn durations_in_toml_are_whole_milliseconds_as_the_flags_take() {
+        for key in ["interval", "timeout", "min-pause", "aligned-timeout"] {
+            for bad in ["1us", "1ns", "1ms 1ns", "1500us"] {
+                let text = format!("dir = \"/d\"\n{key} = \"{bad}\"\n");
+                let e = CheckpointConfig::from_toml(&text).expect_err(&text);
+                assert_eq!((e.key.as_str(), e.line), (key, Some(2)), "{text}: {e}");
+                assert_eq!(
+                    e.to_string(),
+                    format!(
+                        "checkpoint configuration `{key}` at line 2: `{bad}` is not a whole \
+                         number of milliseconds"
+                    )
+                );
+            }
+            let text = format!("dir = \"/d\"\n{key} = \"1s 1ms\"\n");
+            CheckpointConfig::from_toml(&text).expect(&text);
+        }
+        let c = CheckpointConfig::from_toml(
+            "dir = \"/d\"\ninterval = \"1ms\"\ntimeout = \"1ms\"\nmin-pause = \"0ms\"\n",
+        )
+        .expect("the least the flags take");
+        assert_eq!(c.timeout, Duration::from_millis(1));
+        // The bounds are the flags' too: no zero interval or timeout.
+        for key in ["interval", "timeout"] {
+            let e = CheckpointConfig::from_toml(&format!("dir = \"/d\"\n{key} = \"0ns\"\n"))
+                .expect_err("zero");
+            assert_eq!(
+                (e.key.as_str(), e.reason.as_str()),
+                (key, "must be more than 0")
+            );
+        }
+    }
+
+    /// Built in code, a timeout or interval under 1 ms is refused by name (zero was; a
+    /// nanosecond passed, and expired every checkpoint before it could complete).
+    #[test]
+    fn validate_refuses_a_timeout_or_interval_under_a_millisecond() {
+        let ck = || CheckpointConfig::new("/d", "j");
+        for d in [Duration::from_nanos(1), Duration::from_micros(999)] {
+            let e = ck().with_timeout(d).validate().expect_err("sub-ms timeout");
+            assert_eq!((e.key.as_str(), e.line), ("timeout", None), "{e}");
+            let e = ck()
+                .with_interval(d)
+                .validate()
+                .expect_err("sub-ms interval");
+            assert_eq!(e.key, "interval", "{e}");
+        }
+        assert_eq!(
+            ck().with_timeout(Duration::ZERO)
+                .validate()
+                .map_err(|e| e.key),
+            Err("timeout".into())
+        );
+        ck().with_timeout(Duration::from_millis(1))
+            .with_interval(Duration::from_millis(1))
+            .validate()
+            .expect("1 ms");
+        // A job refuses it as it starts, naming the setting.
+        let job =
+            crate::JobConfig::new().with_checkpointing(ck().with_timeout(Duration::from_nanos(1)));
+        match job.validate() {
+            Err(crate::StartError::Config { key, .. }) => assert_eq!(key, "checkpoint.timeout"),
+            other => panic!("{other:?}"),
+        }
     }
 
     /// A configuration built in code meets the same rules, with the same keys.
