@@ -496,25 +496,33 @@ pub fn publish_file(fs: &dyn Fs, path: &Path, bytes: &[u8]) -> Result<(), IoErro
 }
 
 /// `p` absolute with symbolic links resolved as far as it exists (an output directory may not
-/// yet), so that two spellings of one path compare equal.
+/// yet), so that two spellings of one path compare equal. Past what exists, `.` is dropped
+/// and `..` takes back the component before it, as `create_dir_all` does when it makes the
+/// path (it creates `x`, then `x/..` is `x`'s parent): `CK/x/../JOB/sp` with no `x` yet is
+/// `CK/JOB/sp`, which it left as spelt (its prefix `CK/x/..` does not resolve, and has no
+/// last name to set aside), so it did not compare as inside `CK/JOB`.
 pub fn resolved_path(p: &Path) -> PathBuf {
+    use std::path::Component;
     let Ok(abs) = std::path::absolute(p) else {
         return p.to_path_buf();
     };
-    let mut existing = abs.as_path();
-    let mut rest = Vec::new();
-    loop {
-        if let Ok(c) = std::fs::canonicalize(existing) {
-            return rest.iter().rev().fold(c, |acc, name| acc.join(name));
-        }
-        match (existing.parent(), existing.file_name()) {
-            (Some(parent), Some(name)) => {
-                rest.push(name.to_owned());
-                existing = parent;
+    let parts: Vec<Component<'_>> = abs.components().collect();
+    for n in (1..=parts.len()).rev() {
+        let existing: PathBuf = parts[..n].iter().collect();
+        if let Ok(mut resolved) = std::fs::canonicalize(&existing) {
+            for part in &parts[n..] {
+                match part {
+                    Component::ParentDir => {
+                        resolved.pop();
+                    }
+                    Component::CurDir => {}
+                    other => resolved.push(other),
+                }
             }
-            _ => return abs,
+            return resolved;
         }
     }
+    abs
 }
 
 /// An exclusive advisory lock (`flock`) on `<dir>/LOCK` (or another name), held until dropped.
@@ -628,6 +636,36 @@ fn process_alive(pid: u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Past what exists, `..` takes back the component before it, as `create_dir_all` makes
+    /// the path: a `..` after a name not yet made left the path as spelt, so a savepoint
+    /// directory `CK/x/../JOB/sp` was not seen to be in `CK/JOB`.
+    #[test]
+    fn resolved_path_takes_dot_dot_past_what_exists_as_create_dir_all_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = std::fs::canonicalize(dir.path()).unwrap();
+        std::fs::create_dir(root.join("job")).unwrap();
+        for spelt in [
+            "x/../job/sp",
+            "job/a/../sp",
+            "x/y/../../job/./sp",
+            "job/../job/sp",
+        ] {
+            assert_eq!(
+                resolved_path(&dir.path().join(spelt)),
+                root.join("job").join("sp"),
+                "{spelt}"
+            );
+        }
+        assert!(!root.join("x").exists(), "nothing made");
+        // Through a link that exists, `..` is the link target's parent, as for the kernel.
+        std::fs::create_dir_all(root.join("deep/inner")).unwrap();
+        std::os::unix::fs::symlink(root.join("deep/inner"), root.join("link")).unwrap();
+        assert_eq!(
+            resolved_path(&root.join("link/../new")),
+            root.join("deep").join("new")
+        );
+    }
 
     /// The lock is exclusive. One whose recorded owner has exited is waited for (the kernel
     /// may still hold it for that process's io_uring teardown); one whose owner lives is
