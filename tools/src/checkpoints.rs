@@ -24,7 +24,7 @@ pub struct VerifyArgs {
     /// A checkpoint directory (holding job directories), one job's directory, a `chk-<n>`
     /// directory or a savepoint directory.
     pub dir: PathBuf,
-    /// Verify only checkpoint N (default: every complete checkpoint).
+    /// Verify only checkpoint N, in every job (default: every complete checkpoint).
     #[arg(long, allow_hyphen_values = true)]
     pub checkpoint: Option<u64>,
 }
@@ -122,9 +122,23 @@ fn jobs(dir: &Path) -> Result<Vec<(PathBuf, String)>, String> {
     for e in entries.flatten() {
         let p = e.path();
         // A savepoint made into the checkpoint directory sits beside the jobs: not one.
-        if is_job_dir(&p) && !is_savepoint_dir(&p) {
-            out.push(split(&p)?);
+        if !is_job_dir(&p) || is_savepoint_dir(&p) {
+            continue;
         }
+        // Nor is a directory whose name no job takes (weir refuses such a job id): passed
+        // over, with a note, as other entries that are no job's are. It failed `list`,
+        // `verify` and `clean` of the whole directory ("invalid job id", exit 1), so the
+        // real jobs beside it went unlisted, unverified and uncleaned.
+        let name = e.file_name();
+        if !name.to_str().is_some_and(weir_io::is_valid_name) {
+            eprintln!(
+                "weir: {}: skipped: not a job's directory, as its name is no job id ({})",
+                p.display(),
+                weir_io::VALID_NAME
+            );
+            continue;
+        }
+        out.push(split(&p)?);
     }
     out.sort();
     if out.is_empty() {
@@ -160,6 +174,20 @@ pub fn list(a: &ListArgs) -> Result<(), String> {
             stable,
         } = listing(&s).map_err(|e| e.to_string())?;
         let gone = marker.filter(|&done| stable && !kept_since(&infos, done));
+        // A `COMPLETED` that does not decode beside no metadata at all: a checkpoint
+        // completed and lost its metadata, which no row can show (the record names none). The
+        // listing is what it is; the note says what `verify` reports as corruption (exit 3).
+        // Before, `list` printed its header alone and said nothing.
+        if marker.is_none() {
+            if let Some(e) = settled(|| damaged_record_without_metadata(&s)) {
+                eprintln!(
+                    "weir: note: {job}: {e}: the record of the newest completed checkpoint \
+                     does not decode, and no checkpoint has a {}: one completed and its \
+                     metadata was removed since (`weir checkpoints verify` reports it)",
+                    weir_io::METADATA_FILE
+                );
+            }
+        }
         // Its whole directory removed, the checkpoint that completed is not listed by storage,
         // yet a restore stops at it as at one whose metadata is gone: shown all the same.
         if let Some(done) = gone.filter(|&done| infos.iter().all(|i| i.id != done)) {
@@ -321,9 +349,13 @@ pub fn verify(a: &VerifyArgs) -> Result<(), VerifyFailed> {
                 a.dir.display()
             )));
         }
+        if let Some(lacking) = corrupt.lacking.pop() {
+            return Err(VerifyFailed::Other(lacking));
+        }
         return Ok(());
     }
     let jobs = jobs(&a.dir).map_err(VerifyFailed::Other)?;
+    let several = jobs.len() > 1;
     let (mut checked, mut removed) = (0, 0);
     // Every corruption is reported, each on its own error line as it is found, and the exit
     // code is 3 if there was any: stopping at the first left the other checkpoints (and
@@ -352,13 +384,7 @@ pub fn verify(a: &VerifyArgs) -> Result<(), VerifyFailed> {
             if let Some(done) = completed_without_metadata(&s, None) {
                 corrupt.found(completed_metadata_gone(&s, &job, done))?;
             } else if let Some(e) = settled(|| damaged_record_without_metadata(&s)) {
-                corrupt.found(VerifyFailed::Corrupt(format!(
-                    "{job}: {e}: the record of the newest completed checkpoint does not \
-                     decode, and no checkpoint has a {}: one completed and its metadata was \
-                     removed since, so a restore stops rather than start from the beginning, \
-                     which could commit output twice",
-                    weir_io::METADATA_FILE
-                )))?;
+                corrupt.found(VerifyFailed::Corrupt(damaged_record_message(&job, &e)))?;
             }
         }
         // Every checkpoint listed may be dropped while it is verified: list again, so that a
@@ -373,14 +399,38 @@ pub fn verify(a: &VerifyArgs) -> Result<(), VerifyFailed> {
             }
         }
     }
+    // `--checkpoint N` that a job lacks: every job is still checked (it stopped at the first
+    // job without N, exit 1, and never verified the others' N). One job: its error alone, as
+    // before; several: each on its own error line, and a last one saying how many.
+    let lacking = match (several || corrupt.count > 0, corrupt.lacking.len()) {
+        (_, 0) => String::new(),
+        (false, _) => return Err(VerifyFailed::Other(corrupt.lacking.remove(0))),
+        (true, n) => {
+            for m in &corrupt.lacking {
+                eprintln!("error: {m}");
+            }
+            format!(
+                "; {n} {} checkpoint {} (named above)",
+                if n == 1 { "job lacks" } else { "jobs lack" },
+                a.checkpoint.unwrap_or_default()
+            )
+        }
+    };
     if corrupt.count > 0 {
         return Err(VerifyFailed::Corrupt(format!(
-            "{}: {} corrupt (each named above); {checked} verified",
+            "{}: {} corrupt (each named above); {checked} verified{lacking}",
             a.dir.display(),
             match corrupt.count {
                 1 => "1 checkpoint is".to_string(),
                 n => format!("{n} checkpoints are"),
             }
+        )));
+    }
+    if !lacking.is_empty() {
+        return Err(VerifyFailed::Other(format!(
+            "{}: not every job has checkpoint {}: {checked} verified{lacking}",
+            a.dir.display(),
+            a.checkpoint.unwrap_or_default()
         )));
     }
     if checked == 0 && removed > 0 {
@@ -475,6 +525,9 @@ struct Corrupt {
     /// (job, checkpoint) of those found by [`verify_listed`], which lists again when a
     /// checkpoint went while it was verified: each is reported once.
     ids: std::collections::BTreeSet<(String, u64)>,
+    /// Not corrupt, not verified either: the error of each job that lacks the checkpoint
+    /// `--checkpoint` names (or lost it while it was verified), reported by the caller.
+    lacking: Vec<String>,
 }
 
 impl Corrupt {
@@ -551,7 +604,7 @@ fn verify_listed(
             Err(e @ VerifyError::NotFound { .. }) if a.checkpoint.is_some() => {
                 match completed_without_metadata(s, Some(id)) {
                     Some(done) => corrupt.found(completed_metadata_gone(s, job, done))?,
-                    None => return Err(VerifyFailed::Other(format!("{job}: {e}"))),
+                    None => corrupt.lacking.push(format!("{job}: {e}")),
                 }
             }
             // A running job's retention may drop a checkpoint while it is verified (its
@@ -560,9 +613,10 @@ fn verify_listed(
             // metadata" reported as corrupt, exit 3.
             Err(e) if !still_there(s, id) => {
                 if a.checkpoint.is_some() {
-                    return Err(VerifyFailed::Other(format!(
+                    corrupt.lacking.push(format!(
                         "{job}: checkpoint {id} was removed while it was verified ({e})"
-                    )));
+                    ));
+                    continue;
                 }
                 eprintln!("weir: {job} checkpoint {id} was removed while it was verified; skipped");
                 skipped += 1;
@@ -708,6 +762,16 @@ fn damaged_record_without_metadata(s: &CheckpointStorage) -> Option<CheckpointEr
     let e = s.completed_record().err()?;
     let listed = s.list().ok()?;
     (!kept_since(&listed, 0)).then_some(e)
+}
+
+/// What [`damaged_record_without_metadata`] found, said of `job`.
+fn damaged_record_message(job: &str, e: &CheckpointError) -> String {
+    format!(
+        "{job}: {e}: the record of the newest completed checkpoint does not decode, and no \
+         checkpoint has a {}: one completed and its metadata was removed since, so a restore \
+         stops rather than start from the beginning, which could commit output twice",
+        weir_io::METADATA_FILE
+    )
 }
 
 /// Whether `listed` holds a checkpoint at least as new as `done` with a `_metadata`.
@@ -881,20 +945,47 @@ pub fn inspect(a: &InspectArgs) -> Result<(), VerifyFailed> {
 
 /// `weir checkpoints clean`: keep the newest complete checkpoints of each job and delete
 /// everything nothing kept refers to. Takes the job directory's lock, so it refuses to run
-/// beside the job.
-pub fn clean(a: &CleanArgs) -> Result<(), String> {
-    for (root, job) in jobs(&a.dir)? {
+/// beside the job. A job whose `RUN_ORIGIN` does not decode is left whole: retention keeps
+/// the checkpoint that record names (what a restore from `latest` continues before the run
+/// took a checkpoint of its own), and which one that is cannot be known; it is reported as
+/// `verify` reports it (an error line naming the file and offset), the other jobs are
+/// cleaned, and the exit code is 3. Before, such a job was cleaned as if it had no record,
+/// deleting the checkpoint `verify` said to restore by its path.
+pub fn clean(a: &CleanArgs) -> Result<(), VerifyFailed> {
+    let mut refused = Vec::new();
+    for (root, job) in jobs(&a.dir).map_err(VerifyFailed::Other)? {
         let job_dir = root.join(&job);
+        let failed =
+            |e: &dyn std::fmt::Display| VerifyFailed::Other(format!("{}: {e}", job_dir.display()));
         let options = weir_runtime::checkpoint::storage_options();
         let s = CheckpointStorage::open_with(Arc::new(StdFs), &root, &job, options)
-            .map_err(|e| format!("{}: {e}", job_dir.display()))?;
+            .map_err(|e| failed(&e))?;
+        // Read under the lock `open_with` took: no run records another meanwhile.
+        match s.run_origin() {
+            Ok(_) => {}
+            Err(e @ CheckpointError::Format(_)) => {
+                eprintln!(
+                    "error: {job}: {e}: the record of where the last run started does not \
+                     decode, so which checkpoint a restore from latest continues is unknown, \
+                     and retention could delete it: nothing of {} was cleaned (restore a \
+                     checkpoint or savepoint by its path, or remove the record, then clean)",
+                    job_dir.display()
+                );
+                refused.push(job);
+                continue;
+            }
+            Err(e) => {
+                return Err(failed(&format_args!(
+                    "the record of where the last run started cannot be read, so nothing of \
+                     the job was cleaned: {e}"
+                )))
+            }
+        }
         let keep = usize::try_from(a.keep).unwrap_or(usize::MAX);
-        let r = s
-            .retain(keep)
-            .map_err(|e| format!("{}: {e}", job_dir.display()))?;
+        let r = s.retain(keep).map_err(|e| failed(&e))?;
         let kept: Vec<u64> = s
             .list()
-            .map_err(|e| format!("{}: {e}", job_dir.display()))?
+            .map_err(|e| failed(&e))?
             .iter()
             .filter(|i| i.complete)
             .map(|i| i.id)
@@ -908,15 +999,30 @@ pub fn clean(a: &CleanArgs) -> Result<(), String> {
             r.deleted_files.len()
         );
     }
+    if !refused.is_empty() {
+        return Err(VerifyFailed::Corrupt(format!(
+            "{}: not cleaned, as its record of where the last run started is damaged (named \
+             above): {}",
+            a.dir.display(),
+            refused.join(", ")
+        )));
+    }
     Ok(())
 }
 
 /// Checkpoint `n` if given, else the job's newest complete one. A newer checkpoint whose
 /// metadata is corrupt is reported (exit 3) rather than passed over: it did complete (see
 /// `CheckpointInfo::metadata_corrupt`), so the newest complete one is not the job's latest.
+/// So is one that `COMPLETED` names whose metadata (or whole directory) is gone, and a
+/// `COMPLETED` that does not decode when no checkpoint has a metadata file: as `verify`
+/// reports them, and a restore stops at them. `inspect` and `savepoint` fell back to an
+/// older checkpoint (exit 0), or said there was none (exit 1).
 fn chosen(job: &str, s: &CheckpointStorage, n: Option<u64>) -> Result<u64, VerifyFailed> {
     if let Some(id) = n {
         return Ok(id);
+    }
+    if let Some(done) = completed_without_metadata(s, None) {
+        return Err(completed_metadata_gone(s, job, done));
     }
     // See `listing`: beside a running job a listing found no complete checkpoint.
     let found = listing(s)
@@ -934,9 +1040,12 @@ fn chosen(job: &str, s: &CheckpointStorage, n: Option<u64>) -> Result<u64, Verif
                 .as_deref()
                 .unwrap_or("its metadata does not verify")
         ))),
-        None => Err(VerifyFailed::Other(format!(
-            "{job}: no complete checkpoint"
-        ))),
+        None => match settled(|| damaged_record_without_metadata(s)) {
+            Some(e) => Err(VerifyFailed::Corrupt(damaged_record_message(job, &e))),
+            None => Err(VerifyFailed::Other(format!(
+                "{job}: no complete checkpoint"
+            ))),
+        },
     }
 }
 
@@ -960,9 +1069,32 @@ fn one_job(dir: &Path) -> Result<(String, CheckpointStorage), String> {
 /// directory, verified before its metadata is published. Reads only: it may run beside the
 /// job (if the job's retention deletes the checkpoint meanwhile, the copy fails; run it again).
 pub fn savepoint(a: &SavepointArgs) -> Result<(), VerifyFailed> {
+    // `--to` is made by the export, once it checked that the directory is not in the job's
+    // (and that the checkpoint verifies); made here first, a refused export left it behind,
+    // intermediate directories with it. What the export made of it goes again on a failure.
+    let made = missing_dirs(&weir_io::resolved_path(&a.to));
+    let r = export(a);
+    if r.is_err() {
+        for d in &made {
+            // Only if empty: never what another process put there meanwhile.
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+    r
+}
+
+/// The directories of `dir` (resolved: no `..` in it, which would name another directory
+/// once the one before it exists) and its ancestors that do not exist, deepest first.
+fn missing_dirs(dir: &Path) -> Vec<PathBuf> {
+    dir.ancestors()
+        .take_while(|d| !d.as_os_str().is_empty() && !d.exists())
+        .map(Path::to_path_buf)
+        .collect()
+}
+
+/// See [`savepoint`].
+fn export(a: &SavepointArgs) -> Result<(), VerifyFailed> {
     let (job, s) = one_job(&a.dir).map_err(VerifyFailed::Other)?;
-    std::fs::create_dir_all(&a.to)
-        .map_err(|e| VerifyFailed::Other(format!("{}: {e}", a.to.display())))?;
     // The newest checkpoint of a running job may be dropped by its retention while it is
     // copied (there is no pin across processes): copy the newest again (`SAVEPOINT_ROUNDS`), as
     // `verify` does. Before, such a run failed with "checkpoint N not found".

@@ -1,7 +1,8 @@
 //! `weir`: run jobs, and (with checkpointing) list, verify, inspect and clean checkpoints.
 //!
 //! Exit codes: 0 success, 1 a failure of the job or its input (one line on stderr naming what
-//! and where), 2 a usage error, 3 a checkpoint that failed `verify` (naming file and offset).
+//! and where), 2 a usage error, 3 a checkpoint that failed `verify` (naming file and offset),
+//! or a job `clean` left whole because its `RUN_ORIGIN` record does not decode.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -48,7 +49,8 @@ enum CheckpointsCommand {
     /// Show what a checkpoint or savepoint holds: its files and each shard's parts.
     Inspect(checkpoints::InspectArgs),
     /// Keep the newest complete checkpoints (--keep, default 1) and delete what nothing kept
-    /// uses; refuses while the job runs.
+    /// uses; refuses while the job runs, and leaves whole (exit 3) a job whose RUN_ORIGIN
+    /// does not decode.
     Clean(checkpoints::CleanArgs),
     /// Copy a complete checkpoint into a self-contained savepoint directory (for --restore
     /// PATH, on any number of shards); prints its path.
@@ -515,7 +517,7 @@ fn main() -> ExitCode {
         Command::Checkpoints(CheckpointsCommand::Inspect(a)) => {
             corrupt_is_3(checkpoints::inspect(&a))
         }
-        Command::Checkpoints(CheckpointsCommand::Clean(a)) => checkpoints::clean(&a),
+        Command::Checkpoints(CheckpointsCommand::Clean(a)) => corrupt_is_3(checkpoints::clean(&a)),
         Command::Checkpoints(CheckpointsCommand::Savepoint(a)) => {
             corrupt_is_3(checkpoints::savepoint(&a))
         }

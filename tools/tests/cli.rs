@@ -1543,7 +1543,12 @@ fn keeping_checkpoints(ck: &str) -> [&str; 6] {
 /// The keyed-sum job directory in `ck` and the ids of its checkpoints that have metadata,
 /// oldest first (at least three).
 fn kept_checkpoints(ck: &Path) -> (PathBuf, Vec<u64>) {
-    let job = ck.join("keyed-sum");
+    kept_checkpoints_of(ck, "keyed-sum")
+}
+
+/// [`kept_checkpoints`] of job `job`.
+fn kept_checkpoints_of(ck: &Path, job: &str) -> (PathBuf, Vec<u64>) {
+    let job = ck.join(job);
     let mut ids: Vec<u64> = std::fs::read_dir(&job)
         .expect("job dir")
         .flatten()
@@ -3687,4 +3692,304 @@ fn restore_latest_with_relative_directories() {
         parse_sums(&committed_lines(&dir.path().join("out"))),
         running_sums(&recs)
     );
+}
+
+/// Runs keyed-sum over `inputs` as job `job` in `inputs.ck`, keeping several checkpoints:
+/// the job's directory and the ids of its checkpoints with metadata, oldest first.
+fn job_keeping_checkpoints(inputs: &Inputs, job: &str) -> (PathBuf, Vec<u64>) {
+    let ck_s = inputs.ck.to_str().expect("utf8");
+    let out = inputs.dir.path().join(format!("out-{job}"));
+    let mut flags = keeping_checkpoints(ck_s).to_vec();
+    flags.extend(["--job-id", job]);
+    let r = keyed_sum(&inputs.input, "csv", &out, &flags);
+    assert!(r.status.success(), "{}", stderr(&r));
+    kept_checkpoints_of(&inputs.ck, job)
+}
+
+/// A refused `savepoint` leaves nothing behind: `--to` in the job's directory (spelt with a
+/// `..` past a directory that does not exist too) or of a checkpoint that is not there made
+/// `--to` and the directories above it before the export refused it, so a savepoint
+/// directory with nothing in it sat where retention deletes. One that succeeds makes `--to`.
+#[test]
+fn a_refused_savepoint_makes_no_directory() {
+    let inputs = Inputs::new(2_000, 20, "jsonl");
+    inputs.run_checkpointed();
+    let s = |p: &Path| p.to_str().expect("utf8").to_owned();
+    let (ck, job_dir) = (s(&inputs.ck), inputs.ck.join("keyed-sum"));
+    let x = inputs.ck.join("x");
+    for (to, made) in [
+        (job_dir.join("sp"), job_dir.join("sp")),
+        (job_dir.join("a/b"), job_dir.join("a")),
+        (x.join("../keyed-sum/sp2"), x.clone()),
+        (x.join("../keyed-sum/sp3"), job_dir.join("sp3")),
+    ] {
+        let r = weir(&["checkpoints", "savepoint", &ck, "--to", &s(&to)]);
+        assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+        assert!(
+            stderr(&r).contains("is in the job's checkpoint directory"),
+            "{}",
+            stderr(&r)
+        );
+        assert!(
+            !made.exists(),
+            "{} made for {}",
+            made.display(),
+            to.display()
+        );
+    }
+    let elsewhere = inputs.dir.path().join("new");
+    let r = weir(&[
+        "checkpoints",
+        "savepoint",
+        &ck,
+        "--checkpoint",
+        "999",
+        "--to",
+        &s(&elsewhere.join("deeper")),
+    ]);
+    assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
+    assert!(
+        !elsewhere.exists(),
+        "nothing made for a checkpoint not there"
+    );
+    let r = weir(&[
+        "checkpoints",
+        "savepoint",
+        &ck,
+        "--to",
+        &s(&elsewhere.join("deeper")),
+    ]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let sp = PathBuf::from(String::from_utf8_lossy(&r.stdout).trim());
+    assert!(sp.starts_with(elsewhere.join("deeper")) && sp.join("_metadata").is_file());
+}
+
+/// `clean` of a job whose `RUN_ORIGIN` does not decode deletes nothing of it: which checkpoint
+/// a restore from `latest` continues is unknown (`verify` says to restore one by its path),
+/// and retention keeps the one the record names. It exits 3 naming the file and the offset,
+/// and still cleans the other jobs. Before, it exited 0 and dropped all but the newest.
+#[test]
+fn clean_refuses_a_job_whose_run_origin_does_not_decode() {
+    let inputs = Inputs::new(200_000, 41, "csv");
+    let (a, a_ids) = job_keeping_checkpoints(&inputs, "a");
+    let (b, b_ids) = job_keeping_checkpoints(&inputs, "b");
+    let origin = a.join(weir_io::RUN_ORIGIN_FILE);
+    let mut bytes = std::fs::read(&origin).expect("the run recorded where it started");
+    let crc = bytes.iter().position(|&c| c == b'\n').expect("a line") - 1;
+    bytes[crc] ^= 0x01;
+    std::fs::write(&origin, &bytes).expect("write");
+    let sorted = |d: &Path| {
+        let mut v = files_under(d);
+        v.sort();
+        v
+    };
+    let before = sorted(&a);
+    let ck_s = inputs.ck.to_str().expect("utf8");
+    let r = weir(&["checkpoints", "clean", ck_s, "--keep", "1"]);
+    let e = stderr(&r);
+    assert_eq!(r.status.code(), Some(3), "{e}");
+    assert!(
+        e.contains(origin.to_str().expect("utf8")) && e.contains("offset"),
+        "{e}"
+    );
+    assert_eq!(sorted(&a), before, "nothing of the job deleted");
+    for id in &a_ids {
+        assert!(a.join(format!("chk-{id}/_metadata")).is_file(), "{id}");
+    }
+    let out = String::from_utf8_lossy(&r.stdout);
+    let newest = b_ids.last().expect("one");
+    assert!(
+        out.contains(&format!("b: kept [{newest}]")) && !out.contains("a: kept"),
+        "{out}"
+    );
+    assert!(!b.join(format!("chk-{}/_metadata", b_ids[0])).exists());
+}
+
+/// `inspect` and `savepoint` without `--checkpoint`, when the checkpoint `COMPLETED` names
+/// lost its `_metadata` (or its whole directory): corrupt (exit 3), as `verify` and a restore
+/// take it, and as a corrupt `_metadata` already was. Before, they fell back to the
+/// checkpoint before it, exit 0. An older checkpoint named by `--checkpoint` is still read.
+#[test]
+fn inspect_and_savepoint_stop_at_a_completed_checkpoint_that_lost_its_metadata() {
+    let inputs = Inputs::new(200_000, 41, "csv");
+    let (job, ids) = job_keeping_checkpoints(&inputs, "keyed-sum");
+    let newest = *ids.last().expect("one");
+    let chk = job.join(format!("chk-{newest}"));
+    let older = ids[ids.len() - 2].to_string();
+    let ck_s = inputs.ck.to_str().expect("utf8");
+    let sp = inputs.dir.path().join("sp");
+    let sp_s = sp.to_str().expect("utf8");
+    std::fs::remove_file(chk.join("_metadata")).expect("rm");
+    for removed in ["metadata", "directory"] {
+        if removed == "directory" {
+            std::fs::remove_dir_all(&chk).expect("rm");
+        }
+        for args in [
+            vec!["checkpoints", "inspect", ck_s],
+            vec!["checkpoints", "inspect", ck_s, "--json"],
+            vec!["checkpoints", "savepoint", ck_s, "--to", sp_s],
+        ] {
+            let r = weir(&args);
+            let e = stderr(&r);
+            assert_eq!(r.status.code(), Some(3), "{removed}: {args:?}: {e}");
+            assert!(
+                e.contains("COMPLETED") && e.contains(&format!("chk-{newest}/_metadata")),
+                "{removed}: {args:?}: {e}"
+            );
+            assert!(r.stdout.is_empty(), "{args:?}");
+        }
+        assert!(!sp.exists(), "no savepoint directory made");
+        let r = weir(&["checkpoints", "inspect", ck_s, "--checkpoint", &older]);
+        assert!(r.status.success(), "{}", stderr(&r));
+    }
+}
+
+/// A directory whose name is no job id (weir refuses such an id) beside a job is passed
+/// over, with a note naming it: it failed `list`, `verify` and `clean` of the whole directory
+/// ("invalid job id", exit 1), and the real job was never listed, verified or cleaned.
+#[test]
+fn a_directory_whose_name_is_no_job_id_is_skipped() {
+    let inputs = Inputs::new(2_000, 20, "jsonl");
+    inputs.run_checkpointed();
+    let odd = inputs.ck.join("jöb");
+    for d in ["shared", "taskowned"] {
+        std::fs::create_dir_all(odd.join(d)).expect("mkdir");
+    }
+    let ck_s = inputs.ck.to_str().expect("utf8");
+    for (cmd, says) in [
+        ("list", "keyed-sum"),
+        ("verify", "ok keyed-sum checkpoint"),
+        ("clean", "keyed-sum: kept ["),
+    ] {
+        let r = weir(&["checkpoints", cmd, ck_s]);
+        let e = stderr(&r);
+        assert!(r.status.success(), "{cmd}: {e}");
+        assert!(
+            String::from_utf8_lossy(&r.stdout).contains(says),
+            "{cmd}: {}",
+            String::from_utf8_lossy(&r.stdout)
+        );
+        assert!(
+            e.contains(odd.to_str().expect("utf8")) && e.contains("skipped"),
+            "{cmd}: {e}"
+        );
+        assert!(!e.contains("error"), "{cmd}: {e}");
+    }
+    assert!(!odd.join("LOCK").exists(), "clean left it alone");
+}
+
+/// `verify --checkpoint N` of a directory of jobs checks N in every job: a job without N is
+/// reported as such, the others' N are still verified, and the exit code says what failed
+/// (1 for a job lacking N, 3 if any N is corrupt). Before, it stopped at the first job
+/// lacking N (exit 1), and never verified the others'.
+#[test]
+fn verify_of_one_checkpoint_checks_every_job() {
+    let inputs = Inputs::new(200_000, 41, "csv");
+    let (a, a_ids) = job_keeping_checkpoints(&inputs, "a");
+    let (b, b_ids) = job_keeping_checkpoints(&inputs, "b");
+    // A checkpoint of `b` that `a` lacks (not `a`'s newest, whose loss would be corruption).
+    let newest_a = *a_ids.last().expect("one");
+    let n = *b_ids.iter().find(|&&n| n != newest_a).expect("an id");
+    let a_chk = a.join(format!("chk-{n}"));
+    if a_chk.exists() {
+        std::fs::remove_dir_all(&a_chk).expect("rm");
+    }
+    let ck_s = inputs.ck.to_str().expect("utf8");
+    let n_s = n.to_string();
+    let r = weir(&["checkpoints", "verify", ck_s, "--checkpoint", &n_s]);
+    let (e, o) = (stderr(&r), String::from_utf8_lossy(&r.stdout).to_string());
+    assert_eq!(r.status.code(), Some(1), "{e}");
+    assert!(o.contains(&format!("ok b checkpoint {n}:")), "{o}");
+    assert!(
+        e.contains(&format!("error: a: checkpoint {n} has no metadata")),
+        "{e}"
+    );
+    assert!(e.contains("1 job lacks"), "{e}");
+    // With `b`'s N corrupt as well: exit 3, naming both.
+    let meta = b.join(format!("chk-{n}")).join("_metadata");
+    let mut bytes = std::fs::read(&meta).expect("read");
+    bytes[40] ^= 0x10;
+    std::fs::write(&meta, bytes).expect("write");
+    let r = weir(&["checkpoints", "verify", ck_s, "--checkpoint", &n_s]);
+    let e = stderr(&r);
+    assert_eq!(r.status.code(), Some(3), "{e}");
+    assert!(e.contains(meta.to_str().expect("utf8")), "{e}");
+    assert!(
+        e.contains(&format!("error: a: checkpoint {n} has no metadata")),
+        "{e}"
+    );
+}
+
+/// `list` of a job whose `COMPLETED` record does not decode and whose checkpoints have no
+/// metadata left (what `verify` reports as corruption, exit 3): its table as before, and a
+/// note on stderr naming the record and the offset. Before, it printed its header alone and
+/// said nothing. It exits 0: `list` shows what is there, and judging it is `verify`'s.
+#[test]
+fn list_notes_a_damaged_completed_record_with_no_metadata_left() {
+    let inputs = Inputs::new(2_000, 20, "jsonl");
+    inputs.run_checkpointed();
+    let job = inputs.ck.join("keyed-sum");
+    let record = job.join("COMPLETED");
+    std::fs::write(&record, b"garbage\n").expect("write");
+    for e in std::fs::read_dir(&job).expect("job dir").flatten() {
+        let meta = e.path().join("_metadata");
+        if meta.exists() {
+            std::fs::remove_file(meta).expect("rm");
+        }
+    }
+    let ck_s = inputs.ck.to_str().expect("utf8");
+    let v = weir(&["checkpoints", "verify", ck_s]);
+    assert_eq!(v.status.code(), Some(3), "{}", stderr(&v));
+    let r = weir(&["checkpoints", "list", ck_s]);
+    let e = stderr(&r);
+    assert!(r.status.success(), "{e}");
+    assert!(
+        e.contains(record.to_str().expect("utf8")) && e.contains("offset"),
+        "{e}"
+    );
+    let out = String::from_utf8_lossy(&r.stdout);
+    assert!(out.starts_with("job "), "the table as before: {out}");
+    assert!(
+        out.lines().skip(1).all(|l| l.contains("incomplete")),
+        "{out}"
+    );
+    let r = weir(&["checkpoints", "list", ck_s, "--json"]);
+    assert!(r.status.success(), "{}", stderr(&r));
+    assert!(stderr(&r).contains(record.to_str().expect("utf8")));
+    for l in String::from_utf8_lossy(&r.stdout).lines() {
+        serde_json::from_str::<serde_json::Value>(l).expect("stdout is JSON lines only");
+    }
+}
+
+/// The `--checkpoint-config` file's durations are whole milliseconds, as the flags' are: a
+/// usage error (exit 2) naming the file, the key and its line. Before, `interval = "1us"`,
+/// `timeout = "1ns"` and `min-pause = "1ns"` were taken.
+#[test]
+fn a_checkpoint_config_file_takes_whole_milliseconds_only() {
+    let inputs = Inputs::new(100, 5, "csv");
+    let cfg = inputs.dir.path().join("ck.toml");
+    let cfg_s = cfg.to_str().expect("utf8");
+    let ck = inputs.ck.to_str().expect("utf8").to_owned();
+    for (key, value) in [
+        ("interval", "1us"),
+        ("timeout", "1ns"),
+        ("min-pause", "1ns"),
+    ] {
+        std::fs::write(&cfg, format!("dir = {ck:?}\n{key} = \"{value}\"\n")).expect("write");
+        let r = keyed_sum(
+            &inputs.input,
+            "csv",
+            &inputs.out,
+            &["--checkpoint-config", cfg_s],
+        );
+        let e = stderr(&r);
+        assert_eq!(r.status.code(), Some(2), "{key}: {e}");
+        assert!(
+            e.contains(cfg_s)
+                && e.contains(&format!("`{key}` at line 2"))
+                && e.contains("not a whole number of milliseconds"),
+            "{e}"
+        );
+        assert!(!inputs.ck.exists() && !inputs.out.exists(), "nothing ran");
+    }
 }
