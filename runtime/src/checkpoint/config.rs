@@ -298,9 +298,9 @@ impl CheckpointConfig {
     }
 
     /// Loads a configuration from TOML text, over the defaults. Durations are written as
-    /// `"1s"`, `"500ms"`, `"2m"`, at most [`MAX_DURATION`]; `interval`, `timeout`,
-    /// `min-pause` and `aligned-timeout` in whole milliseconds, as `weir run`'s flags take
-    /// them (`"1us"` is refused, naming the key and its line); the values must pass
+    /// `"1s"`, `"500ms"`, `"2m"`, at most [`MAX_DURATION`], in whole milliseconds as
+    /// `weir run`'s flags take them (`"1us"` is refused, naming the key and its line); the
+    /// values must pass
     /// [`Self::validate`]. `dir` is required; `job-id` defaults to `"job"`. An error names
     /// the key, and the line where the text has one.
     ///
@@ -345,18 +345,7 @@ impl CheckpointConfig {
             let Some(v) = v else { return Ok(None) };
             let line = at(v.span());
             lines.push((key, line));
-            let d = humantime::parse_duration(v.get_ref())
-                .map_err(|e| ConfigError::new(key, &format!("`{}`: {e}", v.get_ref())).at(line))?;
-            // As `weir run`'s flags take them (`--checkpoint-interval 1us` is refused): the
-            // file took `interval = "1us"`, `timeout = "1ns"` and `min-pause = "1ns"`.
-            if !d.subsec_nanos().is_multiple_of(1_000_000) {
-                return Err(ConfigError::new(
-                    key,
-                    &format!("`{}` is not a whole number of milliseconds", v.get_ref()),
-                )
-                .at(line));
-            }
-            Ok(Some(d))
+            whole_ms(key, v.get_ref(), line).map(Some)
         };
         if let Some(d) = dur("interval", raw.interval)? {
             self.interval = Some(d);
@@ -445,6 +434,23 @@ fn line_of(text: &str, offset: usize) -> usize {
 
 /// Checks one duration setting: not zero where `positive` (a zero interval would trigger
 /// without pause, a zero timeout abort every checkpoint), and not past [`MAX_DURATION`].
+/// A duration of the file (`"1s"`, `"500ms"`), in whole milliseconds as `weir run`'s flags
+/// take them (`--checkpoint-interval 1us` is refused): the file took `interval = "1us"`,
+/// `timeout = "1ns"`, `min-pause = "1ns"` and restart delays of microseconds. An error names
+/// `key` and `line`.
+fn whole_ms(key: &str, raw: &str, line: usize) -> Result<Duration, ConfigError> {
+    let d = humantime::parse_duration(raw)
+        .map_err(|e| ConfigError::new(key, &format!("`{raw}`: {e}")).at(line))?;
+    if !d.subsec_nanos().is_multiple_of(1_000_000) {
+        return Err(ConfigError::new(
+            key,
+            &format!("`{raw}` is not a whole number of milliseconds"),
+        )
+        .at(line));
+    }
+    Ok(d)
+}
+
 fn check_duration(key: &str, d: Duration, positive: bool) -> Result<(), ConfigError> {
     if positive && d.is_zero() {
         return Err(ConfigError::new(key, "must be more than 0"));
@@ -742,8 +748,7 @@ impl RawRestart {
             let Some(v) = v else { return Ok(default) };
             let line = at(v.span());
             lines.push((key, line));
-            humantime::parse_duration(v.get_ref())
-                .map_err(|e| ConfigError::new(key, &format!("`{}`: {e}", v.get_ref())).at(line))
+            whole_ms(key, v.get_ref(), line)
         };
         let count = |v: Option<Spanned<u32>>, default: u32| v.map_or(default, Spanned::into_inner);
         let strategy = match self.strategy.get_ref().as_str() {
@@ -1151,7 +1156,8 @@ mod tests {
     }
 
     /// The file's durations take what `weir run`'s flags take: whole milliseconds (it took
-    /// `interval = "1us"`, `timeout = "1ns"`, `min-pause = "1ns"`), refused by key and line.
+    /// `interval = "1us"`, `timeout = "1ns"`, `min-pause = "1ns"`, restart delays of
+    /// microseconds), refused by key and line.
     #[test]
     fn durations_in_toml_are_whole_milliseconds_as_the_flags_take() {
         for key in ["interval", "timeout", "min-pause", "aligned-timeout"] {
@@ -1169,6 +1175,29 @@ mod tests {
             }
             let text = format!("dir = \"/d\"\n{key} = \"1s 1ms\"\n");
             CheckpointConfig::from_toml(&text).expect(&text);
+        }
+        // The restart strategies' durations too (they took microseconds).
+        for (strategy, key) in [
+            ("fixed-delay", "delay"),
+            ("exponential-delay", "initial"),
+            ("exponential-delay", "max"),
+            ("exponential-delay", "reset-after"),
+            ("failure-rate", "interval"),
+            ("failure-rate", "delay"),
+        ] {
+            let text =
+                format!("dir = \"/d\"\n[restart]\nstrategy = \"{strategy}\"\n{key} = \"1500us\"\n");
+            let e = CheckpointConfig::from_toml(&text).expect_err(&text);
+            assert_eq!(
+                (e.key.clone(), e.line),
+                (format!("restart.{key}"), Some(4)),
+                "{text}: {e}"
+            );
+            assert!(
+                e.to_string()
+                    .contains("`1500us` is not a whole number of milliseconds"),
+                "{e}"
+            );
         }
         let c = CheckpointConfig::from_toml(
             "dir = \"/d\"\ninterval = \"1ms\"\ntimeout = \"1ms\"\nmin-pause = \"0ms\"\n",
